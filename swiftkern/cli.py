@@ -1,0 +1,144 @@
+"""``swiftkern generate | info``: the command line.
+
+Bad input exits with status 2 and one line on stderr (no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from .errors import SwiftkernError
+
+MODEL_HELP = "'smollm2' (the bundled SmolLM2-135M-Instruct), a local HF model folder, or a .gguf file"
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _float_in(lo: float, hi: float, lo_open: bool):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not ((lo < value if lo_open else lo <= value) and value <= hi):
+            raise argparse.ArgumentTypeError(f"must be in {'(' if lo_open else '['}{lo}, {hi}], got {value}")
+        return value
+    return parse
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad flag as one line (status 2), like every other input error."""
+
+    def error(self, message):
+        self.exit(2, f"swiftkern: error: {message} (see '{self.prog} --help')\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="swiftkern",
+        description="Lossless fast LLM decoding. 'generate' writes text with a LLaMA-family "
+                    "model; 'info' shows versions, device and kernel backends.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,info}")
+
+    gen = sub.add_parser("generate", help="generate text from prompts",
+                         description="Generate text for one prompt or a JSONL file of prompts. "
+                                     "Greedy by default; --temperature > 0 samples (seeded).")
+    gen.add_argument("--model", default="smollm2", help=f"model: {MODEL_HELP} (default: smollm2)")
+    src = gen.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="the prompt text")
+    src.add_argument("--prompt-file", help='a JSONL file, one {"prompt": "..."} per line; all are run as one batch')
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
+    gen.add_argument("--max-new-tokens", type=_positive_int, default=64, help="tokens to generate per prompt (default 64)")
+    gen.add_argument("--mode", default="ar", choices=["ar"], help="decoding mode (default ar: plain decoding)")
+    gen.add_argument("--temperature", type=_float_in(0.0, 100.0, False), default=0.0,
+                     help="0 = greedy (default); > 0 samples from softmax(logits / T)")
+    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens when sampling (0 = all)")
+    gen.add_argument("--top-p", type=_float_in(0.0, 1.0, True), default=1.0, help="nucleus sampling mass (default 1.0 = off)")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed; a token depends only on (seed, position)")
+    gen.add_argument("--json", action="store_true", help="one JSON object per prompt: prompt, tokens, text, stats")
+    gen.add_argument("--device", default=None, help="torch device (default cpu)")
+
+    sub.add_parser("info", help="versions, device, and which kernel backends are built and in use")
+    return parser
+
+
+def read_prompt_file(path: str) -> list[str]:
+    """Prompts from a JSONL file: one {"prompt": "..."} object per non-empty line."""
+    if not os.path.isfile(path):
+        raise SwiftkernError(f"prompt file {path!r} does not exist")
+    prompts = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SwiftkernError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+                raise SwiftkernError(f'{path}:{n}: expected an object like {{"prompt": "..."}}')
+            prompts.append(obj["prompt"])
+    if not prompts:
+        raise SwiftkernError(f"prompt file {path!r} has no prompts")
+    return prompts
+
+
+def cmd_generate(args) -> int:
+    prompts = [args.prompt] if args.prompt is not None else read_prompt_file(args.prompt_file)
+    for i, p in enumerate(prompts):
+        if not p.strip():
+            raise SwiftkernError(f"prompt {i} is empty")
+    if args.top_k < 0:
+        raise SwiftkernError(f"--top-k must be >= 0, got {args.top_k}")
+    from .generate import Generator
+    from .loading import load_model
+
+    model, tokenizer = load_model(args.model, device=args.device)
+    gen = Generator(model, tokenizer, mode=args.mode)
+    out = gen.generate(prompts, max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0,
+                       temperature=args.temperature or 1.0, top_k=args.top_k, top_p=args.top_p,
+                       seed=args.seed, chat=args.chat)
+    for i, prompt in enumerate(prompts):
+        stats = dict(out.stats, **out.request_stats[i])
+        if args.json:
+            print(json.dumps({"prompt": prompt, "tokens": out.tokens[i], "text": out.texts[i], "stats": stats}))
+        else:
+            print(f"### {prompt}\n{out.texts[i]}\n")
+    if not args.json:
+        s = out.stats
+        print(f"[{s['mode']}] {s['new_tokens']} new tokens for {s['batch']} prompt(s) | prefill "
+              f"{s['prefill_s'] * 1e3:.0f} ms | decode {s['decode_tokens_per_s']:.1f} tok/s | "
+              f"overall {s['tokens_per_s']:.1f} tok/s | {s['steps']} decode steps")
+    return 0
+
+
+def cmd_info(args) -> int:
+    from .info import collect_info
+
+    for key, value in collect_info().items():
+        print(f"{key}: {json.dumps(value) if isinstance(value, (dict, list)) else value}")
+    return 0
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return {"generate": cmd_generate, "info": cmd_info}[args.command](args)
+    except SwiftkernError as e:
+        print(f"swiftkern: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

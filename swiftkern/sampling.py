@@ -1,0 +1,101 @@
+"""Token selection: greedy, and seeded sampling keyed on (seed, absolute position).
+
+A draw at position p of a request with seed s uses a uniform that depends on (s, p, stream)
+alone, never on the batch or on how many draws came before. So a replay of the same position
+(after a rollback, in a verify pass, in another batch) draws the same token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import SwiftkernError
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def keyed_uniform(seed: int, position: int, stream: int = 0) -> float:
+    """A uniform in [0, 1) that is a pure function of (seed, position, stream)."""
+    h = _splitmix64(_splitmix64(_splitmix64(seed & _MASK64) ^ position) ^ stream)
+    return (h >> 40) / float(1 << 24)  # 24 bits: exactly representable in float32
+
+
+def keyed_uniforms(seeds: list[int], positions: list[int], stream: int = 0,
+                   device: torch.device | str = "cpu") -> torch.Tensor:
+    """float32 [B] uniforms for row b at absolute position positions[b]."""
+    vals = [keyed_uniform(s, p, stream) for s, p in zip(seeds, positions)]
+    return torch.tensor(vals, dtype=torch.float32, device=device)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick a token. do_sample=False is greedy (argmax); otherwise temperature,
+    then top-k, then top-p filtering (HF's order), then an inverse-CDF draw."""
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if self.do_sample and not self.temperature > 0:
+            raise SwiftkernError(f"temperature must be > 0 when sampling, got {self.temperature}")
+        if self.top_k < 0:
+            raise SwiftkernError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise SwiftkernError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, top-k and top-p as HF's warpers: removed entries become -inf.
+
+    logits: [N, V] -> float32 [N, V]
+    """
+    out = logits.to(torch.float32) / params.temperature
+    if params.top_k and params.top_k < out.shape[-1]:
+        kth = torch.topk(out, params.top_k, dim=-1).values[..., -1:]
+        out = out.masked_fill(out < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(out, dim=-1, descending=False)
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        remove_sorted = cum <= (1 - params.top_p)
+        remove_sorted[..., -1] = False  # always keep the most likely token
+        remove = remove_sorted.scatter(-1, order, remove_sorted)
+        out = out.masked_fill(remove, float("-inf"))
+    return out
+
+
+def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a token is drawn from: softmax(filter_logits). [N, V] -> float32 [N, V]"""
+    return filter_logits(logits, params).softmax(dim=-1)
+
+
+def sample_from_weights(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw: the smallest i with cumsum(w)[i] > u * sum(w).
+
+    weights: float [N, V] (non-negative, unnormalized allowed); u: float32 [N] in [0, 1)
+    -> int64 [N]
+    """
+    cdf = weights.to(torch.float32).cumsum(dim=-1)  # [N, V]
+    threshold = (u.to(torch.float32) * cdf[:, -1]).unsqueeze(-1)
+    idx = torch.searchsorted(cdf, threshold, right=True).squeeze(-1)
+    return idx.clamp_(max=weights.shape[-1] - 1)
+
+
+def select_tokens(logits: torch.Tensor, params: SamplingParams, seeds: list[int],
+                  positions: list[int]) -> torch.Tensor:
+    """The next token of each row. logits: [N, V]; positions: absolute position of the token
+    being chosen, per row. -> int64 [N]"""
+    if not params.do_sample:
+        return logits.argmax(dim=-1)
+    u = keyed_uniforms(seeds, positions, device=logits.device)
+    return sample_from_weights(probs_from_logits(logits, params), u)

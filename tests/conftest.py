@@ -1,0 +1,63 @@
+"""Shared fixtures: tiny random LLaMA-family models, and SmolLM2 for the slow real-text checks."""
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: loads the real SmolLM2 model (runs in CI, kept few)")
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
+    """A small random HF causal LM of the given family (float32, eval mode)."""
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+                              Qwen2Config, Qwen2ForCausalLM)
+
+    common = dict(num_hidden_layers=4, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=301, max_position_embeddings=512,
+                  pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    common.update(overrides)
+    torch.manual_seed(seed)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    elif arch == "mistral":
+        model = MistralForCausalLM(MistralConfig(sliding_window=None, **common))
+    else:
+        raise ValueError(arch)
+    # random init gives near-uniform logits; scale up so greedy choices are not near-ties
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(SkipModel, tokenizer) for the bundled SmolLM2-135M-Instruct, loaded once."""
+    import swiftkern
+
+    return swiftkern.load_model("smollm2")
+
+
+def hf_greedy(hf_model, prompt_ids, max_new_tokens, eos_token_id=None):
+    """HF generate, greedy, batch 1: the new token ids (EOS included if generated)."""
+    ids = torch.tensor([prompt_ids])
+    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, attention_mask=torch.ones_like(ids))
+    if eos_token_id is not None:
+        kwargs["eos_token_id"] = eos_token_id
+    pad = hf_model.generation_config.pad_token_id
+    kwargs["pad_token_id"] = 0 if pad is None else pad
+    with torch.no_grad():
+        out = hf_model.generate(ids, **kwargs)[0, len(prompt_ids):].tolist()
+    eos = hf_model.generation_config.eos_token_id if eos_token_id is None else eos_token_id
+    eos = {eos} if isinstance(eos, int) else set(eos or [])
+    for i, t in enumerate(out):  # HF pads finished rows; keep up to and including EOS
+        if t in eos:
+            return out[: i + 1]
+    return out

@@ -1,0 +1,123 @@
+"""Generator in mode ar against HF generate (tiny random models) and sampling statistics."""
+
+import pytest
+import torch
+
+from conftest import hf_greedy, tiny_model
+from swiftkern import Generator, SkipModel, SwiftkernError
+from swiftkern.sampling import SamplingParams, filter_logits, keyed_uniform, sample_from_weights
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [200]]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_greedy_matches_hf_batch_1_and_batched(arch):
+    hf = tiny_model(arch)
+    gen = Generator(hf)
+    refs = [hf_greedy(hf, p, 24, eos_token_id=[]) for p in PROMPTS]
+    for p, r in zip(PROMPTS, refs):
+        assert gen.generate([p], max_new_tokens=24, eos_token_id=[]).tokens[0] == r
+    assert gen.generate(PROMPTS, max_new_tokens=24, eos_token_id=[]).tokens == refs
+
+
+def test_eos_and_max_new_tokens_are_exact():
+    hf = tiny_model("llama")
+    gen = Generator(hf)
+    free = gen.generate(PROMPTS, max_new_tokens=30, eos_token_id=[]).tokens
+    # make a token the first row generates at step 3 the EOS: every row stops right after it
+    eos = free[0][3]
+    out = gen.generate(PROMPTS, max_new_tokens=30, eos_token_id=eos)
+    for row, full in zip(out.tokens, free):
+        cut = full.index(eos) + 1 if eos in full else len(full)
+        assert row == full[:cut]
+    assert out.tokens[0] == hf_greedy(hf, PROMPTS[0], 30, eos_token_id=eos)
+    assert [len(t) for t in gen.generate(PROMPTS, max_new_tokens=7, eos_token_id=[]).tokens] == [7] * 4
+
+
+def test_stats_are_consistent():
+    out = Generator(tiny_model("llama")).generate(PROMPTS, max_new_tokens=9, eos_token_id=[])
+    s = out.stats
+    assert s["new_tokens"] == 36 and s["batch"] == 4 and s["steps"] == 8
+    assert s["prompt_tokens"] == sum(map(len, PROMPTS)) and s["tokens_per_s"] > 0
+
+
+def test_sampling_is_seeded_and_batch_independent():
+    gen = Generator(tiny_model("llama"))
+    kw = dict(max_new_tokens=12, do_sample=True, temperature=1.3, top_k=50, top_p=0.9, eos_token_id=[])
+    alone = gen.generate([PROMPTS[1]], seed=7, **kw).tokens[0]
+    assert gen.generate([PROMPTS[1]], seed=7, **kw).tokens[0] == alone
+    batched = gen.generate([PROMPTS[0], PROMPTS[1], PROMPTS[2]], seed=[1, 7, 3], **kw).tokens
+    assert batched[1] == alone
+    assert gen.generate([PROMPTS[1]], seed=8, **kw).tokens[0] != alone
+
+
+def _expected_probs(logits, temperature, top_k, top_p):
+    """softmax(logits / T) restricted to top-k, then to the smallest top-p nucleus (closed form)."""
+    z = logits.double() / temperature
+    order = torch.argsort(z, descending=True)
+    keep = torch.zeros_like(z, dtype=torch.bool)
+    keep[order[:top_k] if top_k else order] = True
+    p = torch.where(keep, z, torch.tensor(float("-inf"), dtype=z.dtype)).softmax(-1)
+    mass, nucleus = 0.0, torch.zeros_like(keep)
+    for i in order.tolist():
+        if not keep[i] or mass >= top_p:
+            break
+        nucleus[i] = True
+        mass += float(p[i])
+    return torch.where(nucleus, p, torch.zeros_like(p)) / p[nucleus].sum()
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 10, 1.0), (1.5, 0, 0.8), (1.0, 20, 0.9)])
+def test_first_token_distribution(temperature, top_k, top_p):
+    """Chi-square of 4000 seeded first-token draws against the filtered softmax."""
+    hf = tiny_model("llama", vocab_size=64)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(0.05)  # a spread-out distribution over the 64 tokens
+    gen = Generator(hf)
+    prompt = [5, 9, 11]
+    model = SkipModel.from_hf(hf)
+    logits = model.forward(torch.tensor([prompt]), model.new_cache(1, 4))[0, -1]
+    expect = _expected_probs(logits, temperature, top_k, top_p)
+    n = 4000
+    out = gen.generate([prompt] * n, max_new_tokens=1, do_sample=True, temperature=temperature,
+                       top_k=top_k, top_p=top_p, seed=list(range(n)), eos_token_id=[])
+    counts = torch.bincount(torch.tensor([t[0] for t in out.tokens]), minlength=64).double()
+    assert counts[expect == 0].sum() == 0, "a filtered-out token was sampled"
+    support = expect > 0
+    exp_counts = expect[support] * n
+    chi2 = float(((counts[support] - exp_counts) ** 2 / exp_counts).sum())
+    dof = int(support.sum()) - 1
+    # p < 1e-4 threshold: dof + 4.5 * sqrt(2 dof) + 10 bounds the chi-square tail for these dofs
+    assert chi2 < dof + 4.5 * (2 * dof) ** 0.5 + 10, (chi2, dof)
+
+
+def test_inverse_cdf_draw_and_keyed_uniforms():
+    w = torch.tensor([[0.0, 1.0, 0.0, 3.0]])
+    assert sample_from_weights(w, torch.tensor([0.0])).item() == 1
+    assert sample_from_weights(w, torch.tensor([0.2499])).item() == 1
+    assert sample_from_weights(w, torch.tensor([0.25])).item() == 3
+    assert sample_from_weights(w, torch.tensor([0.9999])).item() == 3
+    us = [keyed_uniform(3, p) for p in range(2000)]
+    assert keyed_uniform(3, 17) == us[17] and all(0 <= u < 1 for u in us)
+    assert abs(sum(us) / len(us) - 0.5) < 0.03
+    logits = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    kept = filter_logits(logits, SamplingParams(True, 1.0, 2, 1.0))
+    assert torch.isinf(kept[0, :2]).all() and torch.isfinite(kept[0, 2:]).all()
+
+
+def test_bad_inputs_are_refused():
+    gen = Generator(tiny_model("llama"))
+    with pytest.raises(SwiftkernError, match="max_new_tokens"):
+        gen.generate([[1, 2]], max_new_tokens=0)
+    with pytest.raises(SwiftkernError, match="exceeds"):
+        gen.generate([[1] * 500], max_new_tokens=20)
+    with pytest.raises(SwiftkernError, match="outside"):
+        gen.generate([[1, 99999]])
+    with pytest.raises(SwiftkernError, match="tokenizer"):
+        gen.generate("hello")
+    with pytest.raises(SwiftkernError, match="temperature"):
+        gen.generate([[1]], do_sample=True, temperature=0.0)
+    with pytest.raises(SwiftkernError, match="top_p"):
+        gen.generate([[1]], do_sample=True, top_p=1.5)
+    with pytest.raises(SwiftkernError, match="unknown mode"):
+        Generator(tiny_model("llama"), mode="warp")

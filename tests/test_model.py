@@ -1,0 +1,100 @@
+"""SkipModel against HF transformers' own forward on tiny random models."""
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from swiftkern import LayerSet, SkipModel, SwiftkernError
+
+ARCHS = ["llama", "qwen2", "mistral"]
+
+
+def hf_logits(hf, ids):
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefill_matches_hf(arch):
+    hf = tiny_model(arch, attention_bias=arch == "qwen2") if arch != "qwen2" else tiny_model(arch)
+    model = SkipModel.from_hf(hf)
+    ids = [5, 17, 99, 3, 250, 7, 8]
+    cache = model.new_cache(1, 16)
+    ours = model.forward(torch.tensor([ids]), cache)[0]
+    torch.testing.assert_close(ours, hf_logits(hf, ids), rtol=1e-4, atol=1e-4)
+    assert cache.host_lengths == [7]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_rows_at_different_lengths_decode_and_verify(arch):
+    """Rows continue at their own positions; a T=3 chunk is causal within itself."""
+    hf = tiny_model(arch)
+    model = SkipModel.from_hf(hf)
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16]]
+    cache = model.new_cache(3, 16)
+    width = max(map(len, prompts))
+    padded = torch.tensor([p + [1] * (width - len(p)) for p in prompts])
+    model.forward(padded, cache)
+    cache.rollback([len(p) for p in prompts])
+    chunk = torch.tensor([[20, 21, 22], [23, 24, 25], [26, 27, 28]])
+    ours = model.forward(chunk, cache)  # [3, 3, V]
+    for b, p in enumerate(prompts):
+        ref = hf_logits(hf, p + chunk[b].tolist())[-3:]
+        torch.testing.assert_close(ours[b], ref, rtol=1e-4, atol=1e-4)
+    assert cache.host_lengths == [9, 5, 7]
+
+
+def test_logits_positions_selects_rows():
+    hf = tiny_model("llama")
+    model = SkipModel.from_hf(hf)
+    tokens = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    full = model.forward(tokens, model.new_cache(2, 8))
+    some = model.forward(tokens, model.new_cache(2, 8), logits_positions=torch.tensor([[3], [1]]))
+    torch.testing.assert_close(some[:, 0], torch.stack([full[0, 3], full[1, 1]]))
+
+
+def test_skipping_equals_zeroed_sublayers():
+    """A skipped attention/MLP leaves the residual unchanged: the same as HF with that
+    sub-layer's output projection zeroed (an independent reference)."""
+    hf = tiny_model("llama", num_hidden_layers=5)
+    model = SkipModel.from_hf(hf)
+    ls = LayerSet(5, skip_attn=(1, 3), skip_mlp=(2, 3))
+    ids = [4, 8, 15, 16, 23, 42]
+    ours = model.forward(torch.tensor([ids]), model.new_cache(1, 8), layer_set=ls)[0]
+    zeroed = tiny_model("llama", num_hidden_layers=5)
+    with torch.no_grad():
+        for i in ls.skip_attn:
+            zeroed.model.layers[i].self_attn.o_proj.weight.zero_()
+        for i in ls.skip_mlp:
+            zeroed.model.layers[i].mlp.down_proj.weight.zero_()
+    torch.testing.assert_close(ours, hf_logits(zeroed, ids), rtol=1e-4, atol=1e-4)
+
+
+def test_skipped_attention_writes_no_kv():
+    model = SkipModel.from_hf(tiny_model("llama"))
+    cache = model.new_cache(1, 8)
+    cache.k.fill_(float("nan"))
+    model.forward(torch.tensor([[3, 4, 5]]), cache, layer_set=LayerSet(4, skip_attn=(2,)))
+    assert torch.isnan(cache.k[2, :, :, :3]).all()
+    assert not torch.isnan(cache.k[1, :, :, :3]).any()
+
+
+def test_shares_weights_without_copies():
+    hf = tiny_model("llama")
+    model = SkipModel.from_hf(hf)
+    assert model.layers[0].q.data_ptr() == hf.model.layers[0].self_attn.q_proj.weight.data_ptr()
+    assert model.lm_head.data_ptr() == hf.lm_head.weight.data_ptr()
+
+
+def test_refuses_unsupported_models_and_bad_input():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with pytest.raises(SwiftkernError, match="LlamaForCausalLM"):
+        SkipModel.from_hf(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2)))
+    model = SkipModel.from_hf(tiny_model("llama"))
+    with pytest.raises(SwiftkernError, match="layer set is for"):
+        model.forward(torch.tensor([[1]]), model.new_cache(1, 4), layer_set=LayerSet(3))
+    with pytest.raises(SwiftkernError, match=r"\[B, T\]"):
+        model.forward(torch.tensor([[1], [2]]), model.new_cache(1, 4))
+    with pytest.raises(SwiftkernError, match="overflow"):
+        model.forward(torch.tensor([[1] * 5]), model.new_cache(1, 4))
