@@ -1,0 +1,49 @@
+"""CLI input errors exit 2 with one line on stderr, before any model is loaded."""
+
+import subprocess
+import sys
+
+import pytest
+
+from swiftkern import cli
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "swiftkern", *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["generate", "--prompt", "   "], "prompt 0 is empty"),
+    (["generate", "--prompt", "hi", "--model", "/no/such/model"], "unknown model"),
+    (["generate", "--prompt", "hi", "--max-new-tokens", "0"], "must be >= 1"),
+    (["generate", "--prompt", "hi", "--top-p", "2"], "must be in"),
+    (["generate"], "required"),
+])
+def test_bad_input_exits_2_with_one_line(args, msg):
+    r = run(*args)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and msg in lines[0] and "Traceback" not in r.stderr, r.stderr
+
+
+def test_malformed_jsonl(tmp_path, capsys):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "ok"}\n{"prompt": 3}\n')
+    assert cli.main(["generate", "--prompt-file", str(f)]) == 2
+    assert "p.jsonl:2" in capsys.readouterr().err
+    f.write_text('{"prompt": "ok"}\nnot json\n')
+    assert cli.main(["generate", "--prompt-file", str(f)]) == 2
+    assert cli.main(["generate", "--prompt-file", str(tmp_path / "missing.jsonl")]) == 2
+
+
+def test_help_explains_itself():
+    r = run("generate", "--help")
+    assert r.returncode == 0
+    for flag in ("--prompt-file", "--chat", "--max-new-tokens", "--temperature", "--json"):
+        assert flag in r.stdout
+
+
+def test_info_names_backends():
+    r = run("info")
+    assert r.returncode == 0, r.stderr
+    assert "torch:" in r.stdout and "greedy_accept" in r.stdout

@@ -1,0 +1,55 @@
+"""End-to-end on real text: SmolLM2-135M-Instruct, swiftkern ar vs HF generate, greedy."""
+
+import json
+
+import pytest
+
+from conftest import hf_greedy
+from swiftkern import Generator, cli
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Once upon a time, in a small village at the edge of a great forest, there lived",
+    "List three reasons why regular exercise is good for your health:\n1.",
+    "Translate to French: 'The weather is nice today, so we will go for a walk.'",
+]
+
+
+@pytest.fixture(scope="module")
+def references(smollm2):
+    model, tok = smollm2
+    ids = [tok(p)["input_ids"] for p in PROMPTS]
+    return ids, [hf_greedy(model.hf_model, p, 64) for p in ids]
+
+
+def test_batch_1_matches_hf_greedy(smollm2, references):
+    model, tok = smollm2
+    gen = Generator(model, tok)
+    for prompt, (ids, ref) in zip(PROMPTS, zip(*references)):
+        out = gen.generate(prompt, max_new_tokens=64)
+        assert out.prompt_tokens[0] == ids
+        assert out.tokens[0] == ref, prompt
+
+
+def test_batch_4_of_different_lengths_matches_hf_greedy(smollm2, references):
+    model, tok = smollm2
+    out = Generator(model, tok).generate(PROMPTS[1:], max_new_tokens=64)
+    assert out.tokens == references[1][1:]
+    assert len({len(p) for p in out.prompt_tokens}) == 4
+
+
+def test_cli_json_output(smollm2, references, monkeypatch, capsys, tmp_path):
+    import swiftkern.loading
+
+    monkeypatch.setattr(swiftkern.loading, "load_model", lambda *a, **k: smollm2)
+    f = tmp_path / "prompts.jsonl"
+    f.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS[:2]) + "\n")
+    assert cli.main(["generate", "--prompt-file", str(f), "--max-new-tokens", "64", "--json"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["prompt"] for line in lines] == PROMPTS[:2]
+    assert [line["tokens"] for line in lines] == references[1][:2]
+    assert lines[0]["text"] == smollm2[1].decode(references[1][0], skip_special_tokens=True)
+    assert lines[0]["stats"]["new_tokens"] == len(references[1][0])
