@@ -13,10 +13,12 @@ import torch
 
 from .errors import SwiftkernError
 from .kv_cache import KVCache
+from .layer_set import LayerSet
 from .model import SkipModel
 from .sampling import SamplingParams, select_tokens
+from .speculative import DraftPolicy, decode_self_spec
 
-MODES = ("ar",)
+MODES = ("ar", "self-spec")
 
 
 @dataclass
@@ -88,18 +90,35 @@ def decode_ar(model: SkipModel, cache: KVCache, first_logits: torch.Tensor, para
 class Generator:
     """Generates text with a LLaMA-family model.
 
-    ``Generator(model, tokenizer=None, mode="ar")``: ``model`` is a ``SkipModel`` or an HF
-    LLaMA/Mistral/Qwen2 causal LM (wrapped, weights shared); ``tokenizer`` is needed for
-    text prompts and for ``texts`` in the output. Modes: ``ar`` (plain decoding; greedy is
-    token-identical to HF ``generate``).
+    ``Generator(model, tokenizer=None, mode="ar", layer_set=None, k_max=25, eps=0.8,
+    adaptive_eps=False)``: ``model`` is a ``SkipModel`` or an HF LLaMA/Mistral/Qwen2 causal LM
+    (wrapped, weights shared); ``tokenizer`` is needed for text prompts and ``texts``.
+    Modes: ``ar`` (plain decoding; greedy is token-identical to HF ``generate``) and
+    ``self-spec`` (draft with ``layer_set`` skipped — a ``LayerSet`` or its string/JSON form —
+    up to ``k_max`` tokens while the draft's top-1 probability is >= ``eps``, verify in one full
+    pass; greedy output equals ``ar``, sampled output has the same distribution).
     """
 
-    def __init__(self, model, tokenizer=None, mode: str = "ar"):
+    def __init__(self, model, tokenizer=None, mode: str = "ar", layer_set=None, k_max: int = 25,
+                 eps: float = 0.8, adaptive_eps: bool = False):
         if mode not in MODES:
             raise SwiftkernError(f"unknown mode {mode!r}; available: {', '.join(MODES)}")
         self.model = model if isinstance(model, SkipModel) else SkipModel.from_hf(model)
         self.tokenizer = tokenizer
         self.mode = mode
+        if k_max < 1:
+            raise SwiftkernError(f"k_max must be >= 1, got {k_max}")
+        if not 0.0 <= eps <= 1.0:
+            raise SwiftkernError(f"eps must be in [0, 1], got {eps}")
+        if mode == "self-spec" and layer_set is None:
+            raise SwiftkernError("mode self-spec needs a layer set (e.g. 'attn:3,5|mlp:4' or 'none')")
+        if isinstance(layer_set, str):
+            layer_set = LayerSet.parse(layer_set, self.model.num_layers)
+        if layer_set is not None and layer_set.num_layers != self.model.num_layers:
+            raise SwiftkernError(f"layer set is for {layer_set.num_layers} layers, the model has "
+                                 f"{self.model.num_layers}")
+        self.layer_set = layer_set
+        self.k_max, self.eps, self.adaptive_eps = k_max, eps, adaptive_eps
 
     # --- inputs ------------------------------------------------------------------------
     def encode(self, prompts, chat: bool = False) -> list[list[int]]:
@@ -178,15 +197,24 @@ class Generator:
                 f"{limit} positions; shorten the prompt or lower --max-new-tokens")
         stop_ids = self._stop_ids(eos_token_id, stop_token_ids)
         device = self.model.device
-        cache = self.model.new_cache(len(ids), longest + max_new_tokens)
+        slack = self.k_max + 1 if self.mode == "self-spec" else 0  # a verify pass may overshoot by K+1
+        cache = self.model.new_cache(len(ids), longest + max_new_tokens + slack)
 
         _sync(device)
         t0 = time.perf_counter()
         first_logits = prefill(self.model, cache, ids)
         _sync(device)
         t1 = time.perf_counter()
-        tokens, steps = decode_ar(self.model, cache, first_logits, params, seeds, max_new_tokens,
-                                  stop_ids, self._stop_check(stop))
+        spec_stats = {}
+        if self.mode == "ar":
+            tokens, steps = decode_ar(self.model, cache, first_logits, params, seeds, max_new_tokens,
+                                      stop_ids, self._stop_check(stop))
+        else:
+            policy = DraftPolicy(k_max=self.k_max, eps=self.eps, adaptive=self.adaptive_eps)
+            tokens, spec_stats = decode_self_spec(
+                self.model, cache, first_logits, params, seeds, max_new_tokens, stop_ids, self.layer_set,
+                policy, self._stop_check(stop), lambda lg, pos: select_tokens(lg, params, seeds, pos))
+            steps = spec_stats["draft_steps"] + spec_stats["verify_steps"]
         _sync(device)
         t2 = time.perf_counter()
 
@@ -206,5 +234,10 @@ class Generator:
             "tokens_per_s": new / (t2 - t0),
             "decode_tokens_per_s": decoded / (t2 - t1) if t2 > t1 and decoded else 0.0,
         }
+        if self.mode == "self-spec":
+            verify = spec_stats["row_verifies"]
+            stats.update(spec_stats, layer_set=str(self.layer_set),
+                         mean_accepted=spec_stats["accepted"] / verify if verify else 0.0,
+                         acceptance_rate=spec_stats["accepted"] / spec_stats["drafted"] if spec_stats["drafted"] else 0.0)
         request_stats = [{"prompt_tokens": len(p), "new_tokens": len(t)} for p, t in zip(ids, tokens)]
         return GenerationOutput(tokens, texts, ids, stats, request_stats)

@@ -21,8 +21,10 @@ class KVCache:
         if batch < 1 or max_len < 1:
             raise SwiftkernError(f"KV cache needs batch >= 1 and max_len >= 1, got {batch}, {max_len}")
         shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
+        # zeros, not empty: attention reads (masked) positions past a short row's length, and a
+        # NaN there would survive the mask (0 * NaN); every later write is a finite model value
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
         self.host_lengths = [0] * batch
         self.lengths = torch.zeros(batch, dtype=torch.int64, device=device)  # [B]
@@ -56,3 +58,13 @@ class KVCache:
             raise SwiftkernError(f"rollback: row {b} to length {n} is outside [0, {o}]")
         self.host_lengths = new
         self.lengths = torch.tensor(new, dtype=torch.int64, device=self.lengths.device)
+
+    def select_rows(self, rows: list[int]) -> None:
+        """Keep only these rows, in this order (drops finished requests; copies the kept rows)."""
+        if not rows or any(not 0 <= r < self.batch for r in rows):
+            raise SwiftkernError(f"select_rows: rows {rows} must be a non-empty subset of [0, {self.batch})")
+        index = torch.tensor(rows, dtype=torch.int64, device=self.k.device)
+        self.k = self.k.index_select(1, index)
+        self.v = self.v.index_select(1, index)
+        self.host_lengths = [self.host_lengths[r] for r in rows]
+        self.lengths = self.lengths.index_select(0, index)

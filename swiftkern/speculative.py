@@ -1,0 +1,172 @@
+"""Self-speculative decoding: draft with a layer-skipped model, verify in one full pass.
+
+One step for every row of the batch at once:
+  draft   up to k_max tokens with the layer-skipped model, one forward per token, stopping a
+          row when the draft's top-1 probability falls below eps (confidence-aware, SWIFT);
+  verify  the pending token + the drafts, K+1 positions per row, in ONE full-model forward;
+  accept  greedy_accept (greedy) or rejection_sample (sampling) on the verify logits;
+  rollback cache lengths to what was accepted; the verify pass's KV is the cache of record.
+Words: the *pending* token of a row is its last committed token, whose KV is not yet written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from . import ops
+from .kv_cache import KVCache
+from .layer_set import LayerSet
+from .model import SkipModel
+from .sampling import SamplingParams, keyed_uniforms, probs_from_logits, sample_from_weights
+
+STREAM_TARGET, STREAM_DRAFT, STREAM_ACCEPT, STREAM_RESIDUAL = 0, 1, 2, 3
+
+
+@dataclass
+class DraftPolicy:
+    """When a row stops drafting: after k_max drafts, or when the draft's top-1 probability is
+    below eps. adaptive=True moves eps toward a target acceptance rate (Self-SD): after every
+    verify eps += step if the acceptance rate is below target, else -= step, smoothed with
+    momentum, clamped to [eps_min, eps_max]."""
+
+    k_max: int = 25
+    eps: float = 0.8
+    adaptive: bool = False
+    target_acceptance: float = 0.9
+    step: float = 0.01
+    momentum: float = 0.9
+    eps_min: float = 0.0
+    eps_max: float = 0.99
+    _velocity: float = field(default=0.0, repr=False)
+
+    def update(self, accepted: int, drafted: int) -> None:
+        if not self.adaptive or drafted == 0:
+            return
+        direction = self.step if accepted / drafted < self.target_acceptance else -self.step
+        self._velocity = self.momentum * self._velocity + (1 - self.momentum) * direction
+        self.eps = min(self.eps_max, max(self.eps_min, self.eps + self._velocity))
+
+
+def draft_tokens(model: SkipModel, cache: KVCache, pending: torch.Tensor, layer_set: LayerSet,
+                 policy: DraftPolicy, params: SamplingParams, seeds: list[int], budget: list[int]):
+    """Draft with the skipped model from each row's pending token. pending: int64 [B].
+
+    budget[b]: most drafts row b may use (0 = none). Rows draft together until every row has
+    stopped; the cache is advanced by the drafts (the caller rolls it back).
+    -> drafts int64 [B, K], draft_probs float32 [B, K, V] or None (greedy), num_draft [B] list,
+       number of draft forwards
+    """
+    B = cache.batch
+    drafts, probs = [], []
+    num_draft = [0] * B
+    active = [budget[b] > 0 for b in range(B)]
+    token, forwards = pending, 0
+    while any(active):
+        forwards += 1
+        positions = [n + 1 for n in cache.host_lengths]  # position of the token being drafted
+        logits = model.forward(token.unsqueeze(1), cache, layer_set=layer_set)[:, -1]  # [B, V]
+        q = probs_from_logits(logits, params) if params.do_sample else logits.float().softmax(-1)
+        if params.do_sample:
+            token = sample_from_weights(q, keyed_uniforms(seeds, positions, STREAM_DRAFT, q.device))
+            probs.append(q)
+        else:
+            token = logits.argmax(-1)
+        confidence = q.max(-1).values.tolist()  # the draft's top-1 probability
+        drafts.append(token)
+        for b in range(B):
+            if not active[b]:
+                continue
+            if confidence[b] < policy.eps:  # low confidence: this draft is not used
+                active[b] = False
+                continue
+            num_draft[b] += 1
+            if num_draft[b] >= budget[b]:
+                active[b] = False
+    K = max(num_draft)
+    drafts_t = torch.stack(drafts[:K], dim=1) if K else pending.new_zeros((B, 0))  # [B, K]
+    probs_t = torch.stack(probs[:K], dim=1) if (params.do_sample and K) else None  # [B, K, V]
+    if params.do_sample and K == 0:
+        probs_t = torch.zeros((B, 0, model.vocab_size), device=pending.device)
+    return drafts_t, probs_t, num_draft, forwards
+
+
+def verify_and_accept(model: SkipModel, cache: KVCache, pending: torch.Tensor, drafts: torch.Tensor,
+                      draft_probs, num_draft: list[int], params: SamplingParams, seeds: list[int]):
+    """One full-model forward over [pending, drafts] and the acceptance rule.
+
+    -> out_tokens int64 [B, K+1] (accepted drafts, then the corrected/bonus token, then -1),
+       num_accepted list[int]. The cache is advanced by K+1 (the caller rolls it back).
+    """
+    B, K = drafts.shape
+    start = list(cache.host_lengths)  # position of each row's pending token
+    logits = model.forward(torch.cat([pending.unsqueeze(1), drafts], dim=1), cache)  # [B, K+1, V]
+    nd = torch.tensor(num_draft, dtype=torch.int32, device=drafts.device)
+    if not params.do_sample:
+        out, acc = ops.greedy_accept(drafts, logits, nd)
+        return out, acc.tolist()
+    target = probs_from_logits(logits.reshape(B * (K + 1), -1), params).view(B, K + 1, -1)
+    u_accept = torch.stack([keyed_uniforms(seeds, [s + 1 + j for s in start], STREAM_ACCEPT, drafts.device)
+                            for j in range(K)], dim=1) if K else torch.zeros(B, 0)
+    u_sample = torch.stack([keyed_uniforms(seeds, [s + 1 + j for s in start], STREAM_RESIDUAL, drafts.device)
+                            for j in range(K + 1)], dim=1)
+    out, acc = ops.rejection_sample(drafts, draft_probs, target, nd, u_accept, u_sample)
+    return out, acc.tolist()
+
+
+def decode_self_spec(model: SkipModel, cache: KVCache, first_logits: torch.Tensor, params: SamplingParams,
+                     seeds: list[int], max_new_tokens: int, stop_ids: frozenset[int], layer_set: LayerSet,
+                     policy: DraftPolicy, stop_check=None, ar_select=None):
+    """The self-speculative loop. first_logits: [B, V] from prefill.
+
+    The cache needs room for max_new_tokens + policy.k_max + 1 positions past the longest
+    prompt (a verify pass writes K+1 positions for every row). Rows stop exactly at a stop
+    token, a stop string or max_new_tokens, even inside an accepted run; finished rows leave
+    the batch (their cache rows are dropped), so they cost no further work.
+    -> (new tokens per row, stats: draft_steps and verify_steps (batched forwards), row_verifies
+       (rows verified, summed over steps), drafted, accepted (draft tokens, summed over rows))
+    """
+    B = cache.batch
+    out: list[list[int]] = [[] for _ in range(B)]
+    done = [False] * B
+    stats = {"draft_steps": 0, "verify_steps": 0, "row_verifies": 0, "drafted": 0, "accepted": 0}
+
+    def commit(b: int, tokens: list[int]) -> None:
+        for t in tokens:
+            out[b].append(t)
+            if t in stop_ids or len(out[b]) >= max_new_tokens or (stop_check and stop_check(b, out[b])):
+                done[b] = True
+                return
+
+    pending = ar_select(first_logits, list(cache.host_lengths))  # [B]
+    for b, t in enumerate(pending.tolist()):
+        commit(b, [t])
+    alive = list(range(B))  # batch row i of the cache is request alive[i]
+    while True:
+        keep = [i for i, r in enumerate(alive) if not done[r]]
+        if not keep:
+            return out, stats
+        if len(keep) < len(alive):
+            cache.select_rows(keep)
+            pending = pending[keep]
+            alive = [alive[i] for i in keep]
+        row_seeds = [seeds[r] for r in alive]
+        base = list(cache.host_lengths)
+        budget = [min(policy.k_max, max_new_tokens - len(out[r])) for r in alive]
+        drafts, draft_probs, num_draft, forwards = draft_tokens(model, cache, pending, layer_set, policy,
+                                                                params, row_seeds, budget)
+        cache.rollback(base)
+        out_tokens, num_accepted = verify_and_accept(model, cache, pending, drafts, draft_probs, num_draft,
+                                                     params, row_seeds)
+        cache.rollback([n + 1 + a for n, a in zip(base, num_accepted)])
+        stats["draft_steps"] += forwards
+        stats["verify_steps"] += 1
+        stats["row_verifies"] += len(alive)
+        for i, row in enumerate(out_tokens.tolist()):
+            stats["drafted"] += num_draft[i]
+            stats["accepted"] += num_accepted[i]
+            policy.update(num_accepted[i], num_draft[i])
+            commit(alive[i], row[: num_accepted[i] + 1])
+        index = torch.tensor(num_accepted, device=out_tokens.device).unsqueeze(1)
+        pending = out_tokens.gather(1, index).squeeze(1)  # the corrected or bonus token

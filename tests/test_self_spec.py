@@ -1,0 +1,117 @@
+"""Self-speculative decoding: greedy == ar == HF greedy for any layer set; sampling keeps the
+distribution (chi-square against the exact two-token marginal)."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from conftest import hf_greedy, tiny_model
+from swiftkern import Generator, LayerSet, SkipModel, SwiftkernError, ops, reference
+if not hasattr(ops, "rejection_sample"):
+    ops.rejection_sample = reference.rejection_sample  # TEMP until ops registers it
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [200]]
+MODELS = {}
+
+
+def model(arch):
+    if arch not in MODELS:
+        hf = tiny_model(arch, num_hidden_layers=6)
+        MODELS[arch] = (hf, Generator(hf).generate(PROMPTS, max_new_tokens=24, eos_token_id=[]).tokens)
+    return MODELS[arch]
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(arch=st.sampled_from(["llama", "qwen2"]), bits=st.lists(st.booleans(), min_size=12, max_size=12),
+       k_max=st.integers(1, 8), eps=st.sampled_from([0.0, 0.05, 0.3, 0.8]), batched=st.booleans())
+def test_greedy_equals_ar_for_any_layer_set(arch, bits, k_max, eps, batched):
+    if all(bits):
+        bits[0] = False
+    hf, ar = model(arch)
+    gen = Generator(hf, mode="self-spec", layer_set=LayerSet.from_bits(bits), k_max=k_max, eps=eps)
+    if batched:
+        assert gen.generate(PROMPTS, max_new_tokens=24, eos_token_id=[]).tokens == ar
+    else:
+        assert gen.generate([PROMPTS[2]], max_new_tokens=24, eos_token_id=[]).tokens[0] == ar[2]
+
+
+def test_matches_hf_and_accepts_everything_with_the_empty_set():
+    hf, ar = model("llama")
+    assert ar[0] == hf_greedy(hf, PROMPTS[0], 24, eos_token_id=[])
+    out = Generator(hf, mode="self-spec", layer_set="none", k_max=6, eps=0.0).generate(
+        PROMPTS, max_new_tokens=24, eos_token_id=[])
+    assert out.tokens == ar
+    s = out.stats
+    assert s["accepted"] == s["drafted"] and s["acceptance_rate"] == 1.0  # the draft is the model
+    assert s["new_tokens"] == 4 * 24
+
+
+def test_eos_inside_an_accepted_run_and_max_new_tokens_are_exact():
+    hf, ar = model("llama")
+    eos = ar[0][5]
+    gen = Generator(hf, mode="self-spec", layer_set="none", k_max=8, eps=0.0)  # long accepted runs
+    out = gen.generate(PROMPTS, max_new_tokens=24, eos_token_id=eos)
+    for row, full in zip(out.tokens, ar):
+        assert row == (full[: full.index(eos) + 1] if eos in full else full)
+    for n in (1, 2, 7):
+        assert [len(t) for t in gen.generate(PROMPTS, max_new_tokens=n, eos_token_id=[]).tokens] == [n] * 4
+
+
+def test_stats_count_drafts_and_verifies():
+    hf, _ = model("llama")
+    s = Generator(hf, mode="self-spec", layer_set="attn:2|mlp:3", k_max=4, eps=0.0).generate(
+        [PROMPTS[0]], max_new_tokens=20, eos_token_id=[]).stats
+    assert 0 <= s["accepted"] <= s["drafted"] <= 4 * s["verify_steps"]
+    assert s["mean_accepted"] == pytest.approx(s["accepted"] / s["verify_steps"])
+    # every verify commits accepted + 1 tokens; the first token comes from prefill
+    assert s["new_tokens"] <= 1 + s["accepted"] + s["verify_steps"]
+
+
+def _two_token_marginal(sm, prompt, temperature):
+    """Exact P(second generated token) = sum_t1 p(t1) p(t2 | t1), at temperature T."""
+    first = sm.forward(torch.tensor([prompt]), sm.new_cache(1, 8))[0, -1].double() / temperature
+    p1 = first.softmax(-1)
+    V = p1.shape[0]
+    batch = torch.tensor([prompt + [t] for t in range(V)])
+    second = sm.forward(batch, sm.new_cache(V, 8))[:, -1].double() / temperature
+    return p1 @ second.softmax(-1)
+
+
+@pytest.mark.parametrize("layer_set", ["attn:1-3|mlp:2", "attn:1-4|mlp:0-5"])
+def test_sampling_keeps_the_distribution(layer_set):
+    hf = tiny_model("llama", num_hidden_layers=6, vocab_size=48)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(0.06)  # spread-out distributions: many accepts and rejects
+    sm = SkipModel.from_hf(hf)
+    prompt, T, n = [5, 9, 11], 1.0, 3000
+    expect = _two_token_marginal(sm, prompt, T)
+    gen = Generator(sm, mode="self-spec", layer_set=layer_set, k_max=3, eps=0.0)
+    out = gen.generate([prompt] * n, max_new_tokens=2, do_sample=True, temperature=T,
+                       seed=list(range(n)), eos_token_id=[])
+    assert out.stats["drafted"] > 0 and 0 < out.stats["accepted"] < out.stats["drafted"]
+    counts = torch.bincount(torch.tensor([t[1] for t in out.tokens]), minlength=48).double()
+    exp = expect * n
+    chi2 = float(((counts - exp) ** 2 / exp).sum())
+    dof = 47
+    assert chi2 < dof + 4.5 * (2 * dof) ** 0.5 + 10, chi2  # p < 1e-4 under the null
+
+
+def test_sampled_self_spec_is_seeded():
+    hf, _ = model("llama")
+    gen = Generator(hf, mode="self-spec", layer_set="attn:2", k_max=4, eps=0.0)
+    kw = dict(max_new_tokens=16, do_sample=True, temperature=0.9, top_p=0.95, eos_token_id=[])
+    a = gen.generate(PROMPTS, seed=[1, 2, 3, 4], **kw).tokens
+    assert gen.generate(PROMPTS, seed=[1, 2, 3, 4], **kw).tokens == a
+    assert gen.generate([PROMPTS[1]], seed=2, **kw).tokens[0] == a[1]
+
+
+def test_bad_configuration_is_refused():
+    hf, _ = model("llama")
+    with pytest.raises(SwiftkernError, match="needs a layer set"):
+        Generator(hf, mode="self-spec")
+    with pytest.raises(SwiftkernError, match="for 4 layers, the model has 6"):
+        Generator(hf, mode="self-spec", layer_set=LayerSet(4))
+    with pytest.raises(SwiftkernError, match="k_max"):
+        Generator(hf, mode="self-spec", layer_set="none", k_max=0)
+    with pytest.raises(SwiftkernError, match="outside"):
+        Generator(hf, mode="self-spec", layer_set="attn:9")
