@@ -169,22 +169,22 @@ class SkipModel:
         for i, w in enumerate(self.layers):
             if not skip_attn[i]:
                 x = ops.rms_norm(hidden, w.ln_attn, self.eps)
-                q = F.linear(x, w.q, w.q_bias).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
-                k = F.linear(x, w.k, w.k_bias).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-                v = F.linear(x, w.v, w.v_bias).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+                q = ops.linear(x, w.q, w.q_bias).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+                k = ops.linear(x, w.k, w.k_bias).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+                v = ops.linear(x, w.v, w.v_bias).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
                 q = ops.rope_kv_append(q, k, v, cos, sin, cache.k[i], cache.v[i], positions, uniform_start)
                 attn = ops.verify_attention(q, cache.k[i], cache.v[i], new_lengths, self.scale, max_len, mask)
                 attn = attn.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
-                hidden = hidden + F.linear(attn, w.o, w.o_bias)
+                hidden = hidden + ops.linear(attn, w.o, w.o_bias)
             if not skip_mlp[i]:
                 x = ops.rms_norm(hidden, w.ln_mlp, self.eps)
-                act = ops.silu_mul(F.linear(x, w.gate, w.gate_bias), F.linear(x, w.up, w.up_bias))
-                hidden = hidden + F.linear(act, w.down, w.down_bias)
+                act = ops.silu_mul(ops.linear(x, w.gate, w.gate_bias), ops.linear(x, w.up, w.up_bias))
+                hidden = hidden + ops.linear(act, w.down, w.down_bias)
         cache.advance(T)
         if logits_positions is not None:
             idx = logits_positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
             hidden = hidden.gather(1, idx)  # [B, P, H]
         hidden = ops.rms_norm(hidden, self.final_norm, self.eps)
-        return F.linear(hidden, self.lm_head, self.lm_head_bias)
+        return ops.linear(hidden, self.lm_head, self.lm_head_bias)
 
     __call__ = forward

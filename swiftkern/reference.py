@@ -32,6 +32,12 @@ def fused_add_rms_norm(
     return rms_norm(new_residual, weight, eps), new_residual
 
 
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias for a few rows (decode, verification). x: [..., K] (at most 16 rows
+    in all for the kernels); weight: [N, K]; bias: [N] or None -> [..., N]"""
+    return torch.nn.functional.linear(x, weight, bias)
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """SwiGLU activation: silu(gate) * up.  gate, up: [..., I] -> [..., I]"""
     return torch.nn.functional.silu(gate) * up
@@ -153,3 +159,61 @@ def greedy_accept(
     final = target.gather(1, num_accepted.unsqueeze(1))  # [B, 1]
     out.scatter_(1, num_accepted.unsqueeze(1), final)
     return out, num_accepted.to(torch.int32)
+
+
+def _inverse_cdf(weights: torch.Tensor, u: float) -> int:
+    """The smallest i with cumsum(w)[i] > u * sum(w). weights: [V] (non-negative)."""
+    cdf = weights.to(torch.float64).cumsum(0)
+    idx = int(torch.searchsorted(cdf, (u * cdf[-1]).unsqueeze(0), right=True))
+    return min(idx, weights.shape[0] - 1)
+
+
+def rejection_sample(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    num_draft: torch.Tensor,
+    u_accept: torch.Tensor,
+    u_sample: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling (Leviathan et al. / Chen et al.): the output follows target_probs.
+
+    draft_tokens: int64 [B, K]; draft_probs: float [B, K, V] or None (a deterministic draft:
+    q is one-hot at the drafted token); target_probs: float [B, K+1, V]; num_draft: int32 [B];
+    u_accept: float32 [B, K], u_sample: float32 [B, K+1], uniforms in [0, 1).
+    Draft j of row b is accepted while u_accept[b, j] * q(x) < p(x). At the first rejection j
+    the token is drawn from normalize(max(0, p_j - q_j)) with u_sample[b, j] (from p_j if that
+    residual is all zero, which only rounding can cause); after all num_draft[b] drafts the
+    bonus token is drawn from target_probs[b, num_draft[b]] with u_sample[b, num_draft[b]].
+    A draw from weights w is the smallest i with cumsum(w)[i] > u * sum(w).
+    Returns out_tokens int64 [B, K+1] (accepted drafts, the drawn token, then -1) and
+    num_accepted int32 [B].
+    """
+    B, K = draft_tokens.shape
+    out = torch.full((B, K + 1), -1, dtype=torch.int64, device=draft_tokens.device)
+    num_accepted = torch.zeros(B, dtype=torch.int32, device=draft_tokens.device)
+    for b in range(B):
+        n = int(num_draft[b])
+        j = 0
+        while j < n:
+            x = int(draft_tokens[b, j])
+            p = float(target_probs[b, j, x])
+            q = 1.0 if draft_probs is None else float(draft_probs[b, j, x])
+            if not float(u_accept[b, j]) * q < p:
+                break
+            out[b, j] = x
+            j += 1
+        num_accepted[b] = j
+        p_row = target_probs[b, j].to(torch.float64)
+        if j < n:  # rejected: draw from the residual
+            if draft_probs is None:
+                q_row = torch.zeros_like(p_row)
+                q_row[int(draft_tokens[b, j])] = 1.0
+            else:
+                q_row = draft_probs[b, j].to(torch.float64)
+            residual = (p_row - q_row).clamp_min(0.0)
+            weights = residual if float(residual.sum()) > 0 else p_row
+        else:
+            weights = p_row
+        out[b, j] = _inverse_cdf(weights, float(u_sample[b, j]))
+    return out, num_accepted

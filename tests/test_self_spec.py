@@ -6,9 +6,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import hf_greedy, tiny_model
-from swiftkern import Generator, LayerSet, SkipModel, SwiftkernError, ops, reference
-if not hasattr(ops, "rejection_sample"):
-    ops.rejection_sample = reference.rejection_sample  # TEMP until ops registers it
+from swiftkern import Generator, LayerSet, SkipModel, SwiftkernError
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [200]]
 MODELS = {}

@@ -1,0 +1,136 @@
+"""Build of swiftkern: metadata lives in pyproject.toml; this file picks the extension.
+
+Install with ``pip install --no-build-isolation -e .`` so the build sees the installed torch
+(torch is not a build or runtime requirement: install the build you want first). Paths:
+
+  (a) torch built with CUDA and nvcc / CUDA_HOME found -> CUDAExtension swiftkern._C from
+      csrc/*.cpp + csrc/*.cu, -DSWIFTKERN_WITH_CUDA; TORCH_CUDA_ARCH_LIST defaults to
+      "8.0;9.0a" when no GPU is visible;
+  (b) any other torch -> CppExtension swiftkern._C from csrc/*.cpp (CPU kernels, -O3, OpenMP);
+  (c) torch not importable -> pure Python (ops use swiftkern/reference.py).
+
+SWIFTKERN_BUILD_EXT=0 forces (c); =1 turns a failed extension build into an error (by default
+a failed build falls back to pure Python with a note). MAX_JOBS limits parallel compile jobs.
+The chosen path is printed to stderr (``pip install -v`` shows it).
+"""
+
+import glob
+import os
+import shutil
+import sys
+
+from setuptools import setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+KNOB = os.environ.get("SWIFTKERN_BUILD_EXT", "auto").strip().lower()
+if KNOB not in ("0", "1", "auto", ""):
+    sys.exit(f"swiftkern setup: SWIFTKERN_BUILD_EXT must be 0, 1 or auto, got {KNOB!r}")
+STRICT = KNOB == "1"
+
+
+def note(msg: str, loud: bool = False) -> None:
+    bar = "=" * 78
+    text = f"\n{bar}\nswiftkern setup: {msg}\n{bar}\n" if loud else f"swiftkern setup: {msg}\n"
+    sys.stderr.write(text)
+    sys.stderr.flush()
+
+
+def sources(*patterns: str) -> list[str]:
+    # relative paths: setuptools refuses absolute source paths in some modes
+    found = (p for pat in patterns for p in glob.glob(os.path.join(ROOT, "csrc", pat)))
+    return sorted(os.path.relpath(p, ROOT) for p in found)
+
+
+def host_flags() -> tuple[list[str], list[str]]:
+    """(compile, link) flags for the host compiler: -O3 and OpenMP where it is supported."""
+    if sys.platform == "win32":
+        return ["/O2", "/openmp"], []
+    # -fno-trapping-math lets the compiler if-convert (vectorize) the fp16 -> fp32 loads
+    if sys.platform == "darwin":  # Apple clang has no -fopenmp; the kernels then run serially
+        return ["-O3", "-fno-trapping-math", "-fopenmp-simd"], []
+    return ["-O3", "-fno-trapping-math", "-fopenmp"], ["-fopenmp"]
+
+
+def remove_stale_extension() -> None:
+    """An earlier in-place (editable) build must not shadow a pure-Python install."""
+    for path in glob.glob(os.path.join(ROOT, "swiftkern", "_C.*")):
+        if path.endswith((".so", ".pyd")):
+            os.remove(path)
+            note(f"removed the stale extension {os.path.relpath(path, ROOT)}")
+
+
+def make_extension():
+    """-> (list of extensions, cmdclass dict); prints which path was taken and why."""
+    if KNOB == "0":
+        note("path (c) pure Python: SWIFTKERN_BUILD_EXT=0, so no swiftkern._C is built "
+             "(ops use swiftkern/reference.py)", loud=True)
+        remove_stale_extension()
+        return [], {}
+    try:
+        import torch
+        from torch.utils import cpp_extension as ce
+    except ImportError as e:
+        hint = "install torch first, then `pip install --no-build-isolation -e .`"
+        if STRICT:
+            sys.exit(f"swiftkern setup: SWIFTKERN_BUILD_EXT=1 but torch is not importable ({e}); {hint}")
+        note(f"path (c) pure Python: torch is not importable ({e}), so no swiftkern._C is built and "
+             f"the ops use swiftkern/reference.py; to build the kernels {hint}", loud=True)
+        remove_stale_extension()
+        return [], {}
+
+    cflags, lflags = host_flags()
+    nvcc = shutil.which("nvcc")
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if torch.version.cuda and ce.CUDA_HOME:
+        if not torch.cuda.is_available() and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+            os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0a"
+        cflags = cflags + ["-DSWIFTKERN_WITH_CUDA"]
+        srcs = sources("*.cpp", "*.cu")
+        note(f"path (a) CUDAExtension: torch {torch.__version__} has CUDA {torch.version.cuda}, "
+             f"CUDA_HOME={ce.CUDA_HOME}, TORCH_CUDA_ARCH_LIST={os.environ.get('TORCH_CUDA_ARCH_LIST')}; "
+             f"sources: {', '.join(srcs)}")
+        flags = cflags + ['-DSWIFTKERN_CXX_FLAGS="' + " ".join(cflags) + '"']
+        ext = ce.CUDAExtension("swiftkern._C", srcs, extra_link_args=lflags,
+                               extra_compile_args={"cxx": flags, "nvcc": ["-O3", "-DSWIFTKERN_WITH_CUDA"]})
+    else:
+        if torch.version.cuda:
+            why = (f"torch {torch.__version__} has CUDA {torch.version.cuda} but no nvcc / CUDA_HOME "
+                   "was found, so CUDA kernels are not compiled")
+        elif nvcc or cuda_home:
+            why = (f"torch {torch.__version__} is a CPU-only build (torch.version.cuda is None), so "
+                   f"nvcc ({nvcc or cuda_home}) is not used")
+        else:
+            why = f"torch {torch.__version__} is a CPU-only build and there is no nvcc"
+        srcs = sources("*.cpp")
+        note(f"path (b) CppExtension (CPU kernels): {why}; sources: {', '.join(srcs)}")
+        flags = cflags + ['-DSWIFTKERN_CXX_FLAGS="' + " ".join(cflags) + '"']
+        ext = ce.CppExtension("swiftkern._C", srcs, extra_compile_args={"cxx": flags}, extra_link_args=lflags)
+
+    class OptionalBuildExt(ce.BuildExtension):
+        """torch's BuildExtension (ninja, MAX_JOBS) that falls back to pure Python on failure."""
+
+        def run(self):
+            try:
+                super().run()
+            except (Exception, SystemExit) as e:  # compiler errors arrive as several types
+                if STRICT:
+                    raise
+                note(f"building swiftkern._C FAILED ({type(e).__name__}: {e}); continuing as pure "
+                     "Python (ops use swiftkern/reference.py). Set SWIFTKERN_BUILD_EXT=1 to make "
+                     "this an error.", loud=True)
+                remove_stale_extension()
+
+        def get_outputs(self):  # editable installs must not expect a .so that was not built
+            return [p for p in super().get_outputs() if os.path.exists(p)]
+
+    return [ext], {"build_ext": OptionalBuildExt}
+
+
+ext_modules, cmdclass = make_extension()
+
+setup(
+    packages=["swiftkern", "swiftkern.integrations", "swiftkern.triton_kernels"],
+    package_dir={"swiftkern": "swiftkern", "swiftkern.triton_kernels": "triton_kernels"},
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+)
