@@ -1,10 +1,14 @@
-"""swiftkern `ar` vs HF `generate`, greedy, same prompts, tokens/s and their ratio in one run.
+"""swiftkern `ar` and `self-spec` vs HF `generate`, greedy, same prompts, one run.
 
     python bench/bench_generate.py [--model smollm2] [--max-new-tokens 128] [--repeats 3]
+                                   [--skip-ratios 0.2,0.3,0.4,0.5] [--layer-set SPEC]
 
-Runs the two providers interleaved (ABAB...) so drift on a noisy machine hits both alike,
-reports medians, checks that the tokens agree, and appends rows to
-bench/results/generate.csv with the machine, versions and commit.
+Runs the providers interleaved (A B C ... A B C) so drift on a noisy machine hits all alike,
+reports medians of tokens/s, the ratio to HF generate and to swiftkern ar, the mean accepted
+drafts per verify for self-spec, and whether the tokens equal HF's. Self-spec uses
+``LayerSet.random(L, ratio, seed=0)`` per skip ratio (no search: that is the layer-set search
+issue) and/or ``--layer-set``. Rows are appended to bench/results/generate.csv with the
+machine, versions and commit.
 """
 
 from __future__ import annotations
@@ -53,7 +57,19 @@ def hf_run(hf, ids, n):
 def ours_run(gen, ids, n):
     t = time.perf_counter()
     out = gen.generate([ids[0].tolist()], max_new_tokens=n, eos_token_id=[])
-    return out.tokens[0], time.perf_counter() - t
+    return out.tokens[0], time.perf_counter() - t, out.stats
+
+
+def providers(model, tok, args):
+    """name -> (Generator, layer set string or '')"""
+    out = {"ar": (swiftkern.Generator(model, tok), "")}
+    sets = [(f"self-spec r={r}", swiftkern.LayerSet.random(model.num_layers, float(r), seed=0))
+            for r in filter(None, args.skip_ratios.split(","))]
+    if args.layer_set:
+        sets.append(("self-spec", swiftkern.LayerSet.parse(args.layer_set, model.num_layers)))
+    for name, ls in sets:
+        out[name] = (swiftkern.Generator(model, tok, mode="self-spec", layer_set=ls, eps=args.eps), str(ls))
+    return out
 
 
 def main(argv=None):
@@ -61,37 +77,52 @@ def main(argv=None):
     ap.add_argument("--model", default="smollm2", help="smollm2, a local HF folder or a .gguf file")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per prompt and provider")
+    ap.add_argument("--skip-ratios", default="0.2,0.3,0.4,0.5", help="self-spec with random layer sets ('' for none)")
+    ap.add_argument("--layer-set", default=None, help="also run self-spec with this layer set")
+    ap.add_argument("--eps", type=float, default=0.8, help="self-spec draft confidence threshold")
     args = ap.parse_args(argv)
 
     model, tok = swiftkern.load_model(args.model)
-    gen = swiftkern.Generator(model, tok)
     hf = model.hf_model
-    hf.generation_config.eos_token_id = None  # fixed-length runs for both providers
+    hf.generation_config.eos_token_id = None  # fixed-length runs for every provider
+    gens = providers(model, tok, args)
     info = collect_info()
     device = info["device"]
+    n = args.max_new_tokens
     rows = []
     for prompt in PROMPTS:
         ids = torch.tensor([tok(prompt)["input_ids"]])
-        hf_tokens, _ = hf_run(hf, ids, 8)  # warm-up
-        ours_run(gen, ids, 8)
-        hf_t, ours_t = [], []
+        hf_run(hf, ids, 8)  # warm-up
+        for gen, _ in gens.values():
+            ours_run(gen, ids, 8)
+        times = {name: [] for name in ["hf", *gens]}
+        tokens, stats = {}, {}
         for _ in range(args.repeats):
-            hf_tokens, t = hf_run(hf, ids, args.max_new_tokens)
-            hf_t.append(t)
-            our_tokens, t = ours_run(gen, ids, args.max_new_tokens)
-            ours_t.append(t)
-        n = args.max_new_tokens
-        hf_tps, our_tps = n / statistics.median(hf_t), n / statistics.median(ours_t)
-        rows.append(dict(
-            date=datetime.datetime.now().isoformat(timespec="seconds"), commit=commit(), device=device,
-            machine=platform.machine(), torch=torch.__version__, transformers=info["transformers"],
-            model=args.model, prompt=prompt[:40], batch=1, new_tokens=n, repeats=args.repeats,
-            hf_tok_s=round(hf_tps, 2), swiftkern_ar_tok_s=round(our_tps, 2),
-            ratio=round(our_tps / hf_tps, 3), tokens_equal=our_tokens == hf_tokens))
-        print(f"{prompt[:40]:42s} HF {hf_tps:6.1f} tok/s | swiftkern ar {our_tps:6.1f} tok/s | "
-              f"x{our_tps / hf_tps:.2f} | tokens equal: {our_tokens == hf_tokens}", flush=True)
-    ratios = [r["ratio"] for r in rows]
-    print(f"device: {device}; median ratio swiftkern ar / HF generate: x{statistics.median(ratios):.2f}")
+            tokens["hf"], t = hf_run(hf, ids, n)
+            times["hf"].append(t)
+            for name, (gen, _) in gens.items():
+                tokens[name], t, stats[name] = ours_run(gen, ids, n)
+                times[name].append(t)
+        tps = {name: n / statistics.median(ts) for name, ts in times.items()}
+        for name in gens:
+            s = stats[name]
+            rows.append(dict(
+                date=datetime.datetime.now().isoformat(timespec="seconds"), commit=commit(), device=device,
+                machine=platform.machine(), torch=torch.__version__, transformers=info["transformers"],
+                model=args.model, prompt=prompt[:40], provider=name, layer_set=gens[name][1], batch=1,
+                new_tokens=n, repeats=args.repeats, hf_tok_s=round(tps["hf"], 2), tok_s=round(tps[name], 2),
+                ratio_vs_hf=round(tps[name] / tps["hf"], 3), ratio_vs_ar=round(tps[name] / tps["ar"], 3),
+                mean_accepted=round(s.get("mean_accepted", 0.0), 3), tokens_equal_hf=tokens[name] == tokens["hf"]))
+            r = rows[-1]
+            print(f"{prompt[:30]:32s} {name:16s} {r['tok_s']:6.1f} tok/s | x{r['ratio_vs_hf']:.2f} vs HF "
+                  f"({tps['hf']:.1f}) | x{r['ratio_vs_ar']:.2f} vs ar | accepted/verify {r['mean_accepted']:.2f} "
+                  f"| equal HF: {r['tokens_equal_hf']}", flush=True)
+    print(f"\ndevice: {device}; medians over prompts:")
+    for name in gens:
+        mine = [r for r in rows if r["provider"] == name]
+        med = lambda key: statistics.median(r[key] for r in mine)
+        print(f"  {name:16s} x{med('ratio_vs_hf'):.2f} vs HF generate, x{med('ratio_vs_ar'):.2f} vs ar, "
+              f"accepted/verify {med('mean_accepted'):.2f}, all equal HF: {all(r['tokens_equal_hf'] for r in mine)}")
     new_file = not os.path.exists(RESULTS)
     os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
     with open(RESULTS, "a", newline="") as f:

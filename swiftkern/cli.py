@@ -60,7 +60,16 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-file", help='a JSONL file, one {"prompt": "..."} per line; all are run as one batch')
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
     gen.add_argument("--max-new-tokens", type=_positive_int, default=64, help="tokens to generate per prompt (default 64)")
-    gen.add_argument("--mode", default="ar", choices=["ar"], help="decoding mode (default ar: plain decoding)")
+    gen.add_argument("--mode", default="ar", choices=["ar", "self-spec"],
+                     help="ar: plain decoding (default); self-spec: draft with --layer-set skipped, "
+                          "verify with the full model (same greedy output, same sampling distribution)")
+    gen.add_argument("--layer-set", default=None,
+                     help="self-spec: sub-layers the draft skips, 'attn:3,5-7|mlp:4,9', JSON, or 'none'")
+    gen.add_argument("--k-max", type=_positive_int, default=25, help="self-spec: most drafts per step (default 25)")
+    gen.add_argument("--eps", type=_float_in(0.0, 1.0, False), default=0.8,
+                     help="self-spec: stop drafting when the draft's top-1 probability is below this (default 0.8)")
+    gen.add_argument("--adaptive-eps", action="store_true",
+                     help="self-spec: move --eps toward a 0.9 acceptance rate as generation goes (Self-SD)")
     gen.add_argument("--temperature", type=_float_in(0.0, 100.0, False), default=0.0,
                      help="0 = greedy (default); > 0 samples from softmax(logits / T)")
     gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens when sampling (0 = all)")
@@ -104,8 +113,11 @@ def cmd_generate(args) -> int:
     from .generate import Generator
     from .loading import load_model
 
+    if args.mode == "self-spec" and args.layer_set is None:
+        raise SwiftkernError("--mode self-spec needs --layer-set (e.g. 'attn:10-14|mlp:12', or 'none')")
     model, tokenizer = load_model(args.model, device=args.device)
-    gen = Generator(model, tokenizer, mode=args.mode)
+    gen = Generator(model, tokenizer, mode=args.mode, layer_set=args.layer_set, k_max=args.k_max,
+                    eps=args.eps, adaptive_eps=args.adaptive_eps)
     out = gen.generate(prompts, max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0,
                        temperature=args.temperature or 1.0, top_k=args.top_k, top_p=args.top_p,
                        seed=args.seed, chat=args.chat)
@@ -120,6 +132,10 @@ def cmd_generate(args) -> int:
         print(f"[{s['mode']}] {s['new_tokens']} new tokens for {s['batch']} prompt(s) | prefill "
               f"{s['prefill_s'] * 1e3:.0f} ms | decode {s['decode_tokens_per_s']:.1f} tok/s | "
               f"overall {s['tokens_per_s']:.1f} tok/s | {s['steps']} decode steps")
+        if s["mode"] == "self-spec":
+            print(f"[self-spec] layer set {s['layer_set']} | {s['draft_steps']} draft + {s['verify_steps']} "
+                  f"verify forwards | {s['accepted']}/{s['drafted']} drafts accepted "
+                  f"({s['acceptance_rate']:.0%}) | mean accepted per verify {s['mean_accepted']:.2f}")
     return 0
 
 

@@ -47,3 +47,8 @@ def test_info_names_backends():
     r = run("info")
     assert r.returncode == 0, r.stderr
     assert "torch:" in r.stdout and "greedy_accept" in r.stdout
+
+
+def test_self_spec_needs_a_layer_set():
+    r = run("generate", "--prompt", "hi", "--mode", "self-spec")
+    assert r.returncode == 2 and "--layer-set" in r.stderr
