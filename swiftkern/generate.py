@@ -87,6 +87,12 @@ def decode_ar(model: SkipModel, cache: KVCache, first_logits: torch.Tensor, para
         steps += 1
 
 
+def acceptance_stats(counts: dict, verifies: int) -> dict:
+    """mean accepted drafts per verify, and accepted / drafted."""
+    return {"mean_accepted": counts["accepted"] / verifies if verifies else 0.0,
+            "acceptance_rate": counts["accepted"] / counts["drafted"] if counts["drafted"] else 0.0}
+
+
 class Generator:
     """Generates text with a LLaMA-family model.
 
@@ -223,6 +229,7 @@ class Generator:
             texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
         new = sum(len(t) for t in tokens)
         decoded = new - len(tokens)  # the first token of each row comes from prefill
+        request_stats = [{"prompt_tokens": len(p), "new_tokens": len(t)} for p, t in zip(ids, tokens)]
         stats = {
             "mode": self.mode,
             "batch": len(ids),
@@ -235,9 +242,8 @@ class Generator:
             "decode_tokens_per_s": decoded / (t2 - t1) if t2 > t1 and decoded else 0.0,
         }
         if self.mode == "self-spec":
-            verify = spec_stats["row_verifies"]
-            stats.update(spec_stats, layer_set=str(self.layer_set),
-                         mean_accepted=spec_stats["accepted"] / verify if verify else 0.0,
-                         acceptance_rate=spec_stats["accepted"] / spec_stats["drafted"] if spec_stats["drafted"] else 0.0)
-        request_stats = [{"prompt_tokens": len(p), "new_tokens": len(t)} for p, t in zip(ids, tokens)]
+            per_row = spec_stats.pop("per_row")
+            stats.update(spec_stats, layer_set=str(self.layer_set), **acceptance_stats(spec_stats, spec_stats["row_verifies"]))
+            for req, row in zip(request_stats, per_row):
+                req.update(row, **acceptance_stats(row, row["verifies"]))
         return GenerationOutput(tokens, texts, ids, stats, request_stats)

@@ -125,12 +125,15 @@ def decode_self_spec(model: SkipModel, cache: KVCache, first_logits: torch.Tenso
     token, a stop string or max_new_tokens, even inside an accepted run; finished rows leave
     the batch (their cache rows are dropped), so they cost no further work.
     -> (new tokens per row, stats: draft_steps and verify_steps (batched forwards), row_verifies
-       (rows verified, summed over steps), drafted, accepted (draft tokens, summed over rows))
+       (rows verified, summed over steps), drafted, accepted (draft tokens, summed over rows),
+       per_row: [{verifies, drafted, accepted}] per request)
     """
     B = cache.batch
     out: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
     stats = {"draft_steps": 0, "verify_steps": 0, "row_verifies": 0, "drafted": 0, "accepted": 0}
+    per_row = [{"verifies": 0, "drafted": 0, "accepted": 0} for _ in range(B)]
+    stats["per_row"] = per_row
 
     def commit(b: int, tokens: list[int]) -> None:
         for t in tokens:
@@ -166,6 +169,10 @@ def decode_self_spec(model: SkipModel, cache: KVCache, first_logits: torch.Tenso
         for i, row in enumerate(out_tokens.tolist()):
             stats["drafted"] += num_draft[i]
             stats["accepted"] += num_accepted[i]
+            mine = per_row[alive[i]]
+            mine["verifies"] += 1
+            mine["drafted"] += num_draft[i]
+            mine["accepted"] += num_accepted[i]
             policy.update(num_accepted[i], num_draft[i])
             commit(alive[i], row[: num_accepted[i] + 1])
         index = torch.tensor(num_accepted, device=out_tokens.device).unsqueeze(1)

@@ -113,3 +113,32 @@ def test_bad_configuration_is_refused():
         Generator(hf, mode="self-spec", layer_set="none", k_max=0)
     with pytest.raises(SwiftkernError, match="outside"):
         Generator(hf, mode="self-spec", layer_set="attn:9")
+
+
+def test_per_request_stats_add_up():
+    hf, _ = model("llama")
+    out = Generator(hf, mode="self-spec", layer_set="attn:2|mlp:3", k_max=4, eps=0.0).generate(
+        PROMPTS, max_new_tokens=12, eos_token_id=[])
+    for key in ("drafted", "accepted"):
+        assert sum(r[key] for r in out.request_stats) == out.stats[key]
+    assert sum(r["verifies"] for r in out.request_stats) == out.stats["row_verifies"]
+    for r in out.request_stats:
+        # 1 token from prefill, then accepted + 1 per verify (the last verify may be cut short)
+        assert r["new_tokens"] == 12 and r["new_tokens"] <= 1 + r["accepted"] + r["verifies"]
+        assert r["mean_accepted"] == r["accepted"] / r["verifies"]
+
+
+def test_adaptive_threshold_moves_toward_the_target_and_stays_lossless():
+    from swiftkern.speculative import DraftPolicy
+
+    policy = DraftPolicy(eps=0.5, adaptive=True, target_acceptance=0.9)
+    for _ in range(20):
+        policy.update(accepted=1, drafted=4)  # 25 % accepted: drafts are too bold, raise eps
+    assert policy.eps > 0.55
+    high = policy.eps
+    for _ in range(60):
+        policy.update(accepted=4, drafted=4)  # all accepted: lower eps, draft more
+    assert policy.eps < high
+    hf, ar = model("llama")
+    gen = Generator(hf, mode="self-spec", layer_set="attn:2|mlp:3", k_max=5, eps=0.2, adaptive_eps=True)
+    assert gen.generate(PROMPTS, max_new_tokens=24, eos_token_id=[]).tokens == ar
