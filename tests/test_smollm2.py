@@ -66,3 +66,12 @@ def test_self_spec_greedy_matches_hf_batch_1_and_4(smollm2, references, layer_se
     out = gen.generate(PROMPTS[1:], max_new_tokens=64)
     assert out.tokens == references[1][1:]
     assert out.stats["verify_steps"] > 0
+
+
+def test_chat_prompt_is_the_tokenizers_template(smollm2):
+    model, tok = smollm2
+    text = tok.apply_chat_template([{"role": "user", "content": "Why is the sky blue?"}], tokenize=False,
+                                   add_generation_prompt=True)
+    assert "Why is the sky blue?" in text and text != "Why is the sky blue?"
+    expect = tok(text, add_special_tokens=False)["input_ids"]
+    assert Generator(model, tok).encode("Why is the sky blue?", chat=True) == [expect]
