@@ -1,0 +1,1 @@
+"""Backends for other frameworks (HF transformers `generate` first); see the integration issue."""
