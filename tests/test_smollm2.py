@@ -75,3 +75,22 @@ def test_chat_prompt_is_the_tokenizers_template(smollm2):
     assert "Why is the sky blue?" in text and text != "Why is the sky blue?"
     expect = tok(text, add_special_tokens=False)["input_ids"]
     assert Generator(model, tok).encode("Why is the sky blue?", chat=True) == [expect]
+
+
+def test_load_model_from_a_local_folder(smollm2, tmp_path):
+    """A saved HF folder (tiny random Llama + the SmolLM2 tokenizer) loads with no network."""
+    import swiftkern
+    from conftest import tiny_model
+
+    hf = tiny_model("llama", vocab_size=49152)
+    hf.save_pretrained(tmp_path)
+    smollm2[1].save_pretrained(tmp_path)
+    model, tok = swiftkern.load_model(str(tmp_path))
+    ids = tok("The capital of France is")["input_ids"]
+    out = Generator(model, tok).generate("The capital of France is", max_new_tokens=12, eos_token_id=[])
+    assert out.tokens[0] == hf_greedy(hf, ids, 12, eos_token_id=[])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(swiftkern.SwiftkernError, match="no config.json"):
+        swiftkern.load_model(str(tmp_path / "empty"))
+    with pytest.raises(swiftkern.SwiftkernError, match="unknown model"):
+        swiftkern.load_model(str(tmp_path / "nothing-here"))
