@@ -24,10 +24,15 @@ $(STAMP): setup.py pyproject.toml Makefile $(wildcard csrc/*)
 	$(PIP) install -q --no-build-isolation --no-deps -e .
 	@touch $(STAMP)
 
+DEMO_PROMPT := Explain in three sentences why the sky is blue.
+# A hand-picked light layer set (7 of 60 sub-layers); the search that finds better ones is to come.
+DEMO_LAYER_SET := attn:9,13,17,21|mlp:11,15,19
+
 demo: setup
-	$(VENV)/bin/swiftkern generate --model smollm2 --chat --max-new-tokens 96 \
-	  --prompt "Explain in three sentences why the sky is blue."
 	$(VENV)/bin/swiftkern info
+	$(VENV)/bin/swiftkern generate --model smollm2 --chat --max-new-tokens 96 --prompt "$(DEMO_PROMPT)"
+	$(VENV)/bin/swiftkern generate --model smollm2 --chat --max-new-tokens 96 --prompt "$(DEMO_PROMPT)" \
+	  --mode self-spec --layer-set "$(DEMO_LAYER_SET)" --eps 0.6
 
 # pytest exits 5 when it collected no tests: that is a failure too.
 test: setup
