@@ -68,7 +68,8 @@ def providers(model, tok, args):
     if args.layer_set:
         sets.append(("self-spec", swiftkern.LayerSet.parse(args.layer_set, model.num_layers)))
     for name, ls in sets:
-        out[name] = (swiftkern.Generator(model, tok, mode="self-spec", layer_set=ls, eps=args.eps), str(ls))
+        out[name] = (swiftkern.Generator(model, tok, mode="self-spec", layer_set=ls, eps=args.eps, k_max=args.k_max,
+                                         adaptive_eps=args.adaptive_eps), str(ls))
     return out
 
 
@@ -80,6 +81,8 @@ def main(argv=None):
     ap.add_argument("--skip-ratios", default="0.2,0.3,0.4,0.5", help="self-spec with random layer sets ('' for none)")
     ap.add_argument("--layer-set", default=None, help="also run self-spec with this layer set")
     ap.add_argument("--eps", type=float, default=0.8, help="self-spec draft confidence threshold")
+    ap.add_argument("--k-max", type=int, default=25, help="self-spec: most drafts per step")
+    ap.add_argument("--adaptive-eps", action="store_true", help="self-spec: Self-SD's adaptive threshold")
     args = ap.parse_args(argv)
 
     model, tok = swiftkern.load_model(args.model)
@@ -112,6 +115,7 @@ def main(argv=None):
                 model=args.model, prompt=prompt[:40], provider=name, layer_set=gens[name][1], batch=1,
                 new_tokens=n, repeats=args.repeats, hf_tok_s=round(tps["hf"], 2), tok_s=round(tps[name], 2),
                 ratio_vs_hf=round(tps[name] / tps["hf"], 3), ratio_vs_ar=round(tps[name] / tps["ar"], 3),
+                eps=args.eps if name != "ar" else "", k_max=args.k_max if name != "ar" else "",
                 mean_accepted=round(s.get("mean_accepted", 0.0), 3), tokens_equal_hf=tokens[name] == tokens["hf"]))
             r = rows[-1]
             print(f"{prompt[:30]:32s} {name:16s} {r['tok_s']:6.1f} tok/s | x{r['ratio_vs_hf']:.2f} vs HF "
