@@ -23,6 +23,12 @@ std::tuple<at::Tensor, at::Tensor> greedy_accept_cpu(const at::Tensor& draft_tok
                                                      const at::Tensor& num_draft);
 at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
                              const std::optional<at::Tensor>& bias);
+std::tuple<at::Tensor, at::Tensor> rejection_sample_cpu(const at::Tensor& draft_tokens,
+                                                        const std::optional<at::Tensor>& draft_probs,
+                                                        const at::Tensor& target_probs,
+                                                        const at::Tensor& num_draft,
+                                                        const at::Tensor& u_accept,
+                                                        const at::Tensor& u_sample);
 #ifdef SWIFTKERN_WITH_CUDA
 // std::tuple<at::Tensor, at::Tensor> greedy_accept_cuda(...);  // csrc/greedy_accept.cu
 #endif
@@ -32,11 +38,14 @@ TORCH_LIBRARY(swiftkern, m) {
   m.set_python_module("swiftkern.ops");  // fake (meta) impls live there; torch imports it on demand
   m.def("greedy_accept(Tensor draft_tokens, Tensor target_logits, Tensor num_draft) -> (Tensor, Tensor)");
   m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("rejection_sample(Tensor draft_tokens, Tensor? draft_probs, Tensor target_probs, Tensor num_draft, "
+        "Tensor u_accept, Tensor u_sample) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(swiftkern, CPU, m) {
   m.impl("greedy_accept", &swiftkern::greedy_accept_cpu);
   m.impl("skinny_linear", &swiftkern::skinny_linear_cpu);
+  m.impl("rejection_sample", &swiftkern::rejection_sample_cpu);
 }
 
 #ifdef SWIFTKERN_WITH_CUDA

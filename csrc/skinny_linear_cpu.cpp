@@ -96,7 +96,8 @@ at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == weight.size(1),
               "skinny_linear: x [..., K] must match weight [N, K]: got ", x.sizes(), " and ", weight.sizes());
   const int64_t K = weight.size(1), N = weight.size(0);
-  const int64_t M = K ? x.numel() / K : 0;
+  int64_t M = 1;  // rows: every dimension of x but the last
+  for (int64_t d = 0; d + 1 < x.dim(); ++d) M *= x.size(d);
   TORCH_CHECK(M <= 16, "skinny_linear: at most 16 rows (use a matmul for more), got ", M);
   const float* b = nullptr;
   at::Tensor bias_c;
@@ -110,6 +111,9 @@ at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
   sizes.back() = N;
   at::Tensor y = at::empty(sizes, x.options());
   if (M == 0 || N == 0) return y;
+  if (K == 0) {  // an empty reduction: every dot product is 0
+    return b ? y.copy_(bias_c.expand_as(y)) : y.zero_();
+  }
   const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
   const float* xp = xc.data_ptr<float>();
   const float* wp = wc.data_ptr<float>();

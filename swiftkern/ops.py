@@ -32,11 +32,12 @@ apply_rope = reference.apply_rope
 rope_kv_append = reference.rope_kv_append
 attention_mask = reference.attention_mask
 verify_attention = reference.verify_attention
-rejection_sample = reference.rejection_sample
 
 _SCHEMAS = {
     "greedy_accept": "(Tensor draft_tokens, Tensor target_logits, Tensor num_draft) -> (Tensor, Tensor)",
     "skinny_linear": "(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
+    "rejection_sample": ("(Tensor draft_tokens, Tensor? draft_probs, Tensor target_probs, Tensor num_draft, "
+                         "Tensor u_accept, Tensor u_sample) -> (Tensor, Tensor)"),
 }
 _BACKENDS = ("auto", "reference", "cpp")
 _LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -95,10 +96,16 @@ def _skinny_linear_fake(x, weight, bias):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+def _rejection_sample_fake(draft_tokens, draft_probs, target_probs, num_draft, u_accept, u_sample):
+    B, K = draft_tokens.shape
+    return (draft_tokens.new_empty((B, K + 1), dtype=torch.int64),
+            num_draft.new_empty((B,), dtype=torch.int32))
+
+
 _OPS = {"greedy_accept": _register("greedy_accept", reference.greedy_accept, _greedy_accept_fake),
-        "skinny_linear": _register("skinny_linear", reference.skinny_linear, _skinny_linear_fake)}
-for _name in ("rms_norm", "fused_add_rms_norm", "silu_mul", "rope_kv_append", "verify_attention",
-              "rejection_sample"):
+        "skinny_linear": _register("skinny_linear", reference.skinny_linear, _skinny_linear_fake),
+        "rejection_sample": _register("rejection_sample", reference.rejection_sample, _rejection_sample_fake)}
+for _name in ("rms_norm", "fused_add_rms_norm", "silu_mul", "rope_kv_append", "verify_attention"):
     _OPS[_name] = {"cpu": "reference", "cuda": "reference"}
 
 
@@ -202,6 +209,112 @@ def greedy_accept(
     if _backend() == "reference":
         return reference.greedy_accept(draft_tokens, target_logits, num_draft)
     return torch.ops.swiftkern.greedy_accept(draft_tokens, target_logits, num_draft)
+
+
+def rejection_sample(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    num_draft: torch.Tensor,
+    u_accept: torch.Tensor,
+    u_sample: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling (Leviathan et al. / Chen et al.): emitted tokens follow target_probs.
+
+    Args:
+        draft_tokens: int64 [B, K]. Drafted tokens; row b uses only its first num_draft[b],
+            which must lie in [0, V).
+        draft_probs: float32 | bfloat16 | float16 [B, K, V], or None for a deterministic
+            (greedy) draft, whose q is one-hot at the drafted token.
+        target_probs: float32 | bfloat16 | float16 [B, K+1, V], V >= 1. The full model's
+            probabilities at the K+1 verified positions (position j follows draft j-1).
+        num_draft: int32 [B] (int64 is accepted and converted), each in [0, K].
+        u_accept: float32 [B, K]; u_sample: float32 [B, K+1]. Uniforms in [0, 1), the only
+            randomness, so every backend gives the same tokens for the same inputs.
+
+    Returns:
+        out_tokens: int64 [B, K+1]. Row b: its accepted drafts, then one drawn token, then -1.
+        num_accepted: int32 [B], in [0, num_draft[b]]; row b emits num_accepted[b] + 1 tokens.
+
+    Draft j of row b (token x) is accepted while every draft before it was, j < num_draft[b]
+    and u_accept[b, j] * q_j(x) < p_j(x) (compared in float64). At the first rejection j the
+    token is drawn from normalize(max(0, p_j - q_j)) with u_sample[b, j] (from p_j when that
+    residual is all zero, which only rounding can cause); after all drafts the bonus token is
+    drawn from p_{num_draft[b]} with u_sample[b, num_draft[b]]. A draw from weights w is the
+    smallest i with cumsum(w)[i] > u * sum(w) (float64 left-to-right sums; V-1 if none).
+    bfloat16/float16 probabilities are converted to float32 first. Inputs share one device,
+    except an empty u_accept (K = 0), which may be anywhere. Raises SwiftkernError on a bad
+    shape, dtype, device, num_draft or draft token value (value checks are skipped while
+    torch.compile traces). Runs ``torch.ops.swiftkern.rejection_sample`` (see
+    ``backend_info()``), or ``reference.rejection_sample`` with SWIFTKERN_BACKEND=reference.
+    """
+    def bad(msg):
+        return SwiftkernError(f"rejection_sample: {msg}")
+
+    tensors = {"draft_tokens": draft_tokens, "draft_probs": draft_probs, "target_probs": target_probs,
+               "num_draft": num_draft, "u_accept": u_accept, "u_sample": u_sample}
+    for arg, t in tensors.items():
+        if not isinstance(t, torch.Tensor) and not (arg == "draft_probs" and t is None):
+            raise bad(f"{arg} must be a torch.Tensor{' or None' if arg == 'draft_probs' else ''}, "
+                      f"got {type(t).__name__}")
+    if draft_probs is None:
+        del tensors["draft_probs"]
+    for arg, dims, shape in (("draft_tokens", 2, "[B, K]"), ("draft_probs", 3, "[B, K, V]"),
+                             ("target_probs", 3, "[B, K+1, V]"), ("num_draft", 1, "[B]"),
+                             ("u_accept", 2, "[B, K]"), ("u_sample", 2, "[B, K+1]")):
+        if arg in tensors and tensors[arg].dim() != dims:
+            raise bad(f"{arg} must be {dims}-D {shape}, got shape {tuple(tensors[arg].shape)}")
+    B, K = draft_tokens.shape
+    V = target_probs.shape[2]
+    want = {"draft_probs": (B, K, V), "target_probs": (B, K + 1, V), "num_draft": (B,), "u_accept": (B, K),
+            "u_sample": (B, K + 1)}
+    for arg, shape in want.items():
+        if arg in tensors and tuple(tensors[arg].shape) != shape:
+            raise bad(f"{arg} must have shape {list(shape)} for draft_tokens [B, K] = [{B}, {K}] and "
+                      f"target_probs [.., .., V = {V}], got {tuple(tensors[arg].shape)}")
+    if V == 0:
+        raise bad("target_probs has an empty vocabulary axis (V = 0)")
+    if u_accept.numel() == 0:  # K = 0: callers build it anywhere (e.g. torch.zeros(B, 0) on the CPU)
+        u_accept = u_accept.to(draft_tokens.device)
+        tensors["u_accept"] = u_accept
+    devices = {arg: t.device for arg, t in tensors.items()}
+    if len(set(devices.values())) > 1:
+        raise bad("all inputs must be on one device, got " + ", ".join(f"{a} on {d}" for a, d in devices.items()))
+    if draft_tokens.dtype != torch.int64:
+        raise bad(f"draft_tokens must be int64, got {draft_tokens.dtype}")
+    for arg in ("draft_probs", "target_probs"):
+        if arg in tensors and tensors[arg].dtype not in _LOGIT_DTYPES:
+            raise bad(f"{arg} must be float32, bfloat16 or float16, got {tensors[arg].dtype}")
+    for arg in ("u_accept", "u_sample"):
+        if tensors[arg].dtype != torch.float32:
+            raise bad(f"{arg} must be float32, got {tensors[arg].dtype}")
+    if num_draft.dtype not in (torch.int32, torch.int64):
+        raise bad(f"num_draft must be int32 (or int64), got {num_draft.dtype}")
+    if not torch.compiler.is_compiling() and B > 0:
+        lo, hi = (int(v) for v in torch.aminmax(num_draft))
+        if lo < 0 or hi > K:
+            raise bad(f"num_draft values must be in [0, K = {K}], got min {lo}, max {hi}")
+        if K > 0 and hi > 0:  # one cheap reduction; the mask only when some draft is out of range
+            lo, hi = (int(v) for v in torch.aminmax(draft_tokens))
+            if lo < 0 or hi >= V:
+                used = torch.arange(K, device=num_draft.device) < num_draft.unsqueeze(1)  # [B, K]
+                out_of_vocab = used & ((draft_tokens < 0) | (draft_tokens >= V))
+                if bool(out_of_vocab.any()):
+                    b, j = (int(i) for i in out_of_vocab.nonzero()[0])
+                    raise bad(f"draft_tokens[{b}, {j}] = {int(draft_tokens[b, j])} is outside the vocabulary "
+                              f"[0, V = {V})")
+    num_draft = num_draft.to(torch.int32)
+    target_probs = target_probs.to(torch.float32)
+    if target_probs.stride(-1) != 1:
+        target_probs = target_probs.contiguous()
+    if draft_probs is not None:
+        draft_probs = draft_probs.to(torch.float32)
+        if draft_probs.stride(-1) != 1:
+            draft_probs = draft_probs.contiguous()
+    args = (draft_tokens, draft_probs, target_probs, num_draft, u_accept, u_sample)
+    if _backend() == "reference":
+        return reference.rejection_sample(*args)
+    return torch.ops.swiftkern.rejection_sample(*args)
 
 
 SKINNY_MAX_ROWS = 16

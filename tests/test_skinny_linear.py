@@ -1,0 +1,115 @@
+"""skinny_linear: ops.linear and the raw op against a float64 reference, batch invariance,
+the > 16-row fallback, bad input and opcheck."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from swiftkern import ops, reference
+
+OP = torch.ops.swiftkern.skinny_linear
+KS = [1, 7, 31, 32, 33, 576, 1000]
+NS = [1, 5, 577, 1536]
+needs_cpp = pytest.mark.skipif(ops.backend_info()["ops"]["skinny_linear"]["cpu"] != "cpp",
+                               reason="the C++ skinny_linear kernel was not built")
+
+
+def make(lead, K, N, bias, seed):
+    """x float32 [*lead, K], weight [N, K], bias [N] or None."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, K, generator=g)
+    w = torch.randn(N, K, generator=g) / K ** 0.5
+    return x, w, torch.randn(N, generator=g) if bias else None
+
+
+def check_close(y, x, w, b):
+    """y [..., N] vs the float64 reference: exact shape, finite, error within float32 rounding
+    of the fixed-order dot (bounded by 1e-5 * sum |x_k w_k| + |b| per element)."""
+    ref = reference.skinny_linear(x.double(), w.double(), None if b is None else b.double())
+    assert y.dtype == torch.float32 and y.shape == ref.shape
+    assert torch.isfinite(y).all()
+    scale = x.double().abs() @ w.double().abs().T + (0 if b is None else b.double().abs())
+    err = (y.double() - ref).abs()
+    assert (err <= 1e-5 * scale + 1e-30).all(), float((err / scale.clamp_min(1e-30)).max())
+    if ref.norm() > 0:
+        assert float((y.double() - ref).norm() / ref.norm()) < 1e-5
+
+
+@st.composite
+def shapes(draw):
+    lead = draw(st.one_of(st.tuples(st.integers(1, 16)),
+                          st.integers(1, 4).flatmap(lambda B: st.tuples(st.just(B), st.integers(1, 16 // B)))))
+    return lead, draw(st.sampled_from(KS)), draw(st.sampled_from(NS)), draw(st.booleans()), draw(st.integers(0, 2**31 - 1))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(shapes())
+def test_matches_float64_reference(case):
+    lead, K, N, bias, seed = case
+    x, w, b = make(lead, K, N, bias, seed)
+    check_close(ops.linear(x, w, b), x, w, b)
+    check_close(OP(x, w, b), x, w, b)
+
+
+@pytest.mark.parametrize("K, N", [(33, 577), (576, 1536), (1000, 5)])
+def test_batch_invariance(K, N):
+    """A row's output is bitwise the same alone (M = 1), among 16 rows, or in a 3-D batch."""
+    x, w, b = make((16,), K, N, True, K + N)
+    y16 = ops.linear(x, w, b)
+    assert torch.equal(y16.view(2, 8, N), ops.linear(x.view(2, 8, K), w, b))
+    for i in range(16):
+        assert torch.equal(ops.linear(x[i:i + 1], w, b)[0], y16[i])
+        assert torch.equal(OP(x[i], w, b), y16[i])  # 1-D x: one row
+    assert torch.equal(ops.linear(x[3:10], w, b), y16[3:10])
+
+
+@pytest.mark.parametrize("lead", [(17,), (40,), (3, 7)])
+def test_more_than_16_rows_uses_matmul_and_matches(lead):
+    x, w, b = make(lead, 576, 577, True, 1)
+    check_close(ops.linear(x, w, b), x, w, b)
+    check_close(ops.linear(x, w, None), x, w, None)
+
+
+def test_empty_reduction_axis():
+    x, w, b = make((3,), 0, 5, True, 0)
+    assert torch.equal(ops.linear(x, w, b), b.expand(3, 5))
+    assert torch.equal(ops.linear(x, w, None), torch.zeros(3, 5))
+
+
+def test_zero_rows_and_strided_input():
+    x, w, b = make((0,), 33, 5, True, 0)
+    assert ops.linear(x, w, b).shape == (0, 5)
+    x, w, b = make((4,), 66, 577, True, 2)
+    xs, ws = x[:, ::2], w[:, :33]  # non-contiguous x [4, 33] and weight [577, 33]
+    check_close(ops.linear(xs, ws, b), xs, ws, b)
+    check_close(OP(xs, ws, None), xs, ws, None)
+
+
+@needs_cpp
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (lambda x, w, b: (x.double(), w.double(), b.double()), "must be float32"),
+        (lambda x, w, b: (x.bfloat16(), w.bfloat16(), b.bfloat16()), "must be float32"),
+        (lambda x, w, b: (x, w.double(), b), "must be float32"),
+        (lambda x, w, b: (x[:, :7], w, b), "must match weight"),
+        (lambda x, w, b: (x, w[None], b), r"weight must be \[N, K\]"),
+        (lambda x, w, b: (x.repeat(5, 1)[:17], w, b), "at most 16 rows"),
+        (lambda x, w, b: (x, w, b[:3]), "bias must be float32"),
+    ],
+)
+def test_bad_input_to_the_raw_op_raises(args, message):
+    x, w, b = make((4,), 31, 5, True, 0)
+    with pytest.raises(RuntimeError, match=message):
+        OP(*args(x, w, b))
+
+
+def test_bad_input_to_linear_raises():
+    x, w, b = make((4,), 31, 5, True, 0)
+    with pytest.raises(RuntimeError):
+        ops.linear(x[:, :7], w, b)
+
+
+@pytest.mark.parametrize("lead, K, N, bias", [((3,), 33, 577, True), ((2, 5), 7, 5, False), ((16,), 1, 1, True)])
+def test_opcheck(lead, K, N, bias):
+    torch.library.opcheck(OP, make(lead, K, N, bias, 0))
