@@ -5,6 +5,18 @@ from __future__ import annotations
 import platform
 
 
+def cpu_name() -> str:
+    """The CPU model from /proc/cpuinfo (Linux), else platform.processor()."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def collect_info() -> dict:
     import torch
 
@@ -15,7 +27,7 @@ def collect_info() -> dict:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda_available": torch.cuda.is_available(),
-        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu ({torch.get_num_threads()} threads)",
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu: {cpu_name()} ({torch.get_num_threads()} threads)",
     }
     for name in ("triton", "transformers"):
         try:
