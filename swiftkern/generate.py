@@ -15,6 +15,7 @@ from .errors import SwiftkernError
 from .kv_cache import KVCache
 from .layer_set import LayerSet
 from .model import SkipModel
+from .requests import Requests
 from .sampling import SamplingParams, select_tokens
 from .speculative import DraftPolicy, decode_self_spec
 
@@ -54,35 +55,22 @@ def prefill(model: SkipModel, cache: KVCache, prompts: list[list[int]]) -> torch
     return logits[:, 0]
 
 
-def is_stop(token: int, stop_ids: frozenset[int]) -> bool:
-    return token in stop_ids
-
-
 def decode_ar(model: SkipModel, cache: KVCache, first_logits: torch.Tensor, params: SamplingParams,
-              seeds: list[int], max_new_tokens: int, stop_ids: frozenset[int],
-              stop_check=None) -> tuple[list[list[int]], int]:
-    """Plain autoregressive decoding. first_logits: [B, V] from prefill.
+              seeds: list[int], requests: Requests) -> int:
+    """Plain autoregressive decoding into ``requests``. first_logits: [B, V] from prefill.
 
-    Row b stops after a stop token, after ``stop_check(b, tokens)`` says so, or at
-    ``max_new_tokens``; the loop ends when every row stopped. -> (new tokens per row, steps)
+    One token per unfinished row per step; finished rows leave the batch. -> decode steps
     """
-    B = cache.batch
-    out: list[list[int]] = [[] for _ in range(B)]
-    done = [False] * B
     logits, steps = first_logits, 0
     while True:
         positions = list(cache.host_lengths)  # absolute position of the token chosen now
-        next_tokens = select_tokens(logits, params, seeds, positions)  # [B]
-        host = next_tokens.tolist()
-        for b in range(B):
-            if done[b]:
-                continue
-            out[b].append(host[b])
-            if (is_stop(host[b], stop_ids) or len(out[b]) >= max_new_tokens
-                    or (stop_check is not None and stop_check(b, out[b]))):
-                done[b] = True
-        if all(done):
-            return out, steps
+        row_seeds = [seeds[r] for r in requests.alive]
+        next_tokens = select_tokens(logits, params, row_seeds, positions)  # [B]
+        for r, t in zip(requests.alive, next_tokens.tolist()):
+            requests.commit(r, [t])
+        next_tokens = requests.drop_finished(cache, next_tokens)
+        if next_tokens is None:
+            return steps
         logits = model.forward(next_tokens.unsqueeze(1), cache)[:, -1]  # [B, V]
         steps += 1
 
@@ -211,16 +199,16 @@ class Generator:
         first_logits = prefill(self.model, cache, ids)
         _sync(device)
         t1 = time.perf_counter()
+        requests = Requests(len(ids), max_new_tokens, stop_ids, self._stop_check(stop))
         spec_stats = {}
         if self.mode == "ar":
-            tokens, steps = decode_ar(self.model, cache, first_logits, params, seeds, max_new_tokens,
-                                      stop_ids, self._stop_check(stop))
+            steps = decode_ar(self.model, cache, first_logits, params, seeds, requests)
         else:
             policy = DraftPolicy(k_max=self.k_max, eps=self.eps, adaptive=self.adaptive_eps)
-            tokens, spec_stats = decode_self_spec(
-                self.model, cache, first_logits, params, seeds, max_new_tokens, stop_ids, self.layer_set,
-                policy, self._stop_check(stop), lambda lg, pos: select_tokens(lg, params, seeds, pos))
+            spec_stats = decode_self_spec(self.model, cache, first_logits, params, seeds, requests,
+                                          self.layer_set, policy)
             steps = spec_stats["draft_steps"] + spec_stats["verify_steps"]
+        tokens = requests.out
         _sync(device)
         t2 = time.perf_counter()
 

@@ -19,7 +19,8 @@ from . import ops
 from .kv_cache import KVCache
 from .layer_set import LayerSet
 from .model import SkipModel
-from .sampling import SamplingParams, keyed_uniforms, probs_from_logits, sample_from_weights
+from .requests import Requests
+from .sampling import SamplingParams, keyed_uniforms, probs_from_logits, sample_from_weights, select_tokens
 
 STREAM_TARGET, STREAM_DRAFT, STREAM_ACCEPT, STREAM_RESIDUAL = 0, 1, 2, 3
 
@@ -116,47 +117,29 @@ def verify_and_accept(model: SkipModel, cache: KVCache, pending: torch.Tensor, d
 
 
 def decode_self_spec(model: SkipModel, cache: KVCache, first_logits: torch.Tensor, params: SamplingParams,
-                     seeds: list[int], max_new_tokens: int, stop_ids: frozenset[int], layer_set: LayerSet,
-                     policy: DraftPolicy, stop_check=None, ar_select=None):
-    """The self-speculative loop. first_logits: [B, V] from prefill.
+                     seeds: list[int], requests: Requests, layer_set: LayerSet, policy: DraftPolicy) -> dict:
+    """The self-speculative loop into ``requests``. first_logits: [B, V] from prefill.
 
     The cache needs room for max_new_tokens + policy.k_max + 1 positions past the longest
-    prompt (a verify pass writes K+1 positions for every row). Rows stop exactly at a stop
-    token, a stop string or max_new_tokens, even inside an accepted run; finished rows leave
-    the batch (their cache rows are dropped), so they cost no further work.
-    -> (new tokens per row, stats: draft_steps and verify_steps (batched forwards), row_verifies
-       (rows verified, summed over steps), drafted, accepted (draft tokens, summed over rows),
-       per_row: [{verifies, drafted, accepted}] per request)
+    prompt (a verify pass writes K+1 positions for every row). Finished rows leave the batch.
+    -> stats: draft_steps and verify_steps (batched forwards), row_verifies (rows verified,
+       summed over steps), drafted, accepted (draft tokens, summed over rows),
+       per_row: [{verifies, drafted, accepted}] per request
     """
-    B = cache.batch
-    out: list[list[int]] = [[] for _ in range(B)]
-    done = [False] * B
     stats = {"draft_steps": 0, "verify_steps": 0, "row_verifies": 0, "drafted": 0, "accepted": 0}
-    per_row = [{"verifies": 0, "drafted": 0, "accepted": 0} for _ in range(B)]
+    per_row = [{"verifies": 0, "drafted": 0, "accepted": 0} for _ in requests.out]
     stats["per_row"] = per_row
-
-    def commit(b: int, tokens: list[int]) -> None:
-        for t in tokens:
-            out[b].append(t)
-            if t in stop_ids or len(out[b]) >= max_new_tokens or (stop_check and stop_check(b, out[b])):
-                done[b] = True
-                return
-
-    pending = ar_select(first_logits, list(cache.host_lengths))  # [B]
-    for b, t in enumerate(pending.tolist()):
-        commit(b, [t])
-    alive = list(range(B))  # batch row i of the cache is request alive[i]
+    pending = select_tokens(first_logits, params, seeds, list(cache.host_lengths))  # [B]
+    for r, t in enumerate(pending.tolist()):
+        requests.commit(r, [t])
     while True:
-        keep = [i for i, r in enumerate(alive) if not done[r]]
-        if not keep:
-            return out, stats
-        if len(keep) < len(alive):
-            cache.select_rows(keep)
-            pending = pending[keep]
-            alive = [alive[i] for i in keep]
+        pending = requests.drop_finished(cache, pending)
+        if pending is None:
+            return stats
+        alive = requests.alive
         row_seeds = [seeds[r] for r in alive]
         base = list(cache.host_lengths)
-        budget = [min(policy.k_max, max_new_tokens - len(out[r])) for r in alive]
+        budget = [min(policy.k_max, requests.remaining(r)) for r in alive]
         drafts, draft_probs, num_draft, forwards = draft_tokens(model, cache, pending, layer_set, policy,
                                                                 params, row_seeds, budget)
         cache.rollback(base)
@@ -167,13 +150,12 @@ def decode_self_spec(model: SkipModel, cache: KVCache, first_logits: torch.Tenso
         stats["verify_steps"] += 1
         stats["row_verifies"] += len(alive)
         for i, row in enumerate(out_tokens.tolist()):
-            stats["drafted"] += num_draft[i]
-            stats["accepted"] += num_accepted[i]
             mine = per_row[alive[i]]
+            for counts in (stats, mine):
+                counts["drafted"] += num_draft[i]
+                counts["accepted"] += num_accepted[i]
             mine["verifies"] += 1
-            mine["drafted"] += num_draft[i]
-            mine["accepted"] += num_accepted[i]
             policy.update(num_accepted[i], num_draft[i])
-            commit(alive[i], row[: num_accepted[i] + 1])
+            requests.commit(alive[i], row[: num_accepted[i] + 1])
         index = torch.tensor(num_accepted, device=out_tokens.device).unsqueeze(1)
         pending = out_tokens.gather(1, index).squeeze(1)  # the corrected or bonus token

@@ -1,0 +1,50 @@
+"""Per-request output, stop rules, and which requests are still in the batch."""
+
+from __future__ import annotations
+
+import torch
+
+from .kv_cache import KVCache
+
+
+class Requests:
+    """The new tokens of each request and when it stops.
+
+    A request stops right after a stop token, when ``stop_check(r, tokens)`` says so, or at
+    ``max_new_tokens``, even in the middle of a run of tokens committed at once. Batch row i of
+    the cache holds request ``alive[i]``; ``drop_finished`` removes finished rows so they cost
+    no further work.
+    """
+
+    def __init__(self, num: int, max_new_tokens: int, stop_ids: frozenset[int], stop_check=None):
+        self.out: list[list[int]] = [[] for _ in range(num)]
+        self.done = [False] * num
+        self.alive = list(range(num))
+        self.max_new_tokens = max_new_tokens
+        self.stop_ids = stop_ids
+        self.stop_check = stop_check
+
+    def commit(self, r: int, tokens: list[int]) -> None:
+        """Append tokens to request r up to (and including) the one that stops it."""
+        out = self.out[r]
+        for t in tokens:
+            out.append(t)
+            if t in self.stop_ids or len(out) >= self.max_new_tokens or (
+                    self.stop_check is not None and self.stop_check(r, out)):
+                self.done[r] = True
+                return
+
+    def remaining(self, r: int) -> int:
+        return self.max_new_tokens - len(self.out[r])
+
+    def drop_finished(self, cache: KVCache, rows: torch.Tensor) -> torch.Tensor | None:
+        """Keep only unfinished rows in the cache and in ``rows`` ([B, ...], indexed like the
+        cache). -> the kept part of ``rows``, or None when every request is done."""
+        keep = [i for i, r in enumerate(self.alive) if not self.done[r]]
+        if not keep:
+            return None
+        if len(keep) < len(self.alive):
+            cache.select_rows(keep)
+            rows = rows[keep]
+            self.alive = [self.alive[i] for i in keep]
+        return rows
