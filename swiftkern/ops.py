@@ -143,6 +143,17 @@ def backend_info() -> dict:
 info = backend_info
 
 
+def _check_num_draft(op: str, num_draft: torch.Tensor, K: int) -> int | None:
+    """Raise unless every num_draft is in [0, K]; -> max(num_draft), or None when not checked
+    (empty batch, or while torch.compile traces)."""
+    if torch.compiler.is_compiling() or num_draft.numel() == 0:
+        return None
+    lo, hi = (int(v) for v in torch.aminmax(num_draft))
+    if lo < 0 or hi > K:
+        raise SwiftkernError(f"{op}: num_draft values must be in [0, K = {K}], got min {lo}, max {hi}")
+    return hi
+
+
 def greedy_accept(
     draft_tokens: torch.Tensor, target_logits: torch.Tensor, num_draft: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -199,10 +210,7 @@ def greedy_accept(
                              f"{target_logits.dtype}")
     if num_draft.dtype not in (torch.int32, torch.int64):
         raise SwiftkernError(f"greedy_accept: num_draft must be int32 (or int64), got {num_draft.dtype}")
-    if not torch.compiler.is_compiling() and B > 0:
-        lo, hi = (int(v) for v in torch.aminmax(num_draft))
-        if lo < 0 or hi > K:
-            raise SwiftkernError(f"greedy_accept: num_draft values must be in [0, K = {K}], got min {lo}, max {hi}")
+    _check_num_draft("greedy_accept", num_draft, K)
     num_draft = num_draft.to(torch.int32)
     if target_logits.stride(-1) != 1:
         target_logits = target_logits.contiguous()
@@ -290,10 +298,8 @@ def rejection_sample(
             raise bad(f"{arg} must be float32, got {tensors[arg].dtype}")
     if num_draft.dtype not in (torch.int32, torch.int64):
         raise bad(f"num_draft must be int32 (or int64), got {num_draft.dtype}")
-    if not torch.compiler.is_compiling() and B > 0:
-        lo, hi = (int(v) for v in torch.aminmax(num_draft))
-        if lo < 0 or hi > K:
-            raise bad(f"num_draft values must be in [0, K = {K}], got min {lo}, max {hi}")
+    hi = _check_num_draft("rejection_sample", num_draft, K)
+    if hi is not None:
         if K > 0 and hi > 0:  # one cheap reduction; the mask only when some draft is out of range
             lo, hi = (int(v) for v in torch.aminmax(draft_tokens))
             if lo < 0 or hi >= V:
