@@ -1,7 +1,7 @@
 """swiftkern `ar` and `self-spec` vs HF `generate`, greedy, same prompts, one run.
 
     python bench/bench_generate.py [--model smollm2] [--max-new-tokens 128] [--repeats 3]
-                                   [--skip-ratios 0.2,0.3,0.4,0.5] [--layer-set SPEC]
+                                   [--skip-ratios 0.2,0.3,0.4,0.5] [--layer-set SPEC] [--lookup]
 
 Runs the providers interleaved (A B C ... A B C) so drift on a noisy machine hits all alike,
 reports medians of tokens/s, the ratio to HF generate and to swiftkern ar, the mean accepted
@@ -70,6 +70,8 @@ def providers(model, tok, args):
     for name, ls in sets:
         out[name] = (swiftkern.Generator(model, tok, mode="self-spec", layer_set=ls, eps=args.eps, k_max=args.k_max,
                                          adaptive_eps=args.adaptive_eps), str(ls))
+    if args.lookup:
+        out["lookup"] = (swiftkern.Generator(model, tok, mode="self-spec", drafter="lookup", k_max=args.k_max), "")
     return out
 
 
@@ -83,6 +85,7 @@ def main(argv=None):
     ap.add_argument("--eps", type=float, default=0.8, help="self-spec draft confidence threshold")
     ap.add_argument("--k-max", type=int, default=25, help="self-spec: most drafts per step")
     ap.add_argument("--adaptive-eps", action="store_true", help="self-spec: Self-SD's adaptive threshold")
+    ap.add_argument("--lookup", action="store_true", help="also run self-spec with the prompt-lookup drafter")
     args = ap.parse_args(argv)
 
     model, tok = swiftkern.load_model(args.model)
@@ -115,7 +118,7 @@ def main(argv=None):
                 model=args.model, prompt=prompt[:40], provider=name, layer_set=gens[name][1], batch=1,
                 new_tokens=n, repeats=args.repeats, hf_tok_s=round(tps["hf"], 2), tok_s=round(tps[name], 2),
                 ratio_vs_hf=round(tps[name] / tps["hf"], 3), ratio_vs_ar=round(tps[name] / tps["ar"], 3),
-                eps=args.eps if name != "ar" else "", k_max=args.k_max if name != "ar" else "",
+                eps=args.eps if name.startswith("self-spec") else "", k_max=args.k_max if name != "ar" else "",
                 mean_accepted=round(s.get("mean_accepted", 0.0), 3), tokens_equal_hf=tokens[name] == tokens["hf"]))
             r = rows[-1]
             print(f"{prompt[:30]:32s} {name:16s} {r['tok_s']:6.1f} tok/s | x{r['ratio_vs_hf']:.2f} vs HF "

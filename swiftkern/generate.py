@@ -20,6 +20,7 @@ from .sampling import SamplingParams, select_tokens
 from .speculative import DraftPolicy, decode_self_spec
 
 MODES = ("ar", "self-spec")
+DRAFTERS = ("layer-skip", "lookup")
 
 
 @dataclass
@@ -85,16 +86,19 @@ class Generator:
     """Generates text with a LLaMA-family model.
 
     ``Generator(model, tokenizer=None, mode="ar", layer_set=None, k_max=25, eps=0.8,
-    adaptive_eps=False)``: ``model`` is a ``SkipModel`` or an HF LLaMA/Mistral/Qwen2 causal LM
+    adaptive_eps=False, drafter="layer-skip")``: ``model`` is a ``SkipModel`` or an HF LLaMA/Mistral/Qwen2 causal LM
     (wrapped, weights shared); ``tokenizer`` is needed for text prompts and ``texts``.
     Modes: ``ar`` (plain decoding; greedy is token-identical to HF ``generate``) and
     ``self-spec`` (draft with ``layer_set`` skipped — a ``LayerSet`` or its string/JSON form —
     up to ``k_max`` tokens while the draft's top-1 probability is >= ``eps``, verify in one full
     pass; greedy output equals ``ar``, sampled output has the same distribution).
+    ``drafter="lookup"`` drafts by prompt lookup instead (the continuation of the latest earlier
+    match of the last 2-3 tokens in prompt + output; no model call, no layer set needed),
+    through the same verify, accept and rollback.
     """
 
     def __init__(self, model, tokenizer=None, mode: str = "ar", layer_set=None, k_max: int = 25,
-                 eps: float = 0.8, adaptive_eps: bool = False):
+                 eps: float = 0.8, adaptive_eps: bool = False, drafter: str = "layer-skip"):
         if mode not in MODES:
             raise SwiftkernError(f"unknown mode {mode!r}; available: {', '.join(MODES)}")
         self.model = model if isinstance(model, SkipModel) else SkipModel.from_hf(model)
@@ -104,7 +108,10 @@ class Generator:
             raise SwiftkernError(f"k_max must be >= 1, got {k_max}")
         if not 0.0 <= eps <= 1.0:
             raise SwiftkernError(f"eps must be in [0, 1], got {eps}")
-        if mode == "self-spec" and layer_set is None:
+        if drafter not in DRAFTERS:
+            raise SwiftkernError(f"unknown drafter {drafter!r}; available: {', '.join(DRAFTERS)}")
+        self.drafter = drafter
+        if mode == "self-spec" and drafter == "layer-skip" and layer_set is None:
             raise SwiftkernError("mode self-spec needs a layer set (e.g. 'attn:3,5|mlp:4' or 'none')")
         if isinstance(layer_set, str):
             layer_set = LayerSet.parse(layer_set, self.model.num_layers)
@@ -206,7 +213,7 @@ class Generator:
         else:
             policy = DraftPolicy(k_max=self.k_max, eps=self.eps, adaptive=self.adaptive_eps)
             spec_stats = decode_self_spec(self.model, cache, first_logits, params, seeds, requests,
-                                          self.layer_set, policy)
+                                          self.layer_set, policy, self.drafter, ids)
             steps = spec_stats["draft_steps"] + spec_stats["verify_steps"]
         tokens = requests.out
         _sync(device)
@@ -231,7 +238,8 @@ class Generator:
         }
         if self.mode == "self-spec":
             per_row = spec_stats.pop("per_row")
-            stats.update(spec_stats, layer_set=str(self.layer_set), **acceptance_stats(spec_stats, spec_stats["row_verifies"]))
+            stats.update(spec_stats, drafter=self.drafter, layer_set=str(self.layer_set) if self.drafter == "layer-skip" else "",
+                         **acceptance_stats(spec_stats, spec_stats["row_verifies"]))
             for req, row in zip(request_stats, per_row):
                 req.update(row, **acceptance_stats(row, row["verifies"]))
         return GenerationOutput(tokens, texts, ids, stats, request_stats)

@@ -1,4 +1,4 @@
-"""Self-speculative decoding: draft with a layer-skipped model, verify in one full pass.
+"""Speculative decoding: draft with a layer-skipped model (or prompt lookup), verify in one pass.
 
 One step for every row of the batch at once:
   draft   up to k_max tokens with the layer-skipped model, one forward per token, stopping a
@@ -19,10 +19,14 @@ from . import ops
 from .kv_cache import KVCache
 from .layer_set import LayerSet
 from .model import SkipModel
+from .drafters import lookup_draft
 from .requests import Requests
 from .sampling import SamplingParams, keyed_uniforms, probs_from_logits, sample_from_weights, select_tokens
 
 STREAM_TARGET, STREAM_DRAFT, STREAM_ACCEPT, STREAM_RESIDUAL = 0, 1, 2, 3
+# a lookup draft needs a match of at least 2 tokens: 1-token matches were mostly rejected on
+# SmolLM2 (0.2-0.4 accepted per verify) and a verify of k+1 tokens costs more than a decode step
+LOOKUP_MIN_NGRAM = 2
 
 
 @dataclass
@@ -93,6 +97,15 @@ def draft_tokens(model: SkipModel, cache: KVCache, pending: torch.Tensor, layer_
     return drafts_t, probs_t, num_draft, forwards
 
 
+def lookup_drafts(requests: Requests, prompts: list[list[int]], budget: list[int], device):
+    """Prompt-lookup drafts for the alive rows: int64 [B, K] (padded with 0), num_draft list."""
+    rows = [lookup_draft(prompts[r] + requests.out[r], budget[i], min_ngram=LOOKUP_MIN_NGRAM)
+            for i, r in enumerate(requests.alive)]
+    K = max(len(d) for d in rows)
+    drafts = torch.tensor([d + [0] * (K - len(d)) for d in rows], dtype=torch.int64, device=device)
+    return drafts.view(len(rows), K), [len(d) for d in rows]
+
+
 def verify_and_accept(model: SkipModel, cache: KVCache, pending: torch.Tensor, drafts: torch.Tensor,
                       draft_probs, num_draft: list[int], params: SamplingParams, seeds: list[int]):
     """One full-model forward over [pending, drafts] and the acceptance rule.
@@ -117,8 +130,12 @@ def verify_and_accept(model: SkipModel, cache: KVCache, pending: torch.Tensor, d
 
 
 def decode_self_spec(model: SkipModel, cache: KVCache, first_logits: torch.Tensor, params: SamplingParams,
-                     seeds: list[int], requests: Requests, layer_set: LayerSet, policy: DraftPolicy) -> dict:
-    """The self-speculative loop into ``requests``. first_logits: [B, V] from prefill.
+                     seeds: list[int], requests: Requests, layer_set: LayerSet | None, policy: DraftPolicy,
+                     drafter: str = "layer-skip", prompts: list[list[int]] | None = None) -> dict:
+    """The speculative loop into ``requests``. first_logits: [B, V] from prefill.
+
+    drafter: "layer-skip" (the model with ``layer_set`` skipped, confidence-aware) or "lookup"
+    (prompt lookup over ``prompts`` + output, no model call; q is one-hot when sampling).
 
     The cache needs room for max_new_tokens + policy.k_max + 1 positions past the longest
     prompt (a verify pass writes K+1 positions for every row). Finished rows leave the batch.
@@ -140,8 +157,12 @@ def decode_self_spec(model: SkipModel, cache: KVCache, first_logits: torch.Tenso
         row_seeds = [seeds[r] for r in alive]
         base = list(cache.host_lengths)
         budget = [min(policy.k_max, requests.remaining(r)) for r in alive]
-        drafts, draft_probs, num_draft, forwards = draft_tokens(model, cache, pending, layer_set, policy,
-                                                                params, row_seeds, budget)
+        if drafter == "lookup":
+            drafts, num_draft = lookup_drafts(requests, prompts, budget, pending.device)
+            draft_probs, forwards = None, 0
+        else:
+            drafts, draft_probs, num_draft, forwards = draft_tokens(model, cache, pending, layer_set, policy,
+                                                                    params, row_seeds, budget)
         cache.rollback(base)
         out_tokens, num_accepted = verify_and_accept(model, cache, pending, drafts, draft_probs, num_draft,
                                                      params, row_seeds)

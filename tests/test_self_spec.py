@@ -67,11 +67,11 @@ def test_stats_count_drafts_and_verifies():
 
 def _two_token_marginal(sm, prompt, temperature):
     """Exact P(second generated token) = sum_t1 p(t1) p(t2 | t1), at temperature T."""
-    first = sm.forward(torch.tensor([prompt]), sm.new_cache(1, 8))[0, -1].double() / temperature
+    first = sm.forward(torch.tensor([prompt]), sm.new_cache(1, len(prompt)))[0, -1].double() / temperature
     p1 = first.softmax(-1)
     V = p1.shape[0]
     batch = torch.tensor([prompt + [t] for t in range(V)])
-    second = sm.forward(batch, sm.new_cache(V, 8))[:, -1].double() / temperature
+    second = sm.forward(batch, sm.new_cache(V, len(prompt) + 1))[:, -1].double() / temperature
     return p1 @ second.softmax(-1)
 
 

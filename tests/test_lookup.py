@@ -1,0 +1,51 @@
+"""Prompt-lookup drafting: the n-gram rule, and lossless output through verify/accept."""
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from swiftkern import Generator, SkipModel, SwiftkernError
+from swiftkern.drafters import lookup_draft
+from test_self_spec import _two_token_marginal
+
+PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [10, 11, 12], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [200]]
+
+
+def test_lookup_rule():
+    assert lookup_draft([1, 2, 3, 9, 1, 2], k=3) == [3, 9, 1]  # 2-gram "1 2" wins over 1-gram
+    assert lookup_draft([1, 2, 3, 1, 2, 4, 2], k=2) == [4, 2]  # latest earlier "2" first
+    assert lookup_draft([4, 5, 6], k=3) == []  # no earlier occurrence
+    assert lookup_draft([7, 8, 9, 7, 8, 9, 7, 8], k=10) == [9, 7, 8]  # stops at the end of context
+    assert lookup_draft([1, 1], k=0) == [] and lookup_draft([3], k=4) == []
+
+
+def test_greedy_lookup_equals_ar():
+    hf = tiny_model("llama", num_hidden_layers=5)
+    ar = Generator(hf).generate(PROMPTS, max_new_tokens=30, eos_token_id=[]).tokens
+    for k_max in (1, 4, 12):
+        out = Generator(hf, mode="self-spec", drafter="lookup", k_max=k_max).generate(
+            PROMPTS, max_new_tokens=30, eos_token_id=[])
+        assert out.tokens == ar
+        assert out.stats["draft_steps"] == 0 and out.stats["drafted"] > 0
+
+
+def test_sampled_lookup_keeps_the_distribution():
+    """Every bigram "4 t" appears in the prompt, so lookup always drafts (q one-hot);
+    the second generated token must follow the exact two-token marginal (chi-square)."""
+    hf = tiny_model("llama", num_hidden_layers=3, vocab_size=32)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(0.05)  # spread-out distributions: accepts and rejects
+    sm = SkipModel.from_hf(hf)
+    prompt, n = [x for t in range(32) for x in (4, t)] + [3, 4], 3000  # "4 t" occurs for every t
+    expect = _two_token_marginal(sm, prompt, 1.0)
+    gen = Generator(sm, mode="self-spec", drafter="lookup", k_max=3)
+    out = gen.generate([prompt] * n, max_new_tokens=2, do_sample=True, seed=list(range(n)), eos_token_id=[])
+    assert out.stats["drafted"] >= n and 0 < out.stats["accepted"] < out.stats["drafted"]
+    counts = torch.bincount(torch.tensor([t[1] for t in out.tokens]), minlength=32).double()
+    chi2 = float(((counts - expect * n) ** 2 / (expect * n)).sum())
+    assert chi2 < 31 + 4.5 * 62 ** 0.5 + 10, chi2  # p < 1e-4 under the null
+
+
+def test_unknown_drafter_is_refused():
+    with pytest.raises(SwiftkernError, match="unknown drafter"):
+        Generator(tiny_model("llama"), mode="self-spec", drafter="magic")
