@@ -86,8 +86,9 @@ class Generator:
     """Generates text with a LLaMA-family model.
 
     ``Generator(model, tokenizer=None, mode="ar", layer_set=None, k_max=25, eps=0.8,
-    adaptive_eps=False, drafter="layer-skip")``: ``model`` is a ``SkipModel`` or an HF LLaMA/Mistral/Qwen2 causal LM
-    (wrapped, weights shared); ``tokenizer`` is needed for text prompts and ``texts``.
+    adaptive_eps=False, drafter="layer-skip")``: ``model`` is a ``SkipModel`` or an HF
+    LLaMA/Mistral/Qwen2 causal LM (wrapped, weights shared); ``tokenizer`` is needed for text
+    prompts and ``texts``.
     Modes: ``ar`` (plain decoding; greedy is token-identical to HF ``generate``) and
     ``self-spec`` (draft with ``layer_set`` skipped — a ``LayerSet`` or its string/JSON form —
     up to ``k_max`` tokens while the draft's top-1 probability is >= ``eps``, verify in one full
@@ -238,7 +239,8 @@ class Generator:
         }
         if self.mode == "self-spec":
             per_row = spec_stats.pop("per_row")
-            stats.update(spec_stats, drafter=self.drafter, layer_set=str(self.layer_set) if self.drafter == "layer-skip" else "",
+            layer_set = str(self.layer_set) if self.drafter == "layer-skip" else ""
+            stats.update(spec_stats, drafter=self.drafter, layer_set=layer_set,
                          **acceptance_stats(spec_stats, spec_stats["row_verifies"]))
             for req, row in zip(request_stats, per_row):
                 req.update(row, **acceptance_stats(row, row["verifies"]))

@@ -106,6 +106,12 @@ def lookup_drafts(requests: Requests, prompts: list[list[int]], budget: list[int
     return drafts.view(len(rows), K), [len(d) for d in rows]
 
 
+def _chunk_uniforms(seeds: list[int], start: list[int], count: int, stream: int, device) -> torch.Tensor:
+    """float32 [B, count]: entry (b, j) keyed on (seeds[b], position start[b] + 1 + j, stream)."""
+    cols = [keyed_uniforms(seeds, [s + 1 + j for s in start], stream, device) for j in range(count)]
+    return torch.stack(cols, dim=1) if cols else torch.zeros(len(seeds), 0, device=device)
+
+
 def verify_and_accept(model: SkipModel, cache: KVCache, pending: torch.Tensor, drafts: torch.Tensor,
                       draft_probs, num_draft: list[int], params: SamplingParams, seeds: list[int]):
     """One full-model forward over [pending, drafts] and the acceptance rule.
@@ -121,10 +127,8 @@ def verify_and_accept(model: SkipModel, cache: KVCache, pending: torch.Tensor, d
         out, acc = ops.greedy_accept(drafts, logits, nd)
         return out, acc.tolist()
     target = probs_from_logits(logits.reshape(B * (K + 1), -1), params).view(B, K + 1, -1)
-    u_accept = torch.stack([keyed_uniforms(seeds, [s + 1 + j for s in start], STREAM_ACCEPT, drafts.device)
-                            for j in range(K)], dim=1) if K else torch.zeros(B, 0)
-    u_sample = torch.stack([keyed_uniforms(seeds, [s + 1 + j for s in start], STREAM_RESIDUAL, drafts.device)
-                            for j in range(K + 1)], dim=1)
+    u_accept = _chunk_uniforms(seeds, start, K, STREAM_ACCEPT, drafts.device)  # [B, K]
+    u_sample = _chunk_uniforms(seeds, start, K + 1, STREAM_RESIDUAL, drafts.device)  # [B, K+1]
     out, acc = ops.rejection_sample(drafts, draft_probs, target, nd, u_accept, u_sample)
     return out, acc.tolist()
 
