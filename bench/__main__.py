@@ -1,0 +1,83 @@
+"""The one benchmark driver: ``python -m bench --routine <name>[,<name>...] [options]``.
+
+Routines are the modules bench/bench_<name>.py (see bench/common.py for their contract);
+``python -m bench --list`` names them. Each routine's rows are printed and appended to
+bench/results/<name>.csv with device, versions and commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import pkgutil
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from bench import common  # noqa: E402
+
+
+def routines() -> dict:
+    """{routine name: module} for every bench/bench_*.py that defines ROUTINE and run()."""
+    out = {}
+    for m in pkgutil.iter_modules([os.path.dirname(__file__)]):
+        if m.name.startswith("bench_"):
+            mod = importlib.import_module(f"bench.{m.name}")
+            if hasattr(mod, "ROUTINE") and hasattr(mod, "run"):
+                out[mod.ROUTINE] = mod
+    return out
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--routine", default=None,
+                    help="comma-separated routine names (see --list), or 'all'")
+    ap.add_argument("--list", action="store_true", help="list the routines and exit")
+    ap.add_argument("--providers", default=None,
+                    help="comma-separated providers to run (e.g. reference,cpp,triton,cuda); default: all available")
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    ap.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the routine's)")
+    ap.add_argument("--refcheck", action="store_true",
+                    help="check every provider's output against the reference before timing")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes and few repetitions (seconds; for CI)")
+    ap.add_argument("--reps", type=int, default=None, help="timed repetitions per provider")
+    ap.add_argument("--no-csv", action="store_true", help="print only, do not append to bench/results")
+    ap.add_argument("--plot", action="store_true", help="also write bench/results/<routine>.png (matplotlib)")
+    ap.add_argument("--model", default="smollm2", help="model for end-to-end routines")
+    ap.add_argument("--max-new-tokens", type=int, default=128, help="end-to-end routines: tokens per prompt")
+    return ap
+
+
+def main(argv=None) -> int:
+    import torch
+
+    args = parser().parse_args(argv)
+    found = routines()
+    if args.list or not args.routine:
+        for name, mod in sorted(found.items()):
+            print(f"{name:20s} {(mod.__doc__ or '').strip().splitlines()[0] if mod.__doc__ else ''}")
+        return 0 if args.list else 2
+    names = sorted(found) if args.routine == "all" else args.routine.split(",")
+    unknown = [n for n in names if n not in found]
+    if unknown:
+        print(f"python -m bench: unknown routine(s) {', '.join(unknown)}; known: {', '.join(sorted(found))}",
+              file=sys.stderr)
+        return 2
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    args.providers = args.providers.split(",") if args.providers else None
+    for name in names:
+        print(f"== {name} on {common.device_name(args.device)}", flush=True)
+        rows = found[name].run(args)
+        common.print_rows(rows)
+        if rows and not args.no_csv:
+            print(f"appended {len(rows)} rows to {os.path.relpath(common.append_csv(name, rows))}")
+        if args.plot and rows:
+            from bench import plot
+            print(f"wrote {os.path.relpath(plot.plot_routine(name, rows))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""What every benchmark shares: timing, the machine's measured ceilings, one CSV row format.
+
+A benchmark routine is a module ``bench/bench_<name>.py`` with
+
+    ROUTINE = "<name>"
+    def run(args) -> list[dict]      # args: the driver's argparse namespace (see bench/__main__.py)
+
+that times its providers with ``time_fn`` (interleaved, so drift hits all alike), builds rows
+with ``row(...)`` and returns them; the driver appends them to ``bench/results/<name>.csv``.
+Each file also runs alone: ``python bench/bench_<name>.py --smoke``.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import functools
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+RESULTS_DIR = os.path.join(os.path.dirname(__file__), "results")
+
+
+@functools.lru_cache(maxsize=None)
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(__file__), check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+@functools.lru_cache(maxsize=None)
+def device_name(device: str) -> str:
+    """'NVIDIA H200' or 'cpu: <model> (N threads)'."""
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    from swiftkern.info import cpu_name
+    return f"cpu: {cpu_name()} ({torch.get_num_threads()} threads)"
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def time_fn(fns: dict, device: str = "cpu", warmup: int = 3, reps: int = 20, min_time_s: float = 0.0) -> dict:
+    """Time each callable of {name: fn} interleaved -> {name: {"median_ms", "p20_ms", "p80_ms"}}.
+
+    One warm-up pass per fn (warmup calls), then `reps` rounds calling every fn once per round
+    in turn; on CUDA each call is bracketed by events (device time), on the CPU by
+    perf_counter after a sync. With min_time_s > 0, rounds go on until each fn has run that
+    long in total."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    _sync(device)
+    times = {name: [] for name in fns}
+    start = time.perf_counter()
+    r = 0
+    while r < reps or (min_time_s and time.perf_counter() - start < min_time_s * len(fns)):
+        for name, fn in fns.items():
+            if device.startswith("cuda"):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                b.synchronize()
+                times[name].append(a.elapsed_time(b))
+            else:
+                t = time.perf_counter()
+                fn()
+                times[name].append((time.perf_counter() - t) * 1e3)
+        r += 1
+    out = {}
+    for name, ts in times.items():
+        q = statistics.quantiles(ts, n=10) if len(ts) >= 2 else [ts[0]] * 9
+        out[name] = {"median_ms": statistics.median(ts), "p20_ms": q[1], "p80_ms": q[7]}
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def copy_bandwidth_gbs(device: str) -> float:
+    """Measured device-memory copy bandwidth (read + write bytes / s) of a 256 MiB (GPU) or
+    64 MiB (CPU) clone: the ceiling memory-bound ops are reported against."""
+    n = (256 if device.startswith("cuda") else 64) * 2**20 // 4
+    src = torch.empty(n, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    t = time_fn({"copy": lambda: dst.copy_(src)}, device, warmup=2, reps=10)["copy"]["median_ms"]
+    return 2 * n * 4 / (t * 1e-3) / 1e9
+
+
+@functools.lru_cache(maxsize=None)
+def matmul_tflops(device: str) -> float:
+    """Measured dense matmul throughput: bf16 8192^3 on a GPU, fp32 1024^3 on the CPU."""
+    n, dt = (8192, torch.bfloat16) if device.startswith("cuda") else (1024, torch.float32)
+    a = torch.randn(n, n, dtype=dt, device=device)
+    b = torch.randn(n, n, dtype=dt, device=device)
+    t = time_fn({"mm": lambda: a @ b}, device, warmup=2, reps=5)["mm"]["median_ms"]
+    return 2 * n**3 / (t * 1e-3) / 1e12
+
+
+def row(routine: str, provider: str, device: str, dtype, shape: str, timing: dict, *,
+        bytes_moved: float | None = None, flops: float | None = None, **extra) -> dict:
+    """One CSV row: when/where/what, median and p20/p80 in ms, achieved GB/s (bytes_moved) or
+    TFLOP/s (flops) and its % of the measured ceiling, plus any extra columns."""
+    from swiftkern.info import collect_info
+    info = collect_info()
+    ms = timing["median_ms"]
+    r = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), commit=commit(),
+             device=device_name(device), machine=platform.machine(), torch=torch.__version__,
+             triton=info["triton"], transformers=info["transformers"], routine=routine, provider=provider,
+             dtype=str(dtype).replace("torch.", ""), shape=shape, median_ms=round(ms, 5),
+             p20_ms=round(timing["p20_ms"], 5), p80_ms=round(timing["p80_ms"], 5), gb_s="", tflop_s="",
+             pct_of_ceiling="")
+    if bytes_moved is not None:
+        r["gb_s"] = round(bytes_moved / (ms * 1e-3) / 1e9, 2)
+        r["pct_of_ceiling"] = round(100 * r["gb_s"] / copy_bandwidth_gbs(device), 1)
+    elif flops is not None:
+        r["tflop_s"] = round(flops / (ms * 1e-3) / 1e12, 3)
+        r["pct_of_ceiling"] = round(100 * r["tflop_s"] / matmul_tflops(device), 1)
+    r.update(extra)
+    return r
+
+
+def append_csv(name: str, rows: list[dict]) -> str:
+    """Append rows to bench/results/<name>.csv (header from the first row when the file is
+    new; a file with other columns is kept and the rows go to <name>-v2.csv) -> the path."""
+    if not rows:
+        return ""
+    os.makedirs(RESULTS_DIR, exist_ok=True)
+    fields = list(rows[0])
+    for r in rows[1:]:
+        fields += [k for k in r if k not in fields]
+    path = os.path.join(RESULTS_DIR, f"{name}.csv")
+    if os.path.exists(path):
+        with open(path, newline="") as f:
+            header = next(csv.reader(f), [])
+        if header != fields:
+            path = os.path.join(RESULTS_DIR, f"{name}-v2.csv")
+    new = not os.path.exists(path)
+    with open(path, "a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields, restval="")
+        if new:
+            w.writeheader()
+        w.writerows(rows)
+    return path
+
+
+def print_rows(rows: list[dict], keys=("provider", "dtype", "shape", "median_ms", "gb_s", "tflop_s",
+                                       "pct_of_ceiling")) -> None:
+    """A plain aligned table of the given columns."""
+    if not rows:
+        return
+    keys = [k for k in keys if any(r.get(k) not in ("", None) for r in rows)]
+    widths = {k: max(len(k), *(len(str(r.get(k, ""))) for r in rows)) for k in keys}
+    print("  ".join(k.ljust(widths[k]) for k in keys))
+    for r in rows:
+        print("  ".join(str(r.get(k, "")).ljust(widths[k]) for k in keys), flush=True)
