@@ -90,6 +90,33 @@ def rope_kv_append(
     return q_rot
 
 
+def kv_compact(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    src_positions: torch.Tensor,
+    dst_start: torch.Tensor,
+    counts: torch.Tensor,
+) -> None:
+    """Move each row's kept cache entries into one contiguous run (in place).
+
+    k_cache, v_cache: [L, B, H, S, D] (written in place); src_positions: int64 [B, M], the
+    positions of row b's entries to keep (only the first counts[b] are used; each in [0, S));
+    dst_start: int64 [B]; counts: int32 [B] in [0, M]. Entry i of row b (every layer and head)
+    moves from src_positions[b, i] to dst_start[b] + i, which must be < S. Every source is read
+    before any destination is written, so sources and destinations may overlap.
+    """
+    B, M = src_positions.shape
+    for b in range(B):
+        n = int(counts[b])
+        if n == 0:
+            continue
+        src = src_positions[b, :n].to(torch.int64)
+        start = int(dst_start[b])
+        for cache in (k_cache, v_cache):
+            kept = cache[:, b].index_select(2, src)  # [L, H, n, D], a copy
+            cache[:, b, :, start:start + n] = kept
+
+
 def attention_mask(cache_lens: torch.Tensor, num_new: int, max_len: int) -> torch.Tensor:
     """bool [B, T, max_len]: query i of row b sees keys j < cache_lens[b] - T + i + 1."""
     key_pos = torch.arange(max_len, device=cache_lens.device)
