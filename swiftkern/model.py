@@ -136,13 +136,16 @@ class SkipModel:
         cache: KVCache,
         layer_set: LayerSet | None = None,
         logits_positions: torch.Tensor | None = None,
+        head: tuple[torch.Tensor, torch.Tensor | None] | None = None,
     ) -> torch.Tensor:
         """Append T tokens to every row of the cache and return their logits.
 
         tokens: int64 [B, T], row b continuing at position cache.host_lengths[b];
         layer_set: sub-layers to skip (None: the full model); skipped attention writes no KV;
         logits_positions: int64 [B, P] chunk-relative positions whose logits are wanted
-        (None: all T). -> logits [B, T or P, V] in the model dtype. Advances the cache by T.
+        (None: all T); head: (weight [V', H], bias [V'] or None) replacing the LM head, e.g.
+        the rows of a vocabulary subset (``draft_head.DraftHead``). -> logits [B, T or P, V or
+        V'] in the model dtype. Advances the cache by T.
         """
         if tokens.dim() != 2 or tokens.shape[0] != cache.batch:
             raise SwiftkernError(
@@ -185,6 +188,8 @@ class SkipModel:
             idx = logits_positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
             hidden = hidden.gather(1, idx)  # [B, P, H]
         hidden = ops.rms_norm(hidden, self.final_norm, self.eps)
+        if head is not None:  # a pruned head: logits over a vocabulary subset only
+            return ops.linear(hidden, *head)
         return ops.linear(hidden, self.lm_head, self.lm_head_bias)
 
     __call__ = forward
