@@ -63,11 +63,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--mode", default="ar", choices=["ar", "self-spec"],
                      help="ar: plain decoding (default); self-spec: draft with --layer-set skipped, "
                           "verify with the full model (same greedy output, same sampling distribution)")
-    gen.add_argument("--drafter", default="layer-skip", choices=["layer-skip", "lookup"],
-                     help="self-spec: layer-skip drafts with the skipped model (default); lookup drafts "
-                          "the continuation of an earlier match in prompt + output (no model call)")
+    gen.add_argument("--drafter", default="auto", choices=["auto", "layer-skip", "lookup", "none"],
+                     help="self-spec: auto (default) picks per step among lookup, layer-skip (with "
+                          "--layer-set) and none by measured cost and acceptance; layer-skip drafts with "
+                          "the skipped model; lookup drafts the continuation of an earlier match in "
+                          "prompt + output (no model call); none drafts nothing")
     gen.add_argument("--layer-set", default=None,
                      help="self-spec: sub-layers the draft skips, 'attn:3,5-7|mlp:4,9', JSON, or 'none'")
+    gen.add_argument("--draft-vocab", type=_positive_int, default=8192,
+                     help="layer-skip drafts score only this many frequent tokens plus the prompt's and "
+                          "output's (a pruned LM head; verification uses the full head; default 8192)")
     gen.add_argument("--k-max", type=_positive_int, default=25, help="self-spec: most drafts per step (default 25)")
     gen.add_argument("--eps", type=_float_in(0.0, 1.0, False), default=0.8,
                      help="self-spec: stop drafting when the draft's top-1 probability is below this (default 0.8)")
@@ -117,10 +122,11 @@ def cmd_generate(args) -> int:
     from .loading import load_model
 
     if args.mode == "self-spec" and args.drafter == "layer-skip" and args.layer_set is None:
-        raise SwiftkernError("--mode self-spec needs --layer-set (e.g. 'attn:10-14|mlp:12', or 'none')")
+        raise SwiftkernError("--drafter layer-skip needs --layer-set (e.g. 'attn:10-14|mlp:12', or 'none')")
     model, tokenizer = load_model(args.model, device=args.device)
     gen = Generator(model, tokenizer, mode=args.mode, layer_set=args.layer_set, k_max=args.k_max,
-                    eps=args.eps, adaptive_eps=args.adaptive_eps, drafter=args.drafter)
+                    eps=args.eps, adaptive_eps=args.adaptive_eps, drafter=args.drafter,
+                    draft_vocab=args.draft_vocab)
     out = gen.generate(prompts, max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0,
                        temperature=args.temperature or 1.0, top_k=args.top_k, top_p=args.top_p,
                        seed=args.seed, chat=args.chat)
@@ -138,7 +144,8 @@ def cmd_generate(args) -> int:
         if s["mode"] == "self-spec":
             print(f"[self-spec] drafter {s['drafter']} {s['layer_set']} | {s['draft_steps']} draft + {s['verify_steps']} "
                   f"verify forwards | {s['accepted']}/{s['drafted']} drafts accepted "
-                  f"({s['acceptance_rate']:.0%}) | mean accepted per verify {s['mean_accepted']:.2f}")
+                  f"({s['acceptance_rate']:.0%}) | mean accepted per verify {s['mean_accepted']:.2f} | "
+                  "row steps by drafter " + ", ".join(f"{k} {v}" for k, v in s["drafter_steps"].items()))
     return 0
 
 

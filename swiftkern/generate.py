@@ -17,10 +17,12 @@ from .layer_set import LayerSet
 from .model import SkipModel
 from .requests import Requests
 from .sampling import SamplingParams, select_tokens
+from .draft_head import DEFAULT_DRAFT_VOCAB, DraftHead
+from .drafter_policy import DrafterPolicy
 from .speculative import DraftPolicy, decode_self_spec
 
 MODES = ("ar", "self-spec")
-DRAFTERS = ("layer-skip", "lookup")
+DRAFTERS = ("auto", "layer-skip", "lookup", "none")
 
 
 @dataclass
@@ -86,20 +88,25 @@ class Generator:
     """Generates text with a LLaMA-family model.
 
     ``Generator(model, tokenizer=None, mode="ar", layer_set=None, k_max=25, eps=0.8,
-    adaptive_eps=False, drafter="layer-skip")``: ``model`` is a ``SkipModel`` or an HF
-    LLaMA/Mistral/Qwen2 causal LM (wrapped, weights shared); ``tokenizer`` is needed for text
-    prompts and ``texts``.
+    adaptive_eps=False, drafter="auto", draft_vocab=8192)``: ``model`` is a ``SkipModel`` or an
+    HF LLaMA/Mistral/Qwen2 causal LM (wrapped, weights shared); ``tokenizer`` is needed for
+    text prompts and ``texts``.
     Modes: ``ar`` (plain decoding; greedy is token-identical to HF ``generate``) and
-    ``self-spec`` (draft with ``layer_set`` skipped — a ``LayerSet`` or its string/JSON form —
-    up to ``k_max`` tokens while the draft's top-1 probability is >= ``eps``, verify in one full
-    pass; greedy output equals ``ar``, sampled output has the same distribution).
-    ``drafter="lookup"`` drafts by prompt lookup instead (the continuation of the latest earlier
-    match of the last 2-3 tokens in prompt + output; no model call, no layer set needed),
-    through the same verify, accept and rollback.
+    ``self-spec`` (draft, verify all drafts in one full pass, keep the matching prefix; greedy
+    output equals ``ar``, sampled output has the same distribution). Drafters of self-spec:
+    ``layer-skip`` drafts with ``layer_set`` skipped (a ``LayerSet`` or its string/JSON form),
+    up to ``k_max`` tokens while the draft's top-1 probability is >= ``eps``, its logits over a
+    pruned head of ``draft_vocab`` frequent tokens plus the prompt's and output's tokens (None:
+    the full head); ``lookup`` drafts the continuation of the latest earlier match of the last
+    2-3 tokens in prompt + output (no model call); ``none`` drafts nothing; ``auto`` (default)
+    picks among lookup, layer-skip (when a layer set is given) and none per row and step, for
+    the most expected tokens per second from the costs and acceptance measured while it runs
+    (``drafter_policy.DrafterPolicy``).
     """
 
     def __init__(self, model, tokenizer=None, mode: str = "ar", layer_set=None, k_max: int = 25,
-                 eps: float = 0.8, adaptive_eps: bool = False, drafter: str = "layer-skip"):
+                 eps: float = 0.8, adaptive_eps: bool = False, drafter: str = "auto",
+                 draft_vocab: int | None = DEFAULT_DRAFT_VOCAB):
         if mode not in MODES:
             raise SwiftkernError(f"unknown mode {mode!r}; available: {', '.join(MODES)}")
         self.model = model if isinstance(model, SkipModel) else SkipModel.from_hf(model)
@@ -113,7 +120,10 @@ class Generator:
             raise SwiftkernError(f"unknown drafter {drafter!r}; available: {', '.join(DRAFTERS)}")
         self.drafter = drafter
         if mode == "self-spec" and drafter == "layer-skip" and layer_set is None:
-            raise SwiftkernError("mode self-spec needs a layer set (e.g. 'attn:3,5|mlp:4' or 'none')")
+            raise SwiftkernError("drafter layer-skip needs a layer set (e.g. 'attn:3,5|mlp:4' or 'none')")
+        if draft_vocab is not None and draft_vocab < 1:
+            raise SwiftkernError(f"draft_vocab must be >= 1 (or None for the full head), got {draft_vocab}")
+        self.draft_vocab = draft_vocab
         if isinstance(layer_set, str):
             layer_set = LayerSet.parse(layer_set, self.model.num_layers)
         if layer_set is not None and layer_set.num_layers != self.model.num_layers:
@@ -213,8 +223,17 @@ class Generator:
             steps = decode_ar(self.model, cache, first_logits, params, seeds, requests)
         else:
             policy = DraftPolicy(k_max=self.k_max, eps=self.eps, adaptive=self.adaptive_eps)
+            uses_skip = self.drafter == "layer-skip" or (self.drafter == "auto" and self.layer_set is not None)
+            chooser = None
+            if self.drafter == "auto":
+                allowed = ("lookup", "none") + (("layer-skip",) if uses_skip else ())
+                chooser = DrafterPolicy(allowed, self.k_max, measure=not do_sample)  # seeded: no timing
+            head = None
+            if uses_skip and self.draft_vocab is not None and self.draft_vocab < self.model.vocab_size:
+                head = DraftHead(self.model.lm_head, self.model.lm_head_bias, self.draft_vocab,
+                                 [t for p in ids for t in p])
             spec_stats = decode_self_spec(self.model, cache, first_logits, params, seeds, requests,
-                                          self.layer_set, policy, self.drafter, ids)
+                                          self.layer_set, policy, self.drafter, ids, chooser, head)
             steps = spec_stats["draft_steps"] + spec_stats["verify_steps"]
         tokens = requests.out
         _sync(device)
@@ -239,7 +258,7 @@ class Generator:
         }
         if self.mode == "self-spec":
             per_row = spec_stats.pop("per_row")
-            layer_set = str(self.layer_set) if self.drafter == "layer-skip" else ""
+            layer_set = str(self.layer_set) if self.layer_set is not None and self.drafter in ("layer-skip", "auto") else ""
             stats.update(spec_stats, drafter=self.drafter, layer_set=layer_set,
                          **acceptance_stats(spec_stats, spec_stats["row_verifies"]))
             for req, row in zip(request_stats, per_row):

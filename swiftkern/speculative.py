@@ -11,6 +11,7 @@ Words: the *pending* token of a row is its last committed token, whose KV is not
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +20,8 @@ from . import ops
 from .kv_cache import KVCache
 from .layer_set import LayerSet
 from .model import SkipModel
+from .draft_head import DraftHead
+from .drafter_policy import Choice, DrafterPolicy
 from .drafters import lookup_draft
 from .requests import Requests
 from .sampling import SamplingParams, keyed_uniforms, probs_from_logits, sample_from_weights, select_tokens
@@ -55,11 +58,13 @@ class DraftPolicy:
 
 
 def draft_tokens(model: SkipModel, cache: KVCache, pending: torch.Tensor, layer_set: LayerSet,
-                 policy: DraftPolicy, params: SamplingParams, seeds: list[int], budget: list[int]):
+                 policy: DraftPolicy, params: SamplingParams, seeds: list[int], budget: list[int],
+                 head: DraftHead | None = None):
     """Draft with the skipped model from each row's pending token. pending: int64 [B].
 
     budget[b]: most drafts row b may use (0 = none). Rows draft together until every row has
-    stopped; the cache is advanced by the drafts (the caller rolls it back).
+    stopped; the cache is advanced by the drafts (the caller rolls it back). head: a pruned
+    LM head (logits over its subset only; None: the full head).
     -> drafts int64 [B, K], draft_probs float32 [B, K, V] or None (greedy), num_draft [B] list,
        number of draft forwards
     """
@@ -68,16 +73,19 @@ def draft_tokens(model: SkipModel, cache: KVCache, pending: torch.Tensor, layer_
     num_draft = [0] * B
     active = [budget[b] > 0 for b in range(B)]
     token, forwards = pending, 0
+    head_weights = head.head if head is not None else None
     while any(active):
         forwards += 1
         positions = [n + 1 for n in cache.host_lengths]  # position of the token being drafted
-        logits = model.forward(token.unsqueeze(1), cache, layer_set=layer_set)[:, -1]  # [B, V]
+        logits = model.forward(token.unsqueeze(1), cache, layer_set=layer_set, head=head_weights)[:, -1]  # [B, V']
         q = probs_from_logits(logits, params) if params.do_sample else logits.float().softmax(-1)
         if params.do_sample:
             token = sample_from_weights(q, keyed_uniforms(seeds, positions, STREAM_DRAFT, q.device))
-            probs.append(q)
+            probs.append(head.to_full(q, 0.0) if head is not None else q)
         else:
             token = logits.argmax(-1)
+        if head is not None:
+            token = head.ids[token]
         confidence = q.max(-1).values.tolist()  # the draft's top-1 probability
         drafts.append(token)
         for b in range(B):
@@ -95,15 +103,6 @@ def draft_tokens(model: SkipModel, cache: KVCache, pending: torch.Tensor, layer_
     if params.do_sample and K == 0:
         probs_t = torch.zeros((B, 0, model.vocab_size), device=pending.device)
     return drafts_t, probs_t, num_draft, forwards
-
-
-def lookup_drafts(requests: Requests, prompts: list[list[int]], budget: list[int], device):
-    """Prompt-lookup drafts for the alive rows: int64 [B, K] (padded with 0), num_draft list."""
-    rows = [lookup_draft(prompts[r] + requests.out[r], budget[i], min_ngram=LOOKUP_MIN_NGRAM)
-            for i, r in enumerate(requests.alive)]
-    K = max(len(d) for d in rows)
-    drafts = torch.tensor([d + [0] * (K - len(d)) for d in rows], dtype=torch.int64, device=device)
-    return drafts.view(len(rows), K), [len(d) for d in rows]
 
 
 def _chunk_uniforms(seeds: list[int], start: list[int], count: int, stream: int, device) -> torch.Tensor:
@@ -133,54 +132,124 @@ def verify_and_accept(model: SkipModel, cache: KVCache, pending: torch.Tensor, d
     return out, acc.tolist()
 
 
+def _assemble(B: int, choices, lookups, skip, params: SamplingParams, vocab: int, device):
+    """Each row's drafts from the drafter it chose. skip: (drafts [B, Ks], probs, num_draft)
+    of the layer-skip pass, or None. -> drafts int64 [B, K], draft_probs [B, K, V] or None,
+    num_draft list."""
+    rows, num_draft = [], []
+    for i, c in enumerate(choices):
+        if c.drafter == "lookup":
+            row = lookups[i][: c.k]
+        elif c.drafter == "layer-skip":
+            row = skip[0][i, : skip[2][i]].tolist()
+        else:
+            row = []
+        rows.append(row)
+        num_draft.append(len(row))
+    K = max(num_draft)
+    drafts = torch.tensor([r + [0] * (K - len(r)) for r in rows], dtype=torch.int64, device=device).view(B, K)
+    probs = None
+    if params.do_sample and skip is not None:  # mixed rows: one-hot q for the deterministic drafts
+        probs = torch.zeros((B, K, vocab), device=device)
+        for i, c in enumerate(choices):
+            n = num_draft[i]
+            if c.drafter == "layer-skip":
+                probs[i, :n] = skip[1][i, :n]
+            elif n:
+                probs[i, torch.arange(n, device=device), drafts[i, :n]] = 1.0
+    return drafts, probs, num_draft
+
+
+def _fixed_choice(drafter: str, lookup_len: int, budget: int) -> Choice:
+    if drafter == "lookup":
+        return Choice("lookup", min(lookup_len, budget), 0.0)
+    if drafter == "layer-skip":
+        return Choice("layer-skip", budget, 0.0)
+    return Choice("none", 0, 0.0)
+
+
 def decode_self_spec(model: SkipModel, cache: KVCache, first_logits: torch.Tensor, params: SamplingParams,
                      seeds: list[int], requests: Requests, layer_set: LayerSet | None, policy: DraftPolicy,
-                     drafter: str = "layer-skip", prompts: list[list[int]] | None = None) -> dict:
+                     drafter: str = "layer-skip", prompts: list[list[int]] | None = None,
+                     chooser: DrafterPolicy | None = None, draft_head: DraftHead | None = None) -> dict:
     """The speculative loop into ``requests``. first_logits: [B, V] from prefill.
 
-    drafter: "layer-skip" (the model with ``layer_set`` skipped, confidence-aware) or "lookup"
-    (prompt lookup over ``prompts`` + output, no model call; q is one-hot when sampling).
+    drafter: "layer-skip" (the model with ``layer_set`` skipped, confidence-aware, logits over
+    ``draft_head``'s subset when given), "lookup" (prompt lookup over ``prompts`` + output, no
+    model call; q is one-hot when sampling), "none" (verify passes of the pending token only:
+    plain decoding through this loop) or "auto": ``chooser`` picks one of those per row and
+    step from the costs and acceptance it measures here.
 
     The cache needs room for max_new_tokens + policy.k_max + 1 positions past the longest
     prompt (a verify pass writes K+1 positions for every row). Finished rows leave the batch.
     -> stats: draft_steps and verify_steps (batched forwards), row_verifies (rows verified,
-       summed over steps), drafted, accepted (draft tokens, summed over rows),
-       per_row: [{verifies, drafted, accepted}] per request
+       summed over steps), drafted, accepted (draft tokens, summed over rows), drafter_steps
+       ({drafter: row steps}), per_row: [{verifies, drafted, accepted}] per request
     """
-    stats = {"draft_steps": 0, "verify_steps": 0, "row_verifies": 0, "drafted": 0, "accepted": 0}
+    if drafter == "auto" and chooser is None:
+        raise ValueError("drafter 'auto' needs a DrafterPolicy")
+    stats = {"draft_steps": 0, "verify_steps": 0, "row_verifies": 0, "drafted": 0, "accepted": 0,
+             "drafter_steps": {"layer-skip": 0, "lookup": 0, "none": 0}}
     per_row = [{"verifies": 0, "drafted": 0, "accepted": 0} for _ in requests.out]
     stats["per_row"] = per_row
     pending = select_tokens(first_logits, params, seeds, list(cache.host_lengths))  # [B]
     for r, t in enumerate(pending.tolist()):
         requests.commit(r, [t])
+    if draft_head is not None:
+        draft_head.add(pending.tolist())
     while True:
         pending = requests.drop_finished(cache, pending)
         if pending is None:
             return stats
         alive = requests.alive
+        B = len(alive)
         row_seeds = [seeds[r] for r in alive]
         base = list(cache.host_lengths)
         budget = [min(policy.k_max, requests.remaining(r)) for r in alive]
-        if drafter == "lookup":
-            drafts, num_draft = lookup_drafts(requests, prompts, budget, pending.device)
-            draft_probs, forwards = None, 0
+        lookups = [[] for _ in alive]
+        if drafter in ("lookup", "auto"):
+            lookups = [lookup_draft(prompts[r] + requests.out[r], budget[i], min_ngram=LOOKUP_MIN_NGRAM)
+                       for i, r in enumerate(alive)]
+        if drafter == "auto":
+            choices = [chooser.choose(r, len(lookups[i]), budget[i]) for i, r in enumerate(alive)]
         else:
-            drafts, draft_probs, num_draft, forwards = draft_tokens(model, cache, pending, layer_set, policy,
-                                                                    params, row_seeds, budget)
-        cache.rollback(base)
+            choices = [_fixed_choice(drafter, len(lookups[i]), budget[i]) for i in range(B)]
+        skip = None
+        skip_budget = [c.k if c.drafter == "layer-skip" else 0 for c in choices]
+        if any(skip_budget):
+            t0 = time.perf_counter()
+            d, q, nd, forwards = draft_tokens(model, cache, pending, layer_set, policy, params, row_seeds,
+                                              skip_budget, draft_head)
+            if chooser is not None and forwards:
+                chooser.record_draft((time.perf_counter() - t0) / forwards)
+            cache.rollback(base)
+            skip = (d, q, nd)
+            stats["draft_steps"] += forwards
+        drafts, draft_probs, num_draft = _assemble(B, choices, lookups, skip, params, model.vocab_size,
+                                                   pending.device)
+        t0 = time.perf_counter()
         out_tokens, num_accepted = verify_and_accept(model, cache, pending, drafts, draft_probs, num_draft,
                                                      params, row_seeds)
+        if chooser is not None:
+            chooser.record_verify(drafts.shape[1] + 1, time.perf_counter() - t0)
         cache.rollback([n + 1 + a for n, a in zip(base, num_accepted)])
-        stats["draft_steps"] += forwards
         stats["verify_steps"] += 1
-        stats["row_verifies"] += len(alive)
+        stats["row_verifies"] += B
         for i, row in enumerate(out_tokens.tolist()):
-            mine = per_row[alive[i]]
-            for counts in (stats, mine):
+            r = alive[i]
+            used = choices[i].drafter if num_draft[i] else "none"
+            stats["drafter_steps"][used] += 1
+            for counts in (stats, per_row[r]):
                 counts["drafted"] += num_draft[i]
                 counts["accepted"] += num_accepted[i]
-            mine["verifies"] += 1
-            policy.update(num_accepted[i], num_draft[i])
-            requests.commit(alive[i], row[: num_accepted[i] + 1])
+            per_row[r]["verifies"] += 1
+            if used == "layer-skip":
+                policy.update(num_accepted[i], num_draft[i])
+            if chooser is not None:
+                chooser.observe(r, used, num_draft[i], num_accepted[i])
+            committed = row[: num_accepted[i] + 1]
+            requests.commit(r, committed)
+            if draft_head is not None:
+                draft_head.add(committed)
         index = torch.tensor(num_accepted, device=out_tokens.device).unsqueeze(1)
         pending = out_tokens.gather(1, index).squeeze(1)  # the corrected or bonus token

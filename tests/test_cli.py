@@ -49,6 +49,6 @@ def test_info_names_backends():
     assert "torch:" in r.stdout and "greedy_accept" in r.stdout
 
 
-def test_self_spec_needs_a_layer_set():
-    r = run("generate", "--prompt", "hi", "--mode", "self-spec")
+def test_layer_skip_drafter_needs_a_layer_set():
+    r = run("generate", "--prompt", "hi", "--mode", "self-spec", "--drafter", "layer-skip")
     assert r.returncode == 2 and "--layer-set" in r.stderr

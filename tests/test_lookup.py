@@ -1,6 +1,7 @@
 """Prompt-lookup drafting: the n-gram rule, and lossless output through verify/accept."""
 
 import pytest
+from hypothesis import given, settings, strategies as st
 import torch
 
 from conftest import tiny_model
@@ -49,3 +50,25 @@ def test_sampled_lookup_keeps_the_distribution():
 def test_unknown_drafter_is_refused():
     with pytest.raises(SwiftkernError, match="unknown drafter"):
         Generator(tiny_model("llama"), mode="self-spec", drafter="magic")
+
+
+def _slow_lookup(context, k, max_ngram, min_ngram):
+    """Reference: every earlier window equal to the last n tokens, for the longest n that has
+    one with a non-empty continuation; the latest such window's continuation."""
+    for n in range(max_ngram, min_ngram - 1, -1):
+        if n >= len(context):
+            continue
+        tail = tuple(context[-n:])
+        starts = [s for s in range(len(context) - n) if tuple(context[s:s + n]) == tail
+                  and s + n < len(context)]
+        if starts:
+            return context[max(starts) + n:max(starts) + n + k]
+    return []
+
+
+@settings(max_examples=300, deadline=None)
+@given(context=st.lists(st.integers(0, 4), min_size=1, max_size=40), k=st.integers(0, 8),
+       max_ngram=st.integers(1, 4), min_ngram=st.integers(1, 4))
+def test_lookup_matches_a_slow_reference(context, k, max_ngram, min_ngram):
+    expect = _slow_lookup(context, k, max_ngram, min_ngram) if k > 0 else []
+    assert lookup_draft(context, k, max_ngram=max_ngram, min_ngram=min_ngram) == expect

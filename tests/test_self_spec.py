@@ -26,7 +26,7 @@ def test_greedy_equals_ar_for_any_layer_set(arch, bits, k_max, eps, batched):
     if all(bits):
         bits[0] = False
     hf, ar = model(arch)
-    gen = Generator(hf, mode="self-spec", layer_set=LayerSet.from_bits(bits), k_max=k_max, eps=eps)
+    gen = Generator(hf, mode="self-spec", drafter="layer-skip", layer_set=LayerSet.from_bits(bits), k_max=k_max, eps=eps)
     if batched:
         assert gen.generate(PROMPTS, max_new_tokens=24, eos_token_id=[]).tokens == ar
     else:
@@ -36,7 +36,7 @@ def test_greedy_equals_ar_for_any_layer_set(arch, bits, k_max, eps, batched):
 def test_matches_hf_and_accepts_everything_with_the_empty_set():
     hf, ar = model("llama")
     assert ar[0] == hf_greedy(hf, PROMPTS[0], 24, eos_token_id=[])
-    out = Generator(hf, mode="self-spec", layer_set="none", k_max=6, eps=0.0).generate(
+    out = Generator(hf, mode="self-spec", drafter="layer-skip", layer_set="none", k_max=6, eps=0.0).generate(
         PROMPTS, max_new_tokens=24, eos_token_id=[])
     assert out.tokens == ar
     s = out.stats
@@ -47,7 +47,7 @@ def test_matches_hf_and_accepts_everything_with_the_empty_set():
 def test_eos_inside_an_accepted_run_and_max_new_tokens_are_exact():
     hf, ar = model("llama")
     eos = ar[0][5]
-    gen = Generator(hf, mode="self-spec", layer_set="none", k_max=8, eps=0.0)  # long accepted runs
+    gen = Generator(hf, mode="self-spec", drafter="layer-skip", layer_set="none", k_max=8, eps=0.0)  # long accepted runs
     out = gen.generate(PROMPTS, max_new_tokens=24, eos_token_id=eos)
     for row, full in zip(out.tokens, ar):
         assert row == (full[: full.index(eos) + 1] if eos in full else full)
@@ -57,7 +57,7 @@ def test_eos_inside_an_accepted_run_and_max_new_tokens_are_exact():
 
 def test_stats_count_drafts_and_verifies():
     hf, _ = model("llama")
-    s = Generator(hf, mode="self-spec", layer_set="attn:2|mlp:3", k_max=4, eps=0.0).generate(
+    s = Generator(hf, mode="self-spec", drafter="layer-skip", layer_set="attn:2|mlp:3", k_max=4, eps=0.0).generate(
         [PROMPTS[0]], max_new_tokens=20, eos_token_id=[]).stats
     assert 0 <= s["accepted"] <= s["drafted"] <= 4 * s["verify_steps"]
     assert s["mean_accepted"] == pytest.approx(s["accepted"] / s["verify_steps"])
@@ -83,7 +83,7 @@ def test_sampling_keeps_the_distribution(layer_set):
     sm = SkipModel.from_hf(hf)
     prompt, T, n = [5, 9, 11], 1.0, 3000
     expect = _two_token_marginal(sm, prompt, T)
-    gen = Generator(sm, mode="self-spec", layer_set=layer_set, k_max=3, eps=0.0)
+    gen = Generator(sm, mode="self-spec", drafter="layer-skip", layer_set=layer_set, k_max=3, eps=0.0)
     out = gen.generate([prompt] * n, max_new_tokens=2, do_sample=True, temperature=T,
                        seed=list(range(n)), eos_token_id=[])
     assert out.stats["drafted"] > 0 and 0 < out.stats["accepted"] < out.stats["drafted"]
@@ -96,7 +96,7 @@ def test_sampling_keeps_the_distribution(layer_set):
 
 def test_sampled_self_spec_is_seeded():
     hf, _ = model("llama")
-    gen = Generator(hf, mode="self-spec", layer_set="attn:2", k_max=4, eps=0.0)
+    gen = Generator(hf, mode="self-spec", drafter="layer-skip", layer_set="attn:2", k_max=4, eps=0.0)
     kw = dict(max_new_tokens=16, do_sample=True, temperature=0.9, top_p=0.95, eos_token_id=[])
     a = gen.generate(PROMPTS, seed=[1, 2, 3, 4], **kw).tokens
     assert gen.generate(PROMPTS, seed=[1, 2, 3, 4], **kw).tokens == a
@@ -106,18 +106,18 @@ def test_sampled_self_spec_is_seeded():
 def test_bad_configuration_is_refused():
     hf, _ = model("llama")
     with pytest.raises(SwiftkernError, match="needs a layer set"):
-        Generator(hf, mode="self-spec")
+        Generator(hf, mode="self-spec", drafter="layer-skip")
     with pytest.raises(SwiftkernError, match="for 4 layers, the model has 6"):
-        Generator(hf, mode="self-spec", layer_set=LayerSet(4))
+        Generator(hf, mode="self-spec", drafter="layer-skip", layer_set=LayerSet(4))
     with pytest.raises(SwiftkernError, match="k_max"):
-        Generator(hf, mode="self-spec", layer_set="none", k_max=0)
+        Generator(hf, mode="self-spec", drafter="layer-skip", layer_set="none", k_max=0)
     with pytest.raises(SwiftkernError, match="outside"):
-        Generator(hf, mode="self-spec", layer_set="attn:9")
+        Generator(hf, mode="self-spec", drafter="layer-skip", layer_set="attn:9")
 
 
 def test_per_request_stats_add_up():
     hf, _ = model("llama")
-    out = Generator(hf, mode="self-spec", layer_set="attn:2|mlp:3", k_max=4, eps=0.0).generate(
+    out = Generator(hf, mode="self-spec", drafter="layer-skip", layer_set="attn:2|mlp:3", k_max=4, eps=0.0).generate(
         PROMPTS, max_new_tokens=12, eos_token_id=[])
     for key in ("drafted", "accepted"):
         assert sum(r[key] for r in out.request_stats) == out.stats[key]
@@ -140,5 +140,5 @@ def test_adaptive_threshold_moves_toward_the_target_and_stays_lossless():
         policy.update(accepted=4, drafted=4)  # all accepted: lower eps, draft more
     assert policy.eps < high
     hf, ar = model("llama")
-    gen = Generator(hf, mode="self-spec", layer_set="attn:2|mlp:3", k_max=5, eps=0.2, adaptive_eps=True)
+    gen = Generator(hf, mode="self-spec", drafter="layer-skip", layer_set="attn:2|mlp:3", k_max=5, eps=0.2, adaptive_eps=True)
     assert gen.generate(PROMPTS, max_new_tokens=24, eos_token_id=[]).tokens == ar

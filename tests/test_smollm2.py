@@ -61,7 +61,7 @@ NINETY_PERCENT = "attn:1-28|mlp:1-27"  # 55 of 60 sub-layers skipped
 @pytest.mark.parametrize("layer_set", ["none", "attn:9,13,17,21|mlp:11,15,19", NINETY_PERCENT])
 def test_self_spec_greedy_matches_hf_batch_1_and_4(smollm2, references, layer_set):
     model, tok = smollm2
-    gen = Generator(model, tok, mode="self-spec", layer_set=layer_set, eps=0.6 if layer_set != "none" else 0.0)
+    gen = Generator(model, tok, mode="self-spec", drafter="layer-skip", layer_set=layer_set, eps=0.6 if layer_set != "none" else 0.0)
     assert gen.generate(PROMPTS[0], max_new_tokens=64).tokens[0] == references[1][0]
     out = gen.generate(PROMPTS[1:], max_new_tokens=64)
     assert out.tokens == references[1][1:]

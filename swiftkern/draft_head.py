@@ -1,0 +1,102 @@
+"""A pruned LM head for drafting: logits over a subset of the vocabulary.
+
+A draft step of a small model pays the whole LM head (SmolLM2-135M: 49152 x 576, 21 % of the
+model's bytes). The draft only needs tokens it is likely to propose: the tokens already in the
+prompt and output, plus the most frequent ones. The ranking of "most frequent" is the
+tokenizer's own: byte-level BPE vocabularies number tokens in merge order, and a merge is made
+earlier the more often its pair occurs, so low ids are the frequent tokens (on SmolLM2 the
+first 8192 ids cover 82 % of the tokens of English prose and Python). Verification always
+uses the full head, so the output does not depend on the subset: a draft outside it is simply
+never proposed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import SwiftkernError
+
+DEFAULT_DRAFT_VOCAB = 8192
+
+
+class DraftHead:
+    """The rows of the LM head for a growing set of token ids.
+
+    ``DraftHead(lm_head, bias, num_frequent, context_ids)``: lm_head [V, H]; bias [V] or None;
+    the subset starts as ids [0, num_frequent) plus ``context_ids`` and grows with ``add``.
+    ``head`` is the (weight [n, H], bias [n] or None) pair for ``SkipModel.forward(head=...)``;
+    ``ids`` (int64 [n]) maps a column of the pruned logits back to its token id.
+    """
+
+    def __init__(self, lm_head: torch.Tensor, bias: torch.Tensor | None, num_frequent: int = DEFAULT_DRAFT_VOCAB,
+                 context_ids=()):
+        V, H = lm_head.shape
+        if num_frequent < 1:
+            raise SwiftkernError(f"draft vocabulary must keep >= 1 frequent token, got {num_frequent}")
+        self.lm_head, self.bias = lm_head, bias
+        self.vocab_size = V
+        first = list(range(min(num_frequent, V)))
+        self._member = torch.zeros(V, dtype=torch.bool)  # host-side membership
+        self._member[: len(first)] = True
+        self._ids = first
+        self._capacity = 0
+        self._weight = None  # [capacity, H]; rows [0, n) are live
+        self._bias = None
+        self._grow(len(first) + 1024)
+        self._fill(0, first)
+        self.add(context_ids)
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def _grow(self, capacity: int) -> None:
+        w = self.lm_head.new_empty((capacity, self.lm_head.shape[1]))
+        b = self.bias.new_empty((capacity,)) if self.bias is not None else None
+        if self._weight is not None:
+            n = len(self._ids)
+            w[:n] = self._weight[:n]
+            if b is not None:
+                b[:n] = self._bias[:n]
+        self._weight, self._bias, self._capacity = w, b, capacity
+
+    def _fill(self, start: int, ids: list[int]) -> None:
+        index = torch.tensor(ids, dtype=torch.int64, device=self.lm_head.device)
+        self._weight[start:start + len(ids)] = self.lm_head.index_select(0, index)
+        if self._bias is not None:
+            self._bias[start:start + len(ids)] = self.bias.index_select(0, index)
+        self._ids_t = None
+
+    def add(self, token_ids) -> None:
+        """Add the ids not yet in the subset (out-of-range ids are refused)."""
+        new = []
+        for t in token_ids:
+            t = int(t)
+            if not 0 <= t < self.vocab_size:
+                raise SwiftkernError(f"draft head: token id {t} outside [0, {self.vocab_size})")
+            if not self._member[t]:
+                self._member[t] = True
+                new.append(t)
+        if not new:
+            return
+        n = len(self._ids)
+        if n + len(new) > self._capacity:
+            self._grow(2 * (n + len(new)))
+        self._fill(n, new)
+        self._ids.extend(new)
+
+    @property
+    def head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        n = len(self._ids)
+        return self._weight[:n], (self._bias[:n] if self._bias is not None else None)
+
+    @property
+    def ids(self) -> torch.Tensor:
+        if self._ids_t is None:
+            self._ids_t = torch.tensor(self._ids, dtype=torch.int64, device=self.lm_head.device)
+        return self._ids_t
+
+    def to_full(self, pruned: torch.Tensor, fill: float = float("-inf")) -> torch.Tensor:
+        """Scatter pruned values [..., n] into full-vocabulary ones [..., V] (``fill`` elsewhere)."""
+        full = pruned.new_full((*pruned.shape[:-1], self.vocab_size), fill)
+        full.index_copy_(-1, self.ids, pruned)
+        return full

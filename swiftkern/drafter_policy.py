@@ -1,0 +1,187 @@
+"""Which drafter a row uses at each step, and how many drafts, from measured cost and acceptance.
+
+A step of row b drafts k tokens with drafter d, then verifies k+1 positions in one forward.
+With a per-draft acceptance probability a (drafts are accepted left to right until the first
+miss), the step emits E(k) = 1 + a + ... + a^k = (1 - a^(k+1)) / (1 - a) tokens and costs
+k * c_d + c_verify(k+1) seconds (c_d = 0 for prompt lookup). The policy picks the drafter and
+k with the most expected tokens per second; "none" (k = 0) emits one token for c_verify(1),
+which is plain decoding.
+
+Costs are measured while generating (``ForwardCosts``); acceptance is the maximum-likelihood
+a of a truncated geometric model, accepted / (accepted + misses), counted with a decay so it
+follows the text (``Acceptance``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DRAFTERS = ("auto", "layer-skip", "lookup", "none")
+
+
+def expected_tokens(a: float, k: int) -> float:
+    """E[tokens emitted] by a step with k drafts of acceptance a: sum_{i=0..k} a^i."""
+    if a >= 1.0:
+        return float(k + 1)
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+@dataclass
+class ForwardCosts:
+    """Seconds of one full-model forward of T tokens per row (the verify pass), and of one
+    layer-skipped draft forward, as running means (decay ``decay`` per new sample).
+
+    verify(T) interpolates linearly between measured T; outside them it extends the line
+    through the measured points (or, with one point, grows by ``prior_slope`` of verify(1)
+    per extra token, which is what a compute-light decode step looks like)."""
+
+    decay: float = 0.8
+    prior_slope: float = 0.15
+    _verify: dict = field(default_factory=dict)  # T -> running mean seconds
+    draft: float | None = None
+
+    def _mix(self, old: float | None, new: float) -> float:
+        return new if old is None else self.decay * old + (1 - self.decay) * new
+
+    def add_verify(self, T: int, seconds: float) -> None:
+        self._verify[T] = self._mix(self._verify.get(T), seconds)
+
+    def add_draft(self, seconds_per_forward: float) -> None:
+        self.draft = self._mix(self.draft, seconds_per_forward)
+
+    def known(self) -> bool:
+        return bool(self._verify)
+
+    def verify(self, T: int) -> float:
+        pts = sorted(self._verify.items())
+        if not pts:
+            raise ValueError("no verify cost measured yet")
+        if T in self._verify:
+            return self._verify[T]
+        if len(pts) == 1:
+            t0, c0 = pts[0]
+            base = c0 / (1 + self.prior_slope * (t0 - 1))
+            return base * (1 + self.prior_slope * (T - 1))
+        lo = [p for p in pts if p[0] < T]
+        hi = [p for p in pts if p[0] > T]
+        (t0, c0), (t1, c1) = (lo[-1], hi[0]) if lo and hi else (pts[-2], pts[-1]) if lo else (pts[0], pts[1])
+        return max(c0 + (c1 - c0) * (T - t0) / (t1 - t0), 1e-9)
+
+
+@dataclass
+class Acceptance:
+    """Per-draft acceptance a of one drafter on one row: accepted / (accepted + misses),
+    both counts decayed by ``decay`` per verify, starting from ``prior`` worth ``prior_weight``
+    observations. A verify of n drafts with m accepted adds m accepted and a miss if m < n."""
+
+    prior: float = 0.5
+    prior_weight: float = 2.0
+    decay: float = 0.9
+    accepted: float = field(default=0.0)
+    misses: float = field(default=0.0)
+
+    def __post_init__(self):
+        self.accepted = self.prior * self.prior_weight
+        self.misses = (1 - self.prior) * self.prior_weight
+
+    def update(self, num_draft: int, num_accepted: int) -> None:
+        if num_draft == 0:
+            return
+        self.accepted = self.decay * self.accepted + num_accepted
+        self.misses = self.decay * self.misses + (1.0 if num_accepted < num_draft else 0.0)
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / (self.accepted + self.misses)
+
+
+@dataclass
+class Choice:
+    drafter: str  # "layer-skip" | "lookup" | "none"
+    k: int  # drafts to use (for layer-skip: the most; confidence may stop earlier)
+    tokens_per_s: float  # the expected rate that won
+
+
+class DrafterPolicy:
+    """Chooses per row and step among prompt lookup, the layer-skipped model and no draft.
+
+    ``allowed``: the drafters it may pick ("none" always); ``k_max``: most drafts per step.
+    Call ``choose(row, lookup_len, budget)`` before a step and ``observe(row, drafter,
+    num_draft, num_accepted)`` after it; the generation loop feeds ``costs``.
+    Exploration: a drafter that has not been used for ``explore_every`` steps of a row is
+    valued at its prior again, so a stale low estimate is re-tested now and then.
+
+    ``measure=False`` keeps the costs at a fixed model (verify(T) = 1 + 0.15 (T - 1), a draft
+    forward 0.5) instead of timing: choices then depend only on the drafts' acceptance, which
+    is what seeded sampling needs to give the same tokens on every run (timings vary).
+    """
+
+    def __init__(self, allowed: tuple[str, ...], k_max: int, explore_every: int = 32,
+                 lookup_prior: float = 0.6, skip_prior: float = 0.6, measure: bool = True):
+        self.allowed = tuple(allowed)
+        self.k_max = k_max
+        self.explore_every = explore_every
+        self.priors = {"lookup": lookup_prior, "layer-skip": skip_prior}
+        self.costs = ForwardCosts()
+        self.measure = measure
+        if not measure:
+            self.costs.add_verify(1, 1.0)
+            self.costs.add_draft(0.5)
+        self._acc: dict = {}  # (row, drafter) -> Acceptance
+        self._idle: dict = {}  # (row, drafter) -> steps since last used
+        self.mean_draft_len = {"layer-skip": float(k_max)}  # drafts a confident run yields
+
+    def record_verify(self, T: int, seconds: float) -> None:
+        if self.measure:
+            self.costs.add_verify(T, seconds)
+
+    def record_draft(self, seconds_per_forward: float) -> None:
+        if self.measure:
+            self.costs.add_draft(seconds_per_forward)
+
+    def acceptance(self, row: int, drafter: str) -> Acceptance:
+        key = (row, drafter)
+        if key not in self._acc or self._idle.get(key, 0) >= self.explore_every:
+            self._acc[key] = Acceptance(prior=self.priors[drafter])
+            self._idle[key] = 0
+        return self._acc[key]
+
+    def _best_k(self, a: float, k_limit: int, draft_cost: float) -> tuple[int, float]:
+        best_k, best = 0, 1.0 / self.costs.verify(1)
+        for k in range(1, k_limit + 1):
+            rate = expected_tokens(a, k) / (k * draft_cost + self.costs.verify(k + 1))
+            if rate > best:
+                best_k, best = k, rate
+        return best_k, best
+
+    def choose(self, row: int, lookup_len: int, budget: int) -> Choice:
+        """The drafter and number of drafts for ``row`` this step. lookup_len: drafts prompt
+        lookup has for it (0 = no match); budget: most drafts the row may still use."""
+        if budget <= 0 or not self.costs.known():
+            # nothing measured yet: the first step is a plain one that measures verify(1)
+            return Choice("none", 0, 0.0)
+        best = Choice("none", 0, 1.0 / self.costs.verify(1))
+        if "lookup" in self.allowed and lookup_len > 0:
+            a = self.acceptance(row, "lookup").rate
+            k, rate = self._best_k(a, min(lookup_len, budget, self.k_max), 0.0)
+            if k > 0 and rate > best.tokens_per_s:
+                best = Choice("lookup", k, rate)
+        if "layer-skip" in self.allowed:
+            a = self.acceptance(row, "layer-skip").rate
+            draft_cost = self.costs.draft if self.costs.draft is not None else 0.5 * self.costs.verify(1)
+            limit = min(budget, self.k_max, max(1, round(self.mean_draft_len["layer-skip"])))
+            k, rate = self._best_k(a, limit, draft_cost)
+            if k > 0 and rate > best.tokens_per_s:
+                best = Choice("layer-skip", min(budget, self.k_max), rate)
+        return best
+
+    def observe(self, row: int, drafter: str, num_draft: int, num_accepted: int) -> None:
+        """Record a verified step of ``row`` that used ``drafter`` (any of them)."""
+        for d in ("lookup", "layer-skip"):
+            key = (row, d)
+            self._idle[key] = 0 if d == drafter else self._idle.get(key, 0) + 1
+        if drafter in self.priors:
+            self.acceptance(row, drafter).update(num_draft, num_accepted)
+        if drafter == "layer-skip" and num_draft > 0:
+            m = self.mean_draft_len["layer-skip"]
+            self.mean_draft_len["layer-skip"] = 0.8 * m + 0.2 * num_draft

@@ -1,0 +1,76 @@
+"""Pruned draft LM head: logits equal the full head's restricted to the subset; drafting with
+it stays lossless (greedy == ar, sampled distribution kept)."""
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from swiftkern import Generator, SkipModel, SwiftkernError
+from swiftkern.draft_head import DraftHead
+from test_self_spec import _two_token_marginal
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [200]]
+
+
+def test_subset_grows_without_duplicates_and_maps_back():
+    w = torch.randn(50, 8)
+    head = DraftHead(w, None, num_frequent=10, context_ids=[3, 40, 41, 40])
+    assert head.ids.tolist() == list(range(10)) + [40, 41]
+    head.add([41, 7, 49] + list(range(20, 40)))  # 41 and 7 are members already
+    assert head.ids.tolist() == list(range(10)) + [40, 41, 49] + list(range(20, 40))
+    weight, bias = head.head
+    assert bias is None and torch.equal(weight, w[head.ids])
+    full = head.to_full(torch.arange(len(head), dtype=torch.float32))
+    assert full[49] == 12 and full[10] == float("-inf") and full[3] == 3
+    with pytest.raises(SwiftkernError, match="outside"):
+        head.add([50])
+
+
+def test_capacity_growth_keeps_rows_and_bias():
+    w, b = torch.randn(3000, 4), torch.randn(3000)
+    head = DraftHead(w, b, num_frequent=5)
+    head.add(range(100, 2900))  # forces a regrow of the row buffer
+    weight, bias = head.head
+    assert torch.equal(weight, w[head.ids]) and torch.equal(bias, b[head.ids])
+
+
+def test_pruned_logits_are_the_full_logits_restricted():
+    sm = SkipModel.from_hf(tiny_model("llama", num_hidden_layers=3))
+    head = DraftHead(sm.lm_head, sm.lm_head_bias, num_frequent=40, context_ids=[200, 250, 7])
+    tokens = torch.tensor([[5, 6, 7, 250], [9, 200, 3, 1]])
+    full = sm.forward(tokens, sm.new_cache(2, 8))  # [2, 4, V]
+    pruned = sm.forward(tokens, sm.new_cache(2, 8), head=head.head)  # [2, 4, n]
+    torch.testing.assert_close(pruned, full[..., head.ids], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("draft_vocab", [1, 30, 150])
+@pytest.mark.parametrize("drafter", ["layer-skip", "auto"])
+def test_greedy_with_a_pruned_head_equals_ar(draft_vocab, drafter):
+    hf = tiny_model("llama", num_hidden_layers=6)
+    ar = Generator(hf).generate(PROMPTS, max_new_tokens=20, eos_token_id=[]).tokens
+    gen = Generator(hf, mode="self-spec", drafter=drafter, layer_set="attn:2|mlp:3", k_max=5, eps=0.0,
+                    draft_vocab=draft_vocab)
+    out = gen.generate(PROMPTS, max_new_tokens=20, eos_token_id=[])
+    assert out.tokens == ar
+    if drafter == "layer-skip":
+        assert out.stats["drafted"] > 0
+
+
+def test_sampling_with_a_pruned_head_keeps_the_distribution():
+    V = 48
+    hf = tiny_model("llama", num_hidden_layers=6, vocab_size=V)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(0.06)
+    sm = SkipModel.from_hf(hf)
+    prompt, n = [5, 9, 11], 3000
+    expect = _two_token_marginal(sm, prompt, 1.0)
+    # the draft sees 20 of 48 tokens: its q is zero elsewhere, the target must still be exact
+    gen = Generator(sm, mode="self-spec", drafter="layer-skip", layer_set="attn:1-3|mlp:2", k_max=3, eps=0.0,
+                    draft_vocab=17)
+    out = gen.generate([prompt] * n, max_new_tokens=2, do_sample=True, seed=list(range(n)), eos_token_id=[])
+    assert out.stats["drafted"] > 0 and 0 < out.stats["accepted"] < out.stats["drafted"]
+    counts = torch.bincount(torch.tensor([t[1] for t in out.tokens]), minlength=V).double()
+    exp = expect * n
+    chi2 = float(((counts - exp) ** 2 / exp).sum())
+    dof = V - 1
+    assert chi2 < dof + 4.5 * (2 * dof) ** 0.5 + 10, chi2
