@@ -1,14 +1,22 @@
 """The kernels of swiftkern, one function per op; the only module that imports kernels.
 
-Each op is a ``torch.ops.swiftkern.<op>`` custom op with a fake (meta) impl, so it works under
-``torch.compile``. Per device the op runs the compiled kernel of ``swiftkern._C`` when the
-extension has one (``cpp`` on CPU, ``cuda`` on GPU) and otherwise ``swiftkern/reference.py``
-registered for that device. Ops that have no kernel yet are the reference functions themselves.
-``backend_info()`` says which is in use; nothing falls back silently.
+Every op exists in two custom-op namespaces, each with a fake (meta) impl for torch.compile:
+``torch.ops.swiftkern.<op>`` runs the compiled kernel of ``swiftkern._C`` when the extension
+has one for the device (``cpp`` on CPU, ``cuda`` on GPU) and otherwise the function of the same
+name in ``swiftkern/reference.py``; ``torch.ops.swiftkern_triton.<op>`` runs the Triton kernel
+of ``swiftkern.triton_kernels`` (CUDA; also CPU tensors under ``TRITON_INTERPRET=1``), and is
+imported lazily, so ``import swiftkern`` never imports triton.
 
-``SWIFTKERN_BACKEND`` (read at import; ``set_backend`` changes it later) picks what the public
-wrappers call: ``auto`` (default) the registered op, ``reference`` the reference functions
-directly, ``cpp`` the registered op but an error when swiftkern._C was not built.
+The public wrappers below validate their inputs (SwiftkernError saying what is wrong) and run
+the backend chosen by ``SWIFTKERN_BACKEND`` (read at import; ``set_backend`` changes it):
+
+  auto       CPU: cpp when built for the op, else reference. CUDA: cuda when built for the op,
+             else triton when available for the op, else reference.
+  reference  the reference functions, everywhere.
+  cpp | triton | cuda   that backend for every op and device; an op or device it does not
+             cover raises SwiftkernError (never a silent fallback).
+
+``backend_info()`` (and ``swiftkern info``) shows per op and device what runs and what is built.
 """
 
 from __future__ import annotations
@@ -24,23 +32,26 @@ import torch
 from . import reference
 from .errors import SwiftkernError
 
-# ops without kernels yet: the reference functions (same signatures)
-rms_norm = reference.rms_norm
-fused_add_rms_norm = reference.fused_add_rms_norm
-silu_mul = reference.silu_mul
 apply_rope = reference.apply_rope
-rope_kv_append = reference.rope_kv_append
 attention_mask = reference.attention_mask
-verify_attention = reference.verify_attention
 
 _SCHEMAS = {
     "greedy_accept": "(Tensor draft_tokens, Tensor target_logits, Tensor num_draft) -> (Tensor, Tensor)",
     "skinny_linear": "(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
     "rejection_sample": ("(Tensor draft_tokens, Tensor? draft_probs, Tensor target_probs, Tensor num_draft, "
                          "Tensor u_accept, Tensor u_sample) -> (Tensor, Tensor)"),
+    "rms_norm": "(Tensor x, Tensor weight, float eps) -> Tensor",
+    "fused_add_rms_norm": "(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)",
+    "silu_mul": "(Tensor gate, Tensor up) -> Tensor",
+    "rope_kv_append": ("(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
+                       "Tensor(b!) v_cache, Tensor positions) -> Tensor"),
+    "verify_attention": "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_lens, float scale) -> Tensor",
+    "kv_compact": ("(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor src_positions, Tensor dst_start, "
+                   "Tensor counts) -> ()"),
 }
-_BACKENDS = ("auto", "reference", "cpp")
+_BACKENDS = ("auto", "reference", "cpp", "triton", "cuda")
 _LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FLOAT_DTYPES = _LOGIT_DTYPES
 
 try:  # importing it registers the schemas and the compiled kernels in torch.ops.swiftkern
     _C = importlib.import_module(__package__ + "._C")
@@ -86,6 +97,8 @@ def _register(name: str, ref_fn, fake_fn) -> dict:
     return used
 
 
+# fake impls of torch.ops.swiftkern.<op>: the layouts of the reference and compiled kernels
+
 def _greedy_accept_fake(draft_tokens, target_logits, num_draft):
     B, K = draft_tokens.shape
     return (draft_tokens.new_empty((B, K + 1), dtype=torch.int64),
@@ -102,17 +115,74 @@ def _rejection_sample_fake(draft_tokens, draft_probs, target_probs, num_draft, u
             num_draft.new_empty((B,), dtype=torch.int32))
 
 
-_OPS = {"greedy_accept": _register("greedy_accept", reference.greedy_accept, _greedy_accept_fake),
-        "skinny_linear": _register("skinny_linear", reference.skinny_linear, _skinny_linear_fake),
-        "rejection_sample": _register("rejection_sample", reference.rejection_sample, _rejection_sample_fake)}
-for _name in ("rms_norm", "fused_add_rms_norm", "silu_mul", "rope_kv_append", "verify_attention"):
-    _OPS[_name] = {"cpu": "reference", "cuda": "reference"}
+def _rms_norm_fake(x, weight, eps):
+    return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+
+
+def _fused_add_rms_norm_fake(x, residual, weight, eps):
+    return _rms_norm_fake(x, weight, eps), torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _silu_mul_fake(gate, up):
+    return torch.empty_like(gate, memory_format=torch.contiguous_format)
+
+
+def _rope_kv_append_fake(q, k, v, cos, sin, k_cache, v_cache, positions):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def _verify_attention_fake(q, k_cache, v_cache, cache_lens, scale):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def _kv_compact_fake(k_cache, v_cache, src_positions, dst_start, counts):
+    return None
+
+
+# op -> {"cpu": "cpp" | "reference", "cuda": "cuda" | "reference"}: what torch.ops.swiftkern runs
+_OPS = {name: _register(name, getattr(reference, name), globals()[f"_{name}_fake"]) for name in _SCHEMAS}
+
+
+# ------------------------------------------------------------------------- Triton (lazy)
+
+_TRITON = {"loaded": False, "error": None}
+
+
+def _triton_ops(device_type: str) -> set:
+    """Ops with a Triton kernel for this device type; imports swiftkern.triton_kernels (and
+    triton) on first use and remembers why that failed, if it did."""
+    if not _TRITON["loaded"]:
+        _TRITON["loaded"] = True
+        try:
+            importlib.import_module(__package__ + ".triton_kernels")
+        except Exception as e:  # ImportError without triton; anything a broken triton raises
+            _TRITON["error"] = f"{type(e).__name__}: {e}"
+    if _TRITON["error"] is not None:
+        return set()
+    from .triton_kernels import registered
+    return registered(device_type)
+
+
+def _triton_status() -> str:
+    _triton_ops("cuda")
+    if _TRITON["error"] is not None:
+        return f"not available ({_TRITON['error']})"
+    from .triton_kernels import interpreting
+    version = sys.modules["triton"].__version__
+    return f"{version} (TRITON_INTERPRET=1: kernels also run on CPU tensors)" if interpreting() else version
+
+
+# ------------------------------------------------------------------------- backend choice
+
+_RESOLVED: dict = {}  # (op, device type) -> backend, for the current SWIFTKERN_BACKEND
 
 
 def set_backend(name: str) -> None:
-    """Choose what the public wrappers call: 'auto', 'reference' or 'cpp' (see module doc)."""
+    """Choose the backend of the public wrappers: auto | reference | cpp | triton | cuda (see
+    the module doc). An unknown name is refused at the next op call."""
     global _BACKEND
     _BACKEND = name
+    _RESOLVED.clear()
 
 
 set_backend(os.environ.get("SWIFTKERN_BACKEND", "auto").strip().lower() or "auto")
@@ -121,26 +191,150 @@ set_backend(os.environ.get("SWIFTKERN_BACKEND", "auto").strip().lower() or "auto
 def _backend() -> str:
     if _BACKEND not in _BACKENDS:
         raise SwiftkernError(f"SWIFTKERN_BACKEND must be one of {', '.join(_BACKENDS)}, got {_BACKEND!r}")
-    if _BACKEND == "cpp" and _C is None:
-        raise SwiftkernError(f"SWIFTKERN_BACKEND=cpp but the extension is {_EXTENSION}; "
-                             "unset it or set it to auto to use the reference ops")
     return _BACKEND
 
 
-def backend_info() -> dict:
-    """{"extension": "built (cpu)" | "built (cpu+cuda)" | "not built: <reason>",
-    "build": swiftkern._C.build_info() or None, "swiftkern_backend": auto|reference|cpp,
-    "ops": {op: {"cpu": "cpp" | "reference", "cuda": "cuda" | "reference"}}}.
+def _unavailable(op: str, device_type: str, backend: str) -> str | None:
+    """Why ``backend`` cannot run ``op`` on ``device_type`` tensors, or None when it can."""
+    hint = "; set SWIFTKERN_BACKEND to auto (or reference)"
+    if backend == "cpp":
+        if device_type != "cpu":
+            return f"cpp is the CPU backend, not for {device_type} tensors{hint}"
+        if _C is None:
+            return f"the extension is {_EXTENSION}{hint}"
+        if _OPS.get(op, {}).get("cpu") != "cpp":
+            return f"swiftkern._C has no C++ CPU kernel for {op}{hint}"
+    elif backend == "cuda":
+        if device_type != "cuda":
+            return f"cuda is the GPU backend, not for {device_type} tensors{hint}"
+        if _OPS.get(op, {}).get("cuda") != "cuda":
+            return (f"swiftkern._C has no CUDA kernel for {op} (extension {_EXTENSION}); build it with a "
+                    f"CUDA torch and nvcc{hint}")
+    elif backend == "triton":
+        if op not in _triton_ops(device_type):
+            if _TRITON["error"] is not None:
+                return f"swiftkern.triton_kernels cannot be imported ({_TRITON['error']}){hint}"
+            if device_type == "cpu":
+                return ("Triton kernels run on CPU tensors only under TRITON_INTERPRET=1, set before "
+                        f"triton is first imported{hint}")
+            return f"there is no Triton kernel for {op} on {device_type}{hint}"
+    return None
 
-    With SWIFTKERN_BACKEND=reference every op reports "reference" (the wrappers bypass the
-    kernels)."""
-    forced = _BACKEND == "reference"
-    ops = {op: {dev: "reference" if forced else b for dev, b in devs.items()} for op, devs in _OPS.items()}
-    return {"extension": _EXTENSION, "build": _C.build_info() if _C is not None else None,
-            "swiftkern_backend": _BACKEND, "ops": ops}
+
+def _resolve(op: str, device_type: str) -> str:
+    """The backend that runs ``op`` on ``device_type`` tensors now: reference | cpp | cuda |
+    triton. Raises SwiftkernError when a forced backend cannot."""
+    key = (op, device_type)
+    hit = _RESOLVED.get(key)
+    if hit is not None:
+        return hit
+    backend = _backend()
+    if backend == "auto":
+        compiled = _OPS.get(op, {}).get(device_type, "reference")
+        if compiled != "reference":
+            backend = compiled
+        elif device_type == "cuda" and op in _triton_ops("cuda"):
+            backend = "triton"
+        else:
+            backend = "reference"
+    elif backend != "reference":
+        why = _unavailable(op, device_type, backend)
+        if why is not None:
+            raise SwiftkernError(f"{op}: SWIFTKERN_BACKEND={backend} cannot run on {device_type}: {why}")
+    _RESOLVED[key] = backend
+    return backend
+
+
+def backend_for(op: str, device) -> str:
+    """The backend ``op`` runs with on tensors of ``device`` (a torch.device or 'cpu'/'cuda'):
+    'reference', 'cpp', 'cuda' or 'triton'. Raises SwiftkernError when a forced backend cannot."""
+    return _resolve(op, torch.device(device).type)
+
+
+def _run(op: str, device: torch.device, *args, **hints):
+    """Run ``op`` with the backend for ``device``; reference functions also get the hints."""
+    backend = _resolve(op, device.type)
+    if backend == "reference":
+        return getattr(reference, op)(*args, **hints)
+    if backend == "triton":
+        return getattr(torch.ops.swiftkern_triton, op)(*args)
+    return getattr(torch.ops.swiftkern, op)(*args)
+
+
+def backend_info() -> dict:
+    """What runs where. {"extension": "built (cpu)" | "built (cpu+cuda)" | "not built: <reason>",
+    "build": swiftkern._C.build_info() or None, "triton": version or "not available (<why>)",
+    "swiftkern_backend": auto | reference | cpp | triton | cuda,
+    "ops": {op: {"cpu": backend, "cuda": backend}} with backend reference | cpp | cuda | triton, or
+    "unavailable: <why>" for a forced backend that cannot run there,
+    "kernels": {op: {"cpu": [...], "cuda": [...]}} the backends built for each op and device}.
+    """
+    triton = _triton_status()
+    ops, kernels = {}, {}
+    for op in _SCHEMAS:
+        ops[op], kernels[op] = {}, {}
+        for dev in ("cpu", "cuda"):
+            try:
+                ops[op][dev] = _resolve(op, dev)
+            except SwiftkernError as e:
+                ops[op][dev] = "unavailable: " + str(e).split(": ", 2)[-1]
+            built = ["reference"] + [b for b in ("cpp", "cuda") if _OPS[op][dev] == b]
+            built += ["triton"] if op in _triton_ops(dev) else []
+            kernels[op][dev] = built
+    return {"extension": _EXTENSION, "build": _C.build_info() if _C is not None else None, "triton": triton,
+            "swiftkern_backend": _BACKEND, "ops": ops, "kernels": kernels}
 
 
 info = backend_info
+
+
+# ------------------------------------------------------------------------- input checks
+
+def _is_tensor(op: str, **tensors) -> None:
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise SwiftkernError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def _one_device(op: str, **tensors) -> torch.device:
+    devices = {name: t.device for name, t in tensors.items()}
+    if len(set(devices.values())) > 1:
+        raise SwiftkernError(f"{op}: all inputs must be on one device, got "
+                             + ", ".join(f"{n} on {d}" for n, d in devices.items()))
+    return next(iter(devices.values()))
+
+
+def _float(op: str, **tensors) -> None:
+    for name, t in tensors.items():
+        if t.dtype not in _FLOAT_DTYPES:
+            raise SwiftkernError(f"{op}: {name} must be float32, bfloat16 or float16, got {t.dtype}")
+
+
+def _same_dtype(op: str, **tensors) -> None:
+    dtypes = {name: t.dtype for name, t in tensors.items()}
+    if len(set(dtypes.values())) > 1:
+        raise SwiftkernError(f"{op}: inputs must share one dtype, got "
+                             + ", ".join(f"{n} {d}" for n, d in dtypes.items()))
+
+
+def _shape(op: str, name: str, t: torch.Tensor, want: tuple, text: str) -> None:
+    """want: a tuple of ints (None matches any size)."""
+    if t.dim() != len(want) or any(w is not None and s != w for s, w in zip(t.shape, want)):
+        raise SwiftkernError(f"{op}: {name} must be {text}, got shape {tuple(t.shape)}")
+
+
+def _checking_values() -> bool:
+    """Value checks need the data on the host: skipped while torch.compile traces."""
+    return not torch.compiler.is_compiling()
+
+
+def _range(op: str, name: str, t: torch.Tensor, lo: int, hi: int, what: str) -> None:
+    """Raise unless every element of t is in [lo, hi] (one reduction, one sync)."""
+    if t.numel() == 0 or not _checking_values():
+        return
+    mn, mx = (int(v) for v in torch.aminmax(t))
+    if mn < lo or mx > hi:
+        raise SwiftkernError(f"{op}: {name} must be in [{lo}, {hi}] ({what}), got min {mn}, max {mx}")
 
 
 def _check_num_draft(op: str, num_draft: torch.Tensor, K: int) -> int | None:
@@ -177,7 +371,7 @@ def greedy_accept(
     before it was accepted, j < num_draft[b] and draft_tokens[b, j] equals the target token
     at position j. Inputs must share one device. Raises SwiftkernError on a bad shape, dtype,
     device or num_draft value (the value check is skipped while torch.compile traces).
-    Runs ``torch.ops.swiftkern.greedy_accept``: see ``backend_info()`` for the kernel in use.
+    Runs the backend of ``backend_for("greedy_accept", device)`` (see the module doc).
     """
     tensors = {"draft_tokens": draft_tokens, "target_logits": target_logits, "num_draft": num_draft}
     for arg, t in tensors.items():
@@ -214,9 +408,7 @@ def greedy_accept(
     num_draft = num_draft.to(torch.int32)
     if target_logits.stride(-1) != 1:
         target_logits = target_logits.contiguous()
-    if _backend() == "reference":
-        return reference.greedy_accept(draft_tokens, target_logits, num_draft)
-    return torch.ops.swiftkern.greedy_accept(draft_tokens, target_logits, num_draft)
+    return _run("greedy_accept", draft_tokens.device, draft_tokens, target_logits, num_draft)
 
 
 def rejection_sample(
@@ -253,8 +445,7 @@ def rejection_sample(
     bfloat16/float16 probabilities are converted to float32 first. Inputs share one device,
     except an empty u_accept (K = 0), which may be anywhere. Raises SwiftkernError on a bad
     shape, dtype, device, num_draft or draft token value (value checks are skipped while
-    torch.compile traces). Runs ``torch.ops.swiftkern.rejection_sample`` (see
-    ``backend_info()``), or ``reference.rejection_sample`` with SWIFTKERN_BACKEND=reference.
+    torch.compile traces). Runs the backend of ``backend_for("rejection_sample", device)``.
     """
     def bad(msg):
         return SwiftkernError(f"rejection_sample: {msg}")
@@ -318,9 +509,230 @@ def rejection_sample(
         if draft_probs.stride(-1) != 1:
             draft_probs = draft_probs.contiguous()
     args = (draft_tokens, draft_probs, target_probs, num_draft, u_accept, u_sample)
-    if _backend() == "reference":
-        return reference.rejection_sample(*args)
-    return torch.ops.swiftkern.rejection_sample(*args)
+    return _run("rejection_sample", draft_tokens.device, *args)
+
+
+
+
+# ------------------------------------------------------------------------- decoder-layer ops
+
+def _norm_args(op: str, x, weight, eps, residual=None) -> None:
+    tensors = {"x": x, "weight": weight} if residual is None else {"x": x, "residual": residual, "weight": weight}
+    _is_tensor(op, **tensors)
+    _one_device(op, **tensors)
+    _float(op, **tensors)
+    _same_dtype(op, **tensors)
+    if x.dim() < 1 or x.shape[-1] < 1:
+        raise SwiftkernError(f"{op}: x must be [..., H] with H >= 1, got shape {tuple(x.shape)}")
+    _shape(op, "weight", weight, (x.shape[-1],), f"[H] = [{x.shape[-1]}]")
+    if residual is not None and residual.shape != x.shape:
+        raise SwiftkernError(f"{op}: residual must have the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}")
+    if not isinstance(eps, (int, float)) or not eps >= 0:
+        raise SwiftkernError(f"{op}: eps must be a float >= 0, got {eps!r}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as HF LlamaRMSNorm: weight * (x * rsqrt(mean(x^2) + eps)).
+
+    Args:
+        x: float32 | bfloat16 | float16 [..., H], H >= 1.
+        weight: [H], the dtype of x.
+        eps: float >= 0.
+
+    Returns [..., H] in x's dtype. The mean of squares is taken in float32 and the normalized
+    row is rounded to x's dtype before the weight multiplies it (``reference.rms_norm``).
+    Runs the backend of ``backend_for("rms_norm", x.device)``.
+    """
+    _norm_args("rms_norm", x, weight, eps)
+    return _run("rms_norm", x.device, x, weight, float(eps))
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the RMSNorm of the next sub-layer in one pass.
+
+    Args:
+        x: float32 | bfloat16 | float16 [..., H], a sub-layer's output.
+        residual: [..., H], the residual stream (same dtype); not modified.
+        weight: [H], the next sub-layer's norm weight; eps: float >= 0.
+
+    Returns (normed, new_residual), both [..., H]: new_residual = residual + x rounded to the
+    dtype, normed = rms_norm(new_residual, weight, eps). The model runner uses it to fold the
+    add of every kept sub-layer into the norm of the next kept one, so skipped sub-layers cost
+    no pass over the hidden state. Runs ``backend_for("fused_add_rms_norm", x.device)``.
+    """
+    _norm_args("fused_add_rms_norm", x, weight, eps, residual)
+    return _run("fused_add_rms_norm", x.device, x, residual, weight, float(eps))
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU activation silu(gate) * up.
+
+    gate, up: float32 | bfloat16 | float16 [..., I], one shape, dtype and device -> [..., I].
+    silu(gate) is rounded to the dtype before the product (``reference.silu_mul``).
+    Runs ``backend_for("silu_mul", gate.device)``.
+    """
+    op = "silu_mul"
+    _is_tensor(op, gate=gate, up=up)
+    _one_device(op, gate=gate, up=up)
+    _float(op, gate=gate, up=up)
+    _same_dtype(op, gate=gate, up=up)
+    if gate.shape != up.shape:
+        raise SwiftkernError(f"{op}: gate and up must have one shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
+    return _run(op, gate.device, gate, up)
+
+
+def rope_kv_append(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor, uniform_start: int | None = None,
+) -> torch.Tensor:
+    """Rotary embedding of q and k (HF rotate-half convention), and k, v written into the cache.
+
+    Args:
+        q: [B, Hq, T, D]; k, v: [B, Hkv, T, D]; cos, sin: [B, T, D]; all one float dtype, D even.
+            Any strides (the model passes transposed views of the projections).
+        k_cache, v_cache: [B, Hkv, S, D], a float dtype; written in place: row b's token t goes
+            to position positions[b, t].
+        positions: int64 [B, T], each in [0, S).
+        uniform_start: host-side hint that every row's positions are uniform_start + [0, T)
+            (then only uniform_start is range-checked, without a device sync; the reference
+            writes a slice).
+
+    Returns the rotated q [B, Hq, T, D]. Runs ``backend_for("rope_kv_append", q.device)``.
+    """
+    op = "rope_kv_append"
+    tensors = dict(q=q, k=k, v=v, cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache, positions=positions)
+    _is_tensor(op, **tensors)
+    device = _one_device(op, **tensors)
+    _shape(op, "q", q, (None, None, None, None), "4-D [B, Hq, T, D]")
+    B, Hq, T, D = q.shape
+    _shape(op, "k", k, (B, None, T, D), f"[B, Hkv, T, D] = [{B}, Hkv, {T}, {D}]")
+    Hkv = k.shape[1]
+    _shape(op, "v", v, (B, Hkv, T, D), f"[B, Hkv, T, D] = [{B}, {Hkv}, {T}, {D}]")
+    for name in ("cos", "sin"):
+        _shape(op, name, tensors[name], (B, T, D), f"[B, T, D] = [{B}, {T}, {D}]")
+    _shape(op, "k_cache", k_cache, (B, Hkv, None, D), f"[B, Hkv, S, D] = [{B}, {Hkv}, S, {D}]")
+    _shape(op, "v_cache", v_cache, tuple(k_cache.shape), f"the shape of k_cache {tuple(k_cache.shape)}")
+    _shape(op, "positions", positions, (B, T), f"int64 [B, T] = [{B}, {T}]")
+    if D % 2:
+        raise SwiftkernError(f"{op}: head_dim must be even for the rotate-half rotary embedding, got {D}")
+    _float(op, q=q, k=k, v=v, cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache)
+    _same_dtype(op, q=q, k=k, v=v, cos=cos, sin=sin)
+    _same_dtype(op, k_cache=k_cache, v_cache=v_cache)
+    if positions.dtype != torch.int64:
+        raise SwiftkernError(f"{op}: positions must be int64, got {positions.dtype}")
+    S = k_cache.shape[2]
+    if uniform_start is not None:
+        if not 0 <= uniform_start <= S - T:
+            raise SwiftkernError(f"{op}: uniform_start {uniform_start} + T = {T} new tokens must fit in the "
+                                 f"cache of S = {S} positions")
+    else:
+        _range(op, "positions", positions, 0, S - 1, f"positions of a cache of S = {S}")
+    backend = _resolve(op, device.type)
+    if backend == "reference":
+        return reference.rope_kv_append(q, k, v, cos, sin, k_cache, v_cache, positions, uniform_start)
+    ns = torch.ops.swiftkern_triton if backend == "triton" else torch.ops.swiftkern
+    return ns.rope_kv_append(q, k, v, cos, sin, k_cache, v_cache, positions)
+
+
+def verify_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_lens: torch.Tensor, scale: float,
+    max_len: int | None = None, mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of T new tokens per row against a KV cache with per-row lengths.
+
+    Args:
+        q: [B, Hq, T, D], the T newest tokens of each row (any strides).
+        k_cache, v_cache: [B, Hkv, S, D], q's dtype; Hq a multiple of Hkv (GQA: query head h
+            reads kv head h // (Hq // Hkv)).
+        cache_lens: int64 [B], each row's length including its T new tokens, in [T, S].
+        scale: the softmax scale (head_dim ** -0.5 for LLaMA).
+        max_len: host-side hint, max(cache_lens) (no device sync to range-check then; only
+            keys below it are read).
+        mask: hint for the reference backend only, ``attention_mask(cache_lens, T, max_len)``
+            computed once for all layers, or False when no key is masked.
+
+    Query i of row b sees keys j < cache_lens[b] - T + i + 1 (causal within the new tokens).
+    T = 1 is decode, T = k + 1 verification; every row has its own length, in one launch.
+    Returns [B, Hq, T, D] in q's dtype (the Triton kernel returns a transposed view of a
+    [B, T, Hq, D] buffer, so merging heads is free). Runs ``backend_for("verify_attention", q.device)``.
+    """
+    op = "verify_attention"
+    tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, cache_lens=cache_lens)
+    _is_tensor(op, **tensors)
+    device = _one_device(op, **tensors)
+    _shape(op, "q", q, (None, None, None, None), "4-D [B, Hq, T, D]")
+    B, Hq, T, D = q.shape
+    _shape(op, "k_cache", k_cache, (B, None, None, D), f"[B, Hkv, S, D] = [{B}, Hkv, S, {D}]")
+    _shape(op, "v_cache", v_cache, tuple(k_cache.shape), f"the shape of k_cache {tuple(k_cache.shape)}")
+    _shape(op, "cache_lens", cache_lens, (B,), f"int64 [B] = [{B}]")
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    if Hkv == 0 or Hq % Hkv:
+        raise SwiftkernError(f"{op}: query heads ({Hq}) must be a multiple of kv heads ({Hkv})")
+    _float(op, q=q, k_cache=k_cache, v_cache=v_cache)
+    _same_dtype(op, q=q, k_cache=k_cache, v_cache=v_cache)
+    if cache_lens.dtype != torch.int64:
+        raise SwiftkernError(f"{op}: cache_lens must be int64, got {cache_lens.dtype}")
+    if max_len is not None:
+        if not T <= max_len <= S:
+            raise SwiftkernError(f"{op}: max_len {max_len} must be in [T = {T}, S = {S}]")
+    else:
+        _range(op, "cache_lens", cache_lens, T, S, f"each row holds its T = {T} new tokens in a cache of S = {S}")
+    backend = _resolve(op, device.type)
+    if backend == "reference":
+        return reference.verify_attention(q, k_cache, v_cache, cache_lens, scale, max_len, mask)
+    if max_len is not None and max_len < S:  # keys past max_len are never needed
+        k_cache, v_cache = k_cache[:, :, :max_len], v_cache[:, :, :max_len]
+    ns = torch.ops.swiftkern_triton if backend == "triton" else torch.ops.swiftkern
+    return ns.verify_attention(q, k_cache, v_cache, cache_lens, float(scale))
+
+
+def kv_compact(k_cache: torch.Tensor, v_cache: torch.Tensor, src_positions: torch.Tensor,
+               dst_start: torch.Tensor, counts: torch.Tensor) -> None:
+    """Move each row's kept cache entries into one contiguous run, in place (all layers).
+
+    Args:
+        k_cache, v_cache: [L, B, H, S, D] (``KVCache.k`` / ``.v``), one float dtype and layout.
+        src_positions: int64 [B, M]; row b keeps its first counts[b] entries, each in [0, S).
+        dst_start: int64 [B], each >= 0, with dst_start[b] + counts[b] <= S.
+        counts: int32 [B] (int64 is converted), each in [0, M].
+
+    Entry i of row b (every layer and head) moves from src_positions[b, i] to dst_start[b] + i.
+    Every source is read before any destination is written, so they may overlap. Values are
+    range-checked on the host (one sync), except while torch.compile traces.
+    Runs ``backend_for("kv_compact", k_cache.device)``.
+    """
+    op = "kv_compact"
+    tensors = dict(k_cache=k_cache, v_cache=v_cache, src_positions=src_positions, dst_start=dst_start, counts=counts)
+    _is_tensor(op, **tensors)
+    device = _one_device(op, **tensors)
+    _shape(op, "k_cache", k_cache, (None,) * 5, "5-D [L, B, H, S, D]")
+    _shape(op, "v_cache", v_cache, tuple(k_cache.shape), f"the shape of k_cache {tuple(k_cache.shape)}")
+    _float(op, k_cache=k_cache, v_cache=v_cache)
+    _same_dtype(op, k_cache=k_cache, v_cache=v_cache)
+    L, B, H, S, D = k_cache.shape
+    _shape(op, "src_positions", src_positions, (B, None), f"int64 [B, M] with B = {B}")
+    _shape(op, "dst_start", dst_start, (B,), f"int64 [B] = [{B}]")
+    _shape(op, "counts", counts, (B,), f"int32 [B] = [{B}]")
+    if src_positions.dtype != torch.int64 or dst_start.dtype != torch.int64:
+        raise SwiftkernError(f"{op}: src_positions and dst_start must be int64, got {src_positions.dtype}, "
+                             f"{dst_start.dtype}")
+    if counts.dtype not in (torch.int32, torch.int64):
+        raise SwiftkernError(f"{op}: counts must be int32 (or int64), got {counts.dtype}")
+    M = src_positions.shape[1]
+    _range(op, "counts", counts, 0, M, f"entries kept of the M = {M} given")
+    _range(op, "dst_start", dst_start, 0, S, f"a position of the cache of S = {S}")
+    if _checking_values() and B:
+        if bool((dst_start + counts > S).any()):
+            raise SwiftkernError(f"{op}: dst_start[b] + counts[b] must be <= S = {S} for every row")
+        used = torch.arange(M, device=device) < counts.unsqueeze(1)  # [B, M]
+        if bool((used & ((src_positions < 0) | (src_positions >= S))).any()):
+            raise SwiftkernError(f"{op}: the used src_positions must be in [0, S = {S})")
+    counts = counts.to(torch.int32)
+    if k_cache.stride() != v_cache.stride():
+        raise SwiftkernError(f"{op}: k_cache and v_cache must share one layout, got strides "
+                             f"{k_cache.stride()} and {v_cache.stride()}")
+    _run(op, device, k_cache, v_cache, src_positions, dst_start, counts)
 
 
 SKINNY_MAX_ROWS = 16
@@ -333,16 +745,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     most SKINNY_MAX_ROWS rows (decode, verification, drafting) it runs the C++ ``skinny_linear``
     kernel: one pass over the weight, each output a fixed-order dot product whatever the number
     of rows (so a row's result does not depend on the batch). Other cases, and
-    SWIFTKERN_BACKEND=reference, use torch's matmul (``reference.skinny_linear``); the two agree
-    to float32 rounding. ``backend_info()["ops"]["skinny_linear"]`` says which kernel is built.
+    SWIFTKERN_BACKEND=reference | triton | cuda (which have no such kernel), use torch's matmul
+    (``reference.skinny_linear``); the two agree to float32 rounding.
+    ``backend_info()["kernels"]["skinny_linear"]`` says which kernel is built.
     """
     if (_OPS["skinny_linear"]["cpu"] == "cpp" and x.device.type == "cpu" and x.dtype == torch.float32
             and weight.dtype == torch.float32 and x.numel() <= SKINNY_MAX_ROWS * x.shape[-1]
-            and _backend() != "reference"):
+            and _backend() in ("auto", "cpp")):
         return torch.ops.swiftkern.skinny_linear(x, weight, bias)
     return reference.skinny_linear(x, weight, bias)
 
 
 __all__ = ["greedy_accept", "linear", "rejection_sample", "rms_norm", "fused_add_rms_norm", "silu_mul",
-           "apply_rope", "rope_kv_append", "attention_mask", "verify_attention", "backend_info", "info",
-           "set_backend"]
+           "apply_rope", "rope_kv_append", "attention_mask", "verify_attention", "kv_compact", "backend_info",
+           "backend_for", "info", "set_backend"]

@@ -1,0 +1,178 @@
+"""Launch sizes of every Triton kernel, derived from tensor shapes in one place, plus the
+shared input checks of the launchers.
+
+Under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors (one program after another, in
+numpy), so the plans here keep grids small there; on a GPU they aim at about two programs per
+streaming multiprocessor for the reductions that would otherwise leave SMs idle.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from swiftkern.errors import SwiftkernError
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_ROW_BLOCK = 65536  # widest row one program of a row kernel holds (norm, vocabulary block)
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def next_pow2(n: int) -> int:
+    return triton.next_power_of_2(max(1, int(n)))
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device_type: str, index: int | None = 0) -> int:
+    """Streaming multiprocessors of the GPU (2 under the interpreter, to keep grids small)."""
+    if device_type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(index or 0).multi_processor_count
+    return 2
+
+
+def _sms(device: torch.device) -> int:
+    return num_sms(device.type, device.index)
+
+
+# ------------------------------------------------------------------------- checks
+
+def require(ok: bool, op: str, msg: str) -> None:
+    """Raise SwiftkernError(f"{op}: {msg}") unless ok."""
+    if not ok:
+        raise SwiftkernError(f"{op}: {msg}")
+
+
+def check_device(op: str, **tensors) -> torch.device:
+    """All tensors on one device, and one Triton can run on (CUDA; the CPU under the
+    interpreter) -> that device."""
+    devices = {name: t.device for name, t in tensors.items() if t is not None}
+    require(len(set(devices.values())) == 1, op, "all inputs must be on one device, got "
+            + ", ".join(f"{n} on {d}" for n, d in devices.items()))
+    device = next(iter(devices.values()))
+    if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
+        raise SwiftkernError(f"{op}: the Triton kernels run on CUDA tensors (or on the CPU with "
+                             f"TRITON_INTERPRET=1), got {device}; use the reference or cpp backend there")
+    return device
+
+
+def check_float(op: str, **tensors) -> None:
+    for name, t in tensors.items():
+        require(t.dtype in FLOAT_DTYPES, op, f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
+
+
+# ------------------------------------------------------------------------- plans
+
+@dataclass(frozen=True)
+class RowPlan:
+    """One program per row of ``width`` elements, held in one block."""
+    block: int
+    num_warps: int
+
+
+def row_plan(op: str, width: int) -> RowPlan:
+    block = next_pow2(width)
+    require(block <= MAX_ROW_BLOCK, op, f"rows of {width} elements are wider than the {MAX_ROW_BLOCK} "
+            "one Triton program holds; use the reference backend")
+    return RowPlan(block, min(16, max(1, block // 256)))
+
+
+@dataclass(frozen=True)
+class ElementwisePlan:
+    block: int
+    grid: int
+    num_warps: int
+
+
+def elementwise_plan(numel: int) -> ElementwisePlan:
+    block = 1024 if not interpreting() else max(16, min(4096, next_pow2(numel)))
+    return ElementwisePlan(block, max(1, cdiv(numel, block)), 4)
+
+
+@dataclass(frozen=True)
+class VocabPlan:
+    """A reduction over V split into ``splits`` chunks of ``chunk`` (a multiple of ``block``)."""
+    block: int
+    chunk: int
+    splits: int
+    num_warps: int
+
+
+def vocab_plan(rows: int, vocab: int, device: torch.device, splits: int | None = None) -> VocabPlan:
+    """Split each of ``rows`` vocabulary reductions so that rows * splits fills the GPU
+    (about 2 programs per SM), each chunk at least 4 blocks long."""
+    block = min(next_pow2(vocab), 1024 if not interpreting() else 8192)
+    blocks = cdiv(vocab, block)
+    if splits is None:
+        want = max(1, cdiv(2 * _sms(device), max(rows, 1)))
+        splits = min(want, max(1, blocks // 4))
+    splits = max(1, min(int(splits), blocks))
+    chunk = cdiv(blocks, splits) * block
+    return VocabPlan(block, chunk, cdiv(vocab, chunk), 4)
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """verify_attention: programs over (row x kv head, query block, key split)."""
+    block_m: int  # query rows per program (query heads of one kv head x new tokens)
+    block_n: int  # keys per inner step
+    block_d: int
+    m_blocks: int
+    splits: int
+    chunk: int  # keys per split, a multiple of block_n
+    num_warps: int
+    num_stages: int
+
+
+def attention_plan(batch: int, kv_heads: int, group: int, q_len: int, max_keys: int, head_dim: int,
+                   device: torch.device, splits: int | None = None) -> AttentionPlan:
+    """Queries of one kv head are ``group * q_len`` rows (token-major), tiled by up to 64;
+    keys up to ``max_keys`` are split so that all programs together fill the GPU, each split at
+    least two key blocks long. ``splits`` forces a split count (tests)."""
+    rows = group * q_len
+    block_m = max(16, min(64, next_pow2(rows)))
+    block_d = max(16, next_pow2(head_dim))
+    block_n = 64 if block_d <= 64 else 32
+    if interpreting():
+        block_n = 32
+    m_blocks = cdiv(rows, block_m)
+    key_blocks = max(1, cdiv(max_keys, block_n))
+    if splits is None:
+        want = cdiv(2 * _sms(device), batch * kv_heads * m_blocks)
+        splits = min(want, max(1, key_blocks // 2))
+    splits = max(1, min(int(splits), key_blocks))
+    chunk = cdiv(key_blocks, splits) * block_n
+    splits = cdiv(max(max_keys, 1), chunk)
+    return AttentionPlan(block_m, block_n, block_d, m_blocks, splits, chunk,
+                         num_warps=4 if block_m * block_d <= 4096 else 8, num_stages=2)
+
+
+@dataclass(frozen=True)
+class CompactPlan:
+    block_m: int
+    block_d: int
+    d_blocks: int
+
+
+MAX_COMPACT_TILE = 16384  # entries x head-dim elements one kv_compact program holds at once
+
+
+def compact_plan(op: str, max_entries: int, head_dim: int) -> CompactPlan:
+    """One program holds all kept entries of one (layer, row, head) for a slice of the head
+    dimension, so it reads every source before it writes any destination."""
+    block_m = next_pow2(max_entries)
+    require(block_m <= MAX_COMPACT_TILE, op, f"{max_entries} entries per row is more than the "
+            f"{MAX_COMPACT_TILE} one program can move at once; compact in several calls")
+    block_d = max(1, min(next_pow2(head_dim), MAX_COMPACT_TILE // block_m))
+    return CompactPlan(block_m, block_d, cdiv(head_dim, block_d))

@@ -1,0 +1,49 @@
+"""Registration of Triton kernels as ``torch.ops.swiftkern_triton.<op>`` custom ops.
+
+Safe to run twice in one process (a reload, or a second import under another name): what was
+registered is remembered in a module kept in sys.modules, so nothing is registered twice.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import torch
+
+from .launch import interpreting
+
+NAMESPACE = "swiftkern_triton"
+
+_STATE = sys.modules.get("swiftkern._triton_state")
+if _STATE is None:
+    _STATE = types.ModuleType("swiftkern._triton_state")
+    _STATE.impls = set()  # {(op, dispatch key)}
+    _STATE.fakes = set()
+    sys.modules["swiftkern._triton_state"] = _STATE
+
+
+def dispatch_keys() -> tuple[str, ...]:
+    """CUDA, plus CPU when the interpreter runs the kernels on CPU tensors."""
+    return ("CUDA", "CPU") if interpreting() else ("CUDA",)
+
+
+def register(name: str, schema: str, fn, fake) -> None:
+    """Define swiftkern_triton::<name> with ``schema`` (once) and register ``fn`` for the
+    dispatch keys of ``dispatch_keys()`` and ``fake`` as its fake implementation."""
+    qual = f"{NAMESPACE}::{name}"
+    if not hasattr(getattr(torch.ops, NAMESPACE), name):
+        torch.library.define(qual, schema)
+    for key in dispatch_keys():
+        if (name, key) not in _STATE.impls:
+            torch.library.impl(qual, key, fn)
+            _STATE.impls.add((name, key))
+    if name not in _STATE.fakes:
+        torch.library.register_fake(qual, fake)
+        _STATE.fakes.add(name)
+
+
+def registered(device_type: str = "cuda") -> set[str]:
+    """Names of the swiftkern_triton ops registered for this device type ('cuda' or 'cpu')."""
+    key = device_type.upper()
+    return {name for name, k in _STATE.impls if k == key}
