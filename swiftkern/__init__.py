@@ -13,6 +13,7 @@ from .kv_cache import KVCache
 from .model import SkipModel
 from .generate import Generator, GenerationOutput
 from .loading import load_model
+from .patching import apply_swiftkern_to_llama, apply_swiftkern_to_mistral, apply_swiftkern_to_qwen2
 
 __all__ = ["SwiftkernError", "LayerSet", "KVCache", "SkipModel", "Generator", "GenerationOutput",
            "load_model", "__version__"]

@@ -1,0 +1,216 @@
+"""HF transformers backend: swiftkern's decoding behind ``model.generate``.
+
+    from swiftkern.integrations.transformers import generate as swift_generate
+    out = model.generate(input_ids, attention_mask=mask, max_new_tokens=64,
+                         custom_generate=swift_generate, swift_mode="self-spec", layer_set="auto")
+
+HF prepares the inputs and the ``GenerationConfig`` as usual, then hands the decoding to
+``generate`` below, which runs ``swiftkern.Generator`` and returns what HF returns. Version
+differences between transformers 4.56+ and 5.x live in ``compat.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import SwiftkernError
+from ..generate import Generator
+from . import compat
+
+# logits processors whose effect the Generator reproduces (HF's order: temperature, top-k, top-p)
+_WARPERS = {"TemperatureLogitsWarper": "temperature", "TopKLogitsWarper": "top_k", "TopPLogitsWarper": "top_p"}
+_CRITERIA = {"MaxLengthCriteria", "EosTokenCriteria"}  # max_new_tokens / max_length, eos_token_id
+# model kwargs HF's generate adds by itself; anything else came from the caller and is refused
+_MODEL_KWARGS = {"attention_mask", "position_ids", "logits_to_keep", "num_logits_to_keep", "use_cache",
+                 "past_key_values", "cache_position"}
+# GenerationConfig fields that must keep their neutral value: they select something other than
+# one sequence per prompt decoded by the model itself, or ask for outputs the Generator does not keep
+_MUST_BE_NEUTRAL = {  # field: (neutral value, what it asks for)
+    "num_beams": (1, "beam search"), "num_beam_groups": (1, "group beam search"),
+    "num_return_sequences": (1, "several sequences per prompt"), "penalty_alpha": (None, "contrastive search"),
+    "dola_layers": (None, "DoLa decoding"),
+    "prompt_lookup_num_tokens": (None, "HF prompt lookup; use swift_mode='self-spec', drafter='lookup'"),
+    "assistant_early_exit": (None, "HF early-exit drafting"), "output_scores": (False, "scores"),
+    "output_logits": (False, "logits"), "output_attentions": (False, "attentions"),
+    "output_hidden_states": (False, "hidden states"), "token_healing": (False, "token healing"),
+}
+
+
+class _StreamingGenerator(Generator):
+    """A Generator that hands each committed token of its single request to ``on_token``.
+
+    Committed tokens are final (self-spec commits only verified tokens), so they can be
+    streamed as they come; the request's last token is flushed by the caller."""
+
+    on_token = None
+
+    def _stop_check(self, stop):
+        if stop:
+            raise SwiftkernError("stop strings are not supported by the transformers backend")
+        on_token = self.on_token
+        sent = [0]
+
+        def stream(row: int, tokens: list[int]) -> bool:
+            for t in tokens[sent[0]:]:
+                on_token(t)
+            sent[0] = len(tokens)
+            return False
+
+        self._stream_sent = sent
+        return stream
+
+
+def _refusals(generation_config, logits_processor, stopping_criteria, model_kwargs, hf_args) -> list[str]:
+    problems = []
+    for name, (neutral, what) in _MUST_BE_NEUTRAL.items():
+        value = getattr(generation_config, name, None)
+        if value is not None and (type(value) is not type(neutral) or value != neutral):
+            problems.append(f"{name}={value!r} ({what})")
+    for proc in logits_processor or []:
+        if type(proc).__name__ not in _WARPERS:
+            problems.append(f"logits processor {type(proc).__name__} (from a GenerationConfig field such as "
+                            "repetition_penalty, min_new_tokens, bad_words_ids, or passed by the caller)")
+    for crit in stopping_criteria or []:
+        if type(crit).__name__ not in _CRITERIA:
+            problems.append(f"stopping criterion {type(crit).__name__} (stop_strings, max_time, or passed by the caller)")
+    extra = sorted(k for k, v in model_kwargs.items() if k not in _MODEL_KWARGS and v is not None)
+    if extra:
+        problems.append(f"model inputs {', '.join(extra)}")
+    cache = model_kwargs.get("past_key_values")
+    if cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0:
+        problems.append("a filled past_key_values (continuing from a cache)")
+    if hf_args.get("assistant_model") is not None:
+        problems.append("assistant_model (swiftkern drafts with the model itself)")
+    return problems
+
+
+def _warper_values(logits_processor) -> dict:
+    """temperature / top_k / top_p as the prepared warpers apply them (HF's order)."""
+    values, order = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}, []
+    for proc in logits_processor or []:
+        field = _WARPERS[type(proc).__name__]
+        values[field] = getattr(proc, field)
+        order.append(field)
+    if order != sorted(order, key=["temperature", "top_k", "top_p"].index):
+        raise SwiftkernError(f"logits warpers in the order {order}; the transformers backend applies "
+                             "temperature, then top_k, then top_p, as HF builds them from a GenerationConfig")
+    return values
+
+
+def _prompts(input_ids: torch.Tensor, attention_mask, position_ids) -> list[list[int]]:
+    """Each row's real tokens. input_ids, attention_mask, position_ids: [B, T] (left padding)."""
+    if input_ids is None or input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise SwiftkernError("the transformers backend needs input_ids of shape [batch, tokens] "
+                             "(inputs_embeds are not supported)")
+    B, T = input_ids.shape
+    if attention_mask is None:
+        lengths = [T] * B
+    else:
+        if attention_mask.shape != input_ids.shape:
+            raise SwiftkernError(f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids "
+                                 f"{tuple(input_ids.shape)}; pass a 2-D mask of the same shape")
+        mask = attention_mask.to(torch.bool)
+        lengths = mask.sum(1).tolist()
+        for b, n in enumerate(lengths):
+            if n == 0 or not bool(mask[b, T - n:].all()):
+                raise SwiftkernError(
+                    f"attention_mask row {b} is not left-padded (zeros, then ones up to the last token); "
+                    "tokenize with padding_side='left' as for HF generate")
+    prompts = []
+    for b, n in enumerate(lengths):
+        if position_ids is not None:
+            real = position_ids[b, T - n:].tolist()
+            if real != list(range(n)):
+                raise SwiftkernError(f"position_ids row {b} is not 0..{n - 1} over its real tokens; "
+                                     "custom position_ids are not supported by the transformers backend")
+        prompts.append(input_ids[b, T - n:].tolist())
+    return prompts
+
+
+def _sequences(input_ids: torch.Tensor, new_tokens: list[list[int]], pad: int | None) -> torch.Tensor:
+    """[B, T + W]: the input (padding kept) then each row's new tokens, padded with ``pad``
+    after a row finished, as HF. W = the longest row's new tokens."""
+    width = max(len(t) for t in new_tokens)
+    if pad is None and any(len(t) < width for t in new_tokens):
+        raise SwiftkernError("rows finished at different lengths and there is no pad_token_id; pass pad_token_id")
+    rows = [t + [pad] * (width - len(t)) for t in new_tokens]
+    new = torch.tensor(rows, dtype=input_ids.dtype, device=input_ids.device).reshape(len(rows), width)
+    return torch.cat([input_ids, new], dim=1)
+
+
+@torch.no_grad()
+def generate(model, input_ids: torch.Tensor | None = None, logits_processor=None, stopping_criteria=None,
+             generation_config=None, swift_mode: str = "self-spec", layer_set=None, drafter: str | None = None,
+             k_max: int | None = None, eps: float | None = None, seed: int | None = None,
+             swift_kwargs: dict | None = None, **model_kwargs):
+    """Decode with swiftkern as an HF ``custom_generate``; returns what HF ``generate`` returns.
+
+    Called by HF: ``model.generate(input_ids, attention_mask=..., max_new_tokens=..., do_sample=...,
+    custom_generate=generate, swift_mode=..., layer_set=..., ...)``. Called directly:
+    ``generate(model, input_ids, max_new_tokens=..., ...)`` (it goes through ``model.generate``).
+
+    model: an HF LLaMA / Mistral / Qwen2 causal LM. input_ids: int64 [B, T], left-padded when
+    rows differ in length, with attention_mask [B, T] (0 on padding).
+
+    swiftkern options (the rest is HF's): ``swift_mode`` — ``"self-spec"`` (default: layer-skipped
+    or lookup drafts, verified by the full model; greedy tokens equal plain decoding), ``"ar"``
+    (plain decoding), or any other mode ``swiftkern.Generator`` has; ``layer_set`` (a
+    ``LayerSet``, its string form, or a name such as ``"auto"`` where the Generator supports it),
+    ``drafter`` (``"layer-skip"``, ``"lookup"``, ...), ``k_max``, ``eps``; ``swift_kwargs``: any
+    further ``Generator`` keyword arguments. ``seed``: sampling seed (row b uses seed + b;
+    draws are keyed on (seed, position), see ``swiftkern.sampling``); default: drawn from
+    torch's global generator, so ``torch.manual_seed`` makes a sampled call repeatable.
+
+    Honoured GenerationConfig fields: max_new_tokens / max_length, do_sample, temperature,
+    top_k, top_p, eos_token_id, pad_token_id, return_dict_in_generate; ``streamer`` (batch 1;
+    each token is put as soon as it is verified). Refused with a SwiftkernError naming them:
+    beams, several return sequences, any other logits processor or stopping criterion
+    (repetition_penalty, min_new_tokens, stop_strings, ...), score/logit/attention outputs,
+    assistant models, inputs_embeds, a filled cache, custom position_ids.
+
+    Returns int64 [B, T + N] (input, then new tokens padded with pad_token_id after EOS), or a
+    ``GenerateDecoderOnlyOutput`` with only ``sequences`` set when return_dict_in_generate.
+    Greedy tokens equal plain ``model.generate``; sampled ones follow the same distribution
+    but not HF's random stream.
+    """
+    compat.check_version()
+    if generation_config is None:  # a direct call: let HF prepare everything, then come back here
+        return model.generate(input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+                              custom_generate=generate, swift_mode=swift_mode, layer_set=layer_set,
+                              drafter=drafter, k_max=k_max, eps=eps, seed=seed, swift_kwargs=swift_kwargs,
+                              **model_kwargs)
+    hf_args = compat.generate_call_arguments()
+    problems = _refusals(generation_config, logits_processor, stopping_criteria, model_kwargs, hf_args)
+    if problems:
+        raise SwiftkernError("the swiftkern transformers backend does not support: " + "; ".join(problems)
+                             + ". Drop these options, or call model.generate without custom_generate")
+    prompts = _prompts(input_ids, model_kwargs.get("attention_mask"), model_kwargs.get("position_ids"))
+    streamer = hf_args.get("streamer")
+    if streamer is not None and len(prompts) > 1:
+        raise SwiftkernError(f"a streamer takes one sequence; got a batch of {len(prompts)} prompts")
+
+    do_sample = bool(compat.config_value(generation_config, "do_sample"))
+    warp = _warper_values(logits_processor) if do_sample else {}
+    max_length = generation_config.max_length
+    if max_length is None:
+        raise SwiftkernError("no max_length / max_new_tokens in the generation config; pass max_new_tokens")
+    max_new_tokens = max_length - input_ids.shape[1]
+    eos, pad = compat.special_tokens(generation_config)
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, (1,)).item()) if do_sample else 0
+    options = dict(layer_set=layer_set, drafter=drafter, k_max=k_max, eps=eps)
+    options = {k: v for k, v in options.items() if v is not None}
+    options.update(swift_kwargs or {})
+    gen = (_StreamingGenerator if streamer is not None else Generator)(model, mode=swift_mode, **options)
+    if streamer is not None:
+        gen.on_token = lambda t: streamer.put(torch.tensor([t]))
+    out = gen.generate(prompts, max_new_tokens=max_new_tokens, do_sample=do_sample, seed=[seed + b for b in
+                       range(len(prompts))], eos_token_id=eos, **warp)
+    if streamer is not None:
+        for t in out.tokens[0][gen._stream_sent[0]:]:  # what the stop rule ended on
+            streamer.put(torch.tensor([t]))
+        streamer.end()
+    sequences = _sequences(input_ids, out.tokens, pad)
+    if compat.config_value(generation_config, "return_dict_in_generate"):
+        return compat.output_class()(sequences=sequences)
+    return sequences

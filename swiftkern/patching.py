@@ -1,0 +1,171 @@
+"""Liger-style patching: HF LLaMA-family modules run swiftkern's ops, for plain HF inference.
+
+    import swiftkern
+    patch = swiftkern.apply_swiftkern_to_llama()             # class level: every Llama model, loaded or not
+    model = AutoModelForCausalLM.from_pretrained(...)
+    ...
+    patch.undo()                                             # back to HF's own forwards
+
+    patch = swiftkern.apply_swiftkern_to_llama(model=model)  # this model's modules only
+
+What is replaced: ``<Family>RMSNorm.forward`` by ``swiftkern.ops.rms_norm`` and the SwiGLU
+activation of ``<Family>MLP.forward`` by ``swiftkern.ops.silu_mul`` (the projections stay
+HF's ``nn.Linear``). The patched forwards look ``swiftkern.ops`` up on every call, so they use
+whatever kernel ``ops`` dispatches to on the tensor's device (and ``ops.set_backend``).
+Outputs equal the unpatched modules within the dtype's tolerance (tests/test_patching.py).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from . import ops
+from .errors import SwiftkernError
+
+# family -> (HF modeling module, RMSNorm class, MLP class)
+FAMILIES = {
+    "llama": ("transformers.models.llama.modeling_llama", "LlamaRMSNorm", "LlamaMLP"),
+    "mistral": ("transformers.models.mistral.modeling_mistral", "MistralRMSNorm", "MistralMLP"),
+    "qwen2": ("transformers.models.qwen2.modeling_qwen2", "Qwen2RMSNorm", "Qwen2MLP"),
+}
+
+
+def rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """HF RMSNorm.forward on swiftkern.ops.rms_norm. hidden_states: [..., H] -> [..., H]"""
+    return ops.rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+
+def swiglu_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """HF MLP.forward with swiftkern.ops.silu_mul as the activation. x: [..., H] -> [..., H]"""
+    return self.down_proj(ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+def is_swiglu(mlp) -> bool:
+    """Whether an HF MLP module's activation is SiLU (so silu_mul computes it)."""
+    act = getattr(mlp, "act_fn", None)
+    return isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"
+
+
+def _swiglu_or_original(original):
+    """A class-level MLP forward: swiglu_forward for SiLU MLPs, HF's own forward otherwise
+    (a model of the class that is not SwiGLU keeps its exact arithmetic)."""
+    def forward(self, x):
+        return swiglu_forward(self, x) if is_swiglu(self) else original(self, x)
+    forward.__doc__ = swiglu_forward.__doc__
+    forward._swiftkern = True
+    return forward
+
+
+rms_norm_forward._swiftkern = True
+swiglu_forward._swiftkern = True
+
+
+def is_patched(module) -> bool:
+    """Whether the module's forward (its own or its class's) is a swiftkern forward."""
+    fwd = module.__dict__.get("forward", None) or type(module).forward
+    return getattr(getattr(fwd, "__func__", fwd), "_swiftkern", False)
+
+
+class Patch:
+    """What one ``apply_swiftkern_to_*`` call replaced; ``undo()`` puts it back (also on
+    leaving a ``with`` block). ``targets`` names each patched class or counts the modules."""
+
+    def __init__(self):
+        self._undo = []
+        self.targets: list[str] = []
+
+    def undo(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.undo()
+
+
+def _classes(family: str):
+    path, norm, mlp = FAMILIES[family]
+    mod = importlib.import_module(path)
+    return getattr(mod, norm), getattr(mod, mlp)
+
+
+def _patch_class(patch: Patch, cls, make_forward) -> None:
+    """cls.forward = make_forward(HF's forward), undone by the patch."""
+    original = cls.__dict__["forward"]
+    if getattr(original, "_swiftkern", False):
+        return  # patched already (by an earlier call, which owns the undo)
+    cls.forward = make_forward(original)
+
+    def undo():
+        cls.forward = original
+    patch._undo.append(undo)
+    patch.targets.append(cls.__name__)
+
+
+def _patch_instance(module, forward) -> callable:
+    module.forward = forward.__get__(module)
+
+    def undo():
+        if module.__dict__.get("forward") is not None and getattr(module.forward, "__func__", None) is forward:
+            del module.forward
+    return undo
+
+
+def _apply(families: tuple[str, ...], model, rms_norm: bool, swiglu: bool) -> Patch:
+    patch = Patch()
+    pairs = [_classes(f) for f in families]
+    if model is None:
+        for norm_cls, mlp_cls in pairs:
+            if rms_norm:
+                _patch_class(patch, norm_cls, lambda original: rms_norm_forward)
+            if swiglu:
+                _patch_class(patch, mlp_cls, _swiglu_or_original)
+        return patch
+    if not isinstance(model, torch.nn.Module):
+        raise SwiftkernError(f"model must be a torch.nn.Module (an HF model), got {type(model).__name__}")
+    norm_types = tuple(n for n, _ in pairs)
+    mlp_types = tuple(m for _, m in pairs)
+    norms = [m for m in model.modules() if isinstance(m, norm_types)]
+    mlps = [m for m in model.modules() if isinstance(m, mlp_types)]
+    if not norms and not mlps:
+        names = ", ".join(c.__name__ for c in norm_types + mlp_types)
+        raise SwiftkernError(f"{type(model).__name__} has no {names} modules; use the apply_swiftkern_to_* "
+                             f"function of its family ({', '.join(FAMILIES)})")
+    if swiglu:
+        other = [m for m in mlps if not is_swiglu(m)]
+        if other:
+            raise SwiftkernError(f"{len(other)} MLP modules do not use SiLU (act_fn {type(other[0].act_fn).__name__});"
+                                 " swiglu=True needs a SwiGLU model: pass swiglu=False")
+    for modules, enabled, forward, what in ((norms, rms_norm, rms_norm_forward, "RMSNorm"),
+                                            (mlps, swiglu, swiglu_forward, "MLP")):
+        if enabled and modules:
+            patch._undo.extend(_patch_instance(m, forward) for m in modules)
+            patch.targets.append(f"{len(modules)} {what} modules")
+    return patch
+
+
+def apply_swiftkern_to_llama(model=None, rms_norm: bool = True, swiglu: bool = True) -> Patch:
+    """Run HF Llama modules on swiftkern ops: RMSNorm (``rms_norm``) and the SwiGLU MLP
+    activation (``swiglu``).
+
+    model=None patches the classes ``LlamaRMSNorm`` / ``LlamaMLP``: every Llama model, created
+    before or after the call (an MLP whose activation is not SiLU keeps HF's forward).
+    model=<an HF model> patches that model's modules only (SmolLM2 and other Llama-architecture
+    checkpoints; raises SwiftkernError when it has none, or swiglu=True and its MLP is not
+    SiLU). Returns a ``Patch``; ``patch.undo()`` restores HF's forwards.
+    """
+    return _apply(("llama",), model, rms_norm, swiglu)
+
+
+def apply_swiftkern_to_mistral(model=None, rms_norm: bool = True, swiglu: bool = True) -> Patch:
+    """As ``apply_swiftkern_to_llama``, for ``MistralRMSNorm`` / ``MistralMLP``."""
+    return _apply(("mistral",), model, rms_norm, swiglu)
+
+
+def apply_swiftkern_to_qwen2(model=None, rms_norm: bool = True, swiglu: bool = True) -> Patch:
+    """As ``apply_swiftkern_to_llama``, for ``Qwen2RMSNorm`` / ``Qwen2MLP``."""
+    return _apply(("qwen2",), model, rms_norm, swiglu)

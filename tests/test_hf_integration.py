@@ -1,0 +1,207 @@
+"""The HF transformers backend (custom_generate) against plain HF generate."""
+
+import pytest
+import torch
+
+import swiftkern
+from swiftkern.errors import SwiftkernError
+from swiftkern.integrations import compat
+from swiftkern.integrations.transformers import generate as swift_generate
+
+from conftest import tiny_model
+
+PROMPT = [[5, 6, 7, 8, 9, 10, 11, 5, 6, 7]]
+MODES = [dict(swift_mode="ar"), dict(swift_mode="self-spec", layer_set="attn:1|mlp:2"),
+         dict(swift_mode="self-spec", drafter="lookup", k_max=4)]
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("llama")
+
+
+def _hf(model, ids, **kw):
+    with torch.no_grad():
+        return model.generate(ids, **kw)
+
+
+class Recorder:
+    """A streamer that records what it is given (HF's BaseStreamer protocol)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def put(self, value):
+        self.calls.append(value.tolist())
+
+    def end(self):
+        self.calls.append("end")
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("options", MODES, ids=["ar", "self-spec", "lookup"])
+def test_greedy_equals_hf_generate(arch, options):
+    model = tiny_model(arch, seed=1)
+    ids = torch.tensor(PROMPT)
+    want = _hf(model, ids, max_new_tokens=20, do_sample=False)
+    got = _hf(model, ids, max_new_tokens=20, do_sample=False, custom_generate=swift_generate, **options)
+    assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def _left_pad(rows, pad=0):
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    return ids, mask
+
+
+@pytest.mark.parametrize("options", MODES[:2], ids=["ar", "self-spec"])
+def test_left_padded_batch_with_eos_equals_hf(llama, options):
+    rows = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [20, 21, 22, 23, 24]]
+    ids, mask = _left_pad(rows)
+    free = _hf(llama, ids, attention_mask=mask, max_new_tokens=16, do_sample=False, eos_token_id=None)
+    eos = int(free[1, ids.shape[1] + 3])  # a token row 1 emits early: rows stop at different steps
+    kw = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    want = _hf(llama, ids, **kw)
+    got = _hf(llama, ids, custom_generate=swift_generate, **kw, **options)
+    assert (want[:, ids.shape[1]:] == 0).any(), "the test needs a row that finished early"
+    assert torch.equal(got, want)
+
+
+def test_return_dict_and_max_length(llama):
+    ids = torch.tensor(PROMPT)
+    want = _hf(llama, ids, max_length=ids.shape[1] + 7, do_sample=False, return_dict_in_generate=True)
+    got = _hf(llama, ids, max_length=ids.shape[1] + 7, do_sample=False, return_dict_in_generate=True,
+              custom_generate=swift_generate, swift_mode="ar")
+    assert type(got) is compat.output_class()
+    assert got.sequences.shape == (1, ids.shape[1] + 7)
+    assert torch.equal(got.sequences, want.sequences)
+
+
+def test_direct_call_equals_hf(llama):
+    ids = torch.tensor(PROMPT)
+    want = _hf(llama, ids, max_new_tokens=9, do_sample=False)
+    got = swift_generate(llama, ids, max_new_tokens=9, do_sample=False, swift_mode="self-spec",
+                         layer_set="attn:2")
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("options", MODES, ids=["ar", "self-spec", "lookup"])
+def test_streamer_receives_what_hf_streams(llama, options):
+    """Prompt first, then every token in its own put (as HF's greedy loop), then end()."""
+    ids = torch.tensor(PROMPT)
+    want, got = Recorder(), Recorder()
+    out_hf = _hf(llama, ids, max_new_tokens=12, do_sample=False, streamer=want)
+    out = _hf(llama, ids, max_new_tokens=12, do_sample=False, streamer=got, custom_generate=swift_generate,
+              **options)
+    assert torch.equal(out, out_hf)
+    assert got.calls == want.calls
+
+
+def test_streamer_puts_tokens_before_the_end(llama):
+    """Tokens reach the streamer while decoding runs, not all after it."""
+    seen_at_put = []
+    rec = Recorder()
+    original_put = rec.put
+
+    def put(value):
+        original_put(value)
+        seen_at_put.append(len(rec.calls))
+
+    rec.put = put
+    _hf(llama, torch.tensor(PROMPT), max_new_tokens=6, do_sample=False, streamer=rec,
+        custom_generate=swift_generate, swift_mode="ar")
+    assert seen_at_put == list(range(1, 8)) and rec.calls[-1] == "end"
+
+
+def test_sampling_uses_the_config_warpers(llama):
+    """do_sample with temperature/top-k/top-p: the same tokens as swiftkern.Generator given
+    those values and the same seed (so none was dropped or changed on the way)."""
+    ids = torch.tensor(PROMPT)
+    kw = dict(max_new_tokens=16, do_sample=True, temperature=0.7, top_k=20, top_p=0.9)
+    got = _hf(llama, ids, custom_generate=swift_generate, swift_mode="ar", seed=11, **kw)
+    want = swiftkern.Generator(llama).generate(PROMPT, seed=[11], **kw).tokens[0]
+    assert got[0, ids.shape[1]:].tolist() == want
+    other = _hf(llama, ids, custom_generate=swift_generate, swift_mode="ar", seed=11, **{**kw, "top_k": 2})
+    assert other[0, ids.shape[1]:].tolist() != want  # top_k reaches the sampler
+
+
+def test_sampling_seed_follows_torch_manual_seed(llama):
+    ids = torch.tensor(PROMPT)
+    kw = dict(max_new_tokens=16, do_sample=True, custom_generate=swift_generate, swift_mode="ar")
+    runs = []
+    for s in (0, 0, 1):
+        torch.manual_seed(s)
+        runs.append(_hf(llama, ids, **kw))
+    assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
+
+
+def test_top_k_1_sampling_is_greedy(llama):
+    ids = torch.tensor(PROMPT)
+    greedy = _hf(llama, ids, max_new_tokens=12, do_sample=False)
+    got = _hf(llama, ids, max_new_tokens=12, do_sample=True, top_k=1, custom_generate=swift_generate,
+              swift_mode="self-spec", layer_set="mlp:1")
+    assert torch.equal(got, greedy)
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    (dict(num_beams=2), "num_beams"),
+    (dict(do_sample=True, num_return_sequences=2), "num_return_sequences"),
+    (dict(repetition_penalty=1.3), "RepetitionPenaltyLogitsProcessor"),
+    (dict(min_new_tokens=3), "MinNewTokensLengthLogitsProcessor"),
+    (dict(output_scores=True, return_dict_in_generate=True), "output_scores"),
+    (dict(prompt_lookup_num_tokens=3), "prompt_lookup_num_tokens"),
+    (dict(max_time=5.0), "MaxTimeCriteria"),
+])
+def test_unsupported_options_are_refused(llama, kwargs, named):
+    with pytest.raises(SwiftkernError, match=named):
+        _hf(llama, torch.tensor(PROMPT), max_new_tokens=4, custom_generate=swift_generate, swift_mode="ar", **kwargs)
+
+
+def test_assistant_model_is_refused(llama):
+    with pytest.raises(SwiftkernError, match="assistant_model"):
+        _hf(llama, torch.tensor(PROMPT), max_new_tokens=4, assistant_model=tiny_model("llama", seed=3),
+            custom_generate=swift_generate, swift_mode="ar")
+
+
+def test_right_padding_and_batched_streamer_are_refused(llama):
+    ids = torch.tensor([[5, 6, 0], [5, 6, 7]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    with pytest.raises(SwiftkernError, match="left-padded"):
+        _hf(llama, ids, attention_mask=mask, max_new_tokens=4, custom_generate=swift_generate, swift_mode="ar")
+    with pytest.raises(SwiftkernError, match="streamer"):
+        _hf(llama, ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, streamer=Recorder(),
+            custom_generate=swift_generate, swift_mode="ar")
+
+
+def test_unknown_mode_is_refused(llama):
+    with pytest.raises(SwiftkernError, match="mode"):
+        _hf(llama, torch.tensor(PROMPT), max_new_tokens=4, custom_generate=swift_generate, swift_mode="beam")
+
+
+def test_compat_helpers(monkeypatch):
+    from transformers import GenerationConfig
+
+    cfg = GenerationConfig(eos_token_id=[2, 3], pad_token_id=0)
+    assert compat.special_tokens(cfg) == ([2, 3], 0)
+    assert compat.config_value(GenerationConfig(), "do_sample") is False
+    assert compat.config_value(GenerationConfig(top_k=7), "top_k") == 7
+    assert compat.generate_call_arguments() == {}  # not called from HF generate
+    monkeypatch.setattr(compat, "transformers_version", lambda: (4, 55))
+    with pytest.raises(SwiftkernError, match="4.56"):
+        compat.check_version()
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_equals_hf_generate(smollm2):
+    model, tok = smollm2
+    hf = model.hf_model
+    text = tok.apply_chat_template([{"role": "user", "content": "Name three primary colors."}],
+                                   add_generation_prompt=True, tokenize=False)
+    enc = tok(text, return_tensors="pt")
+    kw = dict(max_new_tokens=24, do_sample=False, pad_token_id=tok.pad_token_id or 0)
+    want = _hf(hf, enc["input_ids"], attention_mask=enc["attention_mask"], **kw)
+    for options in (dict(swift_mode="ar"), dict(swift_mode="self-spec", drafter="lookup", k_max=5)):
+        got = _hf(hf, enc["input_ids"], attention_mask=enc["attention_mask"], custom_generate=swift_generate,
+                  **kw, **options)
+        assert torch.equal(got, want), options
