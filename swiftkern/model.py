@@ -129,6 +129,30 @@ class SkipModel:
         return KVCache(self.num_layers, batch, self.num_kv_heads, max_len, self.head_dim,
                        self.dtype, self.device)
 
+    def _skip_plan(self, layer_set, batch: int, device) -> tuple[list, list]:
+        """Per layer, for attention and MLP: True (every row skips it), False (no row does), or
+        a float mask [B, 1, 1] (1 = the row keeps it) when ``layer_set`` is a list with one
+        LayerSet per row."""
+        sets = layer_set if isinstance(layer_set, (list, tuple)) else [layer_set]
+        for ls in sets:
+            if ls is not None and ls.num_layers != self.num_layers:
+                raise SwiftkernError(f"layer set is for {ls.num_layers} layers, the model has {self.num_layers}")
+        if isinstance(layer_set, (list, tuple)) and len(layer_set) != batch:
+            raise SwiftkernError(f"forward: got {len(layer_set)} layer sets for a batch of {batch} rows")
+        plans = []
+        for masks in ([ls.attn_mask() if ls is not None else [False] * self.num_layers for ls in sets],
+                      [ls.mlp_mask() if ls is not None else [False] * self.num_layers for ls in sets]):
+            plan = []
+            for i in range(self.num_layers):
+                column = [m[i] for m in masks]
+                if all(column) or not any(column):
+                    plan.append(column[0])
+                else:
+                    keep = torch.tensor([0.0 if s else 1.0 for s in column], dtype=self.dtype, device=device)
+                    plan.append(keep.view(batch, 1, 1))
+            plans.append(plan)
+        return plans[0], plans[1]
+
     @torch.inference_mode()
     def forward(
         self,
@@ -141,7 +165,9 @@ class SkipModel:
         """Append T tokens to every row of the cache and return their logits.
 
         tokens: int64 [B, T], row b continuing at position cache.host_lengths[b];
-        layer_set: sub-layers to skip (None: the full model); skipped attention writes no KV;
+        layer_set: sub-layers to skip (None: the full model), or a list of one LayerSet per row
+        (rows scored together, e.g. candidate layer sets: a sub-layer some rows keep runs for
+        all and is masked out of the others' residual); skipped attention writes no KV;
         logits_positions: int64 [B, P] chunk-relative positions whose logits are wanted
         (None: all T); head: (weight [V', H], bias [V'] or None) replacing the LM head, e.g.
         the rows of a vocabulary subset (``draft_head.DraftHead``). -> logits [B, T or P, V or
@@ -152,12 +178,7 @@ class SkipModel:
                 f"forward: tokens must be [B, T] with B = cache batch {cache.batch}, got {tuple(tokens.shape)}"
             )
         B, T = tokens.shape
-        skip_attn = layer_set.attn_mask() if layer_set is not None else [False] * self.num_layers
-        skip_mlp = layer_set.mlp_mask() if layer_set is not None else [False] * self.num_layers
-        if layer_set is not None and layer_set.num_layers != self.num_layers:
-            raise SwiftkernError(
-                f"layer set is for {layer_set.num_layers} layers, the model has {self.num_layers}"
-            )
+        skip_attn, skip_mlp = self._skip_plan(layer_set, B, tokens.device)
         positions = cache.positions_for(T)  # [B, T]
         new_lengths = cache.lengths + T  # [B]
         starts = cache.host_lengths
@@ -170,7 +191,7 @@ class SkipModel:
         hidden = F.embedding(tokens, self.embed)  # [B, T, H]
         cos, sin = self.rotary(hidden, positions)  # [B, T, D] each
         for i, w in enumerate(self.layers):
-            if not skip_attn[i]:
+            if skip_attn[i] is not True:
                 x = ops.rms_norm(hidden, w.ln_attn, self.eps)
                 q = ops.linear(x, w.q, w.q_bias).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
                 k = ops.linear(x, w.k, w.k_bias).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -178,11 +199,13 @@ class SkipModel:
                 q = ops.rope_kv_append(q, k, v, cos, sin, cache.k[i], cache.v[i], positions, uniform_start)
                 attn = ops.verify_attention(q, cache.k[i], cache.v[i], new_lengths, self.scale, max_len, mask)
                 attn = attn.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
-                hidden = hidden + ops.linear(attn, w.o, w.o_bias)
-            if not skip_mlp[i]:
+                out = ops.linear(attn, w.o, w.o_bias)
+                hidden = hidden + (out if skip_attn[i] is False else out * skip_attn[i])
+            if skip_mlp[i] is not True:
                 x = ops.rms_norm(hidden, w.ln_mlp, self.eps)
                 act = ops.silu_mul(ops.linear(x, w.gate, w.gate_bias), ops.linear(x, w.up, w.up_bias))
-                hidden = hidden + ops.linear(act, w.down, w.down_bias)
+                out = ops.linear(act, w.down, w.down_bias)
+                hidden = hidden + (out if skip_mlp[i] is False else out * skip_mlp[i])
         cache.advance(T)
         if logits_positions is not None:
             idx = logits_positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
