@@ -19,10 +19,13 @@ from .requests import Requests
 from .sampling import SamplingParams, select_tokens
 from .draft_head import DEFAULT_DRAFT_VOCAB, DraftHead
 from .drafter_policy import DrafterPolicy
+from . import layer_set_store
 from .speculative import DraftPolicy, decode_self_spec
+from .tuner import OnTheFlyTuner
+from .deterministic import FastPath, decode_deterministic
 
-MODES = ("ar", "self-spec")
-DRAFTERS = ("auto", "layer-skip", "lookup", "none")
+MODES = ("ar", "self-spec", "deterministic")
+DRAFTERS = ("auto", "layer-skip", "lookup", "none", "self-spec")
 
 
 @dataclass
@@ -35,6 +38,7 @@ class GenerationOutput:
     prompt_tokens: list[list[int]]
     stats: dict = field(default_factory=dict)
     request_stats: list[dict] = field(default_factory=list)
+    logprobs: list[torch.Tensor] | None = None  # deterministic mode: the verifier's, float32 [new]
 
 
 def _sync(device: torch.device) -> None:
@@ -102,11 +106,18 @@ class Generator:
     picks among lookup, layer-skip (when a layer set is given) and none per row and step, for
     the most expected tokens per second from the costs and acceptance measured while it runs
     (``drafter_policy.DrafterPolicy``).
+    Mode ``deterministic`` (LLM-42, ``deterministic.decode_deterministic``): a prompt's output
+    and ``logprobs`` are the same bits whatever else is in the batch. Rows decode together
+    (regular batched decoding; ``drafter="self-spec"``: the draft with ``layer_set`` skipped,
+    stopping at confidence < ``eps``), and every ``window`` unverified tokens are replayed in a
+    fixed-shape ``verify_batch x window`` batch-invariant pass that commits the matching prefix
+    plus its own token at the first mismatch.
     """
 
     def __init__(self, model, tokenizer=None, mode: str = "ar", layer_set=None, k_max: int = 25,
                  eps: float = 0.8, adaptive_eps: bool = False, drafter: str = "auto",
-                 draft_vocab: int | None = DEFAULT_DRAFT_VOCAB):
+                 draft_vocab: int | None = DEFAULT_DRAFT_VOCAB, window: int = 32, verify_batch: int = 4,
+                 skip_ratio="auto"):
         if mode not in MODES:
             raise SwiftkernError(f"unknown mode {mode!r}; available: {', '.join(MODES)}")
         self.model = model if isinstance(model, SkipModel) else SkipModel.from_hf(model)
@@ -119,7 +130,24 @@ class Generator:
         if drafter not in DRAFTERS:
             raise SwiftkernError(f"unknown drafter {drafter!r}; available: {', '.join(DRAFTERS)}")
         self.drafter = drafter
-        if mode == "self-spec" and drafter == "layer-skip" and layer_set is None:
+        if (drafter == "self-spec") != (mode == "deterministic" and drafter not in ("auto", "none")):
+            raise SwiftkernError(f"drafter {drafter} does not go with mode {mode}: mode deterministic takes "
+                                 "drafter self-spec (or auto/none: regular batched decoding), and only it does")
+        if window < 1 or verify_batch < 1:
+            raise SwiftkernError(f"window and verify_batch must be >= 1, got {window} and {verify_batch}")
+        self.window, self.verify_batch = window, verify_batch
+        if drafter == "self-spec" and layer_set is None:
+            raise SwiftkernError("drafter self-spec needs a layer set (e.g. 'attn:3,5|mlp:4')")
+        self.auto_layer_set = isinstance(layer_set, str) and layer_set.strip() == "auto"
+        if self.auto_layer_set:
+            if mode != "self-spec" or drafter not in ("auto", "layer-skip"):
+                raise SwiftkernError("layer_set 'auto' (search while generating) needs mode self-spec with "
+                                     "drafter auto or layer-skip")
+            layer_set = None
+        if not (skip_ratio == "auto" or (isinstance(skip_ratio, (int, float)) and 0 < skip_ratio < 1)):
+            raise SwiftkernError(f"skip_ratio must be 'auto' or in (0, 1), got {skip_ratio!r}")
+        self.skip_ratio = skip_ratio
+        if mode == "self-spec" and drafter == "layer-skip" and layer_set is None and not self.auto_layer_set:
             raise SwiftkernError("drafter layer-skip needs a layer set (e.g. 'attn:3,5|mlp:4' or 'none')")
         if draft_vocab is not None and draft_vocab < 1:
             raise SwiftkernError(f"draft_vocab must be >= 1 (or None for the full head), got {draft_vocab}")
@@ -131,6 +159,13 @@ class Generator:
                                  f"{self.model.num_layers}")
         self.layer_set = layer_set
         self.k_max, self.eps, self.adaptive_eps = k_max, eps, adaptive_eps
+
+    def _tuner(self, chooser) -> OnTheFlyTuner:
+        """SWIFT's on-the-fly search, starting from the set ``swiftkern search`` stored for
+        this model when there is one."""
+        record = layer_set_store.load(self.model)
+        return OnTheFlyTuner(self.model.num_layers, chooser, self.skip_ratio,
+                             initial=record["layer_set"] if record else None)
 
     # --- inputs ------------------------------------------------------------------------
     def encode(self, prompts, chat: bool = False) -> list[list[int]]:
@@ -210,20 +245,28 @@ class Generator:
         stop_ids = self._stop_ids(eos_token_id, stop_token_ids)
         device = self.model.device
         slack = self.k_max + 1 if self.mode == "self-spec" else 0  # a verify pass may overshoot by K+1
+        slack = self.window if self.mode == "deterministic" else slack  # a window-wide replay
         cache = self.model.new_cache(len(ids), longest + max_new_tokens + slack)
 
         _sync(device)
         t0 = time.perf_counter()
-        first_logits = prefill(self.model, cache, ids)
+        # deterministic mode prefills through its verifier
+        first_logits = prefill(self.model, cache, ids) if self.mode != "deterministic" else None
         _sync(device)
         t1 = time.perf_counter()
         requests = Requests(len(ids), max_new_tokens, stop_ids, self._stop_check(stop))
         spec_stats = {}
         if self.mode == "ar":
             steps = decode_ar(self.model, cache, first_logits, params, seeds, requests)
+        elif self.mode == "deterministic":
+            fast = FastPath(self.layer_set, self.eps) if self.drafter == "self-spec" else FastPath()
+            spec_stats = decode_deterministic(self.model, cache, ids, params, seeds, requests, self.window,
+                                              self.verify_batch, fast)
+            steps = spec_stats["fast_steps"] + spec_stats["verify_passes"]
         else:
             policy = DraftPolicy(k_max=self.k_max, eps=self.eps, adaptive=self.adaptive_eps)
-            uses_skip = self.drafter == "layer-skip" or (self.drafter == "auto" and self.layer_set is not None)
+            uses_skip = self.drafter == "layer-skip" or (self.drafter == "auto" and (
+                self.layer_set is not None or self.auto_layer_set))
             chooser = None
             if self.drafter == "auto":
                 allowed = ("lookup", "none") + (("layer-skip",) if uses_skip else ())
@@ -232,8 +275,11 @@ class Generator:
             if uses_skip and self.draft_vocab is not None and self.draft_vocab < self.model.vocab_size:
                 head = DraftHead(self.model.lm_head, self.model.lm_head_bias, self.draft_vocab,
                                  [t for p in ids for t in p])
+            tuner = self._tuner(chooser) if self.auto_layer_set else None
             spec_stats = decode_self_spec(self.model, cache, first_logits, params, seeds, requests,
-                                          self.layer_set, policy, self.drafter, ids, chooser, head)
+                                          self.layer_set, policy, self.drafter, ids, chooser, head, tuner)
+            if tuner is not None:
+                spec_stats.update(tuner.stats(), searched_layer_set=str(tuner.current or ""))
             steps = spec_stats["draft_steps"] + spec_stats["verify_steps"]
         tokens = requests.out
         _sync(device)
@@ -263,4 +309,11 @@ class Generator:
                          **acceptance_stats(spec_stats, spec_stats["row_verifies"]))
             for req, row in zip(request_stats, per_row):
                 req.update(row, **acceptance_stats(row, row["verifies"]))
-        return GenerationOutput(tokens, texts, ids, stats, request_stats)
+        logprobs = None
+        if self.mode == "deterministic":
+            per_row, logprobs = spec_stats.pop("per_row"), spec_stats.pop("logprobs")
+            stats.update(spec_stats, window=self.window, verify_batch=self.verify_batch,
+                         fast_path="self-spec " + str(self.layer_set) if self.drafter == "self-spec" else "ar")
+            for req, row in zip(request_stats, per_row):
+                req.update(row)
+        return GenerationOutput(tokens, texts, ids, stats, request_stats, logprobs)

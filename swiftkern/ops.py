@@ -756,6 +756,29 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return reference.skinny_linear(x, weight, bias)
 
 
-__all__ = ["greedy_accept", "linear", "rejection_sample", "rms_norm", "fused_add_rms_norm", "silu_mul",
-           "apply_rope", "rope_kv_append", "attention_mask", "verify_attention", "kv_compact", "backend_info",
+def bi_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Batch-invariant matmul for the deterministic verifier: a @ b with each row of the result
+    independent of M and of the other rows (same bits for a row alone or in any batch).
+
+    a: [M, K], b: [K, N] (one float dtype and device, any strides) -> [M, N] in a's dtype,
+    accumulated in float32. CUDA (auto): the Triton kernel ``triton_kernels/bi_matmul.py`` (fixed
+    tiles, no split-K); CPU: ``reference.bi_matmul`` (MKL, short inputs padded to 16 rows);
+    SWIFTKERN_BACKEND=triton also runs the kernel on CPU tensors under TRITON_INTERPRET=1.
+    """
+    op = "bi_matmul"
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() != 2 or b.dim() != 2:
+        raise SwiftkernError(f"{op}: a must be a tensor [M, K] and b a tensor [K, N]")
+    if a.shape[1] != b.shape[0] or a.dtype != b.dtype or a.device != b.device:
+        raise SwiftkernError(f"{op}: a {tuple(a.shape)} {a.dtype} on {a.device} and b {tuple(b.shape)} {b.dtype} "
+                             f"on {b.device} must share K, dtype and device")
+    if a.device.type == "cuda" or _backend() == "triton":
+        try:  # the module registers swiftkern_triton::bi_matmul when imported
+            importlib.import_module(__package__ + ".triton_kernels.bi_matmul")
+        except Exception as e:
+            _TRITON["error"] = _TRITON["error"] or f"{type(e).__name__}: {e}"
+    return _run(op, a.device, a, b)
+
+
+__all__ = ["bi_matmul", "greedy_accept", "linear", "rejection_sample", "rms_norm", "fused_add_rms_norm",
+           "silu_mul", "apply_rope", "rope_kv_append", "attention_mask", "verify_attention", "kv_compact", "backend_info",
            "backend_for", "info", "set_backend"]

@@ -244,3 +244,21 @@ def rejection_sample(
             weights = p_row
         out[b, j] = _inverse_cdf(weights, float(u_sample[b, j]))
     return out, num_accepted
+
+
+BI_MATMUL_MIN_ROWS = 16  # MKL computes fewer than ~12 rows another way; pad up to this
+
+
+def bi_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Batch-invariant matmul: a @ b accumulated in float32, each row of the result independent
+    of the other rows and of M. a: [M, K], b: [K, N] -> [M, N] in a's dtype.
+
+    On the CPU, MKL's float32 GEMM gives every row the same bits for any M >= 12 (measured and
+    guarded bitwise in tests/test_bi_matmul.py), so fewer rows are zero-padded to
+    BI_MATMUL_MIN_ROWS. The Triton kernel gets the property from fixed tiles and no split-K.
+    """
+    M = a.shape[0]
+    a32 = a.to(torch.float32)
+    if M < BI_MATMUL_MIN_ROWS:
+        a32 = torch.nn.functional.pad(a32, (0, 0, 0, BI_MATMUL_MIN_ROWS - M))
+    return torch.matmul(a32, b.to(torch.float32))[:M].to(a.dtype)

@@ -1,0 +1,205 @@
+"""Deterministic decoding (LLM-42): batch-variant fast decoding, fixed-shape batch-invariant replay.
+
+A request's output is a function of (prompt, seed, sampling settings) alone, bit for bit,
+whatever else is in the batch:
+  prefill  every prompt through the verifier (``verifier.Verifier.prefill``): the prompt's KV
+           is the cache of record, and the first token is the verifier's;
+  fast     all rows decode together with the regular model runner (any kernels, batch-variant
+           allowed) or with the layer-skipped draft; their tokens are *unverified*;
+  verify   when a row has ``window`` unverified tokens or its fast path stopped (stop token,
+           length, stop string, or a low-confidence draft), replay its last verified token +
+           up to window-1 unverified tokens in a fixed-shape ``verify_batch x window`` pass;
+  commit   the matching prefix, then the verifier's token at the first mismatch (or, after a
+           short window that matched, the verifier's next token); the verifier's KV is the
+           cache of record and everything after the commit is rolled back.
+Sampling draws each token with a uniform keyed on (seed, absolute position), so the fast path
+and the replay draw the same token unless their distributions differ at that point.
+Words: the *pending* token of a row is its last verified token, whose KV is not yet written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .kv_cache import KVCache
+from .layer_set import LayerSet
+from .model import SkipModel
+from .requests import Requests
+from .sampling import SamplingParams, select_tokens
+from .batch_invariant import bi_log_softmax
+from .verifier import Slot, Verifier, set_lengths
+
+
+@dataclass
+class _Row:
+    pending: int
+    unverified: list[int] = field(default_factory=list)
+    stopped: bool = False  # the fast path stopped; the row waits for its verify pass
+
+
+class FastPath:
+    """Proposes every row's next token with one batched forward (batch-variant allowed).
+
+    layer_set None: the full model (regular decoding). A layer set: the layer-skipped draft,
+    which also stops a row when its top-1 probability is below ``eps``.
+    """
+
+    def __init__(self, layer_set: LayerSet | None = None, eps: float = 0.0):
+        self.layer_set = layer_set
+        self.eps = eps if layer_set is not None else 0.0
+
+    def propose(self, model: SkipModel, cache: KVCache, last: torch.Tensor, params: SamplingParams,
+                seeds: list[int]) -> tuple[list[int], list[bool]]:
+        """last: int64 [B], each row's newest token (appended to the cache).
+        -> next token per row, and whether the draft was confident enough to keep it."""
+        positions = [n + 1 for n in cache.host_lengths]  # position of the token chosen now
+        logits = model.forward(last.unsqueeze(1), cache, layer_set=self.layer_set)[:, -1]  # [B, V]
+        tokens = select_tokens(logits, params, seeds, positions).tolist()
+        if self.eps <= 0.0:
+            return tokens, [True] * len(tokens)
+        confidence = logits.float().softmax(-1).max(-1).values
+        return tokens, (confidence >= self.eps).tolist()
+
+
+def token_logprob(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Verifier log-probability of each chosen token. logits: [N, V]; tokens: int64 [N] -> float32 [N]"""
+    return bi_log_softmax(logits).gather(1, tokens.unsqueeze(1)).squeeze(1)
+
+
+def decode_deterministic(model: SkipModel, cache: KVCache, prompts: list[list[int]], params: SamplingParams,
+                         seeds: list[int], requests: Requests, window: int = 32, verify_batch: int = 4,
+                         fast_path: FastPath | None = None) -> dict:
+    """Prefill, then fast-decode / verify / commit into ``requests`` until every request stops.
+
+    cache: a fresh cache with one row per prompt and room for the longest prompt +
+    max_new_tokens + window positions. Finished rows leave the batch.
+    -> stats: prefill_passes and verify_passes (fixed-shape passes), dummy_rows (filler slots),
+       fast_steps (batched fast forwards), fast_tokens (unverified tokens proposed), rolled_back
+       (of those, discarded after a mismatch), rollback_fraction, corrected (mismatches),
+       logprobs (per request, float32 [new tokens]: the verifier's log-probability of each
+       returned token), per_row [{verifies, fast_tokens, rolled_back}] per request
+    """
+    fast_path = fast_path or FastPath()
+    verifier = Verifier(model, window, verify_batch)
+    stats = {"fast_steps": 0, "fast_tokens": 0, "rolled_back": 0, "corrected": 0}
+    per_row = [{"verifies": 0, "fast_tokens": 0, "rolled_back": 0} for _ in prompts]
+    logprobs: list[list[torch.Tensor]] = [[] for _ in prompts]
+
+    logits = verifier.prefill(cache, prompts)  # [B, V]
+    first = select_tokens(logits, params, seeds, [len(p) for p in prompts])  # [B]
+    first_lp = token_logprob(logits, first)
+    rows = []
+    for r, t in enumerate(first.tolist()):
+        requests.commit(r, [t])
+        logprobs[r].append(first_lp[r:r + 1])
+        rows.append(_Row(pending=t))
+    stats["prefill_passes"] = verifier.passes
+    rows = _drop_finished(requests, cache, rows)
+
+    while rows:
+        while True:  # verify passes: a full group of due rows, or every row due
+            due = [i for i, row in enumerate(rows) if row.stopped or len(row.unverified) >= window]
+            if not due or (len(due) < verify_batch and len(due) < len(rows)):
+                break
+            due.sort(key=lambda i: -len(rows[i].unverified))
+            _verify(verifier, cache, rows, due[:verify_batch], prompts, params, seeds, requests, stats,
+                    per_row, logprobs)
+            rows = _drop_finished(requests, cache, rows)
+            if not rows:
+                break
+        if not rows:
+            break
+        _fast_step(model, cache, rows, fast_path, prompts, params, seeds, requests, window, stats, per_row)
+
+    stats["verify_passes"] = verifier.passes - stats["prefill_passes"]
+    stats["dummy_rows"] = verifier.dummy_rows
+    stats["rollback_fraction"] = stats["rolled_back"] / stats["fast_tokens"] if stats["fast_tokens"] else 0.0
+    stats["logprobs"] = [torch.cat(lp) for lp in logprobs]
+    stats["per_row"] = per_row
+    return stats
+
+
+def _vlen(prompts, requests, r: int) -> int:
+    """Verified length of request r: prompt + committed tokens (the pending one included)."""
+    return len(prompts[r]) + len(requests.out[r])
+
+
+def _fast_step(model, cache, rows, fast_path, prompts, params, seeds, requests, window, stats, per_row):
+    """One batched fast forward for every row; rows that are waiting discard theirs."""
+    alive = requests.alive
+    last = torch.tensor([row.unverified[-1] if row.unverified else row.pending for row in rows],
+                        dtype=torch.int64, device=model.device)
+    tokens, confident = fast_path.propose(model, cache, last, params, [seeds[r] for r in alive])
+    stats["fast_steps"] += 1
+    for i, row in enumerate(rows):
+        if row.stopped:
+            continue
+        r = alive[i]
+        if not confident[i]:  # a low-confidence draft is dropped and the row is verified now
+            row.stopped = True
+            continue
+        row.unverified.append(tokens[i])
+        stats["fast_tokens"] += 1
+        per_row[r]["fast_tokens"] += 1
+        seen = requests.out[r] + row.unverified
+        if (tokens[i] in requests.stop_ids or len(seen) >= requests.max_new_tokens
+                or (fast_path.layer_set is not None and len(row.unverified) >= window)
+                or (requests.stop_check is not None and requests.stop_check(r, seen))):
+            row.stopped = True
+    # each row keeps KV for its pending token and every unverified token but the newest
+    cache.rollback([_vlen(prompts, requests, r) - 1 + len(row.unverified) for r, row in zip(alive, rows)])
+
+
+def _verify(verifier, cache, rows, picked, prompts, params, seeds, requests, stats, per_row, logprobs):
+    """One fixed-shape pass over the rows ``picked``; commit, correct and roll back each."""
+    T = verifier.window
+    alive = requests.alive
+    slots = []
+    for i in picked:
+        row, r = rows[i], alive[i]
+        fed = row.unverified[:T - 1]  # the replay: pending + up to window-1 unverified tokens
+        slots.append(Slot(i, _vlen(prompts, requests, r) - 1, [row.pending] + fed, list(range(len(fed) + 1))))
+    logits = verifier.forward(cache, slots)  # [N, V]
+    row_seeds = [seeds[alive[s.row]] for s in slots for _ in s.want]
+    positions = [s.start + 1 + j for s in slots for j in s.want]  # position of each predicted token
+    chosen = select_tokens(logits, params, row_seeds, positions)  # [N]
+    chosen_lp = token_logprob(logits, chosen)
+    n = 0
+    for s in slots:
+        row, r = rows[s.row], alive[s.row]
+        preds = chosen[n:n + len(s.want)].tolist()
+        lps = chosen_lp[n:n + len(s.want)]
+        n += len(s.want)
+        compared = min(len(row.unverified), T)
+        match = 0
+        while match < compared and row.unverified[match] == preds[match]:
+            match += 1
+        if match < compared:  # mismatch: the verifier's token replaces the rest
+            commit, rest = row.unverified[:match] + [preds[match]], []
+            stats["rolled_back"] += len(row.unverified) - match
+            per_row[r]["rolled_back"] += len(row.unverified) - match
+            stats["corrected"] += 1
+            row.stopped = False
+        elif compared < len(preds):  # a short window matched: the verifier's next token too
+            commit, rest = row.unverified + [preds[compared]], []
+            row.stopped = False
+        else:  # a full window matched; tokens past it stay unverified
+            commit, rest = row.unverified[:T], row.unverified[T:]
+            row.stopped = row.stopped and bool(rest)  # a stop among the rest still holds
+        before = len(requests.out[r])
+        requests.commit(r, commit)
+        logprobs[r].append(lps[:len(requests.out[r]) - before])
+        per_row[r]["verifies"] += 1
+        row.pending, row.unverified = commit[-1], rest
+    lengths = list(cache.host_lengths)
+    for s in slots:
+        r = alive[s.row]
+        lengths[s.row] = _vlen(prompts, requests, r) - 1 + len(rows[s.row].unverified)
+    set_lengths(cache, lengths)
+
+
+def _drop_finished(requests: Requests, cache: KVCache, rows: list[_Row]) -> list[_Row]:
+    kept = requests.drop_finished(cache, torch.arange(len(rows)))
+    return [] if kept is None else [rows[i] for i in kept.tolist()]

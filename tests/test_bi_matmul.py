@@ -1,0 +1,106 @@
+"""bi_matmul: the Triton kernel (interpreter on CPU, native on GPU) and the CPU path against
+reference.bi_matmul, and the property it exists for: a row's bits never depend on M."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from swiftkern import ops, reference
+from swiftkern.errors import SwiftkernError
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: TRITON_INTERPRET=1 (conftest)
+FEW = settings(max_examples=12 if DEVICE == "cuda" else 6, deadline=None, derandomize=True,
+               suppress_health_check=[HealthCheck.too_slow])
+# (atol, rtol) of the kernel against the reference on the same inputs; both accumulate in fp32
+# in different orders, and a bf16 output may then round one unit apart
+TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2), torch.float16: (2e-3, 2e-3)}
+
+
+def kernel():
+    from swiftkern.triton_kernels.bi_matmul import bi_matmul
+    return bi_matmul
+
+
+def operands(M, K, N, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(M, K, generator=g).to(dtype).to(DEVICE)
+    b = torch.randn(K, N, generator=g).to(dtype).to(DEVICE)
+    return a, b
+
+
+@FEW
+@given(M=st.integers(1, 150), K=st.integers(1, 100), N=st.integers(1, 100),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+def test_kernel_matches_reference_on_odd_shapes(M, K, N, dtype):
+    from swiftkern.triton_kernels.launch import poisoned_outputs
+
+    a, b = operands(M, K, N, dtype)
+    with poisoned_outputs():  # an unwritten element would stay NaN
+        got = kernel()(a, b)
+    want = reference.bi_matmul(a, b)
+    atol, rtol = TOLERANCE[dtype]
+    assert got.dtype == dtype and got.shape == (M, N)
+    torch.testing.assert_close(got, want, atol=atol * K ** 0.5, rtol=rtol)
+
+
+def test_kernel_takes_strided_operands():
+    a, w = operands(37, 70, 45, torch.float32, seed=1)
+    weight = w.t().contiguous()  # [N, K], as a linear layer stores it
+    got = kernel()(a[::1], weight.t())  # b = a transposed view
+    torch.testing.assert_close(got, reference.bi_matmul(a, weight.t()), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_rows_do_not_depend_on_m(dtype):
+    a, b = operands(200, 96, 80, dtype, seed=2)
+    full = kernel()(a, b)
+    for m in (1, 2, 3, 7, 16, 33, 63, 64, 65, 100, 128, 129, 199):
+        assert torch.equal(kernel()(a[:m], b), full[:m]), m
+
+
+def test_kernel_rows_do_not_depend_on_position_or_neighbours():
+    a, b = operands(130, 64, 48, torch.float32, seed=3)
+    full = kernel()(a, b)
+    perm = torch.randperm(130, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    assert torch.equal(kernel()(a[perm], b), full[perm])
+    other = torch.randn(130, 64, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    other[77] = a[5]  # the same row among different rows, at another place
+    assert torch.equal(kernel()(other, b)[77], full[5])
+
+
+@pytest.mark.parametrize("K,N", [(576, 192), (64, 96), (1536, 64), (96, 301)])
+def test_cpu_path_rows_do_not_depend_on_m(K, N):
+    """ops.bi_matmul on the CPU (MKL, padded to 16 rows): every M in 1..300, bitwise."""
+    g = torch.Generator().manual_seed(K + N)
+    a, b = torch.randn(300, K, generator=g), torch.randn(N, K, generator=g).t()
+    full = ops.bi_matmul(a, b)
+    torch.testing.assert_close(full, a @ b, atol=1e-4, rtol=1e-5)
+    bad = [m for m in range(1, 301) if not torch.equal(ops.bi_matmul(a[:m], b), full[:m])]
+    assert not bad, f"rows differ for M in {bad[:10]}"
+
+
+def test_ops_wrapper_runs_the_kernel_when_asked():
+    a, b = operands(20, 33, 17, torch.float32, seed=4)
+    ops.set_backend("triton")
+    try:
+        got = ops.bi_matmul(a, b)
+    finally:
+        ops.set_backend("auto")
+    assert torch.equal(got, kernel()(a, b))
+
+
+@pytest.mark.parametrize("a_shape,b_shape,dtypes,match", [
+    ((4, 5), (6, 3), (torch.float32, torch.float32), "share K"),
+    ((4, 5), (5, 3), (torch.float32, torch.float16), "share K, dtype"),
+    ((4, 5, 1), (5, 3), (torch.float32, torch.float32), r"\[M, K\]"),
+])
+def test_bad_input_says_what_is_wrong(a_shape, b_shape, dtypes, match):
+    with pytest.raises(SwiftkernError, match=match):
+        ops.bi_matmul(torch.zeros(a_shape, dtype=dtypes[0]), torch.zeros(b_shape, dtype=dtypes[1]))
+    if len(a_shape) == 2:
+        with pytest.raises(SwiftkernError, match="bi_matmul"):
+            kernel()(torch.zeros(a_shape, dtype=dtypes[0], device=DEVICE),
+                     torch.zeros(b_shape, dtype=dtypes[1], device=DEVICE))
