@@ -7,6 +7,10 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# No GPU: run the Triton kernels in Triton's CPU interpreter (read when triton is first imported,
+# which swiftkern does lazily); on a GPU machine they run natively.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_configure(config):

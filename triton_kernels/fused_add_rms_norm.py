@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import check_device, check_float, require, row_plan
+from .launch import check_device, check_float, empty, require, row_plan
 
 
 @triton.jit
@@ -75,7 +75,7 @@ def _launch(x, residual, weight, eps, out, new_residual):
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [..., H]; weight: [H] (same dtype) -> weight * normalize(x), [..., H] in x.dtype."""
     _check("rms_norm", x, weight, None)
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = empty(x.shape, x.dtype, x.device)
     _launch(x, None, weight, eps, out, None)
     return out
 
@@ -84,8 +84,8 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual: [..., H]; weight: [H] -> (rms_norm(residual + x), residual + x), both [..., H]."""
     _check("fused_add_rms_norm", x, weight, residual)
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = empty(x.shape, x.dtype, x.device)
+    new_residual = empty(x.shape, x.dtype, x.device)
     _launch(x, residual, weight, eps, out, new_residual)
     return out, new_residual
 

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import check_device, next_pow2, require, vocab_plan
+from .launch import check_device, empty, next_pow2, require, vocab_plan
 
 _NONE = tl.constexpr(2**31 - 1)  # "no index yet"; larger than any vocabulary index
 
@@ -107,13 +107,13 @@ def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor, num_d
             f"num_draft must be int32 [B] = [{B}], got {num_draft.dtype} {tuple(num_draft.shape)}")
     V = target_logits.shape[2]
     device = draft_tokens.device
-    out = torch.empty((B, K + 1), dtype=torch.int64, device=device)
-    num_acc = torch.empty((B,), dtype=torch.int32, device=device)
+    out = empty((B, K + 1), torch.int64, device)
+    num_acc = empty((B,), torch.int32, device)
     if B == 0:
         return out, num_acc
     plan = vocab_plan(B * (K + 1), V, device, num_splits)
-    part_val = torch.empty((B * (K + 1), plan.splits), dtype=torch.float32, device=device)
-    part_idx = torch.empty((B * (K + 1), plan.splits), dtype=torch.int32, device=device)
+    part_val = empty((B * (K + 1), plan.splits), torch.float32, device)
+    part_idx = empty((B * (K + 1), plan.splits), torch.int32, device)
     _argmax_kernel[(B * (K + 1), plan.splits)](
         target_logits, target_logits.stride(0), target_logits.stride(1), part_val, part_idx,
         K + 1, V, plan.chunk, plan.splits, BLOCK=plan.block, num_warps=plan.num_warps)

@@ -8,6 +8,7 @@ streaming multiprocessor for the reductions that would otherwise leave SMs idle.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from dataclasses import dataclass
@@ -44,6 +45,40 @@ def num_sms(device_type: str, index: int | None = 0) -> int:
 
 def _sms(device: torch.device) -> int:
     return num_sms(device.type, device.index)
+
+
+# ------------------------------------------------------------------------- outputs
+
+_POISON = {"on": False}
+
+
+@contextlib.contextmanager
+def poisoned_outputs():
+    """Inside this block every buffer the launchers allocate (outputs and scratch) starts
+    filled with NaN (floats) or -7777 (integers) instead of whatever memory held, so a test
+    sees any element a kernel forgot to write."""
+    before = _POISON["on"]
+    _POISON["on"] = True
+    try:
+        yield
+    finally:
+        _POISON["on"] = before
+
+
+def empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.empty, or a poisoned buffer inside ``poisoned_outputs()``."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    if _POISON["on"]:
+        t.fill_(float("nan") if dtype.is_floating_point else -7777)
+    return t
+
+
+def empty_like(t: torch.Tensor) -> torch.Tensor:
+    """torch.empty_like (keeping a dense tensor's strides), poisoned like ``empty``."""
+    out = torch.empty_like(t)
+    if _POISON["on"]:
+        out.fill_(float("nan") if t.dtype.is_floating_point else -7777)
+    return out
 
 
 # ------------------------------------------------------------------------- checks

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import check_device, next_pow2, require, vocab_plan
+from .launch import check_device, empty, next_pow2, require, vocab_plan
 
 _NONE = tl.constexpr(2**31 - 1)
 
@@ -161,13 +161,13 @@ def rejection_sample(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | Non
         require(tuple(t.shape) == shape and t.dtype == dtype, op,
                 f"{name} must be {dtype} {list(shape)}, got {t.dtype} {tuple(t.shape)}")
     device = draft_tokens.device
-    out = torch.empty((B, K + 1), dtype=torch.int64, device=device)
-    num_acc = torch.empty((B,), dtype=torch.int32, device=device)
+    out = empty((B, K + 1), torch.int64, device)
+    num_acc = empty((B,), torch.int32, device)
     if B == 0:
         return out, num_acc
     plan = vocab_plan(B, V, device, num_splits)
-    res_sum = torch.empty((B, plan.splits), dtype=torch.float64, device=device)
-    p_sum = torch.empty((B, plan.splits), dtype=torch.float64, device=device)
+    res_sum = empty((B, plan.splits), torch.float64, device)
+    p_sum = empty((B, plan.splits), torch.float64, device)
     has_q = draft_probs is not None
     q = draft_probs if has_q else target_probs  # a valid pointer, never read without HAS_Q
     common = (draft_tokens, draft_tokens.stride(0), q, q.stride(0), q.stride(1),

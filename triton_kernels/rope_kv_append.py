@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import check_device, check_float, next_pow2, require
+from .launch import check_device, check_float, empty_like, next_pow2, require
 
 
 @triton.jit
@@ -104,7 +104,7 @@ def rope_kv_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
             f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
     require(positions.shape == (B, T) and positions.dtype == torch.int64, op,
             f"positions must be int64 [B, T] = [{B}, {T}], got {positions.dtype} {tuple(positions.shape)}")
-    q_out = torch.empty_like(q)
+    q_out = empty_like(q)
     if B * T == 0 or Hq == 0:
         return q_out
     _rope_kv_append_kernel[(B * T,)](

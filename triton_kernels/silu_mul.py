@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import check_device, check_float, elementwise_plan, require
+from .launch import check_device, check_float, elementwise_plan, empty_like, require
 
 
 @triton.jit
@@ -37,7 +37,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
             f"gate and up must have one shape and dtype, got {tuple(gate.shape)} {gate.dtype} and "
             f"{tuple(up.shape)} {up.dtype}")
     gate, up = gate.contiguous(), up.contiguous()
-    out = torch.empty_like(gate)
+    out = empty_like(gate)
     n = gate.numel()
     if n:
         plan = elementwise_plan(n)

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import attention_plan, check_device, check_float, interpreting, require
+from .launch import attention_plan, check_device, check_float, empty, interpreting, require
 
 
 @triton.jit
@@ -144,7 +144,7 @@ def verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             f"q, k_cache and v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     require(cache_lens.shape == (B,) and cache_lens.dtype == torch.int64, op,
             f"cache_lens must be int64 [B] = [{B}], got {cache_lens.dtype} {tuple(cache_lens.shape)}")
-    out = torch.empty((B, T, Hq, D), dtype=q.dtype, device=q.device).transpose(1, 2)
+    out = empty((B, T, Hq, D), q.dtype, q.device).transpose(1, 2)
     if out.numel() == 0:
         return out
     group = Hq // Hkv
@@ -152,8 +152,8 @@ def verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     fp32_dot = q.dtype == torch.float32 or interpreting()
     split = plan.splits > 1
     if split:
-        mid_o = torch.empty((B, Hq, T, plan.splits, D), dtype=torch.float32, device=q.device)
-        mid_lse = torch.empty((B, Hq, T, plan.splits), dtype=torch.float32, device=q.device)
+        mid_o = empty((B, Hq, T, plan.splits, D), torch.float32, q.device)
+        mid_lse = empty((B, Hq, T, plan.splits), torch.float32, q.device)
     else:
         mid_o = mid_lse = out  # unused
     grid = (B * Hkv, plan.m_blocks, plan.splits)

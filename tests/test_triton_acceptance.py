@@ -1,0 +1,135 @@
+"""Triton greedy_accept and rejection_sample: token-identical to reference.py.
+
+Tier 1: exact tiny cases. Tier 2: hypothesis-drawn shapes (vocab 1 to 49152, K = 0, rows with
+num_draft 0, forced vocabulary splits), ties, NaN, zero-probability tokens, unused draft slots
+holding out-of-vocabulary garbage. Tier 3: opcheck and the wrappers with SWIFTKERN_BACKEND=triton.
+"""
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from swiftkern import ops, reference
+from swiftkern.triton_kernels.greedy_accept import greedy_accept as greedy_launch
+from swiftkern.triton_kernels.rejection_sample import rejection_sample as rejection_launch
+from triton_cases import DEVICE, FEW, backend, opcheck, poisoned, triton_op
+
+VOCABS = [1, 7, 1000, 49152]
+
+
+def on(*ts):
+    return tuple(t.to(DEVICE) if t is not None else None for t in ts)
+
+
+def assert_same(got, want):
+    (out, acc), (want_out, want_acc) = got, want
+    assert out.dtype == torch.int64 and acc.dtype == torch.int32
+    assert torch.equal(out.cpu(), want_out.cpu()), (out, want_out)
+    assert torch.equal(acc.cpu(), want_acc.cpu()), (acc, want_acc)
+
+
+# ---------------------------------------------------------------- greedy_accept
+
+def test_greedy_exact_rows():
+    logits = torch.full((3, 4, 5), -1.0)
+    for b, targets in enumerate([[2, 4, 1, 3], [0, 0, 0, 0], [1, 2, 3, 4]]):
+        logits[b, torch.arange(4), torch.tensor(targets)] = 1.0
+    draft = torch.tensor([[2, 4, 1], [0, 1, 0], [1, 2, 3]])
+    nd = torch.tensor([3, 3, 1], dtype=torch.int32)
+    with poisoned():
+        out, acc = triton_op("greedy_accept")(*on(draft, logits, nd))
+    assert out.cpu().tolist() == [[2, 4, 1, 3], [0, 0, -1, -1], [1, 2, -1, -1]] and acc.cpu().tolist() == [3, 1, 1]
+
+
+@FEW
+@given(B=st.integers(1, 4), K=st.integers(0, 6), V=st.sampled_from(VOCABS), splits=st.sampled_from([None, 1, 3]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), data=st.data())
+def test_greedy_matches_reference(B, K, V, splits, dtype, data):
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    logits = torch.randn(B, K + 1, V, generator=g)
+    if data.draw(st.booleans()):  # ties (few distinct values) and a NaN somewhere
+        logits = logits.round()
+        logits.view(-1)[data.draw(st.integers(0, logits.numel() - 1))] = float("nan")
+    logits = logits.to(dtype)
+    target = logits.float().argmax(-1)
+    draft = target[:, :K].clone()
+    flip = torch.rand(B, K, generator=g) < 0.3  # some mismatches
+    draft[flip] = (draft[flip] + 1) % V
+    nd = torch.tensor(data.draw(st.lists(st.integers(0, K), min_size=B, max_size=B)), dtype=torch.int32)
+    unused = torch.arange(K) >= nd.unsqueeze(1).long()
+    draft[unused] = -5  # never read
+    with poisoned():
+        got = greedy_launch(*on(draft, logits, nd), num_splits=splits)
+    assert_same(got, reference.greedy_accept(draft, logits, nd))
+
+
+def test_greedy_registered_op_and_wrapper():
+    logits = torch.randn(2, 4, 1000)
+    draft, nd = logits.argmax(-1)[:, :3].contiguous(), torch.tensor([3, 1], dtype=torch.int32)
+    want = reference.greedy_accept(draft, logits, nd)
+    opcheck(triton_op("greedy_accept"), on(draft, logits, nd))
+    with backend("triton"):
+        assert_same(ops.greedy_accept(*on(draft, logits, nd.long())), want)
+        assert_same(ops.greedy_accept(*on(draft, logits[:, :, ::2].contiguous()[:, :, :500], nd)),
+                    reference.greedy_accept(draft, logits[:, :, ::2].contiguous()[:, :, :500], nd))
+
+
+# ---------------------------------------------------------------- rejection_sample
+
+def probs(shape, g, zeros=False, temperature=1.0):
+    p = torch.softmax(torch.randn(shape, generator=g) * 3 / temperature, dim=-1)
+    if zeros and shape[-1] > 2:  # a top-k-like support: most tokens impossible
+        keep = torch.rand(shape, generator=g) < 0.3
+        p = torch.where(keep, p, 0.0)
+        p[..., 0] += 1e-3  # every row keeps some mass
+        p = p / p.sum(-1, keepdim=True)
+    return p
+
+
+@FEW
+@given(B=st.integers(1, 4), K=st.integers(0, 5), V=st.sampled_from(VOCABS), splits=st.sampled_from([None, 1, 3]),
+       with_q=st.booleans(), zeros=st.booleans(), data=st.data())
+def test_rejection_matches_reference(B, K, V, splits, with_q, zeros, data):
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    target = probs((B, K + 1, V), g, zeros)
+    draft_probs = probs((B, K, V), g, zeros, temperature=2.0) if with_q else None
+    if with_q and K and data.draw(st.booleans()):
+        draft_probs[0, 0] = target[0, 0]  # p == q: acceptance 1, an all-zero residual if rejected
+    source = draft_probs if with_q else target[:, :K]
+    draft = torch.multinomial(source.reshape(-1, V), 1, generator=g).view(B, K) if K else torch.zeros(B, 0).long()
+    nd = torch.tensor(data.draw(st.lists(st.integers(0, K), min_size=B, max_size=B)), dtype=torch.int32)
+    draft[torch.arange(K) >= nd.unsqueeze(1).long()] = V + 3  # unused slots: never read
+    u_accept, u_sample = torch.rand(B, K, generator=g), torch.rand(B, K + 1, generator=g)
+    u_sample[0, -1] = 0.9999999  # the far end of the inverse CDF
+    args = (draft, draft_probs, target, nd, u_accept, u_sample)
+    with poisoned():
+        got = rejection_launch(*on(*args), num_splits=splits)
+    assert_same(got, reference.rejection_sample(*args))
+
+
+def test_rejection_exact_cases():
+    # V = 4: draft token 1 with q = 1 (greedy draft), p(1) = 0.25 -> accepted iff u * 1 < 0.25
+    p = torch.tensor([[[0.25, 0.25, 0.5, 0.0], [0.0, 0.0, 0.0, 1.0]]])
+    draft, nd = torch.tensor([[1]]), torch.tensor([1], dtype=torch.int32)
+    # accepted (u = 0.2), then the bonus token from p_1: token 3
+    out, acc = triton_op("rejection_sample")(*on(draft, None, p, nd, torch.tensor([[0.2]]), torch.tensor([[0.5, 0.5]])))
+    assert out.cpu().tolist() == [[1, 3]] and acc.cpu().tolist() == [1]
+    # rejected (u = 0.3): residual max(0, p - onehot(1)) = [0.25, 0, 0.5, 0]; u = 0.5 of 0.75 -> token 2
+    out, acc = triton_op("rejection_sample")(*on(draft, None, p, nd, torch.tensor([[0.3]]), torch.tensor([[0.5, 0.5]])))
+    assert out.cpu().tolist() == [[2, -1]] and acc.cpu().tolist() == [0]
+    # u = 0.3 of 0.75 = 0.225 < 0.25 -> token 0
+    out, _ = triton_op("rejection_sample")(*on(draft, None, p, nd, torch.tensor([[0.3]]), torch.tensor([[0.3, 0.5]])))
+    assert out.cpu().tolist() == [[0, -1]]
+
+
+def test_rejection_registered_op_and_wrapper():
+    g = torch.Generator().manual_seed(5)
+    target, q = probs((3, 4, 1000), g), probs((3, 3, 1000), g)
+    draft = torch.multinomial(q.view(-1, 1000), 1, generator=g).view(3, 3)
+    nd = torch.tensor([3, 2, 0], dtype=torch.int32)
+    ua, us = torch.rand(3, 3, generator=g), torch.rand(3, 4, generator=g)
+    opcheck(triton_op("rejection_sample"), on(draft, q, target, nd, ua, us))
+    opcheck(triton_op("rejection_sample"), on(draft, None, target, nd, ua, us))
+    with backend("triton"):
+        assert_same(ops.rejection_sample(*on(draft, q.bfloat16(), target, nd, ua, us)),
+                    reference.rejection_sample(draft, q.bfloat16().float(), target, nd, ua, us))

@@ -1,0 +1,76 @@
+"""Triton kv_compact against reference.py (interpreter on CPU, native on GPU)."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from swiftkern import ops, reference
+from swiftkern.errors import SwiftkernError
+from triton_cases import DEVICE, FEW, backend, opcheck, triton_op
+
+
+def cache(L, B, H, S, D, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(L, B, H, S, D, generator=g).to(dtype).to(DEVICE),
+            torch.randn(L, B, H, S, D, generator=g).to(dtype).to(DEVICE))
+
+
+@FEW
+@given(B=st.integers(1, 4), H=st.sampled_from([1, 3]), D=st.sampled_from([8, 64, 80]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), data=st.data())
+def test_matches_reference(B, H, D, dtype, data):
+    S, M = 20, 6
+    src, dst, counts = [], [], []
+    for _ in range(B):  # kept entries anywhere (overlapping the destination too), any count incl. 0
+        n = data.draw(st.integers(0, M))
+        src.append(data.draw(st.lists(st.integers(0, S - 1), min_size=M, max_size=M, unique=True)))
+        dst.append(data.draw(st.integers(0, S - n)))
+        counts.append(n)
+    src, dst = torch.tensor(src, device=DEVICE), torch.tensor(dst, device=DEVICE)
+    counts = torch.tensor(counts, dtype=torch.int32, device=DEVICE)
+    k, v = cache(2, B, H, S, D, dtype, data.draw(st.integers(0, 99)))
+    want_k, want_v = k.clone(), v.clone()
+    reference.kv_compact(want_k, want_v, src, dst, counts)
+    triton_op("kv_compact")(k, v, src, dst, counts)
+    assert torch.equal(k, want_k) and torch.equal(v, want_v)  # a pure move: bit-exact
+
+
+def test_wrapper_on_the_model_cache_layout():
+    k, v = cache(3, 2, 3, 16, 64, torch.float32, 1)
+    src = torch.tensor([[2, 5, 6, 9], [7, 8, 0, 0]], device=DEVICE)
+    dst = torch.tensor([2, 3], device=DEVICE)
+    counts = torch.tensor([4, 2], device=DEVICE)  # int64 is accepted
+    before_k, want_k, want_v = k.clone(), k.clone(), v.clone()
+    reference.kv_compact(want_k, want_v, src, dst, counts.int())
+    with backend("triton"):
+        ops.kv_compact(k, v, src, dst, counts)
+    assert torch.equal(k, want_k) and torch.equal(v, want_v)
+    # closed form: row 0's entries 2, 5, 6, 9 now sit at 2..5; row 1's 7, 8 at 3, 4; the rest kept
+    assert torch.equal(k[:, 0, :, 2:6], before_k[:, 0, :, [2, 5, 6, 9]])
+    assert torch.equal(k[:, 1, :, 3:5], before_k[:, 1, :, [7, 8]])
+    assert torch.equal(k[:, 1, :, 5:], before_k[:, 1, :, 5:]) and torch.equal(k[:, 0, :, :2], before_k[:, 0, :, :2])
+
+
+def test_opcheck():
+    k, v = cache(2, 2, 3, 8, 64, torch.bfloat16, 2)
+    args = (torch.tensor([[3, 4], [1, 0]], device=DEVICE), torch.tensor([1, 0], device=DEVICE),
+            torch.tensor([2, 1], dtype=torch.int32, device=DEVICE))
+    opcheck(triton_op("kv_compact"), (k, v, *args))
+    opcheck(torch.ops.swiftkern.kv_compact, (k.cpu(), v.cpu(), *(a.cpu() for a in args)))
+
+
+def test_bad_input_is_refused():
+    k, v = cache(2, 2, 3, 8, 64, torch.float32, 3)
+    src, dst, counts = (torch.tensor([[3, 4], [1, 0]], device=DEVICE), torch.tensor([1, 0], device=DEVICE),
+                        torch.tensor([2, 1], dtype=torch.int32, device=DEVICE))
+    with pytest.raises(SwiftkernError, match=r"counts must be in \[0, 2\]"):
+        ops.kv_compact(k, v, src, dst, counts + 1)
+    with pytest.raises(SwiftkernError, match="dst_start\\[b\\] \\+ counts\\[b\\] must be <= S = 8"):
+        ops.kv_compact(k, v, src, dst + 6, counts)
+    with pytest.raises(SwiftkernError, match="src_positions must be in"):
+        ops.kv_compact(k, v, src + 6, dst, counts)
+    with pytest.raises(SwiftkernError, match="5-D"):
+        ops.kv_compact(k[0], v[0], src, dst, counts)
+    with pytest.raises(SwiftkernError, match="int64"):
+        ops.kv_compact(k, v, src.int(), dst, counts)

@@ -1,0 +1,80 @@
+"""Triton rope_kv_append against reference.py (interpreter on CPU, native on GPU)."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from swiftkern import ops, reference
+from swiftkern.errors import SwiftkernError
+from triton_cases import DEVICE, FEW, assert_close, backend, opcheck, poisoned, triton_op
+
+
+def rotary(B, T, D, positions, dtype):
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+    ang = positions.cpu().to(torch.float32).unsqueeze(-1) * inv  # [B, T, D/2]
+    ang = torch.cat([ang, ang], dim=-1)
+    return ang.cos().to(dtype).to(DEVICE), ang.sin().to(dtype).to(DEVICE)
+
+
+def case(B, Hq, Hkv, T, D, S, starts, dtype, seed):
+    """Projections as the model makes them ([B, T, H, D] transposed), a NaN-filled cache."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, Hq, D, generator=g).to(dtype).to(DEVICE).transpose(1, 2)
+    k = torch.randn(B, T, Hkv, D, generator=g).to(dtype).to(DEVICE).transpose(1, 2)
+    v = torch.randn(B, T, Hkv, D, generator=g).to(dtype).to(DEVICE).transpose(1, 2)
+    positions = (torch.tensor(starts).unsqueeze(1) + torch.arange(T)).to(DEVICE)
+    cos, sin = rotary(B, T, D, positions, dtype)
+    cache = torch.full((2, B, Hkv, S, D), float("nan"), dtype=dtype, device=DEVICE)
+    return q, k, v, cos, sin, cache, positions
+
+
+@FEW
+@given(B=st.integers(1, 4), heads=st.sampled_from([(9, 3), (4, 4), (2, 1)]), T=st.sampled_from([1, 2, 5]),
+       D=st.sampled_from([8, 64, 80]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       data=st.data())
+def test_matches_reference(B, heads, T, D, dtype, data):
+    S = 24
+    starts = data.draw(st.lists(st.integers(0, S - T), min_size=B, max_size=B))
+    q, k, v, cos, sin, cache, positions = case(B, *heads, T, D, S, starts, dtype, data.draw(st.integers(0, 99)))
+    want_cache = cache.clone()
+    want_q = reference.rope_kv_append(q, k, v, cos, sin, want_cache[0], want_cache[1], positions)
+    with poisoned():
+        got_q = triton_op("rope_kv_append")(q, k, v, cos, sin, cache[0], cache[1], positions)
+    assert_close("rope_kv_append", got_q, want_q)
+    assert_close("rope_kv_append", cache, want_cache, equal_nan=True)  # untouched slots stay NaN
+    assert int(cache.isnan().sum()) == int(want_cache.isnan().sum())
+
+
+def test_wrapper_with_uniform_start_and_contiguous_cache_dtype():
+    q, k, v, cos, sin, cache, positions = case(2, 9, 3, 3, 64, 10, [4, 4], torch.float32, 1)
+    want_cache = cache.clone()
+    want_q = reference.rope_kv_append(q, k, v, cos, sin, want_cache[0], want_cache[1], positions, 4)
+    with backend("triton"):
+        got_q = ops.rope_kv_append(q, k, v, cos, sin, cache[0], cache[1], positions, uniform_start=4)
+    assert_close("rope_kv_append", got_q, want_q)
+    assert_close("rope_kv_append", cache, want_cache, equal_nan=True)
+
+
+def test_opcheck():
+    q, k, v, cos, sin, cache, positions = case(2, 9, 3, 2, 64, 8, [0, 5], torch.bfloat16, 2)
+    cache.zero_()
+    opcheck(triton_op("rope_kv_append"), (q, k, v, cos, sin, cache[0], cache[1], positions))
+    c = cache.cpu().contiguous()
+    opcheck(torch.ops.swiftkern.rope_kv_append,
+            tuple(t.cpu().contiguous() for t in (q, k, v, cos, sin)) + (c[0], c[1], positions.cpu()))
+
+
+def test_bad_input_is_refused():
+    q, k, v, cos, sin, cache, positions = case(2, 9, 3, 2, 64, 8, [0, 5], torch.float32, 3)
+    with pytest.raises(SwiftkernError, match=r"positions must be in \[0, 7\]"):
+        ops.rope_kv_append(q, k, v, cos, sin, cache[0], cache[1], positions + 2)
+    with pytest.raises(SwiftkernError, match="uniform_start 7"):
+        ops.rope_kv_append(q, k, v, cos, sin, cache[0], cache[1], positions, uniform_start=7)
+    with pytest.raises(SwiftkernError, match=r"k must be \[B, Hkv, T, D\]"):
+        ops.rope_kv_append(q, k[:, :, :1], v, cos, sin, cache[0], cache[1], positions)
+    with pytest.raises(SwiftkernError, match="even"):
+        ops.rope_kv_append(q[..., :3], k[..., :3], v[..., :3], cos[..., :3], sin[..., :3], cache[0, ..., :3],
+                           cache[1, ..., :3], positions)
+    with pytest.raises(SwiftkernError, match="int64"):
+        ops.rope_kv_append(q, k, v, cos, sin, cache[0], cache[1], positions.int())

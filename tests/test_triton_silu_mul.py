@@ -1,0 +1,54 @@
+"""Triton silu_mul against reference.py (interpreter on CPU, native on GPU)."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from swiftkern import ops, reference
+from swiftkern.errors import SwiftkernError
+from triton_cases import DEVICE, FEW, assert_close, backend, opcheck, poisoned, triton_op
+
+
+def inputs(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return ((torch.randn(shape, generator=g) * 4).to(dtype).to(DEVICE),
+            torch.randn(shape, generator=g).to(dtype).to(DEVICE))
+
+
+@FEW
+@given(shape=st.sampled_from([(1,), (1, 1536), (3, 7, 1536), (5, 1000), (2, 4099)]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), seed=st.integers(0, 2**16))
+def test_matches_reference(shape, dtype, seed):
+    gate, up = inputs(shape, dtype, seed)
+    with poisoned():
+        out = triton_op("silu_mul")(gate, up)
+    assert out.shape == gate.shape
+    assert_close("silu_mul", out, reference.silu_mul(gate, up))
+
+
+def test_extremes_and_non_contiguous_inputs():
+    gate = torch.tensor([-1e4, -90.0, -20.0, 0.0, 1e-6, 20.0, 90.0, 1e4, float("inf"), float("-inf")], device=DEVICE)
+    up = torch.full_like(gate, 0.5)
+    assert_close("silu_mul", triton_op("silu_mul")(gate, up), reference.silu_mul(gate, up), equal_nan=True)
+    g, u = inputs((8, 64), torch.float32, 1)
+    with backend("triton"), poisoned():
+        out = ops.silu_mul(g.t(), u.t())
+    assert_close("silu_mul", out, reference.silu_mul(g.t(), u.t()))
+    assert triton_op("silu_mul")(g[:0], u[:0]).shape == (0, 64)
+
+
+def test_opcheck():
+    gate, up = inputs((3, 96), torch.bfloat16, 2)
+    opcheck(triton_op("silu_mul"), (gate, up))
+    opcheck(torch.ops.swiftkern.silu_mul, (gate.cpu(), up.cpu()))
+
+
+def test_bad_input_is_refused():
+    gate, up = inputs((3, 96), torch.float32, 3)
+    with pytest.raises(SwiftkernError, match="one shape"):
+        ops.silu_mul(gate, up[:, :95])
+    with pytest.raises(SwiftkernError, match="share one dtype"):
+        ops.silu_mul(gate, up.half())
+    with pytest.raises(SwiftkernError, match="must be a torch.Tensor"):
+        ops.silu_mul(gate, 1.0)

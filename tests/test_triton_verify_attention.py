@@ -1,0 +1,89 @@
+"""Triton verify_attention against reference.py (interpreter on CPU, native on GPU).
+
+Each row has its own length; cache slots past a row's length hold NaN for the kernel (which
+must never read them) and zeros for the reference (whose masked SDPA would turn 0 * NaN into
+NaN). The reference runs in float32 on the same rounded inputs.
+"""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from swiftkern import ops, reference
+from swiftkern.errors import SwiftkernError
+from swiftkern.triton_kernels.verify_attention import verify_attention as launch
+from triton_cases import DEVICE, FEW, assert_close, backend, opcheck, poisoned, triton_op
+
+
+def case(lens, Hq, Hkv, T, D, S, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    B = len(lens)
+    q = torch.randn(B, T, Hq, D, generator=g).to(dtype).to(DEVICE).transpose(1, 2)  # as the model's
+    k = torch.randn(B, Hkv, S, D, generator=g).to(dtype).to(DEVICE)
+    v = torch.randn(B, Hkv, S, D, generator=g).to(dtype).to(DEVICE)
+    cache_lens = torch.tensor(lens, dtype=torch.int64, device=DEVICE)
+    stale = torch.arange(S, device=DEVICE).view(1, 1, S, 1) >= cache_lens.view(B, 1, 1, 1)
+    return q, k.masked_fill(stale, float("nan")), v.masked_fill(stale, float("nan")), cache_lens, stale
+
+
+def want(q, k, v, cache_lens, stale, scale):
+    k0, v0 = k.masked_fill(stale, 0.0), v.masked_fill(stale, 0.0)
+    return reference.verify_attention(q.float(), k0.float(), v0.float(), cache_lens, scale).to(q.dtype)
+
+
+@FEW
+@given(heads=st.sampled_from([(9, 3), (4, 4), (6, 1)]), T=st.sampled_from([1, 2, 5]),
+       D=st.sampled_from([64, 40]), splits=st.sampled_from([None, 1, 3]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), data=st.data())
+def test_matches_reference(heads, T, D, splits, dtype, data):
+    S = 150
+    # rows of unequal lengths: no history (length T), one token of history, long ones
+    lens = data.draw(st.lists(st.one_of(st.just(T), st.just(T + 1), st.integers(T, S)), min_size=1, max_size=3))
+    q, k, v, cache_lens, stale = case(lens, *heads, T, D, S, dtype, data.draw(st.integers(0, 99)))
+    scale = D ** -0.5
+    with poisoned():
+        got = launch(q, k, v, cache_lens, scale, num_splits=splits)
+    assert got.shape == q.shape
+    assert_close("verify_attention", got, want(q, k, v, cache_lens, stale, scale))
+
+
+def test_prefill_tiles_and_registered_op():
+    """T = 40 new tokens x 3 query heads per kv head: several query tiles, causal bounds per tile."""
+    q, k, v, cache_lens, stale = case([40, 57], 9, 3, 40, 64, 64, torch.float32, 1)
+    with poisoned():
+        got = triton_op("verify_attention")(q, k, v, cache_lens, 0.125)
+    assert_close("verify_attention", got, want(q, k, v, cache_lens, stale, 0.125))
+
+
+def test_decode_rows_of_length_one_and_wrapper_hints():
+    q, k, v, cache_lens, stale = case([1, 1, 9], 9, 3, 1, 64, 16, torch.bfloat16, 2)
+    with backend("triton"), poisoned():
+        got = ops.verify_attention(q, k, v, cache_lens, 0.125, max_len=9)
+        got_nohint = ops.verify_attention(q, k, v, cache_lens, 0.125)
+    expected = want(q, k, v, cache_lens, stale, 0.125)
+    assert_close("verify_attention", got, expected)
+    assert_close("verify_attention", got_nohint, expected)
+    # merging heads as the model does is a free view of the kernel's [B, T, Hq, D] output
+    assert got.transpose(1, 2).is_contiguous()
+
+
+def test_opcheck():
+    q, k, v, cache_lens, stale = case([3, 7], 9, 3, 2, 64, 8, torch.bfloat16, 3)
+    k, v = k.masked_fill(stale, 0.0), v.masked_fill(stale, 0.0)
+    opcheck(triton_op("verify_attention"), (q, k, v, cache_lens, 0.125))
+    opcheck(torch.ops.swiftkern.verify_attention, (q.cpu().contiguous(), k.cpu(), v.cpu(), cache_lens.cpu(), 0.125))
+
+
+def test_bad_input_is_refused():
+    q, k, v, cache_lens, _ = case([3, 7], 9, 3, 2, 64, 8, torch.float32, 4)
+    with pytest.raises(SwiftkernError, match=r"cache_lens must be in \[2, 8\]"):
+        ops.verify_attention(q, k, v, cache_lens + 5, 0.125)
+    with pytest.raises(SwiftkernError, match=r"cache_lens must be in \[2, 8\]"):
+        ops.verify_attention(q, k, v, cache_lens - 2, 0.125)
+    with pytest.raises(SwiftkernError, match="max_len 9"):
+        ops.verify_attention(q, k, v, cache_lens, 0.125, max_len=9)
+    with pytest.raises(SwiftkernError, match="multiple of kv heads"):
+        ops.verify_attention(q[:, :8], k, v, cache_lens, 0.125)
+    with pytest.raises(SwiftkernError, match="share one dtype"):
+        ops.verify_attention(q, k.half(), v.half(), cache_lens, 0.125)

@@ -1,0 +1,73 @@
+"""What the Triton kernel tests share: the device, the ONE tolerance table, poisoning, settings.
+
+Without a GPU, tests/conftest.py sets TRITON_INTERPRET=1 and the kernels run on CPU tensors
+in Triton's interpreter; with a GPU the same tests run natively on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+from swiftkern import ops
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+NATIVE = DEVICE == "cuda"
+
+# Interpreter cost grows with programs x work, so the examples are few without a GPU.
+FEW = settings(max_examples=16 if NATIVE else 8, deadline=None, derandomize=True,
+               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+# (atol, rtol) of a kernel output against the reference on the same inputs. bf16/fp16 outputs
+# may differ by one or two units in the last place: the kernels compute in fp32 and round once
+# where the reference may round twice, and the interpreter rounds fp32 -> bf16 toward zero.
+TOLERANCES = {
+    "rms_norm": {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2), torch.float16: (2e-3, 2e-3)},
+    "fused_add_rms_norm": {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2), torch.float16: (2e-3, 2e-3)},
+    "silu_mul": {torch.float32: (1e-6, 1e-6), torch.bfloat16: (1e-2, 2e-2), torch.float16: (1e-3, 2e-3)},
+    "rope_kv_append": {torch.float32: (1e-6, 1e-6), torch.bfloat16: (1e-2, 2e-2), torch.float16: (1e-3, 2e-3)},
+    # against the reference computed in float32 on the same (rounded) inputs
+    "verify_attention": {torch.float32: (2e-5, 2e-5), torch.bfloat16: (2e-2, 2e-2), torch.float16: (2e-3, 2e-3)},
+}
+
+
+def assert_close(op: str, got: torch.Tensor, want: torch.Tensor, **kw) -> None:
+    atol, rtol = TOLERANCES[op][got.dtype]
+    assert got.dtype == want.dtype, (got.dtype, want.dtype)
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol, **kw)
+
+
+@contextlib.contextmanager
+def poisoned():
+    """Every buffer the launchers allocate starts as NaN / -7777 (see launch.poisoned_outputs)."""
+    from swiftkern.triton_kernels.launch import poisoned_outputs
+
+    with poisoned_outputs():
+        yield
+
+
+@contextlib.contextmanager
+def backend(name: str):
+    ops.set_backend(name)
+    try:
+        yield
+    finally:
+        ops.set_backend("auto")
+
+
+def triton_op(name: str):
+    """torch.ops.swiftkern_triton.<name> (importing the kernels registers it)."""
+    import swiftkern.triton_kernels  # noqa: F401
+
+    return getattr(torch.ops.swiftkern_triton, name)
+
+
+def opcheck(op, args) -> None:
+    """torch.library.opcheck, all its tests (schema, fake tensor, autograd registration, AOT)."""
+    torch.library.opcheck(op, args)
+
+
+needs_gpu = pytest.mark.skipif(not NATIVE, reason="needs a CUDA GPU (the interpreter tests cover the kernels on CPU)")
