@@ -70,9 +70,10 @@ def main(argv=None) -> int:
     for name in names:
         print(f"== {name} on {common.device_name(args.device)}", flush=True)
         rows = found[name].run(args)
-        common.print_rows(rows)
-        if rows and not args.no_csv:
-            print(f"appended {len(rows)} rows to {os.path.relpath(common.append_csv(name, rows))}")
+        keys = getattr(found[name], "PRINT_KEYS", None)  # a routine may name the columns worth printing
+        common.print_rows(rows, **({"keys": keys} if keys else {}))
+        where = f", appended to {os.path.relpath(common.append_csv(name, rows))}" if rows and not args.no_csv else ""
+        print(f"== {name}: {len(rows)} rows{where}", flush=True)
         if args.plot and rows:
             from bench import plot
             print(f"wrote {os.path.relpath(plot.plot_routine(name, rows))}")

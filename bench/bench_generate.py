@@ -1,144 +1,226 @@
-"""swiftkern `ar` and `self-spec` vs HF `generate`, greedy, same prompts, one run.
+"""End to end: HF generate (greedy, prompt lookup, early exit) vs swiftkern's modes, same prompts, one run.
 
-    python bench/bench_generate.py [--model smollm2] [--max-new-tokens 128] [--repeats 3]
-                                   [--skip-ratios 0.2,0.3,0.4,0.5] [--layer-set SPEC] [--lookup]
+    python -m bench --routine generate [--model smollm2] [--max-new-tokens 128] [--reps 3]
+                    [--providers hf-greedy,ar,lookup,...] [--smoke] [--no-csv] [--plot]
+    python bench/bench_generate.py [same options]
 
-Runs the providers interleaved (A B C ... A B C) so drift on a noisy machine hits all alike,
-reports medians of tokens/s, the ratio to HF generate and to swiftkern ar, the mean accepted
-drafts per verify for self-spec, and whether the tokens equal HF's. Self-spec uses
-``LayerSet.random(L, ratio, seed=0)`` per skip ratio (no search: that is the layer-set search
-issue) and/or ``--layer-set``. Rows are appended to bench/results/generate.csv with the
-machine, versions and commit.
+Providers, timed interleaved per prompt (A B C ... A B C, so drift hits all alike), batch 1,
+greedy, exactly ``--max-new-tokens`` new tokens (EOS disabled for every provider):
+
+    hf-greedy          HF model.generate(do_sample=False): the baseline of every ratio
+    hf-prompt-lookup   HF assisted generation with prompt_lookup_num_tokens
+    hf-early-exit      HF assistant_early_exit (LayerSkip-style: the first layers + LM head draft)
+    hf-custom-ar       HF model.generate(custom_generate=swiftkern, swift_mode="ar")
+    ar                 swiftkern.Generator(mode="ar")
+    self-spec          swiftkern self-spec with layer_set="auto"
+    lookup             swiftkern self-spec with the prompt-lookup drafter
+    auto               swiftkern self-spec with the drafter policy (drafter="auto")
+    deterministic      swiftkern mode="deterministic"
+
+A provider swiftkern cannot build yet (SwiftkernError) is skipped with a printed note.
+Columns: tok_s (new tokens / median time), ratio_vs_hf (to hf-greedy, same prompt, same run),
+mean_accepted (accepted drafts per verify pass; HF's from counted full-model forwards),
+tokens_equal_hf (the new tokens equal hf-greedy's). The prompts are bench/prompts.jsonl
+(one {"kind", "text"} per line; other routines reuse them through ``load_prompts``), sent
+through the chat template. ``--smoke``: a tiny random Llama, 8 tokens, one repetition.
 """
 
 from __future__ import annotations
 
-import argparse
-import csv
-import datetime
+import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import swiftkern  # noqa: E402
-from swiftkern.info import collect_info  # noqa: E402
+from bench import common  # noqa: E402
+from swiftkern.errors import SwiftkernError  # noqa: E402
+from swiftkern.integrations.transformers import generate as swift_generate  # noqa: E402
 
-PROMPTS = [
-    "The history of the printing press begins",
-    "def quicksort(arr):",
-    "Write a short note to a friend about a trip to the mountains.",
-]
-RESULTS = os.path.join(os.path.dirname(__file__), "results", "generate.csv")
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(__file__), check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+ROUTINE = "generate"
+PROMPTS_FILE = os.path.join(os.path.dirname(__file__), "prompts.jsonl")
+PRINT_KEYS = ("prompt_kind", "provider", "tok_s", "ratio_vs_hf", "mean_accepted", "tokens_equal_hf", "median_ms",
+              "p20_ms", "p80_ms")
+HF_LOOKUP_TOKENS = 10  # prompt_lookup_num_tokens, as in HF's documentation
+LOOKUP_K_MAX = 5  # swiftkern lookup drafter: most drafts per verify
 
 
-def hf_run(hf, ids, n):
-    t = time.perf_counter()
+def load_prompts(path: str = PROMPTS_FILE) -> list[dict]:
+    """[{"kind": ..., "text": ...}] from a JSONL file (bench/prompts.jsonl by default)."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def tiny_model():
+    """A 4-layer random Llama (vocab 301) for --smoke; lm_head scaled so greedy has no near-ties."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(num_hidden_layers=4, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=301, max_position_embeddings=512, pad_token_id=0,
+                      bos_token_id=1, eos_token_id=2)
+    model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)
-    return out[0, ids.shape[1]:].tolist(), time.perf_counter() - t
+        model.lm_head.weight.mul_(8.0)
+    return model
 
 
-def ours_run(gen, ids, n):
-    t = time.perf_counter()
-    out = gen.generate([ids[0].tolist()], max_new_tokens=n, eos_token_id=[])
-    return out.tokens[0], time.perf_counter() - t, out.stats
+def encode(tok, text: str, vocab: int) -> list[int]:
+    """Chat-template token ids; without a tokenizer (--smoke) bytes folded into the vocabulary."""
+    if tok is None:
+        return [3 + b % (vocab - 3) for b in text.encode()][:64]
+    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids)
 
 
-def providers(model, tok, args):
-    """name -> (Generator, layer set string or '')"""
-    out = {"ar": (swiftkern.Generator(model, tok), "")}
-    sets = [(f"self-spec r={r}", swiftkern.LayerSet.random(model.num_layers, float(r), seed=0))
-            for r in filter(None, args.skip_ratios.split(","))]
-    if args.layer_set:
-        sets.append(("self-spec", swiftkern.LayerSet.parse(args.layer_set, model.num_layers)))
-    for name, ls in sets:
-        out[name] = (swiftkern.Generator(model, tok, mode="self-spec", layer_set=ls, eps=args.eps, k_max=args.k_max,
-                                         adaptive_eps=args.adaptive_eps), str(ls))
-    if args.lookup:
-        out["lookup"] = (swiftkern.Generator(model, tok, mode="self-spec", drafter="lookup", k_max=args.k_max), "")
-    return out
+class ForwardCounter:
+    """Counts full-model forwards of an HF model (early-exit drafts run fewer layers)."""
+
+    def __init__(self, hf):
+        self.base = hf.model
+        self.full_layers = hf.config.num_hidden_layers
+        self.full = 0
+        self.handle = self.base.register_forward_pre_hook(self._hook)
+
+    def _hook(self, module, args):
+        if module.config.num_hidden_layers == self.full_layers:
+            self.full += 1
+
+    def close(self):
+        self.handle.remove()
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2", help="smollm2, a local HF folder or a .gguf file")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=3, help="timed runs per prompt and provider")
-    ap.add_argument("--skip-ratios", default="0.2,0.3,0.4,0.5", help="self-spec with random layer sets ('' for none)")
-    ap.add_argument("--layer-set", default=None, help="also run self-spec with this layer set")
-    ap.add_argument("--eps", type=float, default=0.8, help="self-spec draft confidence threshold")
-    ap.add_argument("--k-max", type=int, default=25, help="self-spec: most drafts per step")
-    ap.add_argument("--adaptive-eps", action="store_true", help="self-spec: Self-SD's adaptive threshold")
-    ap.add_argument("--lookup", action="store_true", help="also run self-spec with the prompt-lookup drafter")
-    args = ap.parse_args(argv)
+def hf_provider(hf, counter: ForwardCounter, **extra):
+    """-> run(ids, n) -> (new tokens, accepted drafts per verify)."""
+    def run(ids, n):
+        x = torch.tensor([ids])
+        counter.full = 0
+        with torch.no_grad():
+            out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
+                              pad_token_id=0, **extra)
+        new = out[0, len(ids):].tolist()
+        verifies = counter.full  # each full forward emits accepted + 1 tokens (the first includes prefill)
+        return new, (len(new) - verifies) / verifies if verifies else 0.0
+    return run
 
+
+def swift_provider(gen: swiftkern.Generator):
+    def run(ids, n):
+        out = gen.generate([ids], max_new_tokens=n, eos_token_id=[])
+        return out.tokens[0], float(out.stats.get("mean_accepted", 0.0))
+    return run
+
+
+def providers(hf, tok, smoke: bool) -> tuple[dict, dict]:
+    """({name: run}, {name: why skipped}) in the documented order."""
+    counter = ForwardCounter(hf)
+    layers = hf.config.num_hidden_layers
+    runs = {
+        "hf-greedy": hf_provider(hf, counter),
+        "hf-prompt-lookup": hf_provider(hf, counter, prompt_lookup_num_tokens=HF_LOOKUP_TOKENS),
+        "hf-early-exit": hf_provider(hf, counter, assistant_early_exit=max(1, layers // 2)),
+        "hf-custom-ar": hf_provider(hf, counter, custom_generate=swift_generate, swift_mode="ar"),
+    }
+    skipped = {}
+    swift = {
+        "ar": dict(mode="ar"),
+        "self-spec": dict(mode="self-spec", layer_set="auto"),
+        "lookup": dict(mode="self-spec", drafter="lookup", k_max=LOOKUP_K_MAX),
+        "auto": dict(mode="self-spec", drafter="auto"),
+        "deterministic": dict(mode="deterministic"),
+    }
+    for name, kw in swift.items():
+        try:
+            runs[name] = swift_provider(swiftkern.Generator(hf, tok, **kw))
+        except SwiftkernError as e:
+            skipped[name] = str(e)
+    return runs, skipped
+
+
+def _load(args):
+    if args.smoke:
+        return tiny_model(), None, "tiny-llama"
     model, tok = swiftkern.load_model(args.model)
-    hf = model.hf_model
+    return model.hf_model, tok, args.model
+
+
+def run(args) -> list[dict]:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf, tok, model_name = _load(args)
+    if args.dtype:
+        hf.to(getattr(torch, args.dtype))
+    hf.to(args.device)
+    n = 8 if args.smoke else args.max_new_tokens
+    reps = args.reps or (1 if args.smoke else 3)
+    eos = hf.generation_config.eos_token_id
     hf.generation_config.eos_token_id = None  # fixed-length runs for every provider
-    gens = providers(model, tok, args)
-    info = collect_info()
-    device = info["device"]
-    n = args.max_new_tokens
+    try:
+        runs, skipped = providers(hf, tok, args.smoke)
+        if args.providers:
+            runs = {k: v for k, v in runs.items() if k in args.providers or k == "hf-greedy"}
+        rows = _measure(hf, tok, model_name, runs, skipped, n, reps, args)
+    finally:
+        hf.generation_config.eos_token_id = eos
+    _summary(rows)
+    return rows
+
+
+def _measure(hf, tok, model_name, runs, skipped, n, reps, args) -> list[dict]:
     rows = []
-    for prompt in PROMPTS:
-        ids = torch.tensor([tok(prompt)["input_ids"]])
-        hf_run(hf, ids, 8)  # warm-up
-        for gen, _ in gens.values():
-            ours_run(gen, ids, 8)
-        times = {name: [] for name in ["hf", *gens]}
-        tokens, stats = {}, {}
-        for _ in range(args.repeats):
-            tokens["hf"], t = hf_run(hf, ids, n)
-            times["hf"].append(t)
-            for name, (gen, _) in gens.items():
-                tokens[name], t, stats[name] = ours_run(gen, ids, n)
-                times[name].append(t)
-        tps = {name: n / statistics.median(ts) for name, ts in times.items()}
-        for name in gens:
-            s = stats[name]
-            rows.append(dict(
-                date=datetime.datetime.now().isoformat(timespec="seconds"), commit=commit(), device=device,
-                machine=platform.machine(), torch=torch.__version__, transformers=info["transformers"],
-                model=args.model, prompt=prompt[:40], provider=name, layer_set=gens[name][1], batch=1,
-                new_tokens=n, repeats=args.repeats, hf_tok_s=round(tps["hf"], 2), tok_s=round(tps[name], 2),
-                ratio_vs_hf=round(tps[name] / tps["hf"], 3), ratio_vs_ar=round(tps[name] / tps["ar"], 3),
-                eps=args.eps if name.startswith("self-spec") else "", k_max=args.k_max if name != "ar" else "",
-                mean_accepted=round(s.get("mean_accepted", 0.0), 3), tokens_equal_hf=tokens[name] == tokens["hf"]))
-            r = rows[-1]
-            print(f"{prompt[:30]:32s} {name:16s} {r['tok_s']:6.1f} tok/s | x{r['ratio_vs_hf']:.2f} vs HF "
-                  f"({tps['hf']:.1f}) | x{r['ratio_vs_ar']:.2f} vs ar | accepted/verify {r['mean_accepted']:.2f} "
-                  f"| equal HF: {r['tokens_equal_hf']}", flush=True)
-    print(f"\ndevice: {device}; medians over prompts:")
-    for name in gens:
+    for prompt in load_prompts():
+        ids = encode(tok, prompt["text"], hf.config.vocab_size)
+        last = {}
+
+        def timed(name):
+            def fn():
+                last[name] = runs[name](ids, n)
+            return fn
+
+        fns = {}
+        for name in runs:  # a provider that fails on its first call is skipped, with the reason
+            try:
+                timed(name)()
+                fns[name] = timed(name)
+            except SwiftkernError as e:
+                skipped[name] = str(e)
+        times = common.time_fn(fns, args.device, warmup=0, reps=reps)
+        hf_tokens = last["hf-greedy"][0]
+        hf_tok_s = n / (times["hf-greedy"]["median_ms"] * 1e-3)
+        for name, timing in times.items():
+            tokens, accepted = last[name]
+            tok_s = n / (timing["median_ms"] * 1e-3)
+            rows.append(common.row(
+                ROUTINE, name, args.device, hf.dtype, f"B=1 T={len(ids)} N={n}", timing, model=model_name,
+                prompt_kind=prompt["kind"], new_tokens=n, reps=reps, tok_s=round(tok_s, 2),
+                ratio_vs_hf=round(tok_s / hf_tok_s, 3), mean_accepted=round(accepted, 3),
+                tokens_equal_hf=tokens == hf_tokens))
+    for name, why in skipped.items():
+        print(f"note: skipped provider {name}: {why}")
+    return rows
+
+
+def _summary(rows: list[dict]) -> None:
+    if not rows:
+        return
+    print(f"\n{rows[0]['device']}, {rows[0]['model']}, {rows[0]['new_tokens']} new tokens; medians over prompts:")
+    for name in dict.fromkeys(r["provider"] for r in rows):
         mine = [r for r in rows if r["provider"] == name]
-        med = lambda key: statistics.median(r[key] for r in mine)
-        print(f"  {name:16s} x{med('ratio_vs_hf'):.2f} vs HF generate, x{med('ratio_vs_ar'):.2f} vs ar, "
-              f"accepted/verify {med('mean_accepted'):.2f}, all equal HF: {all(r['tokens_equal_hf'] for r in mine)}")
-    new_file = not os.path.exists(RESULTS)
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        if new_file:
-            w.writeheader()
-        w.writerows(rows)
-    print(f"appended {len(rows)} rows to {os.path.relpath(RESULTS)}")
+        med = lambda key: statistics.median(r[key] for r in mine)  # noqa: E731
+        print(f"  {name:18s} {med('tok_s'):7.1f} tok/s  x{med('ratio_vs_hf'):.2f} vs hf-greedy  "
+              f"accepted/verify {med('mean_accepted'):.2f}  all equal HF: {all(r['tokens_equal_hf'] for r in mine)}")
+
+
+def main(argv=None) -> int:
+    from bench.__main__ import main as driver
+
+    return driver(["--routine", ROUTINE, *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

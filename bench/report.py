@@ -1,0 +1,171 @@
+"""Regenerate the README's results (tables, and plots when matplotlib is installed) from the CSVs.
+
+    python bench/report.py [--readme README.md] [--no-plot] [--check]
+
+For every bench/results/<routine>.csv it takes each machine's latest run (the rows of the
+last commit recorded for that device; the newest row per provider and prompt/shape) and
+writes one table per (routine, machine) between ``<!-- bench:begin -->`` and
+``<!-- bench:end -->`` in the README, each headed by the machine, commit, date and versions
+its numbers come from. With matplotlib (``pip install swiftkern[bench]``) it also redraws
+bench/results/<routine>.png; without it the plots already there are linked and a note says
+they were not redrawn. ``--check`` writes nothing and exits 1 when the README is out of date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import glob
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from bench.common import RESULTS_DIR  # noqa: E402
+
+BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+README = os.path.join(os.path.dirname(__file__), "..", "README.md")
+
+
+def read_csv(path: str) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def latest_runs(rows: list[dict]) -> dict[str, list[dict]]:
+    """{device: rows of that device's last commit, newest row per (provider, prompt/shape, dtype)}."""
+    out = {}
+    for device in dict.fromkeys(r["device"] for r in rows):
+        mine = [r for r in rows if r["device"] == device]
+        last_commit = mine[-1]["commit"]
+        newest = {}
+        for r in mine:
+            if r["commit"] == last_commit:
+                newest[(r["provider"], r.get("prompt_kind") or r.get("shape", ""), r.get("dtype", ""))] = r
+        out[device] = list(newest.values())
+    return out
+
+
+def _fmt(value, digits=2) -> str:
+    try:
+        return f"{float(value):.{digits}f}"
+    except (TypeError, ValueError):
+        return str(value) if value not in (None, "") else "–"
+
+
+def heading(routine: str, rows: list[dict]) -> str:
+    r = rows[-1]
+    extra = f", model {r['model']}" if r.get("model") else ""
+    return (f"**{routine}** on **{r['device']}** ({r.get('machine', '')}), commit `{r['commit']}`, "
+            f"{r['date'][:10]}, torch {r.get('torch', '?')}, transformers {r.get('transformers', '?')}{extra}")
+
+
+def generate_table(rows: list[dict]) -> list[str]:
+    """Providers x prompt kinds (tok/s), then the medians over prompts."""
+    kinds = list(dict.fromkeys(r["prompt_kind"] for r in rows))
+    lines = ["| provider | " + " | ".join(f"{k} tok/s" for k in kinds)
+             + " | median × hf-greedy | accepted / verify | tokens equal HF |",
+             "|---|" + "---|" * len(kinds) + "---|---|---|"]
+    for prov in dict.fromkeys(r["provider"] for r in rows):
+        mine = {r["prompt_kind"]: r for r in rows if r["provider"] == prov}
+        cells = [_fmt(mine[k]["tok_s"], 1) if k in mine else "–" for k in kinds]
+        ratio = statistics.median(float(r["ratio_vs_hf"]) for r in mine.values())
+        acc = statistics.median(float(r["mean_accepted"]) for r in mine.values())
+        equal = all(str(r["tokens_equal_hf"]) == "True" for r in mine.values())
+        lines.append(f"| {prov} | " + " | ".join(cells) + f" | {ratio:.2f}× | {acc:.2f} | {'yes' if equal else 'no'} |")
+    r = rows[0]
+    lines.append("")
+    lines.append(f"{r.get('new_tokens', '?')} new tokens per prompt, batch 1, greedy, median of {r.get('reps', '?')} "
+                 "interleaved runs; prompts: bench/prompts.jsonl.")
+    return lines
+
+
+def op_table(rows: list[dict]) -> list[str]:
+    cols = [c for c in ("provider", "dtype", "shape", "median_ms", "p20_ms", "p80_ms", "gb_s", "tflop_s",
+                        "pct_of_ceiling") if any(r.get(c) not in (None, "") for r in rows)]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        lines.append("| " + " | ".join(_fmt(r.get(c), 3) if c.endswith(("_ms", "_s")) else str(r.get(c, ""))
+                                      for c in cols) + " |")
+    return lines
+
+
+def plot_or_note(routine: str, rows: list[dict], plot: bool) -> tuple[str | None, str]:
+    """(png path relative to the repo or None, a note for stdout)."""
+    path = os.path.join(RESULTS_DIR, f"{routine}.png")
+    if plot:
+        from bench.plot import plot_routine  # imports matplotlib only when drawing
+
+        try:
+            plot_routine(routine, rows, path)
+            return path, f"drew {os.path.relpath(path)}"
+        except ModuleNotFoundError as e:
+            if e.name != "matplotlib":
+                raise
+            note = "matplotlib is not installed (pip install swiftkern[bench]); plots not redrawn"
+    else:
+        note = "plots not redrawn (--no-plot)"
+    return (path if os.path.exists(path) else None), note
+
+
+def render(results_dir: str = RESULTS_DIR, plot: bool = True, repo_root: str | None = None) -> tuple[str, list[str]]:
+    """(the Markdown between the markers, notes)."""
+    repo_root = repo_root or os.path.join(os.path.dirname(__file__), "..")
+    parts, notes = [], []
+    for path in sorted(glob.glob(os.path.join(results_dir, "*.csv"))):
+        routine = os.path.basename(path)[:-4]
+        rows = read_csv(path)
+        if not rows:
+            continue
+        by_device = latest_runs(rows)
+        for device, run in by_device.items():
+            parts += [heading(routine, run), ""]
+            parts += generate_table(run) if "prompt_kind" in run[0] else op_table(run)
+            parts.append("")
+        last_device = list(by_device)[-1]
+        png, note = plot_or_note(routine, by_device[last_device], plot)
+        notes.append(f"{routine}: {note}")
+        if png:
+            parts += [f"![{routine}]({os.path.relpath(png, repo_root)})", ""]
+    if not parts:
+        parts = ["No benchmark results yet: run `python -m bench --routine <name>`.", ""]
+    intro = ("Generated by `python bench/report.py` from bench/results/*.csv (the latest run per machine); "
+             "every table names the machine its numbers come from.")
+    return "\n".join([intro, "", *parts]).rstrip() + "\n", notes
+
+
+def replace_between_markers(text: str, body: str) -> str:
+    if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
+        raise SystemExit(f"report: the README needs exactly one {BEGIN} ... {END} pair")
+    head, rest = text.split(BEGIN)
+    _, tail = rest.split(END)
+    return f"{head}{BEGIN}\n{body}{END}{tail}"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--readme", default=README)
+    ap.add_argument("--results", default=RESULTS_DIR)
+    ap.add_argument("--no-plot", action="store_true", help="do not redraw the PNG plots")
+    ap.add_argument("--check", action="store_true", help="exit 1 if the README is out of date; write nothing")
+    args = ap.parse_args(argv)
+    body, notes = render(args.results, plot=not (args.no_plot or args.check),
+                         repo_root=os.path.dirname(os.path.abspath(args.readme)))
+    with open(args.readme) as f:
+        old = f.read()
+    new = replace_between_markers(old, body)
+    for note in notes:
+        print(note)
+    if args.check:
+        print("README results are " + ("up to date" if new == old else "out of date: run python bench/report.py"))
+        return int(new != old)
+    if new != old:
+        with open(args.readme, "w") as f:
+            f.write(new)
+    print(f"{'updated' if new != old else 'unchanged'}: {os.path.relpath(args.readme)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""`python -m bench --routine all --smoke` runs every routine (whoever added it) and each prints rows."""
+
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _bench(*args, timeout=900):
+    # one thread: the CI machine has 2 cores shared with other jobs, where OpenMP oversubscription
+    # makes tiny smoke workloads ~10x slower; smoke numbers are not measurements
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    return subprocess.run([sys.executable, "-m", "bench", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_every_routine_prints_rows_in_smoke_mode():
+    listed = _bench("--list")
+    assert listed.returncode == 0, listed.stderr
+    routines = [line.split()[0] for line in listed.stdout.splitlines() if line.strip()]
+    assert "generate" in routines
+    run = _bench("--routine", "all", "--smoke", "--no-csv")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    counts = dict(re.findall(r"^== (\S+): (\d+) rows", run.stdout, flags=re.M))
+    missing = [r for r in routines if int(counts.get(r, 0)) == 0]
+    assert not missing, f"routines without rows: {missing}\n{run.stdout[-3000:]}"
+
+
+def test_unknown_routine_exits_2():
+    run = _bench("--routine", "no-such-routine", timeout=120)
+    assert run.returncode == 2 and "unknown routine" in run.stderr
+
+
+def _write_csv(path, rows):
+    import csv
+
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
+def _generate_row(device, commit, provider, kind, tok_s, ratio):
+    return dict(date="2026-11-22T01:00:00", commit=commit, device=device, machine="x86_64", torch="2.13",
+                transformers="5.23", routine="generate", provider=provider, dtype="float32", shape="B=1",
+                median_ms=1.0, p20_ms=1.0, p80_ms=1.0, model="smollm2", prompt_kind=kind, new_tokens=128, reps=3,
+                tok_s=tok_s, ratio_vs_hf=ratio, mean_accepted=0.5, tokens_equal_hf=True)
+
+
+def test_report_tables_take_each_machines_latest_run(tmp_path):
+    sys.path.insert(0, ROOT)
+    from bench import report
+
+    results = tmp_path / "results"
+    results.mkdir()
+    rows = [_generate_row("cpu: A", "old1", "ar", "story", 11.0, 1.1),  # superseded by commit new1
+            _generate_row("cpu: A", "new1", "hf-greedy", "story", 20.0, 1.0),
+            _generate_row("cpu: A", "new1", "ar", "story", 40.0, 2.0),
+            _generate_row("cpu: A", "new1", "ar", "math", 44.0, 2.2),
+            _generate_row("NVIDIA H100", "gpu1", "ar", "story", 300.0, 3.0)]
+    _write_csv(results / "generate.csv", rows)
+    _write_csv(results / "rms_norm.csv", [dict(date="2026-11-22T02:00:00", commit="c3", device="cpu: A",
+                                               machine="x86_64", provider="cpp", dtype="float32", shape="4x576",
+                                               median_ms=0.0123, p20_ms=0.012, p80_ms=0.013, gb_s=3.5,
+                                               tflop_s="", pct_of_ceiling=20.1)])
+    body, notes = report.render(str(results), plot=False, repo_root=str(tmp_path))
+    assert "**generate** on **cpu: A**" in body and "**generate** on **NVIDIA H100**" in body
+    assert "`new1`" in body and "old1" not in body and "11.0" not in body
+    ar_line = next(line for line in body.splitlines() if line.startswith("| ar | 40.0 | 44.0"))
+    assert "2.10×" in ar_line  # median of 2.0 and 2.2
+    assert "| cpp | float32 | 4x576 | 0.012 |" in body and "**rms_norm** on **cpu: A**" in body
+    assert len(notes) == 2
+
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# title\n\n{report.BEGIN}\nstale\n{report.END}\n\nafter\n")
+    args = ["--readme", str(readme), "--results", str(results)]
+    assert report.main([*args, "--check"]) == 1
+    assert report.main([*args, "--no-plot"]) == 0
+    text = readme.read_text()
+    assert text.startswith("# title\n\n") and text.endswith(f"{report.END}\n\nafter\n") and "stale" not in text
+    assert report.main([*args, "--check"]) == 0
