@@ -60,14 +60,21 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-file", help='a JSONL file, one {"prompt": "..."} per line; all are run as one batch')
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
     gen.add_argument("--max-new-tokens", type=_positive_int, default=64, help="tokens to generate per prompt (default 64)")
-    gen.add_argument("--mode", default="ar", choices=["ar", "self-spec"],
+    gen.add_argument("--mode", default="ar", choices=["ar", "self-spec", "deterministic"],
                      help="ar: plain decoding (default); self-spec: draft with --layer-set skipped, "
-                          "verify with the full model (same greedy output, same sampling distribution)")
-    gen.add_argument("--drafter", default="auto", choices=["auto", "layer-skip", "lookup", "none"],
+                          "verify with the full model (same greedy output, same sampling distribution); "
+                          "deterministic: batched decoding replayed every --window tokens by a fixed-shape "
+                          "batch-invariant verifier (a prompt's output is the same whatever the batch)")
+    gen.add_argument("--window", type=_positive_int, default=32,
+                     help="deterministic: unverified tokens per row before a verify pass (default 32)")
+    gen.add_argument("--verify-batch", type=_positive_int, default=4,
+                     help="deterministic: rows of every (fixed-shape) verify pass (default 4)")
+    gen.add_argument("--drafter", default="auto", choices=["auto", "layer-skip", "lookup", "none", "self-spec"],
                      help="self-spec: auto (default) picks per step among lookup, layer-skip (with "
                           "--layer-set) and none by measured cost and acceptance; layer-skip drafts with "
                           "the skipped model; lookup drafts the continuation of an earlier match in "
-                          "prompt + output (no model call); none drafts nothing")
+                          "prompt + output (no model call); none drafts nothing. deterministic: self-spec "
+                          "makes the --layer-set draft the fast path (auto/none: regular batched decoding)")
     gen.add_argument("--layer-set", default=None,
                      help="self-spec: sub-layers the draft skips, 'attn:3,5-7|mlp:4,9', JSON, or 'none'")
     gen.add_argument("--draft-vocab", type=_positive_int, default=8192,
@@ -123,10 +130,13 @@ def cmd_generate(args) -> int:
 
     if args.mode == "self-spec" and args.drafter == "layer-skip" and args.layer_set is None:
         raise SwiftkernError("--drafter layer-skip needs --layer-set (e.g. 'attn:10-14|mlp:12', or 'none')")
+    if args.drafter == "self-spec" and (args.mode != "deterministic" or args.layer_set is None):
+        raise SwiftkernError("--drafter self-spec goes with --mode deterministic and needs --layer-set "
+                             "(e.g. 'attn:10-14|mlp:12')")
     model, tokenizer = load_model(args.model, device=args.device)
     gen = Generator(model, tokenizer, mode=args.mode, layer_set=args.layer_set, k_max=args.k_max,
                     eps=args.eps, adaptive_eps=args.adaptive_eps, drafter=args.drafter,
-                    draft_vocab=args.draft_vocab)
+                    draft_vocab=args.draft_vocab, window=args.window, verify_batch=args.verify_batch)
     out = gen.generate(prompts, max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0,
                        temperature=args.temperature or 1.0, top_k=args.top_k, top_p=args.top_p,
                        seed=args.seed, chat=args.chat)
@@ -146,6 +156,10 @@ def cmd_generate(args) -> int:
                   f"verify forwards | {s['accepted']}/{s['drafted']} drafts accepted "
                   f"({s['acceptance_rate']:.0%}) | mean accepted per verify {s['mean_accepted']:.2f} | "
                   "row steps by drafter " + ", ".join(f"{k} {v}" for k, v in s["drafter_steps"].items()))
+        if s["mode"] == "deterministic":
+            print(f"[deterministic] fast path {s['fast_path']} | window {s['window']} x verify batch "
+                  f"{s['verify_batch']} | {s['fast_steps']} fast steps + {s['verify_passes']} verify passes | "
+                  f"{s['rolled_back']}/{s['fast_tokens']} fast tokens rolled back ({s['rollback_fraction']:.1%})")
     return 0
 
 

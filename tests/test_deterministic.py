@@ -1,0 +1,365 @@
+"""Deterministic mode (LLM-42): batch-invariant ops, the fixed-shape verifier, and the
+decode-verify-rollback loop. The central check is the needle: a prompt's tokens and verifier
+logprobs are the same bits alone and at any place in batches of any size."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import tiny_model
+from swiftkern import reference
+from swiftkern.batch_invariant import (KEY_BLOCK, bi_attention, bi_log_softmax, bi_rms_norm, bi_silu_mul,
+                                       tree_sum)
+from swiftkern.deterministic import FastPath
+from swiftkern.errors import SwiftkernError
+from swiftkern.generate import Generator, prefill
+from swiftkern.model import SkipModel
+from swiftkern.verifier import Slot, Verifier
+
+SOME = settings(max_examples=15, deadline=None, derandomize=True)
+EOS = 2  # the tiny models' eos_token_id
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return SkipModel(tiny_model("llama"))
+
+
+def rand(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+# --------------------------------------------------------------------------- batch-invariant ops
+
+@SOME
+@given(rows=st.integers(1, 40), n=st.integers(1, 700))
+def test_tree_sum_is_a_sum_with_rows_independent_of_the_rest(rows, n):
+    x = rand(rows, n, seed=n)
+    full = tree_sum(x)
+    torch.testing.assert_close(full, x.sum(-1, keepdim=True), atol=1e-4, rtol=1e-5)
+    m = max(1, rows // 2)
+    assert torch.equal(tree_sum(x[:m]), full[:m])
+    assert torch.equal(tree_sum(x[m - 1:m].clone()), full[m - 1:m])
+
+
+@SOME
+@given(rows=st.integers(1, 40), hidden=st.sampled_from([1, 7, 64, 111, 576]))
+def test_bi_rms_norm_matches_reference_rowwise_bits(rows, hidden):
+    x, w = rand(rows, hidden, seed=rows) * 3, rand(hidden, seed=hidden)
+    full = bi_rms_norm(x, w, 1e-5)
+    torch.testing.assert_close(full, reference.rms_norm(x, w, 1e-5), atol=1e-5, rtol=1e-5)
+    i = rows // 2
+    assert torch.equal(bi_rms_norm(x[i:i + 1], w, 1e-5), full[i:i + 1])
+
+
+def test_bi_silu_mul_matches_reference_at_any_place():
+    g, u = rand(4097, seed=1) * 6, rand(4097, seed=2)
+    full = bi_silu_mul(g, u)
+    torch.testing.assert_close(full, reference.silu_mul(g, u), atol=1e-6, rtol=1e-5)
+    # every element alone (the scalar tail of an elementwise loop) gives the same bits
+    alone = torch.cat([bi_silu_mul(g[i:i + 1], u[i:i + 1]) for i in range(0, 4097, 13)])
+    assert torch.equal(alone, full[::13])
+
+
+@SOME
+@given(rows=st.integers(1, 9), vocab=st.sampled_from([1, 5, 301, 1000]))
+def test_bi_log_softmax_matches_torch_rowwise_bits(rows, vocab):
+    x = rand(rows, vocab, seed=vocab) * 5
+    full = bi_log_softmax(x)
+    torch.testing.assert_close(full, torch.log_softmax(x, -1), atol=1e-5, rtol=1e-5)
+    assert torch.equal(bi_log_softmax(x[-1:]), full[-1:])
+
+
+def _attention_case(R, hkv, group, T, D, starts, S, seed=0):
+    q = rand(R, hkv * group, T, D, seed=seed)
+    keys, values = rand(R, hkv, S, D, seed=seed + 1), rand(R, hkv, S, D, seed=seed + 2)
+    return q, keys, values, torch.tensor(starts)
+
+
+@SOME
+@given(R=st.integers(1, 3), hkv=st.integers(1, 2), group=st.integers(1, 3), T=st.integers(1, 9),
+       D=st.sampled_from([8, 16]), data=st.data())
+def test_bi_attention_matches_reference(R, hkv, group, T, D, data):
+    starts = [data.draw(st.integers(0, 150)) for _ in range(R)]
+    S = -(-(max(starts) + T) // KEY_BLOCK) * KEY_BLOCK
+    q, keys, values, starts_t = _attention_case(R, hkv, group, T, D, starts, S)
+    got = bi_attention(q, keys, values, starts_t, 0.3)
+    lens = starts_t + T
+    want = reference.verify_attention(q, keys, values, lens, 0.3)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_bi_attention_query_depends_on_its_own_keys_only():
+    hkv, group, T, D = 2, 3, 8, 16
+    q, keys, values, starts = _attention_case(2, hkv, group, T, D, [70, 5], 2 * KEY_BLOCK, seed=4)
+    base = bi_attention(q, keys, values, starts, 0.25)
+    # more key blocks, garbage after every query, a different neighbour row
+    k2 = torch.cat([keys, rand(2, hkv, 3 * KEY_BLOCK, D, seed=9)], dim=2)
+    v2 = torch.cat([values, rand(2, hkv, 3 * KEY_BLOCK, D, seed=10)], dim=2)
+    k2[0, :, 78:] = 100.0
+    v2[0, :, 78:] = -50.0
+    k2[1], v2[1] = rand(hkv, 5 * KEY_BLOCK, D, seed=11), rand(hkv, 5 * KEY_BLOCK, D, seed=12)
+    assert torch.equal(bi_attention(q, k2, v2, starts, 0.25)[0], base[0])
+    # the same 8 queries in two chunks of 4 (a different window) and alone in a batch of one
+    first = bi_attention(q[:1, :, :4].contiguous(), keys[:1], values[:1], starts[:1], 0.25)
+    second = bi_attention(q[:1, :, 4:].contiguous(), keys[:1], values[:1], starts[:1] + 4, 0.25)
+    assert torch.equal(torch.cat([first, second], dim=2)[0], base[0])
+
+
+# --------------------------------------------------------------------------- the verifier
+
+def test_verifier_computes_the_model(tiny):
+    prompt = [5, 9, 33, 7, 81, 120, 4, 250, 17, 3, 99]
+    cache = tiny.new_cache(1, 64)
+    want = tiny.forward(torch.tensor([prompt]), cache)[0]  # [T, V]
+    verifier = Verifier(tiny, window=8, verify_batch=3)
+    cache = tiny.new_cache(2, 64)
+    first = verifier.forward(cache, [Slot(1, 0, prompt[:8], list(range(8)))])
+    second = verifier.forward(cache, [Slot(1, 8, prompt[8:], [0, 1, 2])])
+    torch.testing.assert_close(torch.cat([first, second]), want, atol=1e-4, rtol=1e-4)
+    assert verifier.dummy_rows == 4  # each pass had 3 slots, 1 real
+
+
+def test_verifier_rejects_bad_slots(tiny):
+    verifier = Verifier(tiny, window=4, verify_batch=2)
+    cache = tiny.new_cache(1, 16)
+    with pytest.raises(SwiftkernError, match=r"5 tokens \(need 1..4\)"):
+        verifier.forward(cache, [Slot(0, 0, [1, 2, 3, 4, 5], [0])])
+    with pytest.raises(SwiftkernError, match="exceeds"):
+        verifier.forward(cache, [Slot(0, 14, [1], [0])])
+    with pytest.raises(SwiftkernError, match="1..2 slots"):
+        verifier.forward(cache, [Slot(0, 0, [1], [])] * 3)
+    with pytest.raises(SwiftkernError, match="window"):
+        Verifier(tiny, window=0, verify_batch=1)
+
+
+# --------------------------------------------------------------------------- the needle
+
+def _random_prompts(rng, n, vocab=301):
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(1, 40))] for _ in range(n)]
+
+
+def _needle_trials(gen, needle, rng, trials, max_batch, **kw):
+    alone = gen.generate([needle], **kw)
+    for _ in range(trials):
+        B = rng.randint(1, max_batch)
+        idx = rng.randrange(B)
+        prompts = _random_prompts(rng, B, gen.model.vocab_size)
+        prompts[idx] = needle
+        seeds = [rng.randrange(1000) for _ in range(B)]
+        seeds[idx] = kw.get("seed", 0)
+        out = gen.generate(prompts, **dict(kw, seed=seeds))
+        assert out.tokens[idx] == alone.tokens[0], (B, idx)
+        assert torch.equal(out.logprobs[idx], alone.logprobs[0]), (B, idx)
+    return alone
+
+
+@pytest.mark.parametrize("sample", [False, True])
+def test_needle_tiny(tiny, sample):
+    rng = random.Random(7 + sample)
+    gen = Generator(tiny, mode="deterministic", window=8, verify_batch=4)
+    kw = dict(max_new_tokens=24, eos_token_id=[], do_sample=sample, temperature=1.3, seed=11)
+    alone = _needle_trials(gen, [17, 250, 9, 3, 44, 61], rng, trials=4, max_batch=16, **kw)
+    assert len(alone.tokens[0]) == 24 and alone.logprobs[0].shape == (24,)
+
+
+def test_needle_tiny_qwen2_with_biases():
+    model = SkipModel(tiny_model("qwen2", seed=3))
+    gen = Generator(model, mode="deterministic", window=4, verify_batch=2)
+    _needle_trials(gen, [8, 8, 100, 7], random.Random(3), trials=2, max_batch=9, max_new_tokens=12,
+                   eos_token_id=[])
+
+
+def _ar_logprobs(model, prompts, idx, steps):
+    """Plain batched ar (prefill + batched decode), greedy: row idx's chosen-token logprobs."""
+    cache = model.new_cache(len(prompts), max(map(len, prompts)) + steps + 1)
+    logits = prefill(model, cache, prompts)
+    out = []
+    for _ in range(steps):
+        token = logits.argmax(-1)
+        out.append(torch.log_softmax(logits.float(), -1)[idx, token[idx]])
+        logits = model.forward(token.unsqueeze(1), cache)[:, -1]
+    return torch.stack(out)
+
+
+def test_negative_control_plain_batched_ar_is_batch_variant(tiny):
+    """The needle check on plain batched ar finds differences: on this CPU the prefill GEMM of a
+    short prompt alone takes another MKL path than the padded [B * width] batch, and attention
+    runs over the batch's padded key length, so the needle's logprobs change in the last bits."""
+    rng = random.Random(0)
+    needle = [5, 6, 7, 8, 9]
+    alone = _ar_logprobs(tiny, [needle], 0, 12)
+    differ = 0
+    for _ in range(4):
+        B = rng.randint(2, 16)
+        idx = rng.randrange(B)
+        prompts = _random_prompts(rng, B)
+        prompts[idx] = needle
+        differ += not torch.equal(_ar_logprobs(tiny, prompts, idx, 12), alone)
+    assert differ > 0
+
+
+# --------------------------------------------------------------------------- decode vs prefill
+
+def test_decode_equals_prefill_and_windows_agree(tiny):
+    prompts = [[4, 77, 31], list(range(10, 60)), [200]]
+    runs = {}
+    for window, vb in [(8, 2), (4, 3), (16, 1)]:
+        gen = Generator(tiny, mode="deterministic", window=window, verify_batch=vb)
+        runs[window] = gen.generate(prompts, max_new_tokens=20, eos_token_id=[])
+    base = runs[8]
+    for window, out in runs.items():  # the verifier's output does not depend on how it was chunked
+        assert out.tokens == base.tokens, window
+        assert all(torch.equal(a, b) for a, b in zip(out.logprobs, base.logprobs)), window
+    verifier = Verifier(tiny, window=8, verify_batch=2)
+    for p, toks, lp in zip(prompts, base.tokens, base.logprobs):
+        assert torch.equal(verifier.token_logprobs(p + toks, len(p)), lp)
+
+
+def test_greedy_equals_ar_on_a_tiny_model(tiny):
+    prompts = [[4, 77, 31], list(range(10, 60)), [200, 3]]
+    det = Generator(tiny, mode="deterministic", window=8).generate(prompts, max_new_tokens=16)
+    ar = Generator(tiny, mode="ar").generate(prompts, max_new_tokens=16)
+    assert det.tokens == ar.tokens
+
+
+# --------------------------------------------------------------------------- rollback
+
+class WrongAt(FastPath):
+    """The regular fast path, except that its proposal for ``(request, step)`` is ``token``."""
+
+    def __init__(self, wrong: dict, **kw):
+        super().__init__(**kw)
+        self.wrong, self.calls = wrong, 0
+
+    def propose(self, model, cache, last, params, seeds):
+        tokens, ok = super().propose(model, cache, last, params, seeds)
+        self.calls += 1
+        for row, token in self.wrong.get(self.calls, {}).items():
+            if row < len(tokens):
+                tokens[row] = token
+        return tokens, ok
+
+
+def _run(model, prompts, fast_path=None, window=6, verify_batch=2, max_new=20, **kw):
+    from swiftkern.deterministic import decode_deterministic
+    from swiftkern.requests import Requests
+    from swiftkern.sampling import SamplingParams
+
+    requests = Requests(len(prompts), max_new, frozenset(kw.pop("stop_ids", [EOS])))
+    cache = model.new_cache(len(prompts), max(map(len, prompts)) + max_new + window)
+    stats = decode_deterministic(model, cache, prompts, SamplingParams(**kw), [0] * len(prompts), requests,
+                                 window, verify_batch, fast_path)
+    return requests.out, stats
+
+
+def test_eos_rolled_back_by_a_mismatch(tiny):
+    prompts = [[5, 6, 7], [100, 101]]
+    want, clean = _run(tiny, prompts)
+    assert all(len(t) == 20 and EOS not in t for t in want)
+    # the fast path says EOS at its 3rd step for row 0 and garbage for row 1 at step 4
+    got, stats = _run(tiny, prompts, WrongAt({3: {0: EOS}, 4: {1: 299}}))
+    assert got == want and [len(t) for t in got] == [20, 20]
+    assert stats["corrected"] >= 2 and stats["rolled_back"] >= 2
+    assert stats["fast_tokens"] - stats["rolled_back"] <= clean["fast_tokens"]
+
+
+def test_real_eos_ends_the_output_exactly(tiny):
+    prompts = [[5, 6, 7], [100, 101]]
+    free, _ = _run(tiny, prompts, stop_ids=[])
+    stop = free[0][9]  # a token the verifier emits: make it the stop token
+    got, _ = _run(tiny, prompts, stop_ids=[stop])
+    for toks, full in zip(got, free):
+        cut = full.index(stop) + 1 if stop in full else len(full)
+        assert toks == full[:cut]
+
+
+def test_self_spec_fast_path_gives_the_same_output(tiny):
+    prompts = [[5, 6, 7], list(range(30, 45))]
+    plain = Generator(tiny, mode="deterministic", window=6).generate(prompts, max_new_tokens=18, eos_token_id=[])
+    spec = Generator(tiny, mode="deterministic", window=6, drafter="self-spec", layer_set="attn:1,2|mlp:2",
+                     eps=0.0).generate(prompts, max_new_tokens=18, eos_token_id=[])
+    assert spec.tokens == plain.tokens
+    assert all(torch.equal(a, b) for a, b in zip(spec.logprobs, plain.logprobs))
+    s = spec.stats
+    assert s["fast_path"].startswith("self-spec") and s["fast_tokens"] > 0 and s["rolled_back"] > 0
+    assert 0 < s["rollback_fraction"] == s["rolled_back"] / s["fast_tokens"]
+
+
+def test_generator_stats_and_errors(tiny):
+    out = Generator(tiny, mode="deterministic", window=4, verify_batch=2).generate(
+        [[5, 6], [7]], max_new_tokens=9, eos_token_id=[])
+    s = out.stats
+    assert s["mode"] == "deterministic" and s["window"] == 4 and s["verify_batch"] == 2
+    assert s["new_tokens"] == 18 and s["prefill_passes"] == 1 and s["verify_passes"] >= 2
+    assert s["fast_tokens"] == 16 + s["rolled_back"]  # every token but the prefill's came from the fast path
+    assert all(r["verifies"] >= 2 for r in out.request_stats)
+    one = Generator(tiny, mode="deterministic").generate([[5, 6]], max_new_tokens=1, eos_token_id=[])
+    assert len(one.tokens[0]) == 1 and one.stats["verify_passes"] == 0
+    with pytest.raises(SwiftkernError, match="window"):
+        Generator(tiny, mode="deterministic", window=0)
+    with pytest.raises(SwiftkernError, match="does not go with mode"):
+        Generator(tiny, mode="deterministic", drafter="lookup")
+    with pytest.raises(SwiftkernError, match="does not go with mode"):
+        Generator(tiny, mode="ar", drafter="self-spec", layer_set="attn:1")
+    with pytest.raises(SwiftkernError, match="needs a layer set"):
+        Generator(tiny, mode="deterministic", drafter="self-spec")
+
+
+# --------------------------------------------------------------------------- SmolLM2
+
+@pytest.mark.slow
+def test_needle_smollm2(smollm2):
+    model, tok = smollm2
+    gen = Generator(model, tok, mode="deterministic", window=16, verify_batch=4)
+    needle = tok("The three primary colors are")["input_ids"]
+    rng = random.Random(5)
+    others = ["def fib(n):", "Paris is", "Once upon a time, in a small village", "1, 2, 3,",
+              "The weather today", "import numpy as np", "Dear John,", "What is 2 + 2?"]
+    for sample in (False, True):
+        kw = dict(max_new_tokens=20, eos_token_id=[], do_sample=sample, temperature=0.9, seed=3)
+        alone = gen.generate([needle], **kw)
+        for B in (rng.randint(2, 5), rng.randint(6, 12)):
+            prompts = [tok(rng.choice(others))["input_ids"] for _ in range(B)]
+            idx = rng.randrange(B)
+            prompts[idx] = needle
+            out = gen.generate(prompts, **kw)
+            assert out.tokens[idx] == alone.tokens[0]
+            assert torch.equal(out.logprobs[idx], alone.logprobs[0])
+        if not sample:  # the verifier is the model: greedy output equals plain decoding's
+            assert alone.tokens == Generator(model, tok, mode="ar").generate([needle], max_new_tokens=20,
+                                                                             eos_token_id=[]).tokens
+            lp = Verifier(model, 16, 4).token_logprobs(needle + alone.tokens[0], len(needle))
+            assert torch.equal(lp, alone.logprobs[0])
+
+
+# --------------------------------------------------------------------------- CLI
+
+@pytest.mark.parametrize("args", [["--mode", "deterministic", "--drafter", "self-spec"],
+                                  ["--mode", "self-spec", "--drafter", "self-spec", "--layer-set", "attn:3"]])
+def test_cli_self_spec_fast_path_needs_deterministic_and_a_layer_set(args, capsys):
+    from swiftkern import cli
+
+    assert cli.main(["generate", "--prompt", "hi", *args]) == 2  # refused before loading a model
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--mode deterministic" in err[0] and "--layer-set" in err[0]
+
+
+@pytest.mark.slow
+def test_cli_deterministic_json(capsys):
+    import json
+
+    from swiftkern import cli
+
+    assert cli.main(["generate", "--prompt", "The capital of France is", "--mode", "deterministic",
+                     "--window", "8", "--verify-batch", "2", "--max-new-tokens", "10", "--json"]) == 0
+    rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    s = rec["stats"]
+    assert s["mode"] == "deterministic" and s["window"] == 8 and s["verify_batch"] == 2
+    assert len(rec["tokens"]) == 10 and s["verify_passes"] >= 1 and 0.0 <= s["rollback_fraction"] <= 1.0
