@@ -154,9 +154,10 @@ class DrafterPolicy:
                 best_k, best = k, rate
         return best_k, best
 
-    def choose(self, row: int, lookup_len: int, budget: int) -> Choice:
+    def choose(self, row: int, lookup_len: int, budget: int, layer_skip: bool = True) -> Choice:
         """The drafter and number of drafts for ``row`` this step. lookup_len: drafts prompt
-        lookup has for it (0 = no match); budget: most drafts the row may still use."""
+        lookup has for it (0 = no match); budget: most drafts the row may still use;
+        layer_skip: False while there is no layer set to draft with."""
         if budget <= 0 or not self.costs.known():
             # nothing measured yet: the first step is a plain one that measures verify(1)
             return Choice("none", 0, 0.0)
@@ -166,7 +167,7 @@ class DrafterPolicy:
             k, rate = self._best_k(a, min(lookup_len, budget, self.k_max), 0.0)
             if k > 0 and rate > best.tokens_per_s:
                 best = Choice("lookup", k, rate)
-        if "layer-skip" in self.allowed:
+        if "layer-skip" in self.allowed and layer_skip:
             a = self.acceptance(row, "layer-skip").rate
             draft_cost = self.costs.draft if self.costs.draft is not None else 0.5 * self.costs.verify(1)
             limit = min(budget, self.k_max, max(1, round(self.mean_draft_len["layer-skip"])))

@@ -105,7 +105,10 @@ class Generator:
     2-3 tokens in prompt + output (no model call); ``none`` drafts nothing; ``auto`` (default)
     picks among lookup, layer-skip (when a layer set is given) and none per row and step, for
     the most expected tokens per second from the costs and acceptance measured while it runs
-    (``drafter_policy.DrafterPolicy``).
+    (``drafter_policy.DrafterPolicy``). ``layer_set="auto"`` finds the layer set while
+    generating (SWIFT's schedule, ``tuner.OnTheFlyTuner``; ``skip_ratio`` a fraction or "auto"
+    for a ladder of ratios judged by measured speed; ``search_options`` go to the tuner),
+    starting from the set ``swiftkern search`` stored for this model when there is one.
     Mode ``deterministic`` (LLM-42, ``deterministic.decode_deterministic``): a prompt's output
     and ``logprobs`` are the same bits whatever else is in the batch. Rows decode together
     (regular batched decoding; ``drafter="self-spec"``: the draft with ``layer_set`` skipped,
@@ -117,7 +120,7 @@ class Generator:
     def __init__(self, model, tokenizer=None, mode: str = "ar", layer_set=None, k_max: int = 25,
                  eps: float = 0.8, adaptive_eps: bool = False, drafter: str = "auto",
                  draft_vocab: int | None = DEFAULT_DRAFT_VOCAB, window: int = 32, verify_batch: int = 4,
-                 skip_ratio="auto"):
+                 skip_ratio="auto", search_options: dict | None = None):
         if mode not in MODES:
             raise SwiftkernError(f"unknown mode {mode!r}; available: {', '.join(MODES)}")
         self.model = model if isinstance(model, SkipModel) else SkipModel.from_hf(model)
@@ -147,6 +150,7 @@ class Generator:
         if not (skip_ratio == "auto" or (isinstance(skip_ratio, (int, float)) and 0 < skip_ratio < 1)):
             raise SwiftkernError(f"skip_ratio must be 'auto' or in (0, 1), got {skip_ratio!r}")
         self.skip_ratio = skip_ratio
+        self.search_options = dict(search_options or {})
         if mode == "self-spec" and drafter == "layer-skip" and layer_set is None and not self.auto_layer_set:
             raise SwiftkernError("drafter layer-skip needs a layer set (e.g. 'attn:3,5|mlp:4' or 'none')")
         if draft_vocab is not None and draft_vocab < 1:
@@ -165,7 +169,7 @@ class Generator:
         this model when there is one."""
         record = layer_set_store.load(self.model)
         return OnTheFlyTuner(self.model.num_layers, chooser, self.skip_ratio,
-                             initial=record["layer_set"] if record else None)
+                             initial=record["layer_set"] if record else None, **self.search_options)
 
     # --- inputs ------------------------------------------------------------------------
     def encode(self, prompts, chat: bool = False) -> list[list[int]]:

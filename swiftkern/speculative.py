@@ -171,14 +171,16 @@ def _fixed_choice(drafter: str, lookup_len: int, budget: int) -> Choice:
 def decode_self_spec(model: SkipModel, cache: KVCache, first_logits: torch.Tensor, params: SamplingParams,
                      seeds: list[int], requests: Requests, layer_set: LayerSet | None, policy: DraftPolicy,
                      drafter: str = "layer-skip", prompts: list[list[int]] | None = None,
-                     chooser: DrafterPolicy | None = None, draft_head: DraftHead | None = None) -> dict:
+                     chooser: DrafterPolicy | None = None, draft_head: DraftHead | None = None,
+                     tuner=None) -> dict:
     """The speculative loop into ``requests``. first_logits: [B, V] from prefill.
 
     drafter: "layer-skip" (the model with ``layer_set`` skipped, confidence-aware, logits over
     ``draft_head``'s subset when given), "lookup" (prompt lookup over ``prompts`` + output, no
     model call; q is one-hot when sampling), "none" (verify passes of the pending token only:
     plain decoding through this loop) or "auto": ``chooser`` picks one of those per row and
-    step from the costs and acceptance it measures here.
+    step from the costs and acceptance it measures here. ``tuner`` (``tuner.OnTheFlyTuner``)
+    finds the layer set while generating and replaces ``layer_set`` as it goes.
 
     The cache needs room for max_new_tokens + policy.k_max + 1 positions past the longest
     prompt (a verify pass writes K+1 positions for every row). Finished rows leave the batch.
@@ -211,9 +213,11 @@ def decode_self_spec(model: SkipModel, cache: KVCache, first_logits: torch.Tenso
             lookups = [lookup_draft(prompts[r] + requests.out[r], budget[i], min_ngram=LOOKUP_MIN_NGRAM)
                        for i, r in enumerate(alive)]
         if drafter == "auto":
-            choices = [chooser.choose(r, len(lookups[i]), budget[i]) for i, r in enumerate(alive)]
+            choices = [chooser.choose(r, len(lookups[i]), budget[i], layer_skip=layer_set is not None)
+                       for i, r in enumerate(alive)]
         else:
-            choices = [_fixed_choice(drafter, len(lookups[i]), budget[i]) for i in range(B)]
+            choices = [_fixed_choice(drafter if layer_set is not None or drafter != "layer-skip" else "none",
+                                     len(lookups[i]), budget[i]) for i in range(B)]
         skip = None
         skip_budget = [c.k if c.drafter == "layer-skip" else 0 for c in choices]
         if any(skip_budget):
@@ -245,6 +249,8 @@ def decode_self_spec(model: SkipModel, cache: KVCache, first_logits: torch.Tenso
             per_row[r]["verifies"] += 1
             if used == "layer-skip":
                 policy.update(num_accepted[i], num_draft[i])
+                if tuner is not None:
+                    tuner.observe(num_draft[i], num_accepted[i])
             if chooser is not None:
                 chooser.observe(r, used, num_draft[i], num_accepted[i])
             committed = row[: num_accepted[i] + 1]
@@ -253,3 +259,5 @@ def decode_self_spec(model: SkipModel, cache: KVCache, first_logits: torch.Tenso
                 draft_head.add(committed)
         index = torch.tensor(num_accepted, device=out_tokens.device).unsqueeze(1)
         pending = out_tokens.gather(1, index).squeeze(1)  # the corrected or bonus token
+        if tuner is not None:
+            layer_set = tuner.after_step(model, cache, requests, prompts, pending, draft_head)

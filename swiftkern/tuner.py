@@ -1,0 +1,186 @@
+"""On-the-fly layer-set optimization (SWIFT's schedule) inside the speculative loop.
+
+Generation runs in windows of N tokens. While optimizing, every N new tokens of the tracked
+row (context accumulation) are followed by a layer-set optimization phase: the best set so far
+is re-scored on the new window, then ``steps_per_window`` candidates are scored, several per
+batched forward. Once a stop rule fires (matchness target, patience, max steps), or the search
+time reaches ``time_fraction`` of the time spent generating, drafting runs with the best set
+(confidence-aware acceleration); if the measured acceptance of its drafts falls well below its
+matchness, the search restarts from it.
+
+Beyond SWIFT: ``skip_ratio="auto"`` searches a ladder of ratios side by side and keeps the one
+whose best set promises the most tokens per second, from the draft forward time measured for
+that set and the verify costs the drafter policy measures; when no ratio beats plain decoding,
+layer skipping is switched off (small models: a draft step costs nearly a full step).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .drafter_policy import DrafterPolicy, expected_tokens
+from .kv_cache import KVCache
+from .layer_set import LayerSet
+from .model import SkipModel
+from .search import LayerSetSearch, SearchConfig, matchness, skip_count
+
+AUTO_RATIOS = (0.1, 0.2, 0.3, 0.45)
+
+
+class OnTheFlyTuner:
+    """Finds the draft's layer set while generating; see the module doc.
+
+    ``after_step(model, cache, requests, prompts, pending, head)`` is called by the loop after
+    every verify step and returns the layer set drafts should use now (None: no layer skip);
+    ``observe(num_draft, num_accepted)`` records a verified layer-skip draft.
+    """
+
+    def __init__(self, num_layers: int, chooser: DrafterPolicy | None, skip_ratio="auto", window: int = 32,
+                 steps_per_window: int = 32, candidates_per_forward: int = 4, time_fraction: float = 0.3,
+                 initial: LayerSet | None = None, restart_ratio: float = 0.5, config: SearchConfig | None = None):
+        ratios = list(AUTO_RATIOS if skip_ratio == "auto" else (float(skip_ratio),))
+        base = config or SearchConfig()
+        start = {}
+        if initial is not None and not initial.is_empty:  # a stored set: its ratio's search starts from it
+            match = [r for r in ratios if skip_count(num_layers, r) == initial.num_skipped]
+            if not match:
+                ratios.append(initial.num_skipped / (2 * num_layers))
+                match = ratios[-1:]
+            start[match[0]] = initial
+        self.searches = {r: LayerSetSearch(num_layers, SearchConfig(**{**base.__dict__, "skip_ratio": r}),
+                                           start.get(r)) for r in ratios}
+        self.chooser = chooser
+        self.window, self.steps_per_window = window, steps_per_window
+        self.per_forward = candidates_per_forward
+        self.time_fraction = time_fraction
+        self.restart_ratio = restart_ratio
+        self.optimizing = True
+        self.current: LayerSet | None = None
+        self.current_score = 0.0
+        self.enabled = True  # False once no ratio can beat plain decoding
+        self.search_s = 0.0
+        self.start = time.perf_counter()
+        self.last_optimized_at = None
+        self.phases = 0
+        self.scored = 0
+        self.restarts = 0
+        self.draft_cost: dict = {}
+        self._acc, self._miss = 0.0, 0.0
+
+    # --- the schedule ----------------------------------------------------------------
+    def after_step(self, model: SkipModel, cache: KVCache, requests, prompts, pending: torch.Tensor,
+                   head=None) -> LayerSet | None:
+        if not self.optimizing or not self.enabled:
+            return self.current
+        rows = [i for i, r in enumerate(requests.alive) if not requests.done[r]]
+        if not rows:
+            return self.current
+        i = rows[0]
+        r = requests.alive[i]
+        produced = len(requests.out[r])
+        if self.last_optimized_at is None:
+            self.last_optimized_at = 0
+        if produced - self.last_optimized_at < self.window:
+            return self.current  # still accumulating context
+        elapsed = time.perf_counter() - self.start
+        if self.search_s > self.time_fraction * max(elapsed - self.search_s, 1e-9):
+            return self._finish("time budget")
+        self.last_optimized_at = produced
+        t0 = time.perf_counter()
+        self._optimize(model, cache, i, prompts[r] + requests.out[r])
+        self._pick(model, cache, pending, head)
+        self.search_s += time.perf_counter() - t0
+        self.phases += 1
+        if all(s.done() for s in self.searches.values()):
+            return self._finish("stop rule")
+        return self.current
+
+    def _optimize(self, model, cache, row, context) -> None:
+        todo = []
+        for ratio, search in self.searches.items():
+            if search.done():
+                continue
+            if search.best is not None:
+                todo.append((search, search.best, True))  # re-score the kept best on new context
+            n = max(1, self.steps_per_window // len(self.searches))
+            todo += [(search, c, False) for c in search.propose(n)]
+        for j in range(0, len(todo), self.per_forward):
+            chunk = todo[j:j + self.per_forward]
+            scores = matchness(model, cache, [row], [context], [c for _, c, _ in chunk], self.window)
+            for (search, cand, is_rescore), score in zip(chunk, scores):
+                if is_rescore:
+                    search.rescore(score)
+                else:
+                    search.observe(cand, score)
+                self.scored += 1
+
+    def _draft_cost(self, model, cache, pending, layer_set, head) -> float:
+        """Seconds of one draft forward with this set, measured on the live cache (rolled back)."""
+        base = list(cache.host_lengths)
+        times = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            logits = model.forward(pending.unsqueeze(1), cache, layer_set=layer_set,
+                                   head=head.head if head is not None else None)
+            logits.argmax(-1).tolist()
+            times.append(time.perf_counter() - t0)
+            cache.rollback(base)
+        return min(times)
+
+    def _rate(self, alpha: float, draft_cost: float) -> float:
+        costs = self.chooser.costs
+        return max(expected_tokens(alpha, k) / (k * draft_cost + costs.verify(k + 1)) for k in range(1, 26))
+
+    def _pick(self, model, cache, pending, head) -> None:
+        """The set to draft with: the best of the ratio whose best set promises the highest rate."""
+        best = [(s.best_score, s.best) for s in self.searches.values() if s.best is not None]
+        if not best:
+            return
+        if self.chooser is None or not self.chooser.costs.known():
+            self.current_score, self.current = max(best, key=lambda b: b[0])
+            return
+        plain = 1.0 / self.chooser.costs.verify(1)
+        rated = []
+        for score, ls in best:
+            key = str(ls)
+            if key not in self.draft_cost:
+                self.draft_cost[key] = self._draft_cost(model, cache, pending, ls, head)
+            rated.append((self._rate(max(score, 0.0), self.draft_cost[key]), score, ls))
+        rate, score, ls = max(rated, key=lambda t: t[0])
+        self.current, self.current_score = ls, score
+        self.best_rate_vs_plain = rate / plain
+
+    def _finish(self, why: str) -> LayerSet | None:
+        self.optimizing = False
+        self.stop_reason = why
+        if self.chooser is not None and getattr(self, "best_rate_vs_plain", 1.0) < 1.0:
+            self.enabled = False  # no searched set can beat plain decoding at the measured costs
+            self.stop_reason = why + "; layer skip cannot beat plain decoding"
+            return None
+        return self.current
+
+    # --- acceleration ----------------------------------------------------------------
+    def observe(self, num_draft: int, num_accepted: int) -> None:
+        """A verified layer-skip draft; restarts the search when acceptance falls far below
+        the matchness its set scored."""
+        if num_draft == 0:
+            return
+        self._acc = 0.9 * self._acc + num_accepted
+        self._miss = 0.9 * self._miss + (1.0 if num_accepted < num_draft else 0.0)
+        observed = self._acc + self._miss
+        if (not self.optimizing and self.enabled and observed >= 5
+                and self._acc / observed < self.restart_ratio * self.current_score):
+            self.optimizing = True
+            self.restarts += 1
+            self._acc = self._miss = 0.0
+            for s in self.searches.values():
+                s.since_improvement = 0
+                s.steps = 0
+                s.best_score = float("-inf") if s.best is None else 0.0  # re-scored on the next window
+
+    def stats(self) -> dict:
+        return {"search_phases": self.phases, "candidates_scored": self.scored, "search_s": self.search_s,
+                "search_restarts": self.restarts, "layer_skip_enabled": self.enabled,
+                "search_stop": getattr(self, "stop_reason", "")}

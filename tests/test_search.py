@@ -1,0 +1,113 @@
+"""Layer-set search on models: matchness against a slow per-position reference, batched
+candidate forwards, on-the-fly search staying token-identical to ar, the stored-set round trip."""
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from swiftkern import Generator, LayerSet, SkipModel, SwiftkernError
+from swiftkern import layer_set_store
+from swiftkern.search import matchness
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [200]]
+SMALL_SEARCH = dict(window=8, steps_per_window=8, time_fraction=100.0)
+
+
+def _slow_matchness(sm, context, layer_set, window):
+    """Per position j of the window: prefill the full model on the context before the window,
+    decode the window's tokens one at a time with the layer set skipped, compare the top-1."""
+    n = min(window, len(context) - 1)
+    start = len(context) - 1 - n
+    hits = 0
+    for j in range(n):
+        cache = sm.new_cache(1, len(context) + 1)
+        if start:
+            sm.forward(torch.tensor([context[:start]]), cache)
+        logits = None
+        for t in context[start:start + j + 1]:
+            logits = sm.forward(torch.tensor([[t]]), cache, layer_set=layer_set)[0, -1]
+        hits += int(int(logits.argmax()) == context[start + j + 1])
+    return hits / n
+
+
+def test_matchness_equals_a_slow_per_position_reference():
+    sm = SkipModel.from_hf(tiny_model("llama", num_hidden_layers=5))
+    out = Generator(sm).generate(PROMPTS[:2], max_new_tokens=14, eos_token_id=[]).tokens
+    contexts = [PROMPTS[0] + out[0], PROMPTS[1] + out[1]]
+    cache = sm.new_cache(2, 40)
+    for b, ctx in enumerate(contexts):  # the full model's KV of each row, in one cache
+        row = sm.new_cache(1, 40)
+        sm.forward(torch.tensor([ctx[:-1]]), row)
+        cache.k[:, b], cache.v[:, b] = row.k[:, 0], row.v[:, 0]
+    cache.host_lengths = [len(c) - 1 for c in contexts]
+    cache.lengths = torch.tensor(cache.host_lengths)
+    before = cache.k.clone()
+    cands = [LayerSet.parse(s, 5) for s in ("attn:1,2|mlp:3", "none", "attn:3|mlp:1-3")]
+    for window in (4, 9):
+        got = matchness(sm, cache, [0], [contexts[0]], cands, window)
+        want = [_slow_matchness(sm, contexts[0], ls, window) for ls in cands]
+        assert got == pytest.approx(want, abs=1e-12)
+        assert got[1] == 1.0  # skipping nothing reproduces the full model's tokens
+    both = matchness(sm, cache, [0, 1], contexts, cands, 6)  # two rows: mean over all positions
+    want = [(_slow_matchness(sm, contexts[0], ls, 6) + _slow_matchness(sm, contexts[1], ls, 6)) / 2 for ls in cands]
+    assert both == pytest.approx(want, abs=1e-12)
+    assert torch.equal(cache.k, before)  # scoring never touches the live cache
+
+
+def test_one_layer_set_per_row_equals_separate_forwards():
+    sm = SkipModel.from_hf(tiny_model("qwen2", num_hidden_layers=4))
+    sets = [LayerSet.parse(s, 4) for s in ("attn:1|mlp:2", "none", "attn:1,2|mlp:1-2")]
+    tokens = torch.tensor([[5, 6, 7, 8], [9, 3, 4, 1], [2, 2, 7, 7]])
+    together = sm.forward(tokens, sm.new_cache(3, 8), layer_set=sets)
+    for i, ls in enumerate(sets):
+        alone = sm.forward(tokens[i:i + 1], sm.new_cache(1, 8), layer_set=ls)
+        torch.testing.assert_close(together[i], alone[0], rtol=1e-6, atol=1e-6)
+    with pytest.raises(SwiftkernError, match="2 layer sets for a batch of 3"):
+        sm.forward(tokens, sm.new_cache(3, 8), layer_set=sets[:2])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("drafter,skip_ratio", [("auto", "auto"), ("layer-skip", 0.3)])
+def test_on_the_fly_search_is_greedy_identical_to_ar(arch, drafter, skip_ratio, tmp_path, monkeypatch):
+    monkeypatch.setenv("SWIFTKERN_CACHE_DIR", str(tmp_path))
+    hf = tiny_model(arch, num_hidden_layers=6)
+    ar = Generator(hf).generate(PROMPTS, max_new_tokens=60, eos_token_id=[]).tokens
+    gen = Generator(hf, mode="self-spec", drafter=drafter, layer_set="auto", skip_ratio=skip_ratio, eps=0.0,
+                    search_options=SMALL_SEARCH)
+    out = gen.generate(PROMPTS, max_new_tokens=60, eos_token_id=[])
+    assert out.tokens == ar
+    s = out.stats
+    assert s["search_phases"] >= 1 and s["candidates_scored"] >= 8  # a phase may already hit the target
+    if drafter == "layer-skip":
+        assert s["drafter_steps"]["layer-skip"] > 0 and s["searched_layer_set"]
+
+
+def test_bad_auto_configurations_are_refused():
+    hf = tiny_model("llama", num_hidden_layers=6)
+    with pytest.raises(SwiftkernError, match="needs mode self-spec"):
+        Generator(hf, mode="ar", layer_set="auto")
+    with pytest.raises(SwiftkernError, match="needs mode self-spec"):
+        Generator(hf, mode="self-spec", drafter="lookup", layer_set="auto")
+    with pytest.raises(SwiftkernError, match="skip_ratio"):
+        Generator(hf, mode="self-spec", layer_set="auto", skip_ratio=1.5)
+
+
+def test_stored_layer_set_round_trips_and_is_refused_for_another_model(tmp_path, monkeypatch):
+    monkeypatch.setenv("SWIFTKERN_CACHE_DIR", str(tmp_path))
+    a = SkipModel.from_hf(tiny_model("llama", num_hidden_layers=6, seed=0))
+    b = SkipModel.from_hf(tiny_model("llama", num_hidden_layers=6, seed=1))  # same shape, other weights
+    assert layer_set_store.fingerprint(a) != layer_set_store.fingerprint(b)
+    assert layer_set_store.fingerprint(a) == layer_set_store.fingerprint(SkipModel.from_hf(tiny_model("llama", num_hidden_layers=6, seed=0)))
+    assert layer_set_store.load(a) is None
+    ls = LayerSet.parse("attn:2,3|mlp:1", 6)
+    path = layer_set_store.save(a, ls, matchness=0.75, acceptance=0.5, speedup=1.1)
+    record = layer_set_store.load(a)
+    assert record["layer_set"] == ls and record["matchness"] == 0.75 and record["speedup"] == 1.1
+    with pytest.raises(SwiftkernError, match="is for model"):
+        layer_set_store.load_record(path, b)
+    assert layer_set_store.load(b) is None  # b has no file of its own
+    # the on-the-fly search starts from the stored set: it is the first candidate scored
+    gen = Generator(a, mode="self-spec", drafter="layer-skip", layer_set="auto", skip_ratio=0.25,
+                    search_options=SMALL_SEARCH)
+    tuner = gen._tuner(None)
+    assert any(s.propose(1)[0] == ls for s in tuner.searches.values())
