@@ -25,6 +25,18 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _skip_ratio(text: str):
+    if text.strip() == "auto":
+        return "auto"
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a fraction in (0, 1), got {text!r}") from None
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(f"skip ratio must be in (0, 1), got {value}")
+    return value
+
+
 def _float_in(lo: float, hi: float, lo_open: bool):
     def parse(text: str) -> float:
         try:
@@ -76,7 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
                           "prompt + output (no model call); none drafts nothing. deterministic: self-spec "
                           "makes the --layer-set draft the fast path (auto/none: regular batched decoding)")
     gen.add_argument("--layer-set", default=None,
-                     help="self-spec: sub-layers the draft skips, 'attn:3,5-7|mlp:4,9', JSON, or 'none'")
+                     help="self-spec: sub-layers the draft skips, 'attn:3,5-7|mlp:4,9', JSON, 'none', or "
+                          "'auto' (default for self-spec: searched while generating, starting from the set "
+                          "`swiftkern search` stored for this model)")
+    gen.add_argument("--skip-ratio", type=_skip_ratio, default="auto",
+                     help="--layer-set auto: fraction of sub-layers to skip, or 'auto' (default: a ladder of "
+                          "ratios, the fastest by measured cost kept)")
     gen.add_argument("--draft-vocab", type=_positive_int, default=8192,
                      help="layer-skip drafts score only this many frequent tokens plus the prompt's and "
                           "output's (a pruned LM head; verification uses the full head; default 8192)")
@@ -94,6 +111,25 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default=None, help="torch device (default cpu)")
 
     sub.add_parser("info", help="versions, device, and which kernel backends are built and in use")
+
+    se = sub.add_parser("search", help="find the best draft layer set for a model offline and store it",
+                        description="Offline layer-set search: generate greedy continuations of the prompts, "
+                                    "score layer sets by matchness on them (random + Bayesian optimization), "
+                                    "measure the real speedup of the best set per skip ratio, and store the "
+                                    "fastest for the model, where --layer-set auto starts from it.")
+    se.add_argument("--model", default="smollm2", help=f"model: {MODEL_HELP} (default: smollm2)")
+    ssrc = se.add_mutually_exclusive_group(required=True)
+    ssrc.add_argument("--prompt", action="append", help="a prompt to tune on (repeatable)")
+    ssrc.add_argument("--prompt-file", help='a JSONL file, one {"prompt": "..."} per line')
+    se.add_argument("--skip-ratio", type=_skip_ratio, default="auto",
+                    help="fraction of sub-layers to skip, or 'auto' (default: try several, keep the fastest)")
+    se.add_argument("--budget", type=_float_in(0.0, 1e6, True), default=120.0,
+                    help="seconds of search in all (split over the ratios; default 120)")
+    se.add_argument("--max-new-tokens", type=_positive_int, default=64,
+                    help="tokens generated per prompt to score and measure on (default 64)")
+    se.add_argument("--no-save", action="store_true", help="print the result, do not store it")
+    se.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    se.add_argument("--device", default=None, help="torch device (default cpu)")
     return parser
 
 
@@ -128,15 +164,16 @@ def cmd_generate(args) -> int:
     from .generate import Generator
     from .loading import load_model
 
-    if args.mode == "self-spec" and args.drafter == "layer-skip" and args.layer_set is None:
-        raise SwiftkernError("--drafter layer-skip needs --layer-set (e.g. 'attn:10-14|mlp:12', or 'none')")
+    if args.mode == "self-spec" and args.drafter in ("auto", "layer-skip") and args.layer_set is None:
+        args.layer_set = "auto"
     if args.drafter == "self-spec" and (args.mode != "deterministic" or args.layer_set is None):
         raise SwiftkernError("--drafter self-spec goes with --mode deterministic and needs --layer-set "
                              "(e.g. 'attn:10-14|mlp:12')")
     model, tokenizer = load_model(args.model, device=args.device)
     gen = Generator(model, tokenizer, mode=args.mode, layer_set=args.layer_set, k_max=args.k_max,
                     eps=args.eps, adaptive_eps=args.adaptive_eps, drafter=args.drafter,
-                    draft_vocab=args.draft_vocab, window=args.window, verify_batch=args.verify_batch)
+                    draft_vocab=args.draft_vocab, window=args.window, verify_batch=args.verify_batch,
+                    skip_ratio=args.skip_ratio)
     out = gen.generate(prompts, max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0,
                        temperature=args.temperature or 1.0, top_k=args.top_k, top_p=args.top_p,
                        seed=args.seed, chat=args.chat)
@@ -156,10 +193,35 @@ def cmd_generate(args) -> int:
                   f"verify forwards | {s['accepted']}/{s['drafted']} drafts accepted "
                   f"({s['acceptance_rate']:.0%}) | mean accepted per verify {s['mean_accepted']:.2f} | "
                   "row steps by drafter " + ", ".join(f"{k} {v}" for k, v in s["drafter_steps"].items()))
+            if "search_phases" in s:
+                print(f"[search] {s['search_phases']} phases, {s['candidates_scored']} sets scored in "
+                      f"{s['search_s']:.2f} s | layer set {s['searched_layer_set'] or '-'} | "
+                      f"{'layer skip on' if s['layer_skip_enabled'] else 'layer skip off'} "
+                      f"{('(' + s['search_stop'] + ')') if s['search_stop'] else ''}")
         if s["mode"] == "deterministic":
             print(f"[deterministic] fast path {s['fast_path']} | window {s['window']} x verify batch "
                   f"{s['verify_batch']} | {s['fast_steps']} fast steps + {s['verify_passes']} verify passes | "
                   f"{s['rolled_back']}/{s['fast_tokens']} fast tokens rolled back ({s['rollback_fraction']:.1%})")
+    return 0
+
+
+def cmd_search(args) -> int:
+    prompts = args.prompt if args.prompt is not None else read_prompt_file(args.prompt_file)
+    if any(not p.strip() for p in prompts):
+        raise SwiftkernError("a prompt is empty")
+    from .loading import load_model
+    from .offline_search import search_layer_set
+
+    model, tokenizer = load_model(args.model, device=args.device)
+    record = search_layer_set(model, tokenizer, prompts, skip_ratio=args.skip_ratio, budget_s=args.budget,
+                              max_new_tokens=args.max_new_tokens, save=not args.no_save,
+                              log=(lambda *a: None) if args.json else print)
+    if args.json:
+        print(json.dumps(record))
+    else:
+        print(f"best: {record['layer_set']} (skip ratio {record['skip_ratio']}) matchness {record['matchness']:.3f}, "
+              f"acceptance {record['acceptance_rate']:.2f}, x{record['speedup']:.2f} vs ar"
+              + (f"\nstored in {record['path']}" if "path" in record else ""))
     return 0
 
 
@@ -174,7 +236,7 @@ def cmd_info(args) -> int:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"generate": cmd_generate, "info": cmd_info}[args.command](args)
+        return {"generate": cmd_generate, "info": cmd_info, "search": cmd_search}[args.command](args)
     except SwiftkernError as e:
         print(f"swiftkern: error: {e}", file=sys.stderr)
         return 2

@@ -49,6 +49,12 @@ def test_info_names_backends():
     assert "torch:" in r.stdout and "greedy_accept" in r.stdout
 
 
-def test_layer_skip_drafter_needs_a_layer_set():
-    r = run("generate", "--prompt", "hi", "--mode", "self-spec", "--drafter", "layer-skip")
-    assert r.returncode == 2 and "--layer-set" in r.stderr
+@pytest.mark.parametrize("args,msg", [
+    (["generate", "--prompt", "hi", "--mode", "self-spec", "--skip-ratio", "1.5"], "skip ratio must be in"),
+    (["search", "--prompt", "hi", "--skip-ratio", "x"], "expected 'auto' or a fraction"),
+    (["search"], "required"),
+    (["search", "--prompt", " "], "a prompt is empty"),
+])
+def test_search_and_skip_ratio_input_errors(args, msg):
+    r = run(*args)
+    assert r.returncode == 2 and msg in r.stderr, r.stderr

@@ -111,3 +111,17 @@ def test_stored_layer_set_round_trips_and_is_refused_for_another_model(tmp_path,
                     search_options=SMALL_SEARCH)
     tuner = gen._tuner(None)
     assert any(s.propose(1)[0] == ls for s in tuner.searches.values())
+
+
+def test_offline_search_stores_a_measured_set(tmp_path, monkeypatch):
+    from swiftkern.offline_search import search_layer_set
+
+    monkeypatch.setenv("SWIFTKERN_CACHE_DIR", str(tmp_path))
+    sm = SkipModel.from_hf(tiny_model("llama", num_hidden_layers=6))
+    record = search_layer_set(sm, None, PROMPTS[:2], skip_ratio=0.25, budget_s=2.0, max_new_tokens=12,
+                              log=lambda *a: None)
+    (row,) = record["table"]
+    assert row["scored"] >= 4 and 0.0 <= record["matchness"] <= 1.0 and record["speedup"] > 0
+    assert LayerSet.parse(record["layer_set"], 6).num_skipped == 3  # round(0.25 * 12)
+    stored = layer_set_store.load(sm)
+    assert str(stored["layer_set"]) == record["layer_set"] and stored["speedup"] == record["speedup"]
