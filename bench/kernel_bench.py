@@ -1,0 +1,110 @@
+"""What the per-op kernel benchmarks share: the providers of an op on a device, the reference
+check, and the timing loop that turns cases into rows.
+
+Providers (those that can run on the device; ``--providers`` picks some):
+
+    reference   swiftkern/reference.py, plain torch (the baseline of ``x_vs_reference``)
+    cpp         torch.ops.swiftkern.<op> when swiftkern._C has a C++ CPU kernel for it (CPU)
+    cuda        torch.ops.swiftkern.<op> when swiftkern._C has a CUDA kernel for it (GPU)
+    triton      torch.ops.swiftkern_triton.<op> (GPU; the CPU interpreter is not timed)
+
+plus any a routine adds (e.g. ``sdpa`` for attention). Every row carries the median time,
+achieved GB/s and its % of the copy bandwidth measured in the same run, and
+``x_vs_reference``: the reference's median over this provider's, same case, same run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from bench import common
+from swiftkern import ops, reference
+
+
+PRINT_KEYS = ("provider", "dtype", "shape", "median_ms", "gb_s", "pct_of_ceiling", "x_vs_reference")
+
+
+@dataclass
+class Case:
+    """One size of one op: a label, a builder of the arguments, the bytes one call must move."""
+    shape: str
+    make_args: Callable[[], tuple]
+    bytes_moved: float
+    flops: float | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def default_dtype(args) -> torch.dtype:
+    if args.dtype:
+        return getattr(torch, args.dtype)
+    return torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+
+
+def providers(op: str, device: str, extra: dict | None = None, wanted=None) -> dict:
+    """{name: fn(*args)} of the implementations of ``op`` that run on ``device``."""
+    kernels = ops.backend_info()["kernels"][op]
+    dev = "cuda" if device.startswith("cuda") else "cpu"
+    found = {"reference": getattr(reference, op)}
+    if dev == "cpu" and "cpp" in kernels["cpu"]:
+        found["cpp"] = getattr(torch.ops.swiftkern, op)
+    if dev == "cuda" and "cuda" in kernels["cuda"]:
+        found["cuda"] = getattr(torch.ops.swiftkern, op)
+    if dev == "cuda" and "triton" in kernels["cuda"]:
+        found["triton"] = getattr(torch.ops.swiftkern_triton, op)
+    found.update(extra or {})
+    if wanted:
+        for name in wanted:
+            if name not in found:
+                print(f"note: provider {name} does not run {op} on {device} here (built: {kernels[dev]})")
+        found = {k: v for k, v in found.items() if k in wanted or k == "reference"}
+    return found
+
+
+def _as_list(out) -> list:
+    if out is None:
+        return []
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def check(op: str, name: str, got, want, atol: float, rtol: float) -> None:
+    """Raise AssertionError unless every output of a provider is close to the reference's."""
+    for g, w in zip(_as_list(got), _as_list(want)):
+        if g.is_floating_point():
+            torch.testing.assert_close(g.float(), w.float(), atol=atol, rtol=rtol,
+                                       msg=lambda m: f"{op}/{name}: {m}")
+        elif not torch.equal(g.cpu(), w.cpu()):
+            raise AssertionError(f"{op}/{name}: integer outputs differ from the reference")
+
+
+def run_cases(routine: str, op: str, cases: list[Case], args, extra: dict | None = None,
+              tol: tuple[float, float] = (2e-2, 2e-2)) -> list[dict]:
+    """Time every provider on every case (interleaved) -> rows for bench/results/<routine>.csv."""
+    fns_of = providers(op, args.device, extra, args.providers)
+    reps = args.reps or (3 if args.smoke else 20)
+    rows = []
+    for case in cases:
+        inputs = case.make_args()
+        if args.refcheck:
+            want = fns_of["reference"](*[t.clone() if torch.is_tensor(t) else t for t in inputs])
+            for name, fn in fns_of.items():
+                check(op, name, fn(*[t.clone() if torch.is_tensor(t) else t for t in inputs]), want, *tol)
+        fns = {name: (lambda fn=fn: fn(*inputs)) for name, fn in fns_of.items()}
+        times = common.time_fn(fns, args.device, warmup=1 if args.smoke else 3, reps=reps)
+        base = times["reference"]["median_ms"]
+        dtype = next((t.dtype for t in inputs if torch.is_tensor(t) and t.is_floating_point()), None)
+        for name, timing in times.items():
+            rows.append(common.row(routine, name, args.device, dtype, case.shape, timing, bytes_moved=case.bytes_moved,
+                                   x_vs_reference=round(base / timing["median_ms"], 2), reps=reps, **case.extra))
+    return rows
+
+
+def standalone(routine: str) -> int:
+    """``python bench/bench_<op>.py [options]``: the driver with --routine <op>."""
+    import sys
+
+    from bench.__main__ import main as driver
+
+    return driver(["--routine", routine, *sys.argv[1:]])
