@@ -5,7 +5,7 @@ Install with ``pip install --no-build-isolation -e .`` so the build sees the ins
 
   (a) torch built with CUDA and nvcc / CUDA_HOME found -> CUDAExtension swiftkern._C from
       csrc/*.cpp + csrc/*.cu, -DSWIFTKERN_WITH_CUDA; TORCH_CUDA_ARCH_LIST defaults to
-      "8.0;9.0a" when no GPU is visible;
+      "8.0;9.0a" when no GPU is visible (else torch builds for the visible GPU);
   (b) any other torch -> CppExtension swiftkern._C from csrc/*.cpp (CPU kernels, -O3, OpenMP);
   (c) torch not importable -> pure Python (ops use swiftkern/reference.py).
 
@@ -45,10 +45,20 @@ def host_flags() -> tuple[list[str], list[str]]:
     """(compile, link) flags for the host compiler: -O3 and OpenMP where it is supported."""
     if sys.platform == "win32":
         return ["/O2", "/openmp"], []
-    # -fno-trapping-math lets the compiler if-convert (vectorize) the fp16 -> fp32 loads
+    # -fno-trapping-math lets the compiler if-convert (vectorize) the fp16 -> fp32 loads;
+    # -ffp-contract=off keeps a * b + c two roundings, as torch computes it (the kernels that
+    # want a fused multiply-add call std::fma), so fp32 kernels can match the reference bit for bit
     if sys.platform == "darwin":  # Apple clang has no -fopenmp; the kernels then run serially
-        return ["-O3", "-fno-trapping-math", "-fopenmp-simd"], []
-    return ["-O3", "-fno-trapping-math", "-fopenmp"], ["-fopenmp"]
+        return ["-O3", "-fno-trapping-math", "-ffp-contract=off", "-fopenmp-simd"], []
+    return ["-O3", "-fno-trapping-math", "-ffp-contract=off", "-fopenmp"], ["-fopenmp"]
+
+
+def cuda_archs(torch) -> str:
+    """What the CUDA build compiles for: TORCH_CUDA_ARCH_LIST, else the visible GPU's arch."""
+    if os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        return os.environ["TORCH_CUDA_ARCH_LIST"].replace(";", " ")
+    major, minor = torch.cuda.get_device_capability()
+    return f"{major}.{minor} (visible GPU)"
 
 
 def remove_stale_extension() -> None:
@@ -86,23 +96,29 @@ def make_extension():
             os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0a"
         cflags = cflags + ["-DSWIFTKERN_WITH_CUDA"]
         srcs = sources("*.cpp", "*.cu")
+        archs = cuda_archs(torch)
         note(f"path (a) CUDAExtension: torch {torch.__version__} has CUDA {torch.version.cuda}, "
-             f"CUDA_HOME={ce.CUDA_HOME}, TORCH_CUDA_ARCH_LIST={os.environ.get('TORCH_CUDA_ARCH_LIST')}; "
-             f"sources: {', '.join(srcs)}")
-        flags = cflags + ['-DSWIFTKERN_CXX_FLAGS="' + " ".join(cflags) + '"']
+             f"CUDA_HOME={ce.CUDA_HOME}, archs {archs}; sources: {', '.join(srcs)}")
+        flags = cflags + ['-DSWIFTKERN_CXX_FLAGS="' + " ".join(cflags) + '"',
+                          f'-DSWIFTKERN_CUDA_ARCHS="{archs}"']
+        # -lineinfo: compute-sanitizer and profilers map kernel addresses to source lines
+        nvcc_flags = ["-O3", "-std=c++17", "-lineinfo", "-DSWIFTKERN_WITH_CUDA"]
         ext = ce.CUDAExtension("swiftkern._C", srcs, extra_link_args=lflags,
-                               extra_compile_args={"cxx": flags, "nvcc": ["-O3", "-DSWIFTKERN_WITH_CUDA"]})
+                               extra_compile_args={"cxx": flags, "nvcc": nvcc_flags})
     else:
         if torch.version.cuda:
             why = (f"torch {torch.__version__} has CUDA {torch.version.cuda} but no nvcc / CUDA_HOME "
-                   "was found, so CUDA kernels are not compiled")
+                   "was found, so the CUDA kernels are NOT compiled (CUDA ops run the Triton kernels "
+                   f"or the reference); install the CUDA {torch.version.cuda} toolkit, put nvcc on "
+                   "PATH or set CUDA_HOME, and reinstall to build them")
         elif nvcc or cuda_home:
             why = (f"torch {torch.__version__} is a CPU-only build (torch.version.cuda is None), so "
                    f"nvcc ({nvcc or cuda_home}) is not used")
         else:
             why = f"torch {torch.__version__} is a CPU-only build and there is no nvcc"
         srcs = sources("*.cpp")
-        note(f"path (b) CppExtension (CPU kernels): {why}; sources: {', '.join(srcs)}")
+        note(f"path (b) CppExtension (CPU kernels): {why}; sources: {', '.join(srcs)}",
+             loud=bool(torch.version.cuda))
         flags = cflags + ['-DSWIFTKERN_CXX_FLAGS="' + " ".join(cflags) + '"']
         ext = ce.CppExtension("swiftkern._C", srcs, extra_compile_args={"cxx": flags}, extra_link_args=lflags)
 

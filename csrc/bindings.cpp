@@ -1,10 +1,13 @@
 // The one bindings file of swiftkern._C: op schemas (TORCH_LIBRARY), kernel registrations
 // per dispatch key, and a small Python module with build_info().
 //
-// Adding an op: declare its schema below; a CPU kernel goes in csrc/<op>_cpu.cpp; a CUDA kernel
-// goes in a torch-free csrc/<op>.cuh with a thin launcher in csrc/<op>.cu (compiled only when
-// setup.py builds the CUDAExtension, which defines SWIFTKERN_WITH_CUDA), registered in the CUDA
-// block. Ops with no kernel for a device get swiftkern/reference.py registered by ops.py.
+// Adding an op: declare its schema below (the same string as swiftkern/ops.py's _SCHEMAS); a CPU
+// kernel goes in csrc/<op>_cpu.cpp; a CUDA kernel goes in a torch-free csrc/<op>.cuh with a thin
+// launcher in csrc/<op>.cu (declared in csrc/launchers.h) and a torch-side wrapper in
+// csrc/ops_cuda.cpp (compiled only when setup.py builds the CUDAExtension, which defines
+// SWIFTKERN_WITH_CUDA), registered in the CUDA block. Ops with no kernel for a device get
+// swiftkern/reference.py registered by ops.py. The schemas are defined here once, when the
+// library is loaded (Python caches the module, so a second import registers nothing).
 
 #include <torch/extension.h>
 #include <torch/library.h>
@@ -13,8 +16,15 @@
 #include <optional>
 #include <tuple>
 
+#ifdef SWIFTKERN_WITH_CUDA
+#include <cuda_runtime_api.h>  // CUDART_VERSION
+#endif
+
 #ifndef SWIFTKERN_CXX_FLAGS
 #define SWIFTKERN_CXX_FLAGS "unknown"
+#endif
+#ifndef SWIFTKERN_CUDA_ARCHS
+#define SWIFTKERN_CUDA_ARCHS "unknown"
 #endif
 
 namespace swiftkern {
@@ -29,8 +39,35 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_cpu(const at::Tensor& draft_
                                                         const at::Tensor& num_draft,
                                                         const at::Tensor& u_accept,
                                                         const at::Tensor& u_sample);
+std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_cpu(const at::Tensor& x, const at::Tensor& residual,
+                                                          const at::Tensor& weight, double eps);
+at::Tensor rope_kv_append_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                              const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
+                              const at::Tensor& positions);
+void kv_compact_cpu(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& src_positions,
+                    const at::Tensor& dst_start, const at::Tensor& counts);
+#ifdef SWIFTKERN_WITH_CUDA  // csrc/ops_cuda.cpp
+std::tuple<at::Tensor, at::Tensor> greedy_accept_cuda(const at::Tensor& draft_tokens, const at::Tensor& target_logits,
+                                                      const at::Tensor& num_draft);
+std::tuple<at::Tensor, at::Tensor> rejection_sample_cuda(const at::Tensor& draft_tokens,
+                                                         const std::optional<at::Tensor>& draft_probs,
+                                                         const at::Tensor& target_probs, const at::Tensor& num_draft,
+                                                         const at::Tensor& u_accept, const at::Tensor& u_sample);
+std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_cuda(const at::Tensor& x, const at::Tensor& residual,
+                                                           const at::Tensor& weight, double eps);
+at::Tensor rope_kv_append_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                               const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
+                               const at::Tensor& positions);
+void kv_compact_cuda(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& src_positions,
+                     const at::Tensor& dst_start, const at::Tensor& counts);
+#endif
+
+// The ops with a compiled kernel per device (what build_info() reports).
+constexpr const char* kCpuKernels[] = {"greedy_accept", "rejection_sample", "skinny_linear", "fused_add_rms_norm",
+                                       "rope_kv_append", "kv_compact"};
 #ifdef SWIFTKERN_WITH_CUDA
-// std::tuple<at::Tensor, at::Tensor> greedy_accept_cuda(...);  // csrc/greedy_accept.cu
+constexpr const char* kCudaKernels[] = {"greedy_accept", "rejection_sample", "fused_add_rms_norm", "rope_kv_append",
+                                        "kv_compact"};
 #endif
 }  // namespace swiftkern
 
@@ -40,17 +77,32 @@ TORCH_LIBRARY(swiftkern, m) {
   m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("rejection_sample(Tensor draft_tokens, Tensor? draft_probs, Tensor target_probs, Tensor num_draft, "
         "Tensor u_accept, Tensor u_sample) -> (Tensor, Tensor)");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
+  m.def("rope_kv_append(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
+        "Tensor(b!) v_cache, Tensor positions) -> Tensor");
+  m.def("verify_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_lens, float scale) -> Tensor");
+  m.def("kv_compact(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor src_positions, Tensor dst_start, "
+        "Tensor counts) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(swiftkern, CPU, m) {
   m.impl("greedy_accept", &swiftkern::greedy_accept_cpu);
   m.impl("skinny_linear", &swiftkern::skinny_linear_cpu);
   m.impl("rejection_sample", &swiftkern::rejection_sample_cpu);
+  m.impl("fused_add_rms_norm", &swiftkern::fused_add_rms_norm_cpu);
+  m.impl("rope_kv_append", &swiftkern::rope_kv_append_cpu);
+  m.impl("kv_compact", &swiftkern::kv_compact_cpu);
 }
 
 #ifdef SWIFTKERN_WITH_CUDA
 TORCH_LIBRARY_IMPL(swiftkern, CUDA, m) {
-  // m.impl("greedy_accept", &swiftkern::greedy_accept_cuda);
+  m.impl("greedy_accept", &swiftkern::greedy_accept_cuda);
+  m.impl("rejection_sample", &swiftkern::rejection_sample_cuda);
+  m.impl("fused_add_rms_norm", &swiftkern::fused_add_rms_norm_cuda);
+  m.impl("rope_kv_append", &swiftkern::rope_kv_append_cuda);
+  m.impl("kv_compact", &swiftkern::kv_compact_cuda);
 }
 #endif
 
@@ -77,6 +129,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     d["openmp"] = py::none();
 #endif
     d["torch"] = TORCH_VERSION;
+    py::list cpu_kernels, cuda_kernels;
+    for (const char* op : swiftkern::kCpuKernels) cpu_kernels.append(op);
+#ifdef SWIFTKERN_WITH_CUDA
+    for (const char* op : swiftkern::kCudaKernels) cuda_kernels.append(op);
+    d["cuda_archs"] = SWIFTKERN_CUDA_ARCHS;
+    d["cuda_runtime"] = std::to_string(CUDART_VERSION / 1000) + "." + std::to_string(CUDART_VERSION % 1000 / 10);
+#endif
+    d["cpu_kernels"] = cpu_kernels;
+    d["cuda_kernels"] = cuda_kernels;
     return d;
-  }, "How this extension was compiled: cuda (bool), compiler, flags, openmp, torch version.");
+  }, "How this extension was compiled: cuda (bool), compiler, flags, openmp, torch version, the ops "
+     "with a compiled kernel per device (cpu_kernels, cuda_kernels) and, in a CUDA build, cuda_archs and "
+     "cuda_runtime.");
 }

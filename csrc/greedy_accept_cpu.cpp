@@ -47,45 +47,53 @@ struct LoadF16 {
   }
 };
 
-constexpr int kLanes = 16;
+constexpr int kLanes = 32;
 
-// Index of the maximum of x[0:V] (V >= 1) with torch.argmax's tie and NaN rules.
+// Index of the maximum of x[0:V] (V >= 1) with torch.argmax's tie and NaN rules, in two passes
+// that both vectorize: the maximum (and whether any NaN occurs) in kLanes independent lanes,
+// then the first index holding it (the second pass stops there; the row is in cache by then).
 template <class L>
 inline int64_t row_argmax(const typename L::T* __restrict x, int64_t V) {
   float best[kLanes];
-  int32_t idx[kLanes], nan[kLanes];
-  for (int l = 0; l < kLanes; ++l) { best[l] = -INFINITY; idx[l] = -1; nan[l] = 0; }
+  int32_t nan[kLanes];
+  for (int l = 0; l < kLanes; ++l) { best[l] = -INFINITY; nan[l] = 0; }
   int64_t j = 0;
   for (; j + kLanes <= V; j += kLanes) {
 #pragma omp simd
-    for (int l = 0; l < kLanes; ++l) {  // per-lane running max, strict > keeps the first index
+    for (int l = 0; l < kLanes; ++l) {
       const float v = L::load(x[j + l]);
       nan[l] |= (v != v);
-      const bool gt = v > best[l];
-      best[l] = gt ? v : best[l];
-      idx[l] = gt ? int32_t(j + l) : idx[l];
+      best[l] = v > best[l] ? v : best[l];
     }
   }
   for (int l = 0; j < V; ++j, ++l) {
     const float v = L::load(x[j]);
     nan[l] |= (v != v);
-    if (v > best[l]) { best[l] = v; idx[l] = int32_t(j); }
+    best[l] = v > best[l] ? v : best[l];
   }
   int32_t any_nan = 0;
-  for (int l = 0; l < kLanes; ++l) any_nan |= nan[l];
-  if (any_nan) {
+  float m = -INFINITY;
+  for (int l = 0; l < kLanes; ++l) {
+    any_nan |= nan[l];
+    m = best[l] > m ? best[l] : m;
+  }
+  if (any_nan) {  // the first NaN wins
     for (int64_t i = 0; i < V; ++i) {
       const float v = L::load(x[i]);
       if (v != v) return i;
     }
   }
-  int64_t arg = 0;  // all -inf (no lane ever updated) -> 0
-  float bv = -INFINITY;
-  for (int l = 0; l < kLanes; ++l) {
-    if (idx[l] < 0) continue;
-    if (best[l] > bv || (best[l] == bv && idx[l] < arg)) { bv = best[l]; arg = idx[l]; }
+  // the first index equal to the maximum (a row of -inf: index 0)
+  j = 0;
+  for (; j + kLanes <= V; j += kLanes) {
+    int32_t hit = 0;
+#pragma omp simd reduction(| : hit)
+    for (int l = 0; l < kLanes; ++l) hit |= (L::load(x[j + l]) == m);
+    if (hit) break;
   }
-  return arg;
+  for (; j < V; ++j)
+    if (L::load(x[j]) == m) return j;
+  return 0;
 }
 
 // One compiled scan per dtype; on x86-64 GCC also an AVX2 clone picked at load time.

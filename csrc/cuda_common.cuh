@@ -1,0 +1,130 @@
+// Shared device helpers of the torch-free CUDA kernels: storage types, 16-byte packs, block
+// reductions and scans, and the device-side input check.
+//
+// Storage is raw: float32 as float, bfloat16 and float16 as uint16_t bits, so launchers take
+// plain pointers and nothing depends on torch's half types or on the __CUDA_NO_*_CONVERSIONS__
+// flags torch's build sets. Every kernel loads to fp32, computes in fp32 (fp64 where stated),
+// and stores in the storage type.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdio>
+
+#include "launchers.h"
+
+namespace swiftkern {
+namespace cuda {
+
+// A violated input contract (an index outside its range) stops the kernel with a message rather
+// than reading or writing outside a tensor; the host sees cudaErrorLaunchFailure at the next sync.
+#define SWIFTKERN_DEVICE_REQUIRE(cond, ...) \
+  do {                                      \
+    if (!(cond)) {                          \
+      printf("swiftkern: " __VA_ARGS__);    \
+      __trap();                             \
+    }                                       \
+  } while (0)
+
+struct F32 {
+  using Storage = float;
+  static __device__ __forceinline__ float load(float v) { return v; }
+  static __device__ __forceinline__ float store(float f) { return f; }
+};
+struct BF16 {
+  using Storage = uint16_t;
+  static __device__ __forceinline__ float load(uint16_t v) { return __uint_as_float(uint32_t(v) << 16); }
+  static __device__ __forceinline__ uint16_t store(float f) { return __bfloat16_as_ushort(__float2bfloat16_rn(f)); }
+};
+struct F16 {
+  using Storage = uint16_t;
+  static __device__ __forceinline__ float load(uint16_t v) { return __half2float(__ushort_as_half(v)); }
+  static __device__ __forceinline__ uint16_t store(float f) { return __half_as_ushort(__float2half_rn(f)); }
+};
+
+// Calls f(Ty{}) with the storage-type tag of dt (Ty::Storage is the element type).
+template <class F>
+inline cudaError_t dispatch_dtype(DType dt, F&& f) {
+  switch (dt) {
+    case DType::kFloat32: return f(F32{});
+    case DType::kBFloat16: return f(BF16{});
+    case DType::kFloat16: return f(F16{});
+  }
+  return cudaErrorInvalidValue;
+}
+
+// 16 bytes of storage elements, loaded and stored as one vector instruction.
+template <class S>
+struct alignas(16) Pack {
+  static constexpr int kSize = 16 / sizeof(S);
+  S v[kSize];
+};
+
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Ceiling division for launch sizes.
+template <class T>
+inline T div_up(T a, T b) { return (a + b - 1) / b; }
+
+// The launch error of the last kernel (a bad configuration), cleared so it is reported once.
+inline cudaError_t last_launch_error() { return cudaGetLastError(); }
+
+// ---------------------------------------------------------------- reductions over a block
+// Block sizes are multiples of 32, at most 1024. `scratch` is __shared__ storage of at least 32
+// values; the functions synchronize the block and may be called back to back.
+
+template <class T, class Op>
+__device__ __forceinline__ T warp_reduce(T v, Op op) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// The reduction of v over the block (blockDim.x threads, at most kThreads), returned to every
+// thread.
+template <int kThreads, class T, class Op>
+__device__ __forceinline__ T block_reduce(T v, Op op, T* scratch) {
+  const int warps = blockDim.x / 32;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  v = warp_reduce(v, op);
+  __syncthreads();  // scratch may still be read by a previous call
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = scratch[0];
+#pragma unroll
+  for (int w = 1; w < kThreads / 32; ++w)
+    if (w < warps) v = op(v, scratch[w]);
+  return v;
+}
+
+// Exclusive prefix sum of v over the block (exactly kThreads threads) in thread order; *total
+// gets the block's sum.
+template <int kThreads>
+__device__ __forceinline__ double block_exclusive_sum(double v, double* scratch, double* total) {
+  constexpr int kWarps = kThreads / 32;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  double incl = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const double up = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += up;
+  }
+  __syncthreads();
+  if (lane == 31) scratch[warp] = incl;
+  __syncthreads();
+  double before = 0.0, all = 0.0;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
+    if (w == warp) before = all;
+    all += scratch[w];
+  }
+  *total = all;
+  const double prev = __shfl_up_sync(0xffffffffu, incl, 1);  // every lane takes part
+  return lane == 0 ? before : before + prev;
+}
+
+}  // namespace cuda
+}  // namespace swiftkern

@@ -1,0 +1,66 @@
+// fused_add_rms_norm kernel: one block per row. Each thread keeps its slice of the new residual
+// in registers (in storage form) between the sum of squares and the scaling, so a row is read and written once;
+// loads and stores are 16 bytes wide when the row size and addresses allow (kVec elements).
+//
+// Numerics as the reference (HF LlamaRMSNorm after `residual + x`): the sum is rounded to the
+// dtype and stored; its fp32 squares are summed; normed = weight * dtype(s * rsqrt(mean + eps)).
+#pragma once
+
+#include "cuda_common.cuh"
+
+namespace swiftkern {
+namespace cuda {
+
+// N storage elements loaded and stored as one access (N * sizeof(S) is 16 bytes, or N is 1).
+template <class S, int N>
+struct alignas(sizeof(S) * N) Chunk {
+  S v[N];
+};
+
+template <class Ty, int kVec, int kIters>
+__global__ void __launch_bounds__(1024) fused_add_rms_norm_kernel(FusedAddRmsNormArgs a) {
+  using S = typename Ty::Storage;
+  using C = Chunk<S, kVec>;
+  __shared__ float scratch[32];
+  const int64_t row = blockIdx.x;
+  const C* x = reinterpret_cast<const C*>(static_cast<const S*>(a.x) + row * a.x_s);
+  const C* r = reinterpret_cast<const C*>(static_cast<const S*>(a.residual) + row * a.r_s);
+  const C* w = static_cast<const C*>(a.weight);
+  C* normed = reinterpret_cast<C*>(static_cast<S*>(a.normed) + row * a.n_s);
+  C* new_res = reinterpret_cast<C*>(static_cast<S*>(a.new_residual) + row * a.nr_s);
+  const int64_t chunks = a.H / kVec;
+
+  C sum[kIters];  // the rounded new residual, kept in storage form (fewer registers)
+  float sum_sq = 0.0f;
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    const int64_t c = static_cast<int64_t>(it) * blockDim.x + threadIdx.x;
+    if (c < chunks) {
+      const C xc = x[c], rc = r[c];
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        sum[it].v[e] = Ty::store(Ty::load(rc.v[e]) + Ty::load(xc.v[e]));
+        const float v = Ty::load(sum[it].v[e]);
+        sum_sq += v * v;
+      }
+      new_res[c] = sum[it];
+    }
+  }
+  sum_sq = block_reduce<1024>(sum_sq, [](float p, float q) { return p + q; }, scratch);
+  const float rstd = 1.0f / sqrtf(sum_sq / static_cast<float>(a.H) + a.eps);
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    const int64_t c = static_cast<int64_t>(it) * blockDim.x + threadIdx.x;
+    if (c < chunks) {
+      const C wc = w[c];
+      C out;
+#pragma unroll
+      for (int e = 0; e < kVec; ++e)
+        out.v[e] = Ty::store(Ty::load(wc.v[e]) * Ty::load(Ty::store(Ty::load(sum[it].v[e]) * rstd)));
+      normed[c] = out;
+    }
+  }
+}
+
+}  // namespace cuda
+}  // namespace swiftkern

@@ -1,0 +1,97 @@
+// fused_add_rms_norm on CPU: rows in parallel, one pass over each row's inputs.
+//
+// Per row: s = dtype(residual + x) is stored as the new residual and kept in fp32; the sum of
+// s^2 runs in 16 fp32 lanes (a vectorizable loop; torch sums in another order, so results agree
+// with the reference to fp32 rounding of the mean); normed = weight * dtype(s * rsqrt(mean + eps)),
+// the reference's (HF LlamaRMSNorm's) order of roundings.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
+#include "op_checks.h"
+
+namespace swiftkern {
+namespace cpu {
+namespace {
+
+constexpr int kSumLanes = 16;
+
+template <class T>
+void fused_add_rms_norm_rows(const T* x, int64_t x_s, const T* r, int64_t r_s, const T* w, T* normed,
+                             T* new_res, int64_t N, int64_t H, float eps) {
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / H);
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    std::vector<float> s(H);
+    for (int64_t n = n0; n < n1; ++n) {
+      const T* xr = x + n * x_s;
+      const T* rr = r + n * r_s;
+      T* res = new_res + n * H;
+      for (int64_t h = 0; h < H; ++h) {
+        res[h] = static_cast<T>(static_cast<float>(rr[h]) + static_cast<float>(xr[h]));
+        s[h] = static_cast<float>(res[h]);
+      }
+      float lanes[kSumLanes] = {};
+      int64_t h = 0;
+      for (; h + kSumLanes <= H; h += kSumLanes)
+        for (int l = 0; l < kSumLanes; ++l) lanes[l] += s[h + l] * s[h + l];
+      for (int l = 0; h < H; ++h, ++l) lanes[l] += s[h] * s[h];
+      float sum = 0.0f;
+      for (int l = 0; l < kSumLanes; ++l) sum += lanes[l];
+      const float rstd = 1.0f / std::sqrt(sum / static_cast<float>(H) + eps);
+      T* out = normed + n * H;
+      for (int64_t k = 0; k < H; ++k)
+        out[k] = static_cast<T>(static_cast<float>(w[k]) * static_cast<float>(static_cast<T>(s[k] * rstd)));
+    }
+  });
+}
+
+}  // namespace
+}  // namespace cpu
+
+// x, residual: [..., H]; weight: [H]; one float dtype -> (normed [..., H], new_residual [..., H])
+std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_cpu(const at::Tensor& x, const at::Tensor& residual,
+                                                          const at::Tensor& weight, double eps) {
+  checks::fused_add_rms_norm(x, residual, weight);
+  checks::same_device("fused_add_rms_norm", c10::DeviceType::CPU,
+                      {{"x", &x}, {"residual", &residual}, {"weight", &weight}});
+  const int64_t H = x.size(-1);
+  auto normed = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  auto new_residual = at::empty_like(normed);
+  if (x.numel() == 0) return {normed, new_residual};
+  // rows of H with their own stride: reshape only copies when the leading dims cannot merge
+  const at::Tensor x2 = x.reshape({-1, H}), r2 = residual.reshape({-1, H});
+  const at::Tensor xs = x2.stride(1) == 1 ? x2 : x2.contiguous();
+  const at::Tensor rs = r2.stride(1) == 1 ? r2 : r2.contiguous();
+  const at::Tensor ws = weight.contiguous();
+  const int64_t N = xs.size(0);
+  const float e = static_cast<float>(eps);
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      cpu::fused_add_rms_norm_rows<float>(xs.data_ptr<float>(), xs.stride(0), rs.data_ptr<float>(), rs.stride(0),
+                                          ws.data_ptr<float>(), normed.data_ptr<float>(),
+                                          new_residual.data_ptr<float>(), N, H, e);
+      break;
+    case at::kBFloat16:
+      cpu::fused_add_rms_norm_rows<c10::BFloat16>(
+          xs.data_ptr<c10::BFloat16>(), xs.stride(0), rs.data_ptr<c10::BFloat16>(), rs.stride(0),
+          ws.data_ptr<c10::BFloat16>(), normed.data_ptr<c10::BFloat16>(), new_residual.data_ptr<c10::BFloat16>(),
+          N, H, e);
+      break;
+    default:
+      cpu::fused_add_rms_norm_rows<c10::Half>(xs.data_ptr<c10::Half>(), xs.stride(0), rs.data_ptr<c10::Half>(),
+                                              rs.stride(0), ws.data_ptr<c10::Half>(), normed.data_ptr<c10::Half>(),
+                                              new_residual.data_ptr<c10::Half>(), N, H, e);
+  }
+  return {normed, new_residual};
+}
+
+}  // namespace swiftkern

@@ -1,0 +1,60 @@
+// kv_compact kernel: one block per (cache, layer, row, head) slice moves that slice's kept
+// entries. Entries are copied as raw bytes in the widest unit (16, 8, 4, 2 or 1 bytes) that the
+// row size, base pointers and strides allow, so every dtype works the same way.
+//
+// Sources may overlap destinations, so all reads of a slice finish before its writes: through
+// shared memory in one kernel (kStaged) when M entries fit, else through a global workspace with
+// a gather kernel then a scatter kernel (stream order separates them).
+#pragma once
+
+#include "cuda_common.cuh"
+
+namespace swiftkern {
+namespace cuda {
+
+enum KvCompactMode : int { kStaged = 0, kGather = 1, kScatter = 2 };
+
+template <class U, int kMode>
+__global__ void kv_compact_kernel(KvCompactArgs a, int64_t row_units) {
+  extern __shared__ __align__(16) unsigned char kv_smem[];
+  const int64_t slice = blockIdx.x;  // (l, b, h), h fastest
+  const int64_t h = slice % a.H, b = (slice / a.H) % a.B, l = slice / (a.H * a.B);
+  const int64_t n = a.counts[b * a.counts_s];
+  const int64_t start = a.dst_start[b * a.dst_s];
+  if (kMode != kScatter)
+    SWIFTKERN_DEVICE_REQUIRE(n >= 0 && n <= a.M && start >= 0 && start + n <= a.S,
+                             "kv_compact: row %lld moves counts = %lld entries to [%lld, %lld), outside the "
+                             "cache (S = %lld) or more than M = %lld\n",
+                             static_cast<long long>(b), static_cast<long long>(n), static_cast<long long>(start),
+                             static_cast<long long>(start + n), static_cast<long long>(a.S),
+                             static_cast<long long>(a.M));
+  if (n == 0) return;
+  const int64_t eb = a.elem_bytes;
+  char* cache = static_cast<char*>(blockIdx.y == 0 ? a.k_cache : a.v_cache);
+  U* base = reinterpret_cast<U*>(cache + (l * a.s_l + b * a.s_b + h * a.s_h) * eb);
+  const int64_t pos_units = a.s_s * eb / static_cast<int64_t>(sizeof(U));
+  U* buf = kMode == kStaged
+               ? reinterpret_cast<U*>(kv_smem)
+               : static_cast<U*>(a.workspace) + ((blockIdx.y * gridDim.x + slice) * a.M) * row_units;
+  const int64_t total = n * row_units;
+  if (kMode != kScatter) {
+    for (int64_t e = threadIdx.x; e < total; e += blockDim.x) {
+      const int64_t i = e / row_units, c = e - i * row_units;
+      const int64_t src = a.src[b * a.src_sb + i * a.src_sm];
+      SWIFTKERN_DEVICE_REQUIRE(src >= 0 && src < a.S, "kv_compact: src_positions[%lld, %lld] = %lld is outside [0, S = %lld)\n",
+                               static_cast<long long>(b), static_cast<long long>(i), static_cast<long long>(src),
+                               static_cast<long long>(a.S));
+      buf[e] = base[src * pos_units + c];
+    }
+  }
+  if (kMode == kStaged) __syncthreads();
+  if (kMode != kGather) {
+    for (int64_t e = threadIdx.x; e < total; e += blockDim.x) {
+      const int64_t i = e / row_units, c = e - i * row_units;
+      base[(start + i) * pos_units + c] = buf[e];
+    }
+  }
+}
+
+}  // namespace cuda
+}  // namespace swiftkern

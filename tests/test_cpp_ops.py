@@ -1,0 +1,315 @@
+"""The CPU C++ kernels of swiftkern._C (torch.ops.swiftkern.<op> on CPU tensors) against
+swiftkern/reference.py: hypothesis-drawn odd shapes and dtypes, the edge cases (num_draft 0, all
+drafts accepted, vocabulary 1, rows with nothing to move), bad input, and opcheck (schemas with
+the mutated caches declared).
+
+greedy_accept and rejection_sample have their own files (test_greedy_accept.py,
+test_rejection_sample.py); the cases here target what those do not: argmax at every lane
+position of the vectorized two-pass scan, and the acceptance edge cases on the raw op.
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from swiftkern import ops, reference
+from triton_cases import assert_close
+
+BUILT = ops._C is not None
+needs_cpp = pytest.mark.skipif(not BUILT, reason="swiftkern._C is not built (SWIFTKERN_BUILD_EXT=0 or no compiler)")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+DRAWN = settings(max_examples=40, deadline=None, derandomize=True,
+                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+OPS = torch.ops.swiftkern
+
+
+def test_extension_is_built_with_the_cpu_kernels():
+    """A failed compile falls back to pure Python with a note; CI must notice."""
+    if os.environ.get("SWIFTKERN_BUILD_EXT") == "0":
+        pytest.skip("SWIFTKERN_BUILD_EXT=0: the extension is not built on purpose")
+    assert BUILT, ops.backend_info()["extension"]
+    info = ops._C.build_info()
+    for op in ("greedy_accept", "rejection_sample", "fused_add_rms_norm", "rope_kv_append", "kv_compact"):
+        assert op in info["cpu_kernels"]
+        assert ops.backend_info()["ops"][op]["cpu"] == "cpp"
+    if sys.platform != "win32":  # fp32 kernels match the reference only without contraction
+        assert "-ffp-contract=off" in info["flags"]
+
+
+# ---------------------------------------------------------------- greedy_accept: the argmax scan
+
+@needs_cpp
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("V", [1, 31, 32, 33, 64, 95, 1000])
+def test_argmax_at_every_position(dtype, V):
+    """Each row's maximum (then a NaN, then a tie, then -inf) placed at every index."""
+    rows = []
+    for i in range(V):
+        r = torch.zeros(V)
+        r[i] = 2.0
+        rows.append(r)
+        r = torch.zeros(V)
+        r[i] = float("nan")
+        if i + 1 < V:
+            r[V - 1] = float("nan")  # the first NaN wins, a later one does not
+        rows.append(r)
+        r = torch.full((V,), -1.0)
+        r[i] = 3.0
+        r[(i * 7 + 5) % V] = 3.0  # a tie: the lower index wins
+        rows.append(r)
+    rows.append(torch.full((V,), float("-inf")))
+    logits = torch.stack(rows).to(dtype).unsqueeze(1)  # [B, 1, V]: K = 0, only the argmax
+    B = logits.shape[0]
+    out, acc = OPS.greedy_accept(torch.empty(B, 0, dtype=torch.int64), logits, torch.zeros(B, dtype=torch.int32))
+    want, want_acc = reference.greedy_accept(torch.empty(B, 0, dtype=torch.int64), logits,
+                                             torch.zeros(B, dtype=torch.int32))
+    assert torch.equal(out, want) and torch.equal(acc, want_acc)
+    assert out[-1, 0] == 0  # a row of -inf
+
+
+@needs_cpp
+@DRAWN
+@given(B=st.integers(0, 5), K=st.integers(0, 6), V=st.sampled_from([1, 2, 17, 33, 1000]),
+       dtype=st.sampled_from(DTYPES), data=st.data())
+def test_greedy_accept_edge_cases(B, K, V, dtype, data):
+    """num_draft 0..K, drafts that all match (or match up to a drawn position), vocabulary 1, B 0."""
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 999)))
+    logits = torch.randn(B, K + 1, V, generator=g).to(dtype)
+    target = logits.float().argmax(-1)
+    draft = target[:, :K].clone()
+    for b in range(B):
+        miss = data.draw(st.integers(0, K + 1))  # K + 1 or K: every draft matches
+        if miss < K:
+            draft[b, miss] = (draft[b, miss] + 1) % V if V > 1 else 5
+    num_draft = torch.tensor([data.draw(st.integers(0, K)) for _ in range(B)], dtype=torch.int32)
+    out, acc = OPS.greedy_accept(draft, logits, num_draft)
+    want, want_acc = reference.greedy_accept(draft, logits, num_draft)
+    assert torch.equal(out, want) and torch.equal(acc, want_acc)
+
+
+# ---------------------------------------------------------------- rejection_sample: edge cases
+
+@needs_cpp
+@DRAWN
+@given(B=st.integers(0, 4), K=st.integers(0, 5), V=st.sampled_from([1, 2, 7, 1025, 3000]),
+       greedy_draft=st.booleans(), data=st.data())
+def test_rejection_sample_edge_cases(B, K, V, greedy_draft, data):
+    """Zero probabilities, q == p (an all-zero residual), u = 0 (accept whatever p > 0),
+    u near 1, num_draft 0..K."""
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 999)))
+    p = torch.softmax(torch.randn(B, K + 1, V, generator=g) * 3, -1)
+    p[torch.rand(B, K + 1, V, generator=g) < 0.3] = 0.0  # exact zeros in the weights
+    q = None if greedy_draft else torch.softmax(torch.randn(B, K, V, generator=g), -1)
+    if q is not None and B and K and data.draw(st.booleans()):
+        q[0, 0] = p[0, 0]  # residual max(0, p - q) all zero: drawn from p instead
+    draft = torch.randint(0, V, (B, K), generator=g)
+    num_draft = torch.tensor([data.draw(st.integers(0, K)) for _ in range(B)], dtype=torch.int32)
+    u_accept = data.draw(st.sampled_from(["zero", "rand", "one-"]))
+    ua = {"zero": torch.zeros(B, K), "rand": torch.rand(B, K, generator=g),
+          "one-": torch.full((B, K), 1 - 2**-24)}[u_accept]
+    us = torch.rand(B, K + 1, generator=g)
+    us[:, :1] = data.draw(st.sampled_from([0.0, 0.5, 1 - 2**-24]))
+    args = (draft, q, p, num_draft, ua, us)
+    out, acc = OPS.rejection_sample(*args)
+    want, want_acc = reference.rejection_sample(*args)
+    assert torch.equal(out, want) and torch.equal(acc, want_acc)
+
+
+@needs_cpp
+def test_rejection_sample_vocab_one_and_all_accepted():
+    B, K = 3, 4
+    p = torch.ones(B, K + 1, 1)
+    draft = torch.zeros(B, K, dtype=torch.int64)
+    num_draft = torch.tensor([0, 2, 4], dtype=torch.int32)
+    out, acc = OPS.rejection_sample(draft, None, p, num_draft, torch.rand(B, K), torch.rand(B, K + 1))
+    assert acc.tolist() == [0, 2, 4]  # p(x) = 1 > u * 1: every draft is accepted
+    assert out.tolist() == [[0, -1, -1, -1, -1], [0, 0, 0, -1, -1], [0, 0, 0, 0, 0]]
+
+
+# ---------------------------------------------------------------- fused_add_rms_norm
+
+def norm_inputs(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(shape, generator=g) * 3).to(dtype)
+    res = torch.randn(shape, generator=g).to(dtype)
+    w = (1 + torch.randn(shape[-1], generator=g) / 4).to(dtype)
+    return x, res, w
+
+
+@needs_cpp
+@DRAWN
+@given(rows=st.sampled_from([(0,), (1,), (3,), (2, 5), (1, 1, 7)]), hidden=st.sampled_from([1, 3, 17, 64, 576, 1000]),
+       dtype=st.sampled_from(DTYPES), eps=st.sampled_from([1e-6, 1e-5, 0.5]), seed=st.integers(0, 2**16))
+def test_fused_add_rms_norm_matches_reference(rows, hidden, dtype, eps, seed):
+    x, res, w = norm_inputs((*rows, hidden), dtype, seed)
+    x0, res0 = x.clone(), res.clone()
+    normed, new_res = OPS.fused_add_rms_norm(x, res, w, eps)
+    want_normed, want_res = reference.fused_add_rms_norm(x, res, w, eps)
+    assert new_res.shape == normed.shape == x.shape and new_res.dtype == normed.dtype == dtype
+    assert torch.equal(new_res, want_res)  # the same single rounding of residual + x
+    assert_close("fused_add_rms_norm", normed, want_normed)
+    assert torch.equal(x, x0) and torch.equal(res, res0)  # inputs untouched
+
+
+@needs_cpp
+def test_fused_add_rms_norm_strided_rows():
+    x, res, w = norm_inputs((6, 2 * 576), torch.float32, 1)
+    x, res = x[:, ::2], res[:, 576:]  # a row stride; x not even unit-stride along H
+    normed, new_res = OPS.fused_add_rms_norm(x, res, w[:576], 1e-5)
+    want = reference.fused_add_rms_norm(x, res, w[:576], 1e-5)
+    assert torch.equal(new_res, want[1])
+    assert_close("fused_add_rms_norm", normed, want[0])
+
+
+@needs_cpp
+def test_fused_add_rms_norm_closed_form():
+    """A row of equal values c normalizes to sign(c) * weight (eps 0)."""
+    x = torch.full((2, 10), 1.5)
+    res = torch.full((2, 10), -4.0)
+    w = torch.linspace(0.5, 2.0, 10)
+    normed, new_res = OPS.fused_add_rms_norm(x, res, w, 0.0)
+    assert torch.equal(new_res, torch.full((2, 10), -2.5))
+    torch.testing.assert_close(normed, -w.expand(2, 10), atol=1e-6, rtol=1e-6)
+
+
+# ---------------------------------------------------------------- rope_kv_append
+
+def rotary(positions, D, dtype):
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+    ang = positions.to(torch.float32).unsqueeze(-1) * inv  # [B, T, D/2]
+    ang = torch.cat([ang, ang], dim=-1)
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def rope_case(B, Hq, Hkv, T, D, S, positions, dtype, seed):
+    """Projections as the model makes them ([B, T, H, D] transposed views), a NaN-filled cache."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, Hq, D, generator=g).to(dtype).transpose(1, 2)
+    k = torch.randn(B, T, Hkv, D, generator=g).to(dtype).transpose(1, 2)
+    v = torch.randn(B, T, Hkv, D, generator=g).to(dtype).transpose(1, 2)
+    cos, sin = rotary(positions, D, dtype)
+    cache = torch.full((2, B, Hkv, S, D), float("nan"), dtype=dtype)
+    return q, k, v, cos, sin, cache
+
+
+@needs_cpp
+@DRAWN
+@given(B=st.integers(1, 4), heads=st.sampled_from([(9, 3), (4, 4), (2, 1), (3, 1)]), T=st.integers(1, 5),
+       D=st.sampled_from([2, 6, 8, 64, 80]), dtype=st.sampled_from(DTYPES), data=st.data())
+def test_rope_kv_append_matches_reference(B, heads, T, D, dtype, data):
+    S = data.draw(st.integers(T, 12))
+    positions = torch.stack([torch.randperm(S, generator=torch.Generator().manual_seed(data.draw(st.integers(0, 99))))[:T]
+                             for _ in range(B)])  # any distinct positions per row, not only a run
+    q, k, v, cos, sin, cache = rope_case(B, *heads, T, D, S, positions, dtype, data.draw(st.integers(0, 99)))
+    want_cache = cache.clone()
+    want_q = reference.rope_kv_append(q, k, v, cos, sin, want_cache[0], want_cache[1], positions)
+    got_q = OPS.rope_kv_append(q, k, v, cos, sin, cache[0], cache[1], positions)
+    assert got_q.shape == want_q.shape and got_q.dtype == dtype
+    if dtype == torch.float32:  # the same two roundings per element as torch: bit-identical
+        assert torch.equal(got_q, want_q)
+        assert torch.equal(cache.nan_to_num(7.0), want_cache.nan_to_num(7.0))
+    else:  # one rounding where the reference rounds each product
+        assert_close("rope_kv_append", got_q, want_q)
+        assert_close("rope_kv_append", cache, want_cache, equal_nan=True)
+    assert torch.equal(cache[1].nan_to_num(7.0), want_cache[1].nan_to_num(7.0))  # values: a copy
+    assert int(cache.isnan().sum()) == int(want_cache.isnan().sum())  # nothing else written
+
+
+@needs_cpp
+def test_rope_kv_append_through_the_wrapper_with_cpp_forced():
+    positions = torch.tensor([[3, 4], [0, 1]])
+    q, k, v, cos, sin, cache = rope_case(2, 9, 3, 2, 64, 6, positions, torch.float32, 5)
+    want_cache = cache.clone()
+    want_q = reference.rope_kv_append(q, k, v, cos, sin, want_cache[0], want_cache[1], positions)
+    ops.set_backend("cpp")
+    try:
+        got_q = ops.rope_kv_append(q, k, v, cos, sin, cache[0], cache[1], positions)
+    finally:
+        ops.set_backend("auto")
+    assert torch.equal(got_q, want_q) and torch.equal(cache.nan_to_num(7.0), want_cache.nan_to_num(7.0))
+
+
+# ---------------------------------------------------------------- kv_compact
+
+def kv_cache(L, B, H, S, D, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(L, B, H, S, D, generator=g).to(dtype), torch.randn(L, B, H, S, D, generator=g).to(dtype))
+
+
+@needs_cpp
+@DRAWN
+@given(L=st.integers(1, 3), B=st.integers(1, 4), H=st.sampled_from([1, 3]), D=st.sampled_from([1, 5, 64]),
+       dtype=st.sampled_from(DTYPES), data=st.data())
+def test_kv_compact_matches_reference(L, B, H, D, dtype, data):
+    S = data.draw(st.integers(1, 20))
+    M = data.draw(st.integers(0, S))
+    src, dst, counts = [], [], []
+    for _ in range(B):  # entries anywhere, overlapping the destination too; counts 0 included
+        n = data.draw(st.integers(0, M))
+        src.append(data.draw(st.lists(st.integers(0, S - 1), min_size=M, max_size=M)))
+        dst.append(data.draw(st.integers(0, S - n)))
+        counts.append(n)
+    src = torch.tensor(src, dtype=torch.int64).reshape(B, M)
+    dst, counts = torch.tensor(dst), torch.tensor(counts, dtype=torch.int32)
+    k, v = kv_cache(L, B, H, S, D, dtype, data.draw(st.integers(0, 99)))
+    if data.draw(st.booleans()):  # a cache view with strides of a longer one
+        k, v = (torch.cat([t, t], dim=3)[:, :, :, :S] for t in (k, v))
+    want_k, want_v = k.clone(), v.clone()
+    reference.kv_compact(want_k, want_v, src, dst, counts)
+    OPS.kv_compact(k, v, src, dst, counts)
+    assert torch.equal(k, want_k) and torch.equal(v, want_v)  # a pure move: bit-exact
+
+
+@needs_cpp
+def test_kv_compact_closed_form_overlapping_move():
+    k, v = kv_cache(2, 2, 3, 10, 4, torch.float32, 1)
+    before_k, before_v = k.clone(), v.clone()
+    src = torch.tensor([[3, 1, 2, 0], [4, 6, 0, 0]])
+    OPS.kv_compact(k, v, src, torch.tensor([1, 5]), torch.tensor([4, 2], dtype=torch.int32))
+    # row 0: entries 3, 1, 2, 0 land at 1..4 (every read before any write); row 1: 4, 6 at 5, 6
+    assert torch.equal(k[:, 0, :, 1:5], before_k[:, 0, :, [3, 1, 2, 0]])
+    assert torch.equal(v[:, 1, :, 5:7], before_v[:, 1, :, [4, 6]])
+    assert torch.equal(k[:, 0, :, 5:], before_k[:, 0, :, 5:]) and torch.equal(k[:, 1, :, :5], before_k[:, 1, :, :5])
+
+
+# ---------------------------------------------------------------- bad input and opcheck
+
+@needs_cpp
+@pytest.mark.parametrize("call, message", [
+    (lambda: OPS.kv_compact(*kv_cache(1, 1, 1, 4, 2, torch.float32, 0), torch.tensor([[0, 9]]),
+                            torch.tensor([0]), torch.tensor([2], dtype=torch.int32)), r"src_positions\[0, 1\] = 9"),
+    (lambda: OPS.kv_compact(*kv_cache(1, 1, 1, 4, 2, torch.float32, 0), torch.tensor([[0, 1]]),
+                            torch.tensor([3]), torch.tensor([2], dtype=torch.int32)), "past the cache"),
+    (lambda: OPS.kv_compact(*kv_cache(1, 1, 1, 4, 2, torch.float32, 0), torch.tensor([[0, 1]]),
+                            torch.tensor([0]), torch.tensor([3], dtype=torch.int32)), r"counts\[0\] = 3"),
+    (lambda: OPS.kv_compact(kv_cache(1, 1, 1, 4, 2, torch.float32, 0)[0], kv_cache(1, 1, 1, 4, 2, torch.float16, 0)[1],
+                            torch.tensor([[0]]), torch.tensor([0]), torch.tensor([1], dtype=torch.int32)),
+     "share dtype"),
+    (lambda: OPS.rope_kv_append(*rope_case(1, 2, 1, 1, 8, 4, torch.tensor([[4]]), torch.float32, 0)[:5],
+                                *torch.zeros(2, 1, 1, 4, 8), torch.tensor([[4]])), r"positions\[0, 0\] = 4"),
+    (lambda: OPS.rope_kv_append(*rope_case(1, 2, 1, 1, 8, 4, torch.tensor([[1]]), torch.float32, 0)[:5],
+                                *torch.zeros(2, 1, 1, 4, 8, dtype=torch.bfloat16), torch.tensor([[1]])),
+     "share one dtype"),
+    (lambda: OPS.fused_add_rms_norm(torch.ones(2, 4), torch.ones(2, 4), torch.ones(4, dtype=torch.float64), 1e-5),
+     "share one dtype"),
+    (lambda: OPS.fused_add_rms_norm(torch.ones(2, 4), torch.ones(2, 5), torch.ones(4), 1e-5), "one shape"),
+])
+def test_bad_input_names_the_problem(call, message):
+    with pytest.raises(RuntimeError, match=message):
+        call()
+
+
+@needs_cpp
+def test_opcheck_new_ops():
+    k, v = kv_cache(2, 2, 3, 8, 16, torch.bfloat16, 2)
+    torch.library.opcheck(OPS.kv_compact, (k, v, torch.tensor([[3, 4], [1, 0]]), torch.tensor([1, 0]),
+                                           torch.tensor([2, 1], dtype=torch.int32)))
+    positions = torch.tensor([[2, 3], [0, 5]])
+    q, kk, vv, cos, sin, cache = rope_case(2, 4, 2, 2, 8, 6, positions, torch.float32, 3)
+    torch.library.opcheck(OPS.rope_kv_append, (q, kk, vv, cos, sin, cache[0], cache[1], positions))
+    x, res, w = norm_inputs((3, 64), torch.bfloat16, 4)
+    torch.library.opcheck(OPS.fused_add_rms_norm, (x, res, w, 1e-5))
