@@ -69,13 +69,15 @@ def test_self_spec_greedy_matches_hf_batch_1_and_4(smollm2, references, layer_se
 
 
 @pytest.mark.parametrize("drafter,layer_set", [("auto", None), ("auto", "attn:9,13,17,21|mlp:11,15,19"),
-                                               ("lookup", None), ("none", None)])
+                                               ("auto", "auto"), ("lookup", None), ("none", None)])
 def test_every_drafter_greedy_matches_hf(smollm2, references, drafter, layer_set):
     model, tok = smollm2
     gen = Generator(model, tok, mode="self-spec", drafter=drafter, layer_set=layer_set, eps=0.6)
     out = gen.generate(PROMPTS, max_new_tokens=64)
     assert out.tokens == references[1]
     assert sum(out.stats["drafter_steps"].values()) == out.stats["row_verifies"]
+    if layer_set == "auto":  # the search ran on the first window of 32 tokens
+        assert out.stats["search_phases"] >= 1 and out.stats["candidates_scored"] >= 8
 
 
 def test_chat_prompt_is_the_tokenizers_template(smollm2):
