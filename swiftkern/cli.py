@@ -134,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def read_prompt_file(path: str) -> list[str]:
-    """Prompts from a JSONL file: one {"prompt": "..."} object per non-empty line."""
+    """Prompts from a JSONL file: one {"prompt": "..."} (or {"text": "..."}) object per non-empty line."""
     if not os.path.isfile(path):
         raise SwiftkernError(f"prompt file {path!r} does not exist")
     prompts = []
@@ -146,9 +146,10 @@ def read_prompt_file(path: str) -> list[str]:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise SwiftkernError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
-                raise SwiftkernError(f'{path}:{n}: expected an object like {{"prompt": "..."}}')
-            prompts.append(obj["prompt"])
+            text = obj.get("prompt", obj.get("text")) if isinstance(obj, dict) else None
+            if not isinstance(text, str):
+                raise SwiftkernError(f'{path}:{n}: expected an object like {{"prompt": "..."}} (or "text")')
+            prompts.append(text)
     if not prompts:
         raise SwiftkernError(f"prompt file {path!r} has no prompts")
     return prompts
