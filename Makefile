@@ -24,15 +24,14 @@ $(STAMP): setup.py pyproject.toml Makefile $(wildcard csrc/*)
 	$(PIP) install -q --no-build-isolation --no-deps -e .
 	@touch $(STAMP)
 
-DEMO_PROMPT := Explain in three sentences why the sky is blue.
-# A hand-picked light layer set (7 of 60 sub-layers); the search that finds better ones is to come.
-DEMO_LAYER_SET := attn:9,13,17,21|mlp:11,15,19
+DEMO_PROMPT := Rewrite this sentence in the passive voice, then explain the change: "The committee approved the new budget after a long debate."
 
+# ar, then self-spec with its defaults: the drafter policy (prompt lookup / layer skip / none
+# per step) and the layer set searched while generating
 demo: setup
 	$(VENV)/bin/swiftkern info
-	$(VENV)/bin/swiftkern generate --model smollm2 --chat --max-new-tokens 96 --prompt "$(DEMO_PROMPT)"
-	$(VENV)/bin/swiftkern generate --model smollm2 --chat --max-new-tokens 96 --prompt "$(DEMO_PROMPT)" \
-	  --mode self-spec --layer-set "$(DEMO_LAYER_SET)" --eps 0.6
+	$(VENV)/bin/swiftkern generate --model smollm2 --chat --max-new-tokens 128 --prompt '$(DEMO_PROMPT)'
+	$(VENV)/bin/swiftkern generate --model smollm2 --chat --max-new-tokens 128 --prompt '$(DEMO_PROMPT)' --mode self-spec
 
 # pytest exits 5 when it collected no tests: that is a failure too.
 test: setup
