@@ -199,7 +199,7 @@ def test_smollm2_greedy_equals_hf_generate(smollm2):
     text = tok.apply_chat_template([{"role": "user", "content": "Name three primary colors."}],
                                    add_generation_prompt=True, tokenize=False)
     enc = tok(text, return_tensors="pt")
-    kw = dict(max_new_tokens=24, do_sample=False, pad_token_id=tok.pad_token_id or 0)
+    kw = dict(max_new_tokens=16, do_sample=False, pad_token_id=tok.pad_token_id or 0)
     want = _hf(hf, enc["input_ids"], attention_mask=enc["attention_mask"], **kw)
     for options in (dict(swift_mode="ar"), dict(swift_mode="self-spec", drafter="lookup", k_max=5)):
         got = _hf(hf, enc["input_ids"], attention_mask=enc["attention_mask"], custom_generate=swift_generate,
