@@ -9,9 +9,9 @@ What breaks batch invariance, and what each op here does instead:
   Triton kernel (fixed tiles, no split-K) on CUDA; on the CPU an MKL GEMM over at least 16
   rows, whose row results are independent of M and of the row's position (measured, and
   guarded bitwise for every M in 1..300 by ``tests/test_bi_matmul.py``);
-- attention over a padded key length that changes with the batch: ``bi_attention`` walks
-  the keys in fixed blocks of ``KEY_BLOCK`` from position 0 with an online softmax, so the
-  keys past a query (masked to exact zeros) and extra all-masked blocks change nothing;
+- attention over a padded key length that changes with the batch: ``bi_attention`` cuts the
+  keys into fixed blocks of ``KEY_BLOCK`` from position 0 and adds the blocks in order, so
+  the keys past a query (weighted by exact zeros) and extra blocks change nothing;
 - an elementwise op whose scalar tail differs from its SIMD body (``F.silu`` on the CPU
   differs in the last bit for ~4 % of inputs): ``bi_silu_mul`` is built from ``exp`` (the
   same result in the body and the tail) and exact arithmetic.
@@ -89,33 +89,32 @@ def bi_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_st
     > every query position); q_start: int64 [R]. Query at position p attends to keys 0..p.
     GQA: query head h reads kv head h // (Hq // Hkv). -> [R, Hq, T, D] in q's dtype.
 
-    Blocks of KEY_BLOCK keys from position 0 are folded in with an online softmax (running max,
-    sum and weighted values, all float32). Keys after a query weigh exactly 0, and a block wholly
-    after a query leaves its running values bit for bit unchanged, so a query's result depends
-    on keys 0..p alone: not on S, on the rows beside it, or on how its tokens were chunked.
+    The keys are cut into blocks of KEY_BLOCK from position 0. Scores and the weighted values
+    are matmuls of one fixed shape per block; the softmax max is exact whatever the order; the
+    weights of a block are summed by ``tree_sum`` and the blocks one after another from block 0.
+    Keys after a query weigh exactly 0, so blocks past it add exact zeros: a query's result
+    depends on keys 0..p alone, not on S, on the rows beside it, or on how its tokens were
+    chunked into passes.
     """
     R, Hq, T, D = q.shape
     Hkv, S = keys.shape[1], keys.shape[2]
     if S % KEY_BLOCK:
         raise SwiftkernError(f"bi_attention: key length {S} must be a multiple of {KEY_BLOCK}")
-    group = Hq // Hkv
-    qf = q.to(torch.float32).reshape(R, Hkv, group * T, D)  # query heads of a kv head folded
+    group, blocks = Hq // Hkv, S // KEY_BLOCK
+    qf = q.to(torch.float32).reshape(R, Hkv, 1, group * T, D)  # query heads of a kv head folded
+    k = keys.to(torch.float32).reshape(R, Hkv, blocks, KEY_BLOCK, D)
+    v = values.to(torch.float32).reshape(R, Hkv, blocks, KEY_BLOCK, D)
     q_pos = (q_start.unsqueeze(1) + torch.arange(T, device=q.device)).repeat(1, group)  # [R, group*T]
-    run_max = torch.full((R, Hkv, group * T, 1), float("-inf"), device=q.device)
-    run_sum = torch.zeros((R, Hkv, group * T, 1), device=q.device)
-    acc = torch.zeros((R, Hkv, group * T, D), device=q.device)
-    offsets = torch.arange(KEY_BLOCK, device=q.device)
-    for start in range(0, S, KEY_BLOCK):
-        k = keys[:, :, start:start + KEY_BLOCK].to(torch.float32)  # [R, Hkv, KB, D]
-        v = values[:, :, start:start + KEY_BLOCK].to(torch.float32)
-        visible = ((start + offsets).view(1, 1, -1) <= q_pos.unsqueeze(-1)).unsqueeze(1)  # [R, 1, gT, KB]
-        scores = torch.matmul(qf, k.transpose(-1, -2)) * scale  # [R, Hkv, gT, KB]
-        scores = scores.masked_fill(~visible, float("-inf"))
-        new_max = torch.maximum(run_max, scores.amax(dim=-1, keepdim=True))
-        # exact 1 when the max did not move (also for a block wholly after the query)
-        rescale = torch.where(new_max == run_max, torch.ones_like(run_max), torch.exp(run_max - new_max))
-        p = torch.exp(scores - new_max).masked_fill(~visible, 0.0)  # [R, Hkv, gT, KB]
-        run_sum = run_sum * rescale + tree_sum(p)
-        acc = acc * rescale + torch.matmul(p, v)
-        run_max = new_max
-    return (acc / run_sum).reshape(R, Hq, T, D).to(q.dtype)
+    key_pos = torch.arange(S, device=q.device).view(1, 1, blocks, 1, KEY_BLOCK)
+    visible = key_pos <= q_pos.view(R, 1, 1, group * T, 1)  # [R, 1, blocks, gT, KB]
+    scores = torch.matmul(qf, k.transpose(-1, -2)) * scale  # [R, Hkv, blocks, gT, KB]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    top = scores.amax(dim=(2, 4), keepdim=True)  # key 0 is always visible: finite
+    p = torch.exp(scores - top).masked_fill(~visible, 0.0)
+    block_sums = tree_sum(p)  # [R, Hkv, blocks, gT, 1]
+    block_out = torch.matmul(p, v)  # [R, Hkv, blocks, gT, D]
+    total, out = block_sums[:, :, 0], block_out[:, :, 0]
+    for b in range(1, blocks):  # in block order; a block past the query adds exact zeros
+        total = total + block_sums[:, :, b]
+        out = out + block_out[:, :, b]
+    return (out / total).reshape(R, Hq, T, D).to(q.dtype)

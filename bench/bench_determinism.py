@@ -1,0 +1,128 @@
+"""Deterministic mode (LLM-42) vs plain batched ar: throughput, rollback fraction, and self-spec.
+
+    python -m bench --routine determinism [--max-new-tokens 64] [--reps 2] [--smoke] [--no-csv]
+        [--providers ar,deterministic,self-spec+det,self-spec]
+
+Three groups, each timed interleaved (A B C ... A B C) so drift hits every provider alike, greedy,
+exactly ``--max-new-tokens`` per prompt (EOS off), prompts from bench/prompts.jsonl cycled
+to fill the batch (chat template):
+
+    throughput  batch 8 and 32: ar vs deterministic (window 32, verify batch 4)
+    windows     batch 8: ar vs deterministic at windows 8, 16, 32, 64 (rollback fraction, speed)
+    batch 1     ar vs deterministic vs self-spec + deterministic (the layer-skipped draft is the
+                fast path, window 8, verify batch 1) vs self-spec alone, layer set LAYER_SET
+
+Columns: tok_s (all new tokens / median wall time, prefill included), ratio_vs_ar (same batch,
+same run), rollback_fraction (fast-path tokens discarded / proposed), verify_passes,
+dummy_rows, tokens_equal_ar (the deterministic tokens equal plain ar's, greedy).
+``--smoke``: a tiny random Llama, batches 2 and 4, 8 tokens, one repetition (seconds).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import swiftkern  # noqa: E402
+from bench import common  # noqa: E402
+from bench.bench_generate import encode, load_prompts, tiny_model  # noqa: E402
+
+ROUTINE = "determinism"
+LAYER_SET = "attn:9,13,17,21|mlp:11,15,19"  # the README's example set for SmolLM2 (7 of 60 sub-layers)
+PRINT_KEYS = ("group", "provider", "batch", "window", "tok_s", "ratio_vs_ar", "rollback_fraction", "verify_passes",
+              "dummy_rows", "tokens_equal_ar", "median_ms")
+
+
+def _setups(smoke: bool, layer_set: str) -> list[tuple[str, int, dict]]:
+    """[(group, batch, {provider: Generator kwargs})] in the documented order."""
+    det = dict(mode="deterministic", verify_batch=4)
+    batches = (2, 4) if smoke else (8, 32)
+    windows = (4, 8) if smoke else (8, 16, 32, 64)
+    w32 = 8 if smoke else 32
+    groups = [("throughput", b, {"ar": dict(mode="ar"), "deterministic": dict(det, window=w32)}) for b in batches]
+    groups.append(("windows", batches[0], {"ar": dict(mode="ar"),
+                                           **{f"det-w{w}": dict(det, window=w) for w in windows}}))
+    spec = dict(layer_set=layer_set, eps=0.8)
+    groups.append(("batch1", 1, {
+        "ar": dict(mode="ar"),
+        "deterministic": dict(mode="deterministic", window=8, verify_batch=1),
+        "self-spec+det": dict(mode="deterministic", window=8, verify_batch=1, drafter="self-spec", **spec),
+        "self-spec": dict(mode="self-spec", drafter="layer-skip", draft_vocab=None, **spec),
+    }))
+    return groups
+
+
+def run(args) -> list[dict]:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    if args.smoke:
+        hf, tok, model_name, layer_set = tiny_model(), None, "tiny-llama", "attn:1|mlp:2"
+    else:
+        model, tok = swiftkern.load_model(args.model)
+        hf, model_name, layer_set = model.hf_model, args.model, LAYER_SET
+    hf.to(args.device)
+    model = swiftkern.SkipModel.from_hf(hf)
+    n = 8 if args.smoke else args.max_new_tokens
+    reps = args.reps or (1 if args.smoke else 2)
+    texts = [encode(tok, p["text"], hf.config.vocab_size) for p in load_prompts()]
+    rows = []
+    for group, batch, configs in _setups(args.smoke, layer_set):
+        if args.providers:
+            configs = {k: v for k, v in configs.items() if k in args.providers or k == "ar"}
+        prompts = [texts[i % len(texts)] for i in range(batch)]
+        gens = {name: swiftkern.Generator(model, tok, **kw) for name, kw in configs.items()}
+        last = {}
+
+        def timed(name):
+            def fn():
+                last[name] = gens[name].generate(prompts, max_new_tokens=n, eos_token_id=[])
+            return fn
+
+        for name in gens:  # warm-up: first-call costs stay out of the timing
+            gens[name].generate(prompts[:1], max_new_tokens=2, eos_token_id=[])
+        times = common.time_fn({name: timed(name) for name in gens}, args.device, warmup=0, reps=reps)
+        ar_tok_s = batch * n / (times["ar"]["median_ms"] * 1e-3) if "ar" in times else None
+        for name, timing in times.items():
+            out, kw = last[name], configs[name]
+            s = out.stats
+            tok_s = batch * n / (timing["median_ms"] * 1e-3)
+            rows.append(common.row(
+                ROUTINE, name, args.device, hf.dtype, f"B={batch} N={n}", timing, model=model_name, group=group,
+                batch=batch, new_tokens=n, reps=reps, window=kw.get("window", ""),
+                verify_batch=kw.get("verify_batch", ""), fast_path=s.get("fast_path", ""),
+                layer_set=kw.get("layer_set", ""), tok_s=round(tok_s, 2),
+                ratio_vs_ar=round(tok_s / ar_tok_s, 3) if ar_tok_s else "",
+                rollback_fraction=round(s["rollback_fraction"], 5) if "rollback_fraction" in s else "",
+                verify_passes=s.get("verify_passes", ""), dummy_rows=s.get("dummy_rows", ""),
+                tokens_equal_ar=out.tokens == last["ar"].tokens if "ar" in last else ""))
+    _summary(rows)
+    return rows
+
+
+def _summary(rows: list[dict]) -> None:
+    if not rows:
+        return
+    print(f"\n{rows[0]['device']}, {rows[0]['model']}, {rows[0]['new_tokens']} new tokens per prompt:")
+    for r in rows:
+        ratio = f"x{r['ratio_vs_ar']:.2f} vs ar" if r["ratio_vs_ar"] != "" else ""
+        rb = f"rollback {r['rollback_fraction']:.2%}" if r["rollback_fraction"] != "" else ""
+        print(f"  {r['group']:10s} B={r['batch']:<3d} {r['provider']:15s} {r['tok_s']:8.1f} tok/s  {ratio:12s} {rb}")
+    det = [r for r in rows if r["group"] == "throughput" and r["provider"] == "deterministic"]
+    if det:
+        print(f"  deterministic / ar, median over batches: x{statistics.median(r['ratio_vs_ar'] for r in det):.2f}")
+
+
+def main(argv=None) -> int:
+    from bench.__main__ import main as driver
+
+    return driver(["--routine", ROUTINE, *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
