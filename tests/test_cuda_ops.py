@@ -1,0 +1,290 @@
+"""The CUDA kernels of swiftkern._C (torch.ops.swiftkern.<op> on CUDA tensors) against
+swiftkern/reference.py, on a GPU machine; every test is skipped with the reason without one.
+
+Acceptance ops must give the same tokens as the reference on the CPU (float64 sequential sums,
+which the CUDA rejection_sample reproduces exactly, falling back to the serial chain when its
+parallel sums cannot decide). Moves are bit-exact; fp32 rope is bit-exact; norms within the
+shared tolerance table. Device-side index checks are exercised in a subprocess (they stop the
+kernel, which poisons the CUDA context). ``test_compute_sanitizer_memcheck`` runs this file once
+under compute-sanitizer's memcheck when the tool is on PATH.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from swiftkern import ops, reference
+from triton_cases import assert_close
+
+HAS_GPU = torch.cuda.is_available()
+BUILT_CUDA = ops._C is not None and bool(ops._C.build_info().get("cuda"))
+UNDER_SANITIZER = os.environ.get("SWIFTKERN_UNDER_SANITIZER") == "1"
+pytestmark = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+DEV = "cuda"
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+DRAWN = settings(max_examples=12 if UNDER_SANITIZER else 40, deadline=None, derandomize=True,
+                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+OPS = torch.ops.swiftkern
+
+
+@pytest.fixture(autouse=True)
+def _cuda_kernels_built(request):
+    if request.node.name != "test_gpu_machine_has_the_cuda_build" and not BUILT_CUDA:
+        pytest.skip("swiftkern._C was built without CUDA kernels (rebuild with a CUDA torch and nvcc: "
+                    "pip install --no-build-isolation -e .)")
+
+
+def test_gpu_machine_has_the_cuda_build():
+    """On a GPU machine the extension must carry the CUDA kernels (unless built without on purpose)."""
+    if os.environ.get("SWIFTKERN_BUILD_EXT") == "0":
+        pytest.skip("SWIFTKERN_BUILD_EXT=0")
+    assert BUILT_CUDA, f"swiftkern._C: {ops.backend_info()['extension']}, build {ops.backend_info()['build']}"
+    info = ops._C.build_info()
+    assert set(info["cuda_kernels"]) >= {"greedy_accept", "rejection_sample", "fused_add_rms_norm",
+                                         "rope_kv_append", "kv_compact"}
+    for op in info["cuda_kernels"]:
+        assert ops.backend_info()["ops"][op]["cuda"] == "cuda"
+
+
+# ---------------------------------------------------------------- greedy_accept
+
+@DRAWN
+@given(B=st.integers(0, 6), K=st.integers(0, 9), V=st.sampled_from([1, 3, 8, 33, 1001, 49152]),
+       dtype=st.sampled_from(DTYPES), offset=st.integers(0, 7), data=st.data())
+def test_greedy_accept_matches_reference(B, K, V, dtype, offset, data):
+    """Odd V and a storage offset put rows at every 16-byte misalignment (head, vectors, tail)."""
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 999)))
+    flat = torch.randn(offset + B * (K + 1) * V, generator=g)
+    logits = flat[offset:].view(B, K + 1, V).to(dtype)
+    special = data.draw(st.sampled_from(["none", "tie", "nan", "-inf"]))
+    if B and special == "tie":
+        logits[..., V // 2] = logits[..., 0] = 50
+    elif B and special == "nan":
+        logits[0, 0, V - 1] = float("nan")
+    elif B and special == "-inf":
+        logits[0] = float("-inf")
+    target = logits.float().argmax(-1)
+    draft = target[:, :K].clone()
+    for b in range(B):
+        miss = data.draw(st.integers(0, K + 1))
+        if miss < K:
+            draft[b, miss] = (draft[b, miss] + 1) % V if V > 1 else 3
+    num_draft = torch.tensor([data.draw(st.integers(0, K)) for _ in range(B)], dtype=torch.int32)
+    cuda_logits = torch.empty(offset + logits.numel(), dtype=dtype, device=DEV)[offset:].view_as(logits)
+    cuda_logits.copy_(logits)  # keep the misalignment on the device
+    out, acc = OPS.greedy_accept(draft.to(DEV), cuda_logits, num_draft.to(DEV))
+    want, want_acc = reference.greedy_accept(draft, logits, num_draft)
+    assert out.device.type == "cuda"
+    assert torch.equal(out.cpu(), want) and torch.equal(acc.cpu(), want_acc)
+
+
+# ---------------------------------------------------------------- rejection_sample
+
+def rejection_case(B, K, V, with_q, seed, sharp=3.0):
+    g = torch.Generator().manual_seed(seed)
+    p = torch.softmax(torch.randn(B, K + 1, V, generator=g) * sharp, -1)
+    q = torch.softmax(torch.randn(B, K, V, generator=g) * sharp, -1) if with_q else None
+    draft = torch.randint(0, V, (B, K), generator=g)
+    return draft, q, p, torch.rand(B, K, generator=g), torch.rand(B, K + 1, generator=g)
+
+
+def same_tokens_as_reference(draft, q, p, num_draft, ua, us):
+    args = (draft, q, p, num_draft, ua, us)
+    out, acc = OPS.rejection_sample(*(a.to(DEV) if a is not None else None for a in args))
+    want, want_acc = reference.rejection_sample(*args)
+    assert torch.equal(out.cpu(), want) and torch.equal(acc.cpu(), want_acc)
+    cpu_out, _ = OPS.rejection_sample(*args)  # the CPU kernel: the same chain of float64 sums
+    assert torch.equal(out.cpu(), cpu_out)
+
+
+@DRAWN
+@given(B=st.integers(0, 5), K=st.integers(0, 6), V=st.sampled_from([1, 2, 7, 1025, 4099, 49152]),
+       with_q=st.booleans(), seed=st.integers(0, 2**16), data=st.data())
+def test_rejection_sample_matches_reference(B, K, V, with_q, seed, data):
+    draft, q, p, ua, us = rejection_case(B, K, V, with_q, seed)
+    if data.draw(st.booleans()) and B:
+        p[0][torch.rand(K + 1, V) < 0.5] = 0.0  # exact zeros, unnormalized rows
+    if with_q and B and K and data.draw(st.booleans()):
+        q[0, 0] = p[0, 0]  # an all-zero residual: drawn from p
+    num_draft = torch.tensor([data.draw(st.integers(0, K)) for _ in range(B)], dtype=torch.int32)
+    same_tokens_as_reference(draft, q, p, num_draft, ua, us)
+
+
+@pytest.mark.parametrize("with_q", [False, True])
+def test_rejection_sample_exact_boundaries_take_the_serial_path(with_q):
+    """Dyadic weights put u * total exactly on a running sum: the parallel sums cannot decide
+    (the margin test fails), and the serial chain must give the reference's token."""
+    V, B = 4096, 8
+    p = torch.zeros(B, 1, V)
+    p[:, 0, :4] = torch.tensor([0.5, 0.25, 0.125, 0.125])  # running sums 0.5, 0.75, 0.875, 1 exactly
+    us = torch.tensor([0.0, 0.5, 0.75, 0.875, 0.25, 1 - 2**-24, 0.4999999, 0.6]).unsqueeze(1)
+    q = torch.zeros(B, 0, V) if with_q else None
+    same_tokens_as_reference(torch.empty(B, 0, dtype=torch.int64), q, p, torch.zeros(B, dtype=torch.int32),
+                             torch.empty(B, 0), us)
+
+
+def test_rejection_sample_negative_and_nan_weights_follow_the_cpu_kernel():
+    """Not probabilities (negative, NaN): no defined sample, but the CUDA kernel's serial path
+    gives the CPU kernel's token."""
+    B, V = 4, 3000
+    p = torch.rand(B, 1, V) - 0.3
+    p[1, 0, 17] = float("nan")
+    args = (torch.empty(B, 0, dtype=torch.int64), None, p, torch.zeros(B, dtype=torch.int32), torch.empty(B, 0),
+            torch.rand(B, 1))
+    out, acc = OPS.rejection_sample(*(a.to(DEV) if a is not None else None for a in args))
+    want, want_acc = OPS.rejection_sample(*args)
+    assert torch.equal(out.cpu(), want) and torch.equal(acc.cpu(), want_acc)
+
+
+def test_rejection_sample_large_batch_vocab_49152():
+    draft, q, p, ua, us = rejection_case(64, 8, 49152, True, 7, sharp=6.0)
+    same_tokens_as_reference(draft, q, p, torch.randint(0, 9, (64,), dtype=torch.int32), ua, us)
+
+
+# ---------------------------------------------------------------- kv_compact
+
+@DRAWN
+@given(L=st.integers(1, 3), B=st.integers(1, 4), H=st.sampled_from([1, 3]), D=st.sampled_from([1, 3, 8, 64, 256]),
+       M=st.sampled_from([0, 1, 5, 64]), dtype=st.sampled_from(DTYPES), data=st.data())
+def test_kv_compact_matches_reference(L, B, H, D, M, dtype, data):
+    """M x D x size above 48 KiB (M = 64, D = 256, fp32) takes the workspace path."""
+    S = max(M, 1) + data.draw(st.integers(0, 10))
+    src, dst, counts = [], [], []
+    for _ in range(B):
+        n = data.draw(st.integers(0, M))
+        src.append([data.draw(st.integers(0, S - 1)) for _ in range(M)])
+        dst.append(data.draw(st.integers(0, S - n)))
+        counts.append(n)
+    src = torch.tensor(src, dtype=torch.int64).reshape(B, M)
+    dst, counts = torch.tensor(dst), torch.tensor(counts, dtype=torch.int32)
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 99)))
+    k, v = (torch.randn(L, B, H, S, D, generator=g).to(dtype) for _ in range(2))
+    want_k, want_v = k.clone(), v.clone()
+    reference.kv_compact(want_k, want_v, src, dst, counts)
+    ck, cv = k.to(DEV), v.to(DEV)
+    if data.draw(st.booleans()):  # strides of a longer cache
+        ck, cv = (torch.cat([t, t], dim=3)[:, :, :, :S] for t in (ck, cv))
+    OPS.kv_compact(ck, cv, src.to(DEV), dst.to(DEV), counts.to(DEV))
+    assert torch.equal(ck.cpu(), want_k) and torch.equal(cv.cpu(), want_v)
+
+
+# ---------------------------------------------------------------- fused_add_rms_norm
+
+@DRAWN
+@given(rows=st.sampled_from([(0,), (1,), (3,), (2, 5)]),
+       hidden=st.sampled_from([1, 7, 64, 576, 577, 4096, 8192, 20001]), dtype=st.sampled_from(DTYPES),
+       eps=st.sampled_from([1e-6, 1e-5, 0.5]), seed=st.integers(0, 2**16))
+def test_fused_add_rms_norm_matches_reference(rows, hidden, dtype, eps, seed):
+    """576: 16-byte path; 577: scalar path; 20001: scalar with many registers per thread."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(*rows, hidden, generator=g) * 3).to(dtype)
+    res = torch.randn(*rows, hidden, generator=g).to(dtype)
+    w = (1 + torch.randn(hidden, generator=g) / 4).to(dtype)
+    normed, new_res = OPS.fused_add_rms_norm(x.to(DEV), res.to(DEV), w.to(DEV), eps)
+    want_normed, want_res = reference.fused_add_rms_norm(x, res, w, eps)
+    assert torch.equal(new_res.cpu(), want_res)  # one rounding of the same sum
+    assert_close("fused_add_rms_norm", normed.cpu(), want_normed)
+
+
+def test_fused_add_rms_norm_strided_rows_and_limit():
+    x = torch.randn(6, 2 * 576, device=DEV)
+    res = torch.randn(6, 2 * 576, device=DEV)
+    w = torch.rand(576, device=DEV) + 0.5
+    normed, new_res = OPS.fused_add_rms_norm(x[:, ::2], res[:, 576:], w, 1e-5)
+    want = reference.fused_add_rms_norm(x[:, ::2], res[:, 576:], w, 1e-5)
+    assert torch.equal(new_res, want[1])
+    assert_close("fused_add_rms_norm", normed, want[0])
+    with pytest.raises(RuntimeError, match="above the kernel's limit"):
+        OPS.fused_add_rms_norm(*(torch.ones(1, 40000, device=DEV) for _ in range(2)), torch.ones(40000, device=DEV), 1e-5)
+
+
+# ---------------------------------------------------------------- rope_kv_append
+
+def rope_case(B, Hq, Hkv, T, D, S, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, Hq, D, generator=g).to(dtype).transpose(1, 2)
+    k = torch.randn(B, T, Hkv, D, generator=g).to(dtype).transpose(1, 2)
+    v = torch.randn(B, T, Hkv, D, generator=g).to(dtype).transpose(1, 2)
+    positions = torch.stack([torch.randperm(S, generator=g)[:T] for _ in range(B)])
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+    ang = positions.float().unsqueeze(-1) * inv
+    ang = torch.cat([ang, ang], -1)
+    cache = torch.full((2, B, Hkv, S, D), float("nan"), dtype=dtype)
+    return q, k, v, ang.cos().to(dtype), ang.sin().to(dtype), cache, positions
+
+
+@DRAWN
+@given(B=st.integers(1, 4), heads=st.sampled_from([(9, 3), (32, 8), (2, 1)]), T=st.integers(1, 9),
+       D=st.sampled_from([2, 6, 16, 64, 128]), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 999))
+def test_rope_kv_append_matches_reference(B, heads, T, D, dtype, seed):
+    """D 2 and 6: scalar path; 16+: 16-byte path (fp32 D 16 too)."""
+    S = T + 7
+    q, k, v, cos, sin, cache, positions = rope_case(B, *heads, T, D, S, dtype, seed)
+    want_cache = cache.clone()
+    want_q = reference.rope_kv_append(q, k, v, cos, sin, want_cache[0], want_cache[1], positions)
+    dev_cache = cache.to(DEV)
+    got_q = OPS.rope_kv_append(q.to(DEV), k.to(DEV), v.to(DEV), cos.to(DEV), sin.to(DEV), dev_cache[0],
+                               dev_cache[1], positions.to(DEV))
+    got_q, got_cache = got_q.cpu(), dev_cache.cpu()
+    if dtype == torch.float32:  # products rounded separately, as torch: bit-identical
+        assert torch.equal(got_q, want_q) and torch.equal(got_cache.nan_to_num(7.0), want_cache.nan_to_num(7.0))
+    else:
+        assert_close("rope_kv_append", got_q, want_q)
+        assert_close("rope_kv_append", got_cache, want_cache, equal_nan=True)
+    assert torch.equal(got_cache[1].nan_to_num(7.0), want_cache[1].nan_to_num(7.0))
+    assert int(got_cache.isnan().sum()) == int(want_cache.isnan().sum())
+
+
+# ---------------------------------------------------------------- opcheck, device checks, sanitizer
+
+def test_opcheck_all_cuda_ops():
+    draft, q, p, ua, us = rejection_case(2, 3, 100, True, 1)
+    nd = torch.tensor([3, 1], dtype=torch.int32)
+    to = lambda *ts: tuple(t.to(DEV) if t is not None else None for t in ts)  # noqa: E731
+    torch.library.opcheck(OPS.rejection_sample, to(draft, q, p, nd, ua, us))
+    torch.library.opcheck(OPS.greedy_accept, to(draft, p, nd))
+    k, v = torch.randn(2, 2, 3, 8, 16, device=DEV), torch.randn(2, 2, 3, 8, 16, device=DEV)
+    torch.library.opcheck(OPS.kv_compact, (k, v) + to(torch.tensor([[3, 4], [1, 0]]), torch.tensor([1, 0]),
+                                                      torch.tensor([2, 1], dtype=torch.int32)))
+    rq, rk, rv, cos, sin, cache, positions = rope_case(2, 4, 2, 2, 8, 6, torch.bfloat16, 3)
+    cache = cache.to(DEV)
+    torch.library.opcheck(OPS.rope_kv_append, to(rq, rk, rv, cos, sin) + (cache[0], cache[1]) + to(positions))
+    x = torch.randn(3, 64, device=DEV, dtype=torch.bfloat16)
+    torch.library.opcheck(OPS.fused_add_rms_norm, (x, x.clone(), torch.ones(64, device=DEV, dtype=torch.bfloat16), 1e-5))
+
+
+@pytest.mark.skipif(UNDER_SANITIZER, reason="stops a kernel on purpose")
+@pytest.mark.parametrize("call, message", [
+    ("torch.ops.swiftkern.rope_kv_append(*[torch.zeros(1, 1, 1, 8, device='cuda')] * 3, "
+     "*[torch.zeros(1, 1, 8, device='cuda')] * 2, *torch.zeros(2, 1, 1, 4, 8, device='cuda'), "
+     "torch.tensor([[9]], device='cuda'))", "positions[0, 0] = 9 is outside"),
+    ("torch.ops.swiftkern.kv_compact(torch.zeros(1, 1, 1, 4, 2, device='cuda'), torch.zeros(1, 1, 1, 4, 2, device='cuda'), "
+     "torch.tensor([[7]], device='cuda'), torch.tensor([0], device='cuda'), "
+     "torch.tensor([1], dtype=torch.int32, device='cuda'))", "src_positions[0, 0] = 7 is outside"),
+    ("torch.ops.swiftkern.greedy_accept(torch.zeros(1, 2, dtype=torch.int64, device='cuda'), "
+     "torch.zeros(1, 3, 5, device='cuda'), torch.tensor([4], dtype=torch.int32, device='cuda'))",
+     "num_draft[0] = 4 is outside"),
+])
+def test_device_side_index_checks_stop_the_kernel(call, message):
+    code = f"import torch, swiftkern.ops\n{call}\ntorch.cuda.synchronize()\n"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and message in run.stdout + run.stderr, run.stdout + run.stderr
+
+
+@pytest.mark.skipif(UNDER_SANITIZER, reason="already running under compute-sanitizer")
+@pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="compute-sanitizer is not on PATH")
+def test_compute_sanitizer_memcheck():
+    """This file's kernel tests under memcheck: no out-of-bounds or misaligned access."""
+    env = dict(os.environ, SWIFTKERN_UNDER_SANITIZER="1")
+    run = subprocess.run(["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "97",
+                          sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__],
+                         capture_output=True, text=True, timeout=3000, env=env,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    assert "ERROR SUMMARY: 0 errors" in run.stdout + run.stderr
