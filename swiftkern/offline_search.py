@@ -13,6 +13,7 @@ import time
 
 
 from . import layer_set_store
+from .draft_head import DEFAULT_DRAFT_VOCAB, DraftHead
 from .generate import Generator, prefill
 from .search import LayerSetSearch, SearchConfig, matchness
 from .tuner import AUTO_RATIOS
@@ -43,6 +44,9 @@ def search_layer_set(model, tokenizer, prompts: list[str], skip_ratio="auto", bu
     cache = model.new_cache(len(contexts), max(len(c) for c in contexts))
     prefill(model, cache, [c[:-1] for c in contexts])  # the full model's KV of every context
     rows = list(range(len(contexts)))
+    head = None  # score the top-1 the draft proposes: over the same pruned head as drafting
+    if DEFAULT_DRAFT_VOCAB < model.vocab_size:
+        head = DraftHead(model.lm_head, model.lm_head_bias, DEFAULT_DRAFT_VOCAB, [t for c in contexts for t in c])
     ratios = AUTO_RATIOS if skip_ratio == "auto" else (float(skip_ratio),)
     base = config or SearchConfig()
     table = []
@@ -53,7 +57,7 @@ def search_layer_set(model, tokenizer, prompts: list[str], skip_ratio="auto", bu
         t0 = time.perf_counter()
         while search.done() is None and time.perf_counter() - t0 < share:
             cands = search.propose(candidates_per_forward)
-            for cand, score in zip(cands, matchness(model, cache, rows, contexts, cands, max_new_tokens)):
+            for cand, score in zip(cands, matchness(model, cache, rows, contexts, cands, max_new_tokens, head)):
                 search.observe(cand, score)
             if bar is not None:
                 bar.n = min(round(time.perf_counter() - t0), bar.total)

@@ -27,14 +27,15 @@ from .model import SkipModel
 
 
 def matchness(model: SkipModel, cache: KVCache, rows: list[int], contexts: list[list[int]],
-              candidates: list[LayerSet], window: int = 32) -> list[float]:
+              candidates: list[LayerSet], window: int = 32, head=None) -> list[float]:
     """Matchness of each candidate on the last ``window`` positions of each row's context.
 
     contexts[i]: prompt + generated tokens of cache row rows[i]; the cache must hold the full
     model's KV for at least its first len(context) - 1 - window positions. All candidates and
     rows are scored in ONE forward (batch = candidates x rows) over a scratch copy of the
-    prefixes' KV; the cache itself is not touched. -> one score per candidate, the mean over
-    rows weighted by their window lengths.
+    prefixes' KV; the cache itself is not touched. head: the draft's pruned head
+    (``draft_head.DraftHead``), so the top-1 is the one the draft would propose (None: the full
+    head). -> one score per candidate, the mean over rows weighted by their window lengths.
     """
     if not candidates or not rows or len(rows) != len(contexts):
         raise SwiftkernError("matchness needs candidates and one context per row")
@@ -68,8 +69,10 @@ def matchness(model: SkipModel, cache: KVCache, rows: list[int], contexts: list[
     scratch.host_lengths = lengths
     scratch.lengths = torch.tensor(lengths, dtype=torch.int64, device=model.device)
     sets = [ls for ls in candidates for _ in spans]
-    logits = model.forward(torch.tensor(inputs, device=model.device), scratch, layer_set=sets)  # [C*R, W, V]
-    hits = (logits.argmax(-1) == torch.tensor(targets, device=model.device)).to(torch.float64)
+    logits = model.forward(torch.tensor(inputs, device=model.device), scratch, layer_set=sets,
+                           head=head.head if head is not None else None)  # [C*R, W, V or V']
+    top1 = logits.argmax(-1) if head is None else head.ids[logits.argmax(-1)]
+    hits = (top1 == torch.tensor(targets, device=model.device)).to(torch.float64)
     mask = torch.tensor(valid, dtype=torch.float64, device=model.device)
     per = (hits * mask).view(C, R, width).sum((1, 2)) / mask.view(C, R, width).sum((1, 2))
     return per.tolist()

@@ -89,7 +89,7 @@ class OnTheFlyTuner:
             return self._finish("time budget")
         self.last_optimized_at = produced
         t0 = time.perf_counter()
-        self._optimize(model, cache, i, prompts[r] + requests.out[r])
+        self._optimize(model, cache, i, prompts[r] + requests.out[r], head)
         self._pick(model, cache, pending, head)
         self.search_s += time.perf_counter() - t0
         self.phases += 1
@@ -97,7 +97,7 @@ class OnTheFlyTuner:
             return self._finish("stop rule")
         return self.current
 
-    def _optimize(self, model, cache, row, context) -> None:
+    def _optimize(self, model, cache, row, context, head) -> None:
         todo = []
         for ratio, search in self.searches.items():
             if search.done():
@@ -108,7 +108,7 @@ class OnTheFlyTuner:
             todo += [(search, c, False) for c in search.propose(n)]
         for j in range(0, len(todo), self.per_forward):
             chunk = todo[j:j + self.per_forward]
-            scores = matchness(model, cache, [row], [context], [c for _, c, _ in chunk], self.window)
+            scores = matchness(model, cache, [row], [context], [c for _, c, _ in chunk], self.window, head)
             for (search, cand, is_rescore), score in zip(chunk, scores):
                 if is_rescore:
                     search.rescore(score)

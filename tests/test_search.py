@@ -125,3 +125,23 @@ def test_offline_search_stores_a_measured_set(tmp_path, monkeypatch):
     assert LayerSet.parse(record["layer_set"], 6).num_skipped == 3  # round(0.25 * 12)
     stored = layer_set_store.load(sm)
     assert str(stored["layer_set"]) == record["layer_set"] and stored["speedup"] == record["speedup"]
+
+
+def test_matchness_with_a_pruned_head_scores_the_drafts_top1():
+    from swiftkern.draft_head import DraftHead
+
+    sm = SkipModel.from_hf(tiny_model("llama", num_hidden_layers=5))
+    ctx = PROMPTS[0] + Generator(sm).generate([PROMPTS[0]], max_new_tokens=12, eos_token_id=[]).tokens[0]
+    cache = sm.new_cache(1, 40)
+    sm.forward(torch.tensor([ctx[:-1]]), cache)
+    cands = [LayerSet.parse(s, 5) for s in ("attn:1,2|mlp:3", "none")]
+    head = DraftHead(sm.lm_head, None, num_frequent=20, context_ids=ctx[:4])  # most targets are outside
+    got = matchness(sm, cache, [0], [ctx], cands, 10, head)
+    # reference: full logits restricted to the subset, argmax mapped back to token ids
+    scratch = sm.new_cache(2, 40)
+    start = len(ctx) - 11
+    sm.forward(torch.tensor([ctx[:start]] * 2), scratch)
+    logits = sm.forward(torch.tensor([ctx[start:-1]] * 2), scratch, layer_set=cands)[..., head.ids]
+    top1 = head.ids[logits.argmax(-1)]
+    want = (top1 == torch.tensor(ctx[start + 1:])).double().mean(-1).tolist()
+    assert got == pytest.approx(want, abs=1e-12)
