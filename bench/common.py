@@ -82,7 +82,7 @@ def time_fn(fns: dict, device: str = "cpu", warmup: int = 3, reps: int = 20, min
         r += 1
     out = {}
     for name, ts in times.items():
-        q = statistics.quantiles(ts, n=10) if len(ts) >= 2 else [ts[0]] * 9
+        q = statistics.quantiles(ts, n=10, method="inclusive") if len(ts) >= 2 else [ts[0]] * 9
         out[name] = {"median_ms": statistics.median(ts), "p20_ms": q[1], "p80_ms": q[7]}
     return out
 
