@@ -56,12 +56,16 @@ inline cudaError_t dispatch_dtype(DType dt, F&& f) {
   return cudaErrorInvalidValue;
 }
 
+// N storage elements loaded and stored as one access (N * sizeof(S) is 16 bytes, or N is 1).
+template <class S, int N>
+struct alignas(sizeof(S) * N) Chunk {
+  static constexpr int kSize = N;
+  S v[N];
+};
+
 // 16 bytes of storage elements, loaded and stored as one vector instruction.
 template <class S>
-struct alignas(16) Pack {
-  static constexpr int kSize = 16 / sizeof(S);
-  S v[kSize];
-};
+using Pack = Chunk<S, static_cast<int>(16 / sizeof(S))>;
 
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 

@@ -11,12 +11,6 @@
 namespace swiftkern {
 namespace cuda {
 
-// N storage elements loaded and stored as one access (N * sizeof(S) is 16 bytes, or N is 1).
-template <class S, int N>
-struct alignas(sizeof(S) * N) Chunk {
-  S v[N];
-};
-
 template <class Ty, int kVec, int kIters>
 __global__ void __launch_bounds__(1024) fused_add_rms_norm_kernel(FusedAddRmsNormArgs a) {
   using S = typename Ty::Storage;

@@ -28,7 +28,7 @@ constexpr int kSumLanes = 16;
 template <class T>
 void fused_add_rms_norm_rows(const T* x, int64_t x_s, const T* r, int64_t r_s, const T* w, T* normed,
                              T* new_res, int64_t N, int64_t H, float eps) {
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / H);
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / H);  // ~32K elements a task
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     std::vector<float> s(H);
     for (int64_t n = n0; n < n1; ++n) {

@@ -133,7 +133,7 @@ void greedy_accept_kernel(const int64_t* draft, int64_t d_sb, int64_t d_sk,
     num_accepted[b] = int32_t(a);
   };
   const int64_t work = B * (K + 1) * V;
-  const bool par = num_threads > 1 && work >= (1 << 15);
+  const bool par = num_threads > 1 && work >= (1 << 17);  // a parallel region costs ~a 512 KiB scan
 
   if (B >= num_threads || !par) {
     // rows in parallel; each row stops scanning at its first rejection

@@ -24,7 +24,12 @@ struct CacheLayout {
 void kv_compact_kernel(char* k, char* v, const CacheLayout& c, const int64_t* src, int64_t src_sb, int64_t src_sm,
                        const int64_t* dst_start, int64_t dst_s, const int32_t* counts, int64_t counts_s) {
   const int64_t slices = 2 * c.L * c.B * c.H;
-  at::parallel_for(0, slices, 1, [&](int64_t s0, int64_t s1) {
+  int64_t kept = 0;
+  for (int64_t b = 0; b < c.B; ++b) kept += counts[b * counts_s];
+  // threads only for more than ~64 KiB of moves: a parallel region costs more than a small copy
+  const int64_t bytes_per_slice = std::max<int64_t>(1, kept * c.row_bytes / c.B);
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / bytes_per_slice);
+  at::parallel_for(0, slices, grain, [&](int64_t s0, int64_t s1) {
     std::vector<char> buf;
     for (int64_t sl = s0; sl < s1; ++sl) {
       const int64_t h = sl % c.H, b = (sl / c.H) % c.B, l = (sl / (c.H * c.B)) % c.L;

@@ -13,6 +13,7 @@ bool strides_aligned(const Strides4& s, int64_t elem) { return ((s.b | s.h | s.t
 template <class Ty, int kVec>
 cudaError_t launch(const RopeKvAppendArgs& a, cudaStream_t stream) {
   const int64_t items = (a.Hq + 2 * a.Hkv) * (a.D / 2 / kVec);
+  if (items == 0) return cudaSuccess;
   const dim3 grid(static_cast<unsigned>(a.B * a.T), static_cast<unsigned>(div_up<int64_t>(items, kThreads)));
   rope_kv_append_kernel<Ty, kVec><<<grid, kThreads, 0, stream>>>(a);
   return last_launch_error();

@@ -8,7 +8,6 @@
 #pragma once
 
 #include "cuda_common.cuh"
-#include "fused_add_rms_norm.cuh"  // Chunk
 
 namespace swiftkern {
 namespace cuda {

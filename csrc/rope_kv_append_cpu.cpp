@@ -53,7 +53,7 @@ void rope_kv_append_kernel(const at::Tensor& q, const at::Tensor& k, const at::T
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t ps_b = positions.stride(0), ps_t = positions.stride(1);
   const int64_t c_sb = cos.stride(0), c_st = cos.stride(1), s_sb = sin.stride(0), s_st = sin.stride(1);
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 13) / std::max<int64_t>(D, 1));
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(D, 1));  // ~32K elements a task
   at::parallel_for(0, B * T * heads, grain, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t head = r % heads, t = (r / heads) % T, b = r / (heads * T);
