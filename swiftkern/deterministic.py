@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .errors import SwiftkernError
 from .kv_cache import KVCache
 from .layer_set import LayerSet
 from .model import SkipModel
@@ -35,6 +36,7 @@ from .verifier import Slot, Verifier, set_lengths
 @dataclass
 class _Row:
     pending: int
+    verified: bool = True  # False: a request that does not need determinism keeps fast tokens at once
     unverified: list[int] = field(default_factory=list)
     stopped: bool = False  # the fast path stopped; the row waits for its verify pass
 
@@ -51,16 +53,16 @@ class FastPath:
         self.eps = eps if layer_set is not None else 0.0
 
     def propose(self, model: SkipModel, cache: KVCache, last: torch.Tensor, params: SamplingParams,
-                seeds: list[int]) -> tuple[list[int], list[bool]]:
+                seeds: list[int]) -> tuple[list[int], list[bool], torch.Tensor]:
         """last: int64 [B], each row's newest token (appended to the cache).
-        -> next token per row, and whether the draft was confident enough to keep it."""
+        -> next token per row, whether the draft was confident enough to keep it, logits [B, V]."""
         positions = [n + 1 for n in cache.host_lengths]  # position of the token chosen now
         logits = model.forward(last.unsqueeze(1), cache, layer_set=self.layer_set)[:, -1]  # [B, V]
         tokens = select_tokens(logits, params, seeds, positions).tolist()
         if self.eps <= 0.0:
-            return tokens, [True] * len(tokens)
+            return tokens, [True] * len(tokens), logits
         confidence = logits.float().softmax(-1).max(-1).values
-        return tokens, (confidence >= self.eps).tolist()
+        return tokens, (confidence >= self.eps).tolist(), logits
 
 
 def token_logprob(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -70,11 +72,13 @@ def token_logprob(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 def decode_deterministic(model: SkipModel, cache: KVCache, prompts: list[list[int]], params: SamplingParams,
                          seeds: list[int], requests: Requests, window: int = 32, verify_batch: int = 4,
-                         fast_path: FastPath | None = None) -> dict:
+                         fast_path: FastPath | None = None, verified: list[bool] | None = None) -> dict:
     """Prefill, then fast-decode / verify / commit into ``requests`` until every request stops.
 
     cache: a fresh cache with one row per prompt and room for the longest prompt +
-    max_new_tokens + window positions. Finished rows leave the batch.
+    max_new_tokens + window positions. Finished rows leave the batch. verified[r] False: request
+    r does not need determinism and keeps its fast-path tokens unverified (regular decoding at
+    regular cost; its logprobs are the fast path's); only with the regular fast path.
     -> stats: prefill_passes and verify_passes (fixed-shape passes), dummy_rows (filler slots),
        fast_steps (batched fast forwards), fast_tokens (unverified tokens proposed), rolled_back
        (of those, discarded after a mismatch), rollback_fraction, corrected (mismatches),
@@ -82,6 +86,12 @@ def decode_deterministic(model: SkipModel, cache: KVCache, prompts: list[list[in
        returned token), per_row [{verifies, fast_tokens, rolled_back}] per request
     """
     fast_path = fast_path or FastPath()
+    verified = [True] * len(prompts) if verified is None else [bool(v) for v in verified]
+    if len(verified) != len(prompts):
+        raise SwiftkernError(f"got {len(verified)} verified flags for {len(prompts)} prompts")
+    if fast_path.layer_set is not None and not all(verified):
+        raise SwiftkernError("every request must be verified with the layer-skipped fast path (its unverified "
+                             "tokens are the draft's, not the model's)")
     verifier = Verifier(model, window, verify_batch)
     stats = {"fast_steps": 0, "fast_tokens": 0, "rolled_back": 0, "corrected": 0}
     per_row = [{"verifies": 0, "fast_tokens": 0, "rolled_back": 0} for _ in prompts]
@@ -94,14 +104,14 @@ def decode_deterministic(model: SkipModel, cache: KVCache, prompts: list[list[in
     for r, t in enumerate(first.tolist()):
         requests.commit(r, [t])
         logprobs[r].append(first_lp[r:r + 1])
-        rows.append(_Row(pending=t))
+        rows.append(_Row(pending=t, verified=verified[r]))
     stats["prefill_passes"] = verifier.passes
     rows = _drop_finished(requests, cache, rows)
 
     while rows:
-        while True:  # verify passes: a full group of due rows, or every row due
+        while True:  # verify passes: a full group of due rows, or every verified row due
             due = [i for i, row in enumerate(rows) if row.stopped or len(row.unverified) >= window]
-            if not due or (len(due) < verify_batch and len(due) < len(rows)):
+            if not due or (len(due) < verify_batch and len(due) < sum(row.verified for row in rows)):
                 break
             due.sort(key=lambda i: -len(rows[i].unverified))
             _verify(verifier, cache, rows, due[:verify_batch], prompts, params, seeds, requests, stats,
@@ -111,7 +121,9 @@ def decode_deterministic(model: SkipModel, cache: KVCache, prompts: list[list[in
                 break
         if not rows:
             break
-        _fast_step(model, cache, rows, fast_path, prompts, params, seeds, requests, window, stats, per_row)
+        _fast_step(model, cache, rows, fast_path, prompts, params, seeds, requests, window, stats, per_row,
+                   logprobs)
+        rows = _drop_finished(requests, cache, rows)  # unverified requests finish here
 
     stats["verify_passes"] = verifier.passes - stats["prefill_passes"]
     stats["dummy_rows"] = verifier.dummy_rows
@@ -126,17 +138,23 @@ def _vlen(prompts, requests, r: int) -> int:
     return len(prompts[r]) + len(requests.out[r])
 
 
-def _fast_step(model, cache, rows, fast_path, prompts, params, seeds, requests, window, stats, per_row):
+def _fast_step(model, cache, rows, fast_path, prompts, params, seeds, requests, window, stats, per_row,
+               logprobs):
     """One batched fast forward for every row; rows that are waiting discard theirs."""
     alive = requests.alive
     last = torch.tensor([row.unverified[-1] if row.unverified else row.pending for row in rows],
                         dtype=torch.int64, device=model.device)
-    tokens, confident = fast_path.propose(model, cache, last, params, [seeds[r] for r in alive])
+    tokens, confident, logits = fast_path.propose(model, cache, last, params, [seeds[r] for r in alive])
     stats["fast_steps"] += 1
     for i, row in enumerate(rows):
+        r = alive[i]
+        if not row.verified:  # kept at once: its KV is the fast path's
+            requests.commit(r, [tokens[i]])
+            logprobs[r].append(torch.log_softmax(logits[i].float(), -1)[tokens[i]].view(1))
+            row.pending = tokens[i]
+            continue
         if row.stopped:
             continue
-        r = alive[i]
         if not confident[i]:  # a low-confidence draft is dropped and the row is verified now
             row.stopped = True
             continue

@@ -224,14 +224,17 @@ class Generator:
     def generate(self, prompts, max_new_tokens: int = 64, do_sample: bool = False,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | list[int] = 0,
                  eos_token_id: int | list[int] | None = None, stop_token_ids: list[int] | None = None,
-                 stop: list[str] | None = None, chat: bool = False) -> GenerationOutput:
+                 stop: list[str] | None = None, chat: bool = False,
+                 deterministic: bool | list[bool] = True) -> GenerationOutput:
         """Generate up to ``max_new_tokens`` for each prompt (a batch of any lengths).
 
         Greedy when ``do_sample`` is False; otherwise temperature → top-k → top-p, drawing
         with uniforms keyed on (seed, absolute position), so a prompt's output depends on its
         seed alone. ``seed`` may be one int or one per prompt. Generation of a row stops after
         an EOS token (``eos_token_id``, default the model's), a ``stop_token_ids`` token, a
-        ``stop`` string in its text, or ``max_new_tokens``. Returns ``GenerationOutput``.
+        ``stop`` string in its text, or ``max_new_tokens``. Mode deterministic: ``deterministic``
+        (one bool or one per prompt) False lets a request skip verification (regular decoding).
+        Returns ``GenerationOutput``.
         """
         if max_new_tokens < 1:
             raise SwiftkernError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -240,6 +243,9 @@ class Generator:
         seeds = list(seed) if isinstance(seed, (list, tuple)) else [int(seed)] * len(ids)
         if len(seeds) != len(ids):
             raise SwiftkernError(f"got {len(seeds)} seeds for {len(ids)} prompts")
+        verified = list(deterministic) if isinstance(deterministic, (list, tuple)) else [deterministic] * len(ids)
+        if not all(verified) and self.mode != "deterministic":
+            raise SwiftkernError("deterministic=False for some prompts needs mode='deterministic'")
         limit = getattr(self.model.config, "max_position_embeddings", None)
         longest = max(len(p) for p in ids)
         if limit is not None and longest + max_new_tokens > limit:
@@ -265,7 +271,7 @@ class Generator:
         elif self.mode == "deterministic":
             fast = FastPath(self.layer_set, self.eps) if self.drafter == "self-spec" else FastPath()
             spec_stats = decode_deterministic(self.model, cache, ids, params, seeds, requests, self.window,
-                                              self.verify_batch, fast)
+                                              self.verify_batch, fast, verified)
             steps = spec_stats["fast_steps"] + spec_stats["verify_passes"]
         else:
             policy = DraftPolicy(k_max=self.k_max, eps=self.eps, adaptive=self.adaptive_eps)
