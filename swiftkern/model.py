@@ -213,7 +213,7 @@ class SkipModel:
                 q = ops.linear(x, w.q, w.q_bias).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
                 k = ops.linear(x, w.k, w.k_bias).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
                 v = ops.linear(x, w.v, w.v_bias).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-                q = ops.rope_kv_append(q, k, v, cos, sin, cache.k[i], cache.v[i], positions, uniform_start)
+                q = ops.rope_kv_append(q, k, v, cos, sin, cache.k[i], cache.v[i], positions, uniform_start, max_len)
                 attn = ops.verify_attention(q, cache.k[i], cache.v[i], new_lengths, self.scale, max_len, mask)
                 attn = attn.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
                 out = ops.linear(attn, w.o, w.o_bias)

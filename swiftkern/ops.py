@@ -585,6 +585,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def rope_kv_append(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor, uniform_start: int | None = None,
+    max_len: int | None = None,
 ) -> torch.Tensor:
     """Rotary embedding of q and k (HF rotate-half convention), and k, v written into the cache.
 
@@ -597,6 +598,9 @@ def rope_kv_append(
         uniform_start: host-side hint that every row's positions are uniform_start + [0, T)
             (then only uniform_start is range-checked, without a device sync; the reference
             writes a slice).
+        max_len: host-side hint that every position is < max_len (e.g. the longest row after
+            the append, as ``KVCache.positions_for`` guarantees); then only max_len <= S is
+            checked, without a device sync.
 
     Returns the rotated q [B, Hq, T, D]. Runs ``backend_for("rope_kv_append", q.device)``.
     """
@@ -626,6 +630,9 @@ def rope_kv_append(
         if not 0 <= uniform_start <= S - T:
             raise SwiftkernError(f"{op}: uniform_start {uniform_start} + T = {T} new tokens must fit in the "
                                  f"cache of S = {S} positions")
+    elif max_len is not None:
+        if max_len > S:
+            raise SwiftkernError(f"{op}: max_len {max_len} is beyond the cache of S = {S} positions")
     else:
         _range(op, "positions", positions, 0, S - 1, f"positions of a cache of S = {S}")
     backend = _resolve(op, device.type)

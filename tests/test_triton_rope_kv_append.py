@@ -54,6 +54,11 @@ def test_wrapper_with_uniform_start_and_contiguous_cache_dtype():
         got_q = ops.rope_kv_append(q, k, v, cos, sin, cache[0], cache[1], positions, uniform_start=4)
     assert_close("rope_kv_append", got_q, want_q)
     assert_close("rope_kv_append", cache, want_cache, equal_nan=True)
+    cache.fill_(float("nan"))
+    with backend("triton"):  # the max_len hint: no device-side range check, same result
+        got_q = ops.rope_kv_append(q, k, v, cos, sin, cache[0], cache[1], positions, max_len=7)
+    assert_close("rope_kv_append", got_q, want_q)
+    assert_close("rope_kv_append", cache, want_cache, equal_nan=True)
 
 
 def test_opcheck():
@@ -69,6 +74,8 @@ def test_bad_input_is_refused():
     q, k, v, cos, sin, cache, positions = case(2, 9, 3, 2, 64, 8, [0, 5], torch.float32, 3)
     with pytest.raises(SwiftkernError, match=r"positions must be in \[0, 7\]"):
         ops.rope_kv_append(q, k, v, cos, sin, cache[0], cache[1], positions + 2)
+    with pytest.raises(SwiftkernError, match="max_len 9 is beyond"):
+        ops.rope_kv_append(q, k, v, cos, sin, cache[0], cache[1], positions, max_len=9)
     with pytest.raises(SwiftkernError, match="uniform_start 7"):
         ops.rope_kv_append(q, k, v, cos, sin, cache[0], cache[1], positions, uniform_start=7)
     with pytest.raises(SwiftkernError, match=r"k must be \[B, Hkv, T, D\]"):
