@@ -7,15 +7,17 @@ Three groups, each timed interleaved (A B C ... A B C) so drift hits every provi
 exactly ``--max-new-tokens`` per prompt (EOS off), prompts from bench/prompts.jsonl cycled
 to fill the batch (chat template):
 
-    throughput  batch 8 and 32: ar vs deterministic (window 32, verify batch 4)
+    throughput  batch 8 and 32: ar vs deterministic (window 32, verify batch 4) vs det-1/8 (one
+                request in eight needs determinism, the others skip verification: LLM-42's case)
     windows     batch 8: ar vs deterministic at windows 8, 16, 32, 64 (rollback fraction, speed)
     batch 1     ar vs deterministic vs self-spec + deterministic (the layer-skipped draft is the
                 fast path, window 8, verify batch 1) vs self-spec alone, layer set LAYER_SET
 
-Columns: tok_s (all new tokens / median wall time, prefill included), ratio_vs_ar (same batch,
+Columns: tok_s (all new tokens / median wall time, prefill included), deterministic_share (the
+fraction of requests replayed), ratio_vs_ar (same batch,
 same run), rollback_fraction (fast-path tokens discarded / proposed), verify_passes,
 dummy_rows, tokens_equal_ar (the deterministic tokens equal plain ar's, greedy).
-``--smoke``: a tiny random Llama, batches 2 and 4, 8 tokens, one repetition (seconds).
+``--smoke``: a tiny random Llama, 16-token prompts, batches 2 and 4, 8 new tokens, one repetition.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ def _setups(smoke: bool, layer_set: str) -> list[tuple[str, int, dict]]:
     batches = (2, 4) if smoke else (8, 32)
     windows = (4, 8) if smoke else (8, 16, 32, 64)
     w32 = 8 if smoke else 32
-    groups = [("throughput", b, {"ar": dict(mode="ar"), "deterministic": dict(det, window=w32)}) for b in batches]
+    groups = [("throughput", b, {"ar": dict(mode="ar"), "deterministic": dict(det, window=w32),
+                                 "det-1/8": dict(det, window=w32, share=1 / 8)}) for b in batches]
     groups.append(("windows", batches[0], {"ar": dict(mode="ar"),
                                            **{f"det-w{w}": dict(det, window=w) for w in windows}}))
     spec = dict(layer_set=layer_set, eps=0.8)
@@ -70,18 +73,22 @@ def run(args) -> list[dict]:
     model = swiftkern.SkipModel.from_hf(hf)
     n = 8 if args.smoke else args.max_new_tokens
     reps = args.reps or (1 if args.smoke else 2)
-    texts = [encode(tok, p["text"], hf.config.vocab_size) for p in load_prompts()]
+    texts = [encode(tok, p["text"], hf.config.vocab_size)[:16 if args.smoke else None] for p in load_prompts()]
     rows = []
     for group, batch, configs in _setups(args.smoke, layer_set):
         if args.providers:
             configs = {k: v for k, v in configs.items() if k in args.providers or k == "ar"}
         prompts = [texts[i % len(texts)] for i in range(batch)]
-        gens = {name: swiftkern.Generator(model, tok, **kw) for name, kw in configs.items()}
+        gens = {name: swiftkern.Generator(model, tok, **{k: v for k, v in kw.items() if k != "share"})
+                for name, kw in configs.items()}
+        flags = {name: [i % round(1 / kw["share"]) == 0 for i in range(batch)] if "share" in kw else True
+                 for name, kw in configs.items()}
         last = {}
 
         def timed(name):
             def fn():
-                last[name] = gens[name].generate(prompts, max_new_tokens=n, eos_token_id=[])
+                last[name] = gens[name].generate(prompts, max_new_tokens=n, eos_token_id=[],
+                                                 deterministic=flags[name])
             return fn
 
         for name in gens:  # warm-up: first-call costs stay out of the timing
@@ -95,6 +102,7 @@ def run(args) -> list[dict]:
             rows.append(common.row(
                 ROUTINE, name, args.device, hf.dtype, f"B={batch} N={n}", timing, model=model_name, group=group,
                 batch=batch, new_tokens=n, reps=reps, window=kw.get("window", ""),
+                deterministic_share=kw.get("share", 1.0 if kw["mode"] == "deterministic" else 0.0),
                 verify_batch=kw.get("verify_batch", ""), fast_path=s.get("fast_path", ""),
                 layer_set=kw.get("layer_set", ""), tok_s=round(tok_s, 2),
                 ratio_vs_ar=round(tok_s / ar_tok_s, 3) if ar_tok_s else "",

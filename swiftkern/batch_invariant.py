@@ -3,8 +3,8 @@ other rows, on how many rows there are, or on where the row sits.
 
 What breaks batch invariance, and what each op here does instead:
 - a reduction whose order depends on the shape (vectorised tails, thread splits, split-K):
-  reductions are a fixed pairwise tree of elementwise adds (``tree_sum``) over a power-of-two
-  padded axis, so every row is summed in the same order whatever the tensor's shape;
+  reductions are a fixed tree of elementwise adds (``tree_sum``), so every row is summed in
+  the same order whatever the tensor's shape;
 - a matmul whose kernel choice depends on M: ``bi_linear`` runs ``ops.bi_matmul``, the
   Triton kernel (fixed tiles, no split-K) on CUDA; on the CPU an MKL GEMM over at least 16
   rows, whose row results are independent of M and of the row's position (measured, and
@@ -26,24 +26,28 @@ import torch.nn.functional as F
 from . import ops
 from .errors import SwiftkernError
 
-KEY_BLOCK = 64  # keys per attention block (a power of two: tree_sum needs no padding)
+KEY_BLOCK = 64  # keys per attention block
 
 
 def tree_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum over the last axis in a fixed pairwise order: [..., N] -> float32 [..., 1].
+    """Sum over the last axis in an order fixed by its length alone: [..., N] -> float32 [..., 1].
 
-    The axis is zero-padded to a power of two and halved with elementwise adds, so the order
-    of additions depends only on N, never on the other rows or the tensor's layout.
+    The axis is zero-padded to a multiple of 64, halved with elementwise adds while its length
+    is even, and the odd rest (at most a few columns) is added column after column. Every step
+    is elementwise, so the order of additions depends on N only, never on the other rows or on
+    the tensor's layout.
     """
     x = x.to(torch.float32)
     n = x.shape[-1]
-    width = 1 << max(n - 1, 0).bit_length()
-    if width != n:
-        x = F.pad(x, (0, width - n))
-    while x.shape[-1] > 1:
+    if n % 64:
+        x = F.pad(x, (0, 64 - n % 64))
+    while x.shape[-1] % 2 == 0:
         half = x.shape[-1] // 2
         x = x[..., :half] + x[..., half:]
-    return x
+    total = x[..., :1]
+    for j in range(1, x.shape[-1]):
+        total = total + x[..., j:j + 1]
+    return total
 
 
 def bi_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
