@@ -55,7 +55,7 @@ def _setups(smoke: bool, layer_set: str) -> list[tuple[str, int, dict]]:
         "ar": dict(mode="ar"),
         "deterministic": dict(mode="deterministic", window=8, verify_batch=1),
         "self-spec+det": dict(mode="deterministic", window=8, verify_batch=1, drafter="self-spec", **spec),
-        "self-spec": dict(mode="self-spec", drafter="layer-skip", draft_vocab=None, **spec),
+        "self-spec": dict(mode="self-spec", drafter="layer-skip", **spec),
     }))
     return groups
 

@@ -30,6 +30,7 @@ from .model import SkipModel
 from .requests import Requests
 from .sampling import SamplingParams, select_tokens
 from .batch_invariant import bi_log_softmax
+from .draft_head import DraftHead
 from .verifier import Slot, Verifier, set_lengths
 
 
@@ -45,20 +46,29 @@ class FastPath:
     """Proposes every row's next token with one batched forward (batch-variant allowed).
 
     layer_set None: the full model (regular decoding). A layer set: the layer-skipped draft,
-    which also stops a row when its top-1 probability is below ``eps``.
+    which also stops a row when its top-1 probability is below ``eps``, and may score only the
+    vocabulary of a pruned ``head`` (``draft_head.DraftHead``, grown with every committed token).
     """
 
-    def __init__(self, layer_set: LayerSet | None = None, eps: float = 0.0):
+    def __init__(self, layer_set: LayerSet | None = None, eps: float = 0.0, head: DraftHead | None = None):
         self.layer_set = layer_set
         self.eps = eps if layer_set is not None else 0.0
+        self.head = head if layer_set is not None else None
+
+    def committed(self, tokens: list[int]) -> None:
+        """Tokens that became part of the output (the pruned head keeps them proposable)."""
+        if self.head is not None:
+            self.head.add(tokens)
 
     def propose(self, model: SkipModel, cache: KVCache, last: torch.Tensor, params: SamplingParams,
                 seeds: list[int]) -> tuple[list[int], list[bool], torch.Tensor]:
         """last: int64 [B], each row's newest token (appended to the cache).
         -> next token per row, whether the draft was confident enough to keep it, logits [B, V]."""
         positions = [n + 1 for n in cache.host_lengths]  # position of the token chosen now
-        logits = model.forward(last.unsqueeze(1), cache, layer_set=self.layer_set)[:, -1]  # [B, V]
-        tokens = select_tokens(logits, params, seeds, positions).tolist()
+        head = self.head.head if self.head is not None else None
+        logits = model.forward(last.unsqueeze(1), cache, layer_set=self.layer_set, head=head)[:, -1]  # [B, V']
+        chosen = select_tokens(logits, params, seeds, positions)
+        tokens = (self.head.ids[chosen] if self.head is not None else chosen).tolist()
         if self.eps <= 0.0:
             return tokens, [True] * len(tokens), logits
         confidence = logits.float().softmax(-1).max(-1).values
@@ -103,6 +113,7 @@ def decode_deterministic(model: SkipModel, cache: KVCache, prompts: list[list[in
     rows = []
     for r, t in enumerate(first.tolist()):
         requests.commit(r, [t])
+        fast_path.committed([t])
         logprobs[r].append(first_lp[r:r + 1])
         rows.append(_Row(pending=t, verified=verified[r]))
     stats["prefill_passes"] = verifier.passes
@@ -115,7 +126,7 @@ def decode_deterministic(model: SkipModel, cache: KVCache, prompts: list[list[in
                 break
             due.sort(key=lambda i: -len(rows[i].unverified))
             _verify(verifier, cache, rows, due[:verify_batch], prompts, params, seeds, requests, stats,
-                    per_row, logprobs)
+                    per_row, logprobs, fast_path)
             rows = _drop_finished(requests, cache, rows)
             if not rows:
                 break
@@ -170,7 +181,7 @@ def _fast_step(model, cache, rows, fast_path, prompts, params, seeds, requests, 
     cache.rollback([_vlen(prompts, requests, r) - 1 + len(row.unverified) for r, row in zip(alive, rows)])
 
 
-def _verify(verifier, cache, rows, picked, prompts, params, seeds, requests, stats, per_row, logprobs):
+def _verify(verifier, cache, rows, picked, prompts, params, seeds, requests, stats, per_row, logprobs, fast_path):
     """One fixed-shape pass over the rows ``picked``; commit, correct and roll back each."""
     T = verifier.window
     alive = requests.alive
@@ -208,6 +219,7 @@ def _verify(verifier, cache, rows, picked, prompts, params, seeds, requests, sta
             row.stopped = row.stopped and bool(rest)  # a stop among the rest still holds
         before = len(requests.out[r])
         requests.commit(r, commit)
+        fast_path.committed(commit)
         logprobs[r].append(lps[:len(requests.out[r]) - before])
         per_row[r]["verifies"] += 1
         row.pending, row.unverified = commit[-1], rest

@@ -269,7 +269,13 @@ class Generator:
         if self.mode == "ar":
             steps = decode_ar(self.model, cache, first_logits, params, seeds, requests)
         elif self.mode == "deterministic":
-            fast = FastPath(self.layer_set, self.eps) if self.drafter == "self-spec" else FastPath()
+            fast = FastPath()
+            if self.drafter == "self-spec":
+                head = None
+                if self.draft_vocab is not None and self.draft_vocab < self.model.vocab_size:
+                    head = DraftHead(self.model.lm_head, self.model.lm_head_bias, self.draft_vocab,
+                                     [t for p in ids for t in p])
+                fast = FastPath(self.layer_set, self.eps, head)
             spec_stats = decode_deterministic(self.model, cache, ids, params, seeds, requests, self.window,
                                               self.verify_batch, fast, verified)
             steps = spec_stats["fast_steps"] + spec_stats["verify_passes"]

@@ -302,11 +302,12 @@ def test_real_eos_ends_the_output_exactly(tiny):
         assert toks == full[:cut]
 
 
-def test_self_spec_fast_path_gives_the_same_output(tiny):
+@pytest.mark.parametrize("draft_vocab", [None, 40])
+def test_self_spec_fast_path_gives_the_same_output(tiny, draft_vocab):
     prompts = [[5, 6, 7], list(range(30, 45))]
     plain = Generator(tiny, mode="deterministic", window=6).generate(prompts, max_new_tokens=18, eos_token_id=[])
     spec = Generator(tiny, mode="deterministic", window=6, drafter="self-spec", layer_set="attn:1,2|mlp:2",
-                     eps=0.0).generate(prompts, max_new_tokens=18, eos_token_id=[])
+                     eps=0.0, draft_vocab=draft_vocab).generate(prompts, max_new_tokens=18, eos_token_id=[])
     assert spec.tokens == plain.tokens
     assert all(torch.equal(a, b) for a, b in zip(spec.logprobs, plain.logprobs))
     s = spec.stats
