@@ -11,7 +11,9 @@ matchness, the search restarts from it.
 Beyond SWIFT: ``skip_ratio="auto"`` searches a ladder of ratios side by side and keeps the one
 whose best set promises the most tokens per second, from the draft forward time measured for
 that set and the verify costs the drafter policy measures; when no ratio beats plain decoding,
-layer skipping is switched off (small models: a draft step costs nearly a full step).
+layer skipping is switched off (small models: a draft step costs nearly a full step); it is
+switched off early when not even a set ``optimism`` better in matchness than the best found
+would beat plain decoding at the measured costs.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ class OnTheFlyTuner:
 
     def __init__(self, num_layers: int, chooser: DrafterPolicy | None, skip_ratio="auto", window: int = 32,
                  steps_per_window: int = 32, candidates_per_forward: int = 4, time_fraction: float = 0.3,
-                 initial: LayerSet | None = None, restart_ratio: float = 0.5, config: SearchConfig | None = None):
+                 initial: LayerSet | None = None, restart_ratio: float = 0.5, config: SearchConfig | None = None,
+                 optimism: float = 0.15):
         ratios = list(AUTO_RATIOS if skip_ratio == "auto" else (float(skip_ratio),))
         base = config or SearchConfig()
         start = {}
@@ -56,6 +59,7 @@ class OnTheFlyTuner:
         self.per_forward = candidates_per_forward
         self.time_fraction = time_fraction
         self.restart_ratio = restart_ratio
+        self.optimism = optimism  # matchness a further search might add; below that, give up
         self.optimizing = True
         self.current: LayerSet | None = None
         self.current_score = 0.0
@@ -95,6 +99,8 @@ class OnTheFlyTuner:
         self.phases += 1
         if all(s.done() for s in self.searches.values()):
             return self._finish("stop rule")
+        if getattr(self, "hopeless", False):
+            return self._finish("no set within reach can pay")
         return self.current
 
     def _optimize(self, model, cache, row, context, head) -> None:
@@ -147,10 +153,12 @@ class OnTheFlyTuner:
             key = str(ls)
             if key not in self.draft_cost:
                 self.draft_cost[key] = self._draft_cost(model, cache, pending, ls, head)
-            rated.append((self._rate(max(score, 0.0), self.draft_cost[key]), score, ls))
-        rate, score, ls = max(rated, key=lambda t: t[0])
+            rated.append((self._rate(max(score, 0.0), self.draft_cost[key]), score, ls,
+                          self._rate(min(1.0, score + self.optimism), self.draft_cost[key])))
+        rate, score, ls, _ = max(rated, key=lambda t: t[0])
         self.current, self.current_score = ls, score
         self.best_rate_vs_plain = rate / plain
+        self.hopeless = max(t[3] for t in rated) < plain  # not even a better-scoring set would pay
 
     def _finish(self, why: str) -> LayerSet | None:
         self.optimizing = False

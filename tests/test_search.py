@@ -145,3 +145,20 @@ def test_matchness_with_a_pruned_head_scores_the_drafts_top1():
     top1 = head.ids[logits.argmax(-1)]
     want = (top1 == torch.tensor(ctx[start + 1:])).double().mean(-1).tolist()
     assert got == pytest.approx(want, abs=1e-12)
+
+
+@pytest.mark.parametrize("draft_seconds,enabled", [(10.0, False), (0.0, True)])
+def test_layer_skip_is_switched_off_when_no_set_can_pay(draft_seconds, enabled, monkeypatch):
+    from swiftkern.tuner import OnTheFlyTuner
+
+    # a draft forward "measured" at 10 s can never beat a plain step; a free one always does
+    monkeypatch.setattr(OnTheFlyTuner, "_draft_cost", lambda self, *a: draft_seconds)
+    hf = tiny_model("llama", num_hidden_layers=6)
+    ar = Generator(hf).generate(PROMPTS[:2], max_new_tokens=40, eos_token_id=[]).tokens
+    out = Generator(hf, mode="self-spec", layer_set="auto", skip_ratio=0.3, search_options=SMALL_SEARCH).generate(
+        PROMPTS[:2], max_new_tokens=40, eos_token_id=[])
+    assert out.tokens == ar
+    assert out.stats["layer_skip_enabled"] is enabled
+    if not enabled:
+        assert out.stats["search_phases"] == 1 and "can pay" in out.stats["search_stop"]
+        assert out.stats["drafter_steps"]["layer-skip"] == 0
