@@ -102,7 +102,7 @@ def make_extension():
         flags = cflags + ['-DSWIFTKERN_CXX_FLAGS="' + " ".join(cflags) + '"',
                           f'-DSWIFTKERN_CUDA_ARCHS="{archs}"']
         # -lineinfo: compute-sanitizer and profilers map kernel addresses to source lines
-        nvcc_flags = ["-O3", "-std=c++17", "-lineinfo", "-DSWIFTKERN_WITH_CUDA"]
+        nvcc_flags = ["-O3", "-lineinfo", "-DSWIFTKERN_WITH_CUDA"]  # -std: torch picks it
         ext = ce.CUDAExtension("swiftkern._C", srcs, extra_link_args=lflags,
                                extra_compile_args={"cxx": flags, "nvcc": nvcc_flags})
     else:
