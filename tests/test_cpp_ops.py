@@ -35,7 +35,7 @@ def test_extension_is_built_with_the_cpu_kernels():
     info = ops._C.build_info()
     for op in ("greedy_accept", "rejection_sample", "fused_add_rms_norm", "rope_kv_append", "kv_compact"):
         assert op in info["cpu_kernels"]
-        assert ops.backend_info()["ops"][op]["cpu"] == "cpp"
+        assert "cpp" in ops.backend_info()["kernels"][op]["cpu"]
     if sys.platform != "win32":  # fp32 kernels match the reference only without contraction
         assert "-ffp-contract=off" in info["flags"]
 
