@@ -49,7 +49,7 @@ def test_gpu_machine_has_the_cuda_build():
     assert set(info["cuda_kernels"]) >= {"greedy_accept", "rejection_sample", "fused_add_rms_norm",
                                          "rope_kv_append", "kv_compact"}
     for op in info["cuda_kernels"]:
-        assert ops.backend_info()["ops"][op]["cuda"] == "cuda"
+        assert "cuda" in ops.backend_info()["kernels"][op]["cuda"]
 
 
 # ---------------------------------------------------------------- greedy_accept
