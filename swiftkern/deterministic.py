@@ -80,6 +80,7 @@ def token_logprob(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return bi_log_softmax(logits).gather(1, tokens.unsqueeze(1)).squeeze(1)
 
 
+@torch.inference_mode()
 def decode_deterministic(model: SkipModel, cache: KVCache, prompts: list[list[int]], params: SamplingParams,
                          seeds: list[int], requests: Requests, window: int = 32, verify_batch: int = 4,
                          fast_path: FastPath | None = None, verified: list[bool] | None = None) -> dict:
@@ -107,9 +108,21 @@ def decode_deterministic(model: SkipModel, cache: KVCache, prompts: list[list[in
     per_row = [{"verifies": 0, "fast_tokens": 0, "rolled_back": 0} for _ in prompts]
     logprobs: list[list[torch.Tensor]] = [[] for _ in prompts]
 
-    logits = verifier.prefill(cache, prompts)  # [B, V]
+    replayed = [r for r in range(len(prompts)) if verified[r]]
+    if len(replayed) < len(prompts):  # the others: regular batched prefill (then overwritten below)
+        from .generate import prefill as batched_prefill
+        logits = batched_prefill(model, cache, prompts).float()  # [B, V]
+        first_lp = torch.log_softmax(logits, -1)
+    else:
+        logits = torch.empty((len(prompts), model.vocab_size), device=model.device)
+        first_lp = torch.empty_like(logits)
+    if replayed:
+        index = torch.tensor(replayed, device=model.device)
+        mine = verifier.prefill(cache, prompts, replayed).float()  # [len(replayed), V]
+        logits[index] = mine
+        first_lp[index] = bi_log_softmax(mine)
     first = select_tokens(logits, params, seeds, [len(p) for p in prompts])  # [B]
-    first_lp = token_logprob(logits, first)
+    first_lp = first_lp.gather(1, first.unsqueeze(1)).squeeze(1)
     rows = []
     for r, t in enumerate(first.tolist()):
         requests.commit(r, [t])

@@ -131,8 +131,8 @@ def test_verifier_rejects_bad_slots(tiny):
     cache = tiny.new_cache(1, 16)
     with pytest.raises(SwiftkernError, match=r"5 tokens \(need 1..4\)"):
         verifier.forward(cache, [Slot(0, 0, [1, 2, 3, 4, 5], [0])])
-    with pytest.raises(SwiftkernError, match="exceeds"):
-        verifier.forward(cache, [Slot(0, 14, [1], [0])])
+    with pytest.raises(SwiftkernError, match="exceed the cache's 16"):
+        verifier.forward(cache, [Slot(0, 14, [1, 2, 3], [0])])
     with pytest.raises(SwiftkernError, match="1..2 slots"):
         verifier.forward(cache, [Slot(0, 0, [1], [])] * 3)
     with pytest.raises(SwiftkernError, match="window"):
