@@ -10,8 +10,9 @@ to fill the batch (chat template):
     throughput  batch 8 and 32: ar vs deterministic (window 32, verify batch 4) vs det-1/8 (one
                 request in eight needs determinism, the others skip verification: LLM-42's case)
     windows     batch 8: ar vs deterministic at windows 8, 16, 32, 64 (rollback fraction, speed)
-    batch 1     ar vs deterministic vs self-spec + deterministic (the layer-skipped draft is the
-                fast path, window 8, verify batch 1) vs self-spec alone, layer set LAYER_SET
+    batch 1     ar vs deterministic (window 32, verify batch 1) vs self-spec + deterministic (the
+                layer-skipped draft is the fast path, window 8, verify batch 1) vs self-spec
+                alone, layer set LAYER_SET
 
 Columns: tok_s (all new tokens / median wall time, prefill included), deterministic_share (the
 fraction of requests replayed), ratio_vs_ar (same batch,
@@ -53,7 +54,7 @@ def _setups(smoke: bool, layer_set: str) -> list[tuple[str, int, dict]]:
     spec = dict(layer_set=layer_set, eps=0.8)
     groups.append(("batch1", 1, {
         "ar": dict(mode="ar"),
-        "deterministic": dict(mode="deterministic", window=8, verify_batch=1),
+        "deterministic": dict(mode="deterministic", window=32, verify_batch=1),
         "self-spec+det": dict(mode="deterministic", window=8, verify_batch=1, drafter="self-spec", **spec),
         "self-spec": dict(mode="self-spec", drafter="layer-skip", **spec),
     }))
