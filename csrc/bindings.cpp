@@ -14,7 +14,9 @@
 #include <torch/version.h>
 
 #include <optional>
+#include <string>
 #include <tuple>
+#include <vector>
 
 #ifdef SWIFTKERN_WITH_CUDA
 #include <cuda_runtime_api.h>  // CUDART_VERSION
@@ -33,6 +35,8 @@ std::tuple<at::Tensor, at::Tensor> greedy_accept_cpu(const at::Tensor& draft_tok
                                                      const at::Tensor& num_draft);
 at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
                              const std::optional<at::Tensor>& bias);
+at::Tensor skinny_linear_isa(const at::Tensor& x, const at::Tensor& weight, const std::string& isa);
+std::vector<std::string> skinny_linear_isas();
 std::tuple<at::Tensor, at::Tensor> rejection_sample_cpu(const at::Tensor& draft_tokens,
                                                         const std::optional<at::Tensor>& draft_probs,
                                                         const at::Tensor& target_probs,
@@ -108,6 +112,9 @@ TORCH_LIBRARY_IMPL(swiftkern, CUDA, m) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "swiftkern C++/CUDA kernels; importing this module registers torch.ops.swiftkern.*";
+  m.def("skinny_linear_isa", &swiftkern::skinny_linear_isa,
+        "skinny_linear (no bias) with a named instruction set: avx512, avx2 or portable (tests)");
+  m.def("skinny_linear_isas", &swiftkern::skinny_linear_isas, "the instruction sets this CPU runs, widest first");
   m.def("build_info", [] {
     py::dict d;
 #ifdef SWIFTKERN_WITH_CUDA

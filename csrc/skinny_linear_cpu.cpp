@@ -1,94 +1,178 @@
-// skinny_linear on CPU: y = x @ w^T + b for a few rows of x (decode, verification, drafts).
+// skinny_linear on CPU: y = x @ w^T + b with every output a fixed-order fp32 dot product.
 //
-// With M <= 16 rows the product is a pass over the weight: each thread streams a contiguous
-// slice of w's rows once and dots every x row against the row it holds in L1. Every output
-// element is one fixed-order fp32 dot product, whatever M is, so a row's result does not
-// depend on the other rows (batch-invariant). The dot is 32-lane SIMD (AVX2/FMA, picked
-// when the CPU has it, a portable loop with the same summation order otherwise).
+// The order of one output y[m, n] is defined by K alone: 16 lanes, lane l accumulates
+// fma(x[k], w[k], lane) for k = l, l + 16, l + 32, ... in increasing k; the lanes are then
+// summed by halving (l + 8, l + 4, l + 2, l + 1). Nothing depends on M, N, the tile an output
+// falls in, the thread that computes it or the instruction set (AVX-512, AVX2 and the portable
+// loop produce the same bits), so a row's result is the same alone or in any batch: the op is
+// batch-invariant by construction and serves both the decode/verify projections (few rows) and
+// the deterministic verifier's bi_matmul (any number of rows).
+//
+// Speed: the output is computed in register tiles of up to 4 x rows by 4 weight rows, so each
+// weight vector loaded feeds 4 FMAs and each x vector 4 (the old row-by-row dot did 2 loads
+// per FMA and was load-bound for more than one row).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 #include <optional>
+#include <string>
+#include <vector>
 
 namespace swiftkern {
 namespace cpu {
 
-// One fp32 dot product in a fixed order: 32 partial sums (k mod 32), summed pairwise, then
-// the K % 32 tail. Both variants below follow exactly this order, so they agree bit for bit.
-constexpr int kLanes = 32;
+constexpr int kLanes = 16;
+constexpr int kTile = 4;         // x rows and weight rows per register tile
 
-static inline float reduce_lanes(const float* lane) {
-  float s8[8];
-  for (int l = 0; l < 8; ++l) s8[l] = (lane[l] + lane[l + 8]) + (lane[l + 16] + lane[l + 24]);
-  return ((s8[0] + s8[4]) + (s8[1] + s8[5])) + ((s8[2] + s8[6]) + (s8[3] + s8[7]));
+static inline float reduce_lanes(float* lane) {
+  for (int width = kLanes / 2; width >= 1; width /= 2)
+    for (int l = 0; l < width; ++l) lane[l] = lane[l] + lane[l + width];
+  return lane[0];
 }
 
-static float dot_portable(const float* __restrict x, const float* __restrict w, int64_t K) {
-  float lane[kLanes] = {};
-  int64_t k = 0;
-  for (; k + kLanes <= K; k += kLanes)
-    for (int l = 0; l < kLanes; ++l) lane[l] = std::fma(x[k + l], w[k + l], lane[l]);
-  float acc = reduce_lanes(lane);
-  for (; k < K; ++k) acc = std::fma(x[k], w[k], acc);
-  return acc;
+// One tile: rows x[0..MR) (stride K) against weight rows w[0..NR) (stride K) -> y (stride N).
+template <int MR, int NR>
+static void tile_portable(const float* x, const float* w, float* y, int64_t K, int64_t N) {
+  float lane[MR][NR][kLanes] = {};
+  for (int64_t k = 0; k < K; ++k) {
+    const int l = static_cast<int>(k % kLanes);
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) lane[i][j][l] = std::fma(x[i * K + k], w[j * K + k], lane[i][j][l]);
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) y[i * N + j] = reduce_lanes(lane[i][j]);
 }
 
 #if defined(__x86_64__)
-__attribute__((target("avx2,fma")))
-static float dot_avx2(const float* __restrict x, const float* __restrict w, int64_t K) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;  // lanes 0-7, 8-15, 16-23, 24-31
+template <int MR, int NR>
+__attribute__((target("avx512f"))) static void tile_avx512(const float* x, const float* w, float* y, int64_t K,
+                                                           int64_t N) {
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + kLanes <= K; k += kLanes) {
-    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), _mm256_loadu_ps(w + k), a0);
-    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), _mm256_loadu_ps(w + k + 8), a1);
-    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 16), _mm256_loadu_ps(w + k + 16), a2);
-    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 24), _mm256_loadu_ps(w + k + 24), a3);
+    __m512 wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = _mm512_loadu_ps(w + j * K + k);
+    for (int i = 0; i < MR; ++i) {
+      const __m512 xv = _mm512_loadu_ps(x + i * K + k);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  if (k < K) {  // the tail: masked lanes keep their sums unchanged, as in the portable loop
+    const __mmask16 mask = static_cast<__mmask16>((1u << (K - k)) - 1u);
+    __m512 wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = _mm512_maskz_loadu_ps(mask, w + j * K + k);
+    for (int i = 0; i < MR; ++i) {
+      const __m512 xv = _mm512_maskz_loadu_ps(mask, x + i * K + k);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_mask3_fmadd_ps(xv, wv[j], acc[i][j], mask);
+    }
   }
   float lane[kLanes];
-  _mm256_storeu_ps(lane, a0);
-  _mm256_storeu_ps(lane + 8, a1);
-  _mm256_storeu_ps(lane + 16, a2);
-  _mm256_storeu_ps(lane + 24, a3);
-  float acc = reduce_lanes(lane);
-  for (; k < K; ++k) acc = std::fma(x[k], w[k], acc);
-  return acc;
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) {
+      _mm512_storeu_ps(lane, acc[i][j]);
+      y[i * N + j] = reduce_lanes(lane);
+    }
+}
+
+// AVX2: lanes 0-7 and 8-15 of an output in two registers; tiles of up to 2 x rows (16 accumulators).
+template <int MR, int NR>
+__attribute__((target("avx2,fma"))) static void tile_avx2(const float* x, const float* w, float* y, int64_t K,
+                                                          int64_t N) {
+  __m256 lo[MR][NR], hi[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) lo[i][j] = hi[i][j] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + kLanes <= K; k += kLanes) {
+    for (int i = 0; i < MR; ++i) {
+      const __m256 x0 = _mm256_loadu_ps(x + i * K + k), x1 = _mm256_loadu_ps(x + i * K + k + 8);
+      for (int j = 0; j < NR; ++j) {
+        lo[i][j] = _mm256_fmadd_ps(x0, _mm256_loadu_ps(w + j * K + k), lo[i][j]);
+        hi[i][j] = _mm256_fmadd_ps(x1, _mm256_loadu_ps(w + j * K + k + 8), hi[i][j]);
+      }
+    }
+  }
+  float lane[kLanes];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) {
+      _mm256_storeu_ps(lane, lo[i][j]);
+      _mm256_storeu_ps(lane + 8, hi[i][j]);
+      for (int64_t t = k; t < K; ++t) lane[t - k] = std::fma(x[i * K + t], w[j * K + t], lane[t - k]);
+      y[i * N + j] = reduce_lanes(lane);
+    }
 }
 #endif
 
-using DotFn = float (*)(const float*, const float*, int64_t);
+using TileFn = void (*)(const float*, const float*, float*, int64_t, int64_t);
 
-static DotFn pick_dot() {
+enum class Isa { kPortable, kAvx2, kAvx512 };
+
+static bool isa_supported(Isa isa) {
 #if defined(__x86_64__)
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return dot_avx2;
+  if (isa == Isa::kAvx512) return __builtin_cpu_supports("avx512f");
+  if (isa == Isa::kAvx2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 #endif
-  return dot_portable;
+  return isa == Isa::kPortable;
 }
 
-static void skinny_linear_rows(const float* __restrict x, const float* __restrict w,
-                               const float* __restrict bias, float* __restrict y,
-                               int64_t M, int64_t K, int64_t N, int64_t n_begin, int64_t n_end) {
-  static const DotFn dot = pick_dot();
-  for (int64_t n = n_begin; n < n_end; ++n) {
-    const float* wr = w + n * K;  // streamed from memory once, then read from L1 for m > 0
-    for (int64_t m = 0; m < M; ++m) {
-      const float acc = dot(x + m * K, wr, K);
-      y[m * N + n] = bias ? acc + bias[n] : acc;
+static Isa pick_isa() {
+  for (Isa isa : {Isa::kAvx512, Isa::kAvx2})
+    if (isa_supported(isa)) return isa;
+  return Isa::kPortable;
+}
+
+template <int MR, int NR>
+static TileFn tile_for(Isa isa) {
+#if defined(__x86_64__)
+  if (isa == Isa::kAvx512) return tile_avx512<MR, NR>;
+  if (isa == Isa::kAvx2) return tile_avx2<MR, NR>;
+#endif
+  (void)isa;
+  return tile_portable<MR, NR>;
+}
+
+struct TileTable {
+  TileFn fn[kTile][kTile];  // [MR - 1][NR - 1]
+  int max_rows;             // x rows per tile this ISA takes at once
+  explicit TileTable(Isa isa) : max_rows(isa == Isa::kAvx2 ? 2 : kTile) {
+    fn[0][0] = tile_for<1, 1>(isa); fn[0][1] = tile_for<1, 2>(isa); fn[0][2] = tile_for<1, 3>(isa); fn[0][3] = tile_for<1, 4>(isa);
+    fn[1][0] = tile_for<2, 1>(isa); fn[1][1] = tile_for<2, 2>(isa); fn[1][2] = tile_for<2, 3>(isa); fn[1][3] = tile_for<2, 4>(isa);
+    fn[2][0] = tile_for<3, 1>(isa); fn[2][1] = tile_for<3, 2>(isa); fn[2][2] = tile_for<3, 3>(isa); fn[2][3] = tile_for<3, 4>(isa);
+    fn[3][0] = tile_for<4, 1>(isa); fn[3][1] = tile_for<4, 2>(isa); fn[3][2] = tile_for<4, 3>(isa); fn[3][3] = tile_for<4, 4>(isa);
+  }
+};
+
+// Outputs y[:, n_begin:n_end): one 4-row weight tile at a time, every x tile against it, so
+// each weight row comes from memory once and is then read from L1 (x, a few rows, stays in
+// L1/L2); the weight is walked in order, which the hardware prefetcher streams.
+static void fixed_order_linear(const TileTable& table, const float* x, const float* w, float* y, int64_t M,
+                               int64_t K, int64_t N, int64_t n_begin, int64_t n_end) {
+  const int mr_max = table.max_rows;
+  for (int64_t n = n_begin; n < n_end; n += kTile) {
+    const int nr = static_cast<int>(std::min<int64_t>(kTile, n_end - n));
+    for (int64_t m = 0; m < M; m += mr_max) {
+      const int mr = static_cast<int>(std::min<int64_t>(mr_max, M - m));
+      table.fn[mr - 1][nr - 1](x + m * K, w + n * K, y + m * N + n, K, N);
     }
   }
 }
 
 }  // namespace cpu
 
-// x: float32 [..., K] (at most 16 rows in all); weight: float32 [N, K]; bias: float32 [N] or None
-// -> float32 [..., N]
-at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
-                             const std::optional<at::Tensor>& bias) {
+static const char* isa_name(cpu::Isa isa) {
+  return isa == cpu::Isa::kAvx512 ? "avx512" : isa == cpu::Isa::kAvx2 ? "avx2" : "portable";
+}
+
+static at::Tensor skinny_linear_with(const cpu::TileTable& table, const at::Tensor& x, const at::Tensor& weight,
+                                     const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "skinny_linear_cpu: tensors must be on the CPU");
   TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
               "skinny_linear: x and weight must be float32, got ", x.scalar_type(), " and ", weight.scalar_type());
@@ -98,31 +182,58 @@ at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
   const int64_t K = weight.size(1), N = weight.size(0);
   int64_t M = 1;  // rows: every dimension of x but the last
   for (int64_t d = 0; d + 1 < x.dim(); ++d) M *= x.size(d);
-  TORCH_CHECK(M <= 16, "skinny_linear: at most 16 rows (use a matmul for more), got ", M);
-  const float* b = nullptr;
   at::Tensor bias_c;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == N,
                 "skinny_linear: bias must be float32 [N=", N, "], got ", bias->sizes());
     bias_c = bias->contiguous();
-    b = bias_c.data_ptr<float>();
   }
   auto sizes = x.sizes().vec();
   sizes.back() = N;
   at::Tensor y = at::empty(sizes, x.options());
   if (M == 0 || N == 0) return y;
   if (K == 0) {  // an empty reduction: every dot product is 0
-    return b ? y.copy_(bias_c.expand_as(y)) : y.zero_();
+    return bias_c.defined() ? y.copy_(bias_c.expand_as(y)) : y.zero_();
   }
   const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
   const float* xp = xc.data_ptr<float>();
   const float* wp = wc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(K, 1));  // ~128 KiB of weight a task
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    cpu::skinny_linear_rows(xp, wp, b, yp, M, K, N, n0, n1);
+  // tasks of whole 4-row weight tiles, ~128 KiB of weight each
+  const int64_t tiles = (N + cpu::kTile - 1) / cpu::kTile;
+  const int64_t grain = std::max<int64_t>(1, 8192 / K);
+  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+    cpu::fixed_order_linear(table, xp, wp, yp, M, K, N, t0 * cpu::kTile, std::min(N, t1 * cpu::kTile));
   });
+  if (bias_c.defined()) y.add_(bias_c);
   return y;
+}
+
+// x: float32 [..., K] (any number of rows); weight: float32 [N, K]; bias: float32 [N] or None
+// -> float32 [..., N], each element a fixed-order dot product (+ bias); the widest ISA the CPU has
+at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
+                             const std::optional<at::Tensor>& bias) {
+  static const cpu::TileTable table(cpu::pick_isa());
+  return skinny_linear_with(table, x, weight, bias);
+}
+
+// The same with a named instruction set ("avx512", "avx2", "portable"), for the test that all
+// of them give the same bits; isas: the ones this CPU runs, widest first.
+at::Tensor skinny_linear_isa(const at::Tensor& x, const at::Tensor& weight, const std::string& isa) {
+  for (cpu::Isa i : {cpu::Isa::kAvx512, cpu::Isa::kAvx2, cpu::Isa::kPortable}) {
+    if (isa == isa_name(i)) {
+      TORCH_CHECK(cpu::isa_supported(i), "skinny_linear_isa: this CPU cannot run ", isa);
+      return skinny_linear_with(cpu::TileTable(i), x, weight, std::nullopt);
+    }
+  }
+  TORCH_CHECK(false, "skinny_linear_isa: unknown instruction set '", isa, "' (avx512, avx2, portable)");
+}
+
+std::vector<std::string> skinny_linear_isas() {
+  std::vector<std::string> out;
+  for (cpu::Isa i : {cpu::Isa::kAvx512, cpu::Isa::kAvx2, cpu::Isa::kPortable})
+    if (cpu::isa_supported(i)) out.push_back(isa_name(i));
+  return out;
 }
 
 }  // namespace swiftkern

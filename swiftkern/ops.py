@@ -769,8 +769,10 @@ def bi_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
     a: [M, K], b: [K, N] (one float dtype and device, any strides) -> [M, N] in a's dtype,
     accumulated in float32. CUDA (auto): the Triton kernel ``triton_kernels/bi_matmul.py`` (fixed
-    tiles, no split-K); CPU: ``reference.bi_matmul`` (MKL, short inputs padded to 16 rows);
-    SWIFTKERN_BACKEND=triton also runs the kernel on CPU tensors under TRITON_INTERPRET=1.
+    tiles, no split-K); CPU (auto, cpp): the C++ ``skinny_linear`` kernel, whose every output is
+    a dot product in an order fixed by K alone; CPU without it: ``reference.bi_matmul`` (the
+    same order from elementwise torch ops, slow); SWIFTKERN_BACKEND=triton also runs the
+    Triton kernel on CPU tensors under TRITON_INTERPRET=1.
     """
     op = "bi_matmul"
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() != 2 or b.dim() != 2:
@@ -783,6 +785,9 @@ def bi_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             importlib.import_module(__package__ + ".triton_kernels.bi_matmul")
         except Exception as e:
             _TRITON["error"] = _TRITON["error"] or f"{type(e).__name__}: {e}"
+    elif a.device.type == "cpu" and _backend() in ("auto", "cpp") and _OPS["skinny_linear"]["cpu"] == "cpp":
+        w = b.t().to(torch.float32)  # [N, K]: no copy for b = weight.t() of a float32 weight
+        return torch.ops.swiftkern.skinny_linear(a.to(torch.float32), w, None).to(a.dtype)
     return _run(op, a.device, a, b)
 
 

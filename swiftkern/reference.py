@@ -246,19 +246,35 @@ def rejection_sample(
     return out, num_accepted
 
 
-BI_MATMUL_MIN_ROWS = 16  # MKL computes fewer than ~12 rows another way; pad up to this
+BI_LANES = 16  # partial sums per output of the fixed-order dot product (as csrc/skinny_linear_cpu.cpp)
 
 
 def bi_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Batch-invariant matmul: a @ b accumulated in float32, each row of the result independent
     of the other rows and of M. a: [M, K], b: [K, N] -> [M, N] in a's dtype.
 
-    On the CPU, MKL's float32 GEMM gives every row the same bits for any M >= 12 (measured and
-    guarded bitwise in tests/test_bi_matmul.py), so fewer rows are zero-padded to
-    BI_MATMUL_MIN_ROWS. The Triton kernel gets the property from fixed tiles and no split-K.
+    Invariant by construction, with no library reduction: K is cut into BI_LANES lanes (lane l
+    sums a[m, k] * b[k, n] for k = l mod BI_LANES in increasing k, one elementwise multiply and
+    add per step), then the lanes are summed by halving. Every element goes through the same
+    elementwise ops whatever M, N or the row's place (a GEMM library may pick its kernel, and
+    with it the order of the sum, by M: MKL did on one of our CPUs). The C++ kernel
+    (``ops.bi_matmul`` on the CPU) follows the same order with fused multiply-adds.
     """
-    M = a.shape[0]
-    a32 = a.to(torch.float32)
-    if M < BI_MATMUL_MIN_ROWS:
-        a32 = torch.nn.functional.pad(a32, (0, 0, 0, BI_MATMUL_MIN_ROWS - M))
-    return torch.matmul(a32, b.to(torch.float32))[:M].to(a.dtype)
+    M, K = a.shape
+    N = b.shape[1]
+    pad = -K % BI_LANES
+    a3 = torch.nn.functional.pad(a.to(torch.float32), (0, pad)).view(M, -1, BI_LANES)  # [M, C, L]
+    w3 = torch.nn.functional.pad(b.t().to(torch.float32), (0, pad)).view(N, -1, BI_LANES)  # [N, C, L]
+    out = torch.empty((M, N), dtype=torch.float32, device=a.device)
+    rows = max(1, (1 << 22) // max(N * BI_LANES, 1))  # bound the [rows, N, L] partial sums
+    for m0 in range(0, M, rows):
+        xa = a3[m0:m0 + rows]
+        acc = torch.zeros((xa.shape[0], N, BI_LANES), dtype=torch.float32, device=a.device)
+        for c in range(a3.shape[1]):
+            acc = acc + xa[:, None, c] * w3[None, :, c]
+        width = BI_LANES
+        while width > 1:
+            width //= 2
+            acc = acc[..., :width] + acc[..., width:2 * width]
+        out[m0:m0 + rows] = acc[..., 0]
+    return out.to(a.dtype)

@@ -71,15 +71,30 @@ def test_kernel_rows_do_not_depend_on_position_or_neighbours():
     assert torch.equal(kernel()(other, b)[77], full[5])
 
 
-@pytest.mark.parametrize("K,N", [(576, 192), (64, 96), (1536, 64), (96, 301)])
+@pytest.mark.parametrize("K,N", [(576, 192), (64, 96), (1536, 64), (1536, 576), (96, 301)])
 def test_cpu_path_rows_do_not_depend_on_m(K, N):
-    """ops.bi_matmul on the CPU (MKL, padded to 16 rows): every M in 1..300, bitwise."""
+    """ops.bi_matmul on the CPU (the C++ fixed-order kernel when built, else the reference):
+    every M in 1..300, bitwise. (1536, 576) is SmolLM2's down projection, where MKL's own GEMM
+    gave rows that changed with M on an AVX-512 Xeon.)"""
     g = torch.Generator().manual_seed(K + N)
     a, b = torch.randn(300, K, generator=g), torch.randn(N, K, generator=g).t()
     full = ops.bi_matmul(a, b)
     torch.testing.assert_close(full, a @ b, atol=1e-4, rtol=1e-5)
     bad = [m for m in range(1, 301) if not torch.equal(ops.bi_matmul(a[:m], b), full[:m])]
     assert not bad, f"rows differ for M in {bad[:10]}"
+
+
+def test_reference_rows_do_not_depend_on_m_and_match_the_cpu_path():
+    """reference.bi_matmul (elementwise ops in a fixed order) is invariant by construction and
+    agrees with ops.bi_matmul to float32 rounding."""
+    g = torch.Generator().manual_seed(7)
+    a, b = torch.randn(70, 1000, generator=g), torch.randn(33, 1000, generator=g).t()
+    full = reference.bi_matmul(a, b)
+    for m in (1, 2, 5, 16, 17, 40, 69):
+        assert torch.equal(reference.bi_matmul(a[:m], b), full[:m]), m
+    torch.testing.assert_close(full, ops.bi_matmul(a, b), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(reference.bi_matmul(a.bfloat16(), b.bfloat16()).float(),
+                               (a.bfloat16().float() @ b.bfloat16().float()), atol=0.5, rtol=2e-2)
 
 
 def test_ops_wrapper_runs_the_kernel_when_asked():
