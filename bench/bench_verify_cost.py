@@ -1,0 +1,90 @@
+"""Cost of one full-model forward of T tokens (a verify pass of T - 1 drafts) vs a decode step.
+
+    python -m bench --routine verify_cost [--model smollm2] [--reps 20] [--smoke]
+
+What every drafter pays per step is k draft costs + verify(k + 1); speculation pays only
+when verify(T) stays close to verify(1). Providers, timed interleaved on one cache holding a
+200-token context, batch 1:
+
+    T<t>             a forward of t tokens with the kernels swiftkern picks (SWIFTKERN_BACKEND
+                     as set; on the CPU the C++ skinny_linear kernel)
+    T<t>-reference   the same with every op forced to the plain torch reference (MKL matmuls)
+
+Column ratio_vs_T1: median time / the same backend's T = 1 median, same run.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import swiftkern  # noqa: E402
+from bench import common  # noqa: E402
+from bench.bench_generate import tiny_model  # noqa: E402
+from swiftkern import ops  # noqa: E402
+
+ROUTINE = "verify_cost"
+PRINT_KEYS = ("provider", "median_ms", "p20_ms", "p80_ms", "ratio_vs_T1")
+TOKENS = (1, 2, 4, 8, 12, 16)
+
+
+def _forced(backend: str | None, fn):
+    """fn run under ops.set_backend(backend) (None: the backend in use)."""
+    def run():
+        old = ops._backend()
+        ops.set_backend(backend or old)
+        try:
+            fn()
+        finally:
+            ops.set_backend(old)
+    return run
+
+
+def run(args) -> list[dict]:
+    if args.smoke:
+        model, name = swiftkern.SkipModel.from_hf(tiny_model()), "tiny-llama"
+    else:
+        model, _ = swiftkern.load_model(args.model, device=args.device)
+        name = args.model
+    ctx = 20 if args.smoke else 200
+    context = torch.randint(0, model.vocab_size, (1, ctx), device=model.device)
+    cache = model.new_cache(1, ctx + max(TOKENS))
+    model.forward(context, cache)
+    base = list(cache.host_lengths)
+    tokens = context[:, -max(TOKENS):]
+
+    def step(T):
+        def fn():
+            model.forward(tokens[:, :T], cache)
+            cache.rollback(base)
+        return fn
+
+    fns = {}
+    for T in TOKENS:
+        fns[f"T{T}"] = _forced(None, step(T))
+        fns[f"T{T}-reference"] = _forced("reference", step(T))
+    if args.providers:
+        fns = {k: v for k, v in fns.items() if k in args.providers or k in ("T1", "T1-reference")}
+    times = common.time_fn(fns, args.device, warmup=2, reps=args.reps or (3 if args.smoke else 20))
+    rows = []
+    for p, t in times.items():
+        T = int(p[1:].split("-")[0])
+        one = times["T1-reference" if p.endswith("-reference") else "T1"]["median_ms"]
+        backend = "reference" if p.endswith("-reference") else ops._backend()
+        rows.append(common.row(ROUTINE, p, args.device, model.dtype, f"B=1 T={T} ctx={ctx}", t, model=name,
+                               backend=backend, ratio_vs_T1=round(t["median_ms"] / one, 3)))
+    return rows
+
+
+def main(argv=None) -> int:
+    from bench.__main__ import main as driver
+
+    return driver(["--routine", ROUTINE, *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
