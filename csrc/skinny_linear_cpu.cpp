@@ -10,7 +10,8 @@
 //
 // Speed: the output is computed in register tiles of up to 4 x rows by 4 weight rows, so each
 // weight vector loaded feeds 4 FMAs and each x vector 4 (the old row-by-row dot did 2 loads
-// per FMA and was load-bound for more than one row).
+// per FMA and was load-bound for more than one row), and the first x tile prefetches the
+// weight tile two ahead, so the weight streams from memory while earlier tiles compute.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -30,6 +31,7 @@ namespace cpu {
 
 constexpr int kLanes = 16;
 constexpr int kTile = 4;         // x rows and weight rows per register tile
+constexpr int64_t kPrefetchTiles = 2;  // weight tiles prefetched ahead of the one in use (measured best of 1, 2, 3, 6)
 
 static inline float reduce_lanes(float* lane) {
   for (int width = kLanes / 2; width >= 1; width /= 2)
@@ -39,7 +41,8 @@ static inline float reduce_lanes(float* lane) {
 
 // One tile: rows x[0..MR) (stride K) against weight rows w[0..NR) (stride K) -> y (stride N).
 template <int MR, int NR>
-static void tile_portable(const float* x, const float* w, float* y, int64_t K, int64_t N) {
+static void tile_portable(const float* x, const float* w, float* y, int64_t K, int64_t N, const float* pf) {
+  (void)pf;
   float lane[MR][NR][kLanes] = {};
   for (int64_t k = 0; k < K; ++k) {
     const int l = static_cast<int>(k % kLanes);
@@ -53,12 +56,14 @@ static void tile_portable(const float* x, const float* w, float* y, int64_t K, i
 #if defined(__x86_64__)
 template <int MR, int NR>
 __attribute__((target("avx512f"))) static void tile_avx512(const float* x, const float* w, float* y, int64_t K,
-                                                           int64_t N) {
+                                                           int64_t N, const float* pf) {
   __m512 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + kLanes <= K; k += kLanes) {
+    if (pf)
+      for (int j = 0; j < kTile; ++j) _mm_prefetch(reinterpret_cast<const char*>(pf + j * K + k), _MM_HINT_T0);
     __m512 wv[NR];
     for (int j = 0; j < NR; ++j) wv[j] = _mm512_loadu_ps(w + j * K + k);
     for (int i = 0; i < MR; ++i) {
@@ -86,12 +91,14 @@ __attribute__((target("avx512f"))) static void tile_avx512(const float* x, const
 // AVX2: lanes 0-7 and 8-15 of an output in two registers; tiles of up to 2 x rows (16 accumulators).
 template <int MR, int NR>
 __attribute__((target("avx2,fma"))) static void tile_avx2(const float* x, const float* w, float* y, int64_t K,
-                                                          int64_t N) {
+                                                          int64_t N, const float* pf) {
   __m256 lo[MR][NR], hi[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) lo[i][j] = hi[i][j] = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + kLanes <= K; k += kLanes) {
+    if (pf)
+      for (int j = 0; j < kTile; ++j) _mm_prefetch(reinterpret_cast<const char*>(pf + j * K + k), _MM_HINT_T0);
     for (int i = 0; i < MR; ++i) {
       const __m256 x0 = _mm256_loadu_ps(x + i * K + k), x1 = _mm256_loadu_ps(x + i * K + k + 8);
       for (int j = 0; j < NR; ++j) {
@@ -111,7 +118,7 @@ __attribute__((target("avx2,fma"))) static void tile_avx2(const float* x, const 
 }
 #endif
 
-using TileFn = void (*)(const float*, const float*, float*, int64_t, int64_t);
+using TileFn = void (*)(const float*, const float*, float*, int64_t, int64_t, const float*);
 
 enum class Isa { kPortable, kAvx2, kAvx512 };
 
@@ -160,7 +167,11 @@ static void fixed_order_linear(const TileTable& table, const float* x, const flo
     const int nr = static_cast<int>(std::min<int64_t>(kTile, n_end - n));
     for (int64_t m = 0; m < M; m += mr_max) {
       const int mr = static_cast<int>(std::min<int64_t>(mr_max, M - m));
-      table.fn[mr - 1][nr - 1](x + m * K, w + n * K, y + m * N + n, K, N);
+      // the first x tile asks for the weight tile kPrefetchTiles ahead, so it arrives while
+      // this one is used; past the end of this task's range nothing is prefetched
+      const int64_t ahead = n + kPrefetchTiles * kTile;
+      const float* pf = (m == 0 && ahead + kTile <= n_end) ? w + ahead * K : nullptr;
+      table.fn[mr - 1][nr - 1](x + m * K, w + n * K, y + m * N + n, K, N, pf);
     }
   }
 }
