@@ -11,9 +11,15 @@ matchness, the search restarts from it.
 Beyond SWIFT: ``skip_ratio="auto"`` searches a ladder of ratios side by side and keeps the one
 whose best set promises the most tokens per second, from the draft forward time measured for
 that set and the verify costs the drafter policy measures; when no ratio beats plain decoding,
-layer skipping is switched off (small models: a draft step costs nearly a full step); it is
-switched off early when not even a set ``optimism`` better in matchness than the best found
-would beat plain decoding at the measured costs.
+layer skipping is switched off (small models: a draft step costs nearly a full step).
+The search pays only for what can pay, since on a small model it is pure overhead:
+- before the first phase, a ratio whose draft forward is so slow that even a set of the
+  target matchness would not beat plain decoding is dropped (one timed forward per ratio);
+- phases grow (``candidates_per_forward`` candidates in the first, doubling up to
+  ``steps_per_window``), and after each one the search stops when not even a set
+  ``optimism[phase]`` better in matchness than the best found would beat plain decoding
+  (generous after one phase, tighter as the scores accumulate);
+- all of it is capped at ``time_fraction`` of the time spent generating.
 """
 
 from __future__ import annotations
@@ -40,9 +46,9 @@ class OnTheFlyTuner:
     """
 
     def __init__(self, num_layers: int, chooser: DrafterPolicy | None, skip_ratio="auto", window: int = 32,
-                 steps_per_window: int = 32, candidates_per_forward: int = 4, time_fraction: float = 0.3,
+                 steps_per_window: int = 32, candidates_per_forward: int = 4, time_fraction: float = 0.1,
                  initial: LayerSet | None = None, restart_ratio: float = 0.5, config: SearchConfig | None = None,
-                 optimism: float = 0.15):
+                 optimism: tuple = (0.45, 0.3, 0.15)):
         ratios = list(AUTO_RATIOS if skip_ratio == "auto" else (float(skip_ratio),))
         base = config or SearchConfig()
         start = {}
@@ -59,7 +65,9 @@ class OnTheFlyTuner:
         self.per_forward = candidates_per_forward
         self.time_fraction = time_fraction
         self.restart_ratio = restart_ratio
-        self.optimism = optimism  # matchness a further search might add; below that, give up
+        self.optimism = tuple(optimism) if isinstance(optimism, (tuple, list)) else (float(optimism),)
+        self.target = base.target  # the matchness a search aims at: the ceiling of the ratio check
+        self.ratio_ceiling: dict = {}  # ratio -> rate vs plain of a set of target matchness
         self.optimizing = True
         self.current: LayerSet | None = None
         self.current_score = 0.0
@@ -70,7 +78,7 @@ class OnTheFlyTuner:
         self.phases = 0
         self.scored = 0
         self.restarts = 0
-        self.draft_cost: dict = {}
+        self.draft_cost: dict = {}  # sub-layers skipped -> seconds of one draft forward
         self._acc, self._miss = 0.0, 0.0
 
     # --- the schedule ----------------------------------------------------------------
@@ -93,6 +101,12 @@ class OnTheFlyTuner:
             return self._finish("time budget")
         self.last_optimized_at = produced
         t0 = time.perf_counter()
+        if self.phases == 0 and self.chooser is not None and self.chooser.costs.known():
+            self._drop_slow_ratios(model, cache, pending, head)
+            if not self.searches:
+                self.search_s += time.perf_counter() - t0
+                self.best_rate_vs_plain = 0.0
+                return self._finish("no skip ratio drafts fast enough to pay")
         self._optimize(model, cache, i, prompts[r] + requests.out[r], head)
         self._pick(model, cache, pending, head)
         self.search_s += time.perf_counter() - t0
@@ -103,14 +117,26 @@ class OnTheFlyTuner:
             return self._finish("no set within reach can pay")
         return self.current
 
+    def _drop_slow_ratios(self, model, cache, pending, head) -> None:
+        """Drop the ratios whose draft forward (timed with a random set of that ratio) is too
+        slow for even a set of the target matchness to beat plain decoding."""
+        plain = 1.0 / self.chooser.costs.verify(1)
+        for ratio in list(self.searches):
+            probe = LayerSet.random(model.num_layers, ratio, seed=0)
+            cost = self.draft_cost[probe.num_skipped] = self._draft_cost(model, cache, pending, probe, head)
+            self.ratio_ceiling[ratio] = self._rate(self.target, cost) / plain
+            if self.ratio_ceiling[ratio] <= 1.0:
+                del self.searches[ratio]
+
     def _optimize(self, model, cache, row, context, head) -> None:
         todo = []
+        steps = min(self.steps_per_window, self.per_forward * 2 ** self.phases)  # phases grow
         for ratio, search in self.searches.items():
             if search.done():
                 continue
             if search.best is not None:
                 todo.append((search, search.best, True))  # re-score the kept best on new context
-            n = max(1, self.steps_per_window // len(self.searches))
+            n = max(1, steps // len(self.searches))
             todo += [(search, c, False) for c in search.propose(n)]
         for j in range(0, len(todo), self.per_forward):
             chunk = todo[j:j + self.per_forward]
@@ -150,11 +176,12 @@ class OnTheFlyTuner:
         plain = 1.0 / self.chooser.costs.verify(1)
         rated = []
         for score, ls in best:
-            key = str(ls)
+            key = ls.num_skipped  # a draft forward's time depends on how many sub-layers it skips
             if key not in self.draft_cost:
                 self.draft_cost[key] = self._draft_cost(model, cache, pending, ls, head)
+            optimism = self.optimism[min(self.phases, len(self.optimism) - 1)]
             rated.append((self._rate(max(score, 0.0), self.draft_cost[key]), score, ls,
-                          self._rate(min(1.0, score + self.optimism), self.draft_cost[key])))
+                          self._rate(min(1.0, score + optimism), self.draft_cost[key])))
         rate, score, ls, _ = max(rated, key=lambda t: t[0])
         self.current, self.current_score = ls, score
         self.best_rate_vs_plain = rate / plain
@@ -191,4 +218,5 @@ class OnTheFlyTuner:
     def stats(self) -> dict:
         return {"search_phases": self.phases, "candidates_scored": self.scored, "search_s": self.search_s,
                 "search_restarts": self.restarts, "layer_skip_enabled": self.enabled,
+                "ratio_ceiling": {r: round(v, 3) for r, v in self.ratio_ceiling.items()},
                 "search_stop": getattr(self, "stop_reason", "")}

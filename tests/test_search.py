@@ -69,7 +69,11 @@ def test_one_layer_set_per_row_equals_separate_forwards():
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("drafter,skip_ratio", [("auto", "auto"), ("layer-skip", 0.3)])
 def test_on_the_fly_search_is_greedy_identical_to_ar(arch, drafter, skip_ratio, tmp_path, monkeypatch):
+    from swiftkern.tuner import OnTheFlyTuner
+
     monkeypatch.setenv("SWIFTKERN_CACHE_DIR", str(tmp_path))
+    # free draft forwards: no ratio is dropped for speed, whatever this machine's timings are
+    monkeypatch.setattr(OnTheFlyTuner, "_draft_cost", lambda self, *a: 0.0)
     hf = tiny_model(arch, num_hidden_layers=6)
     ar = Generator(hf).generate(PROMPTS, max_new_tokens=60, eos_token_id=[]).tokens
     gen = Generator(hf, mode="self-spec", drafter=drafter, layer_set="auto", skip_ratio=skip_ratio, eps=0.0,
@@ -77,7 +81,8 @@ def test_on_the_fly_search_is_greedy_identical_to_ar(arch, drafter, skip_ratio, 
     out = gen.generate(PROMPTS, max_new_tokens=60, eos_token_id=[])
     assert out.tokens == ar
     s = out.stats
-    assert s["search_phases"] >= 1 and s["candidates_scored"] >= 8  # a phase may already hit the target
+    # the first phase scores candidates_per_forward (4) sets; it may already end the search
+    assert s["search_phases"] >= 1 and s["candidates_scored"] >= 4
     if drafter == "layer-skip":
         assert s["drafter_steps"]["layer-skip"] > 0 and s["searched_layer_set"]
 
@@ -151,7 +156,8 @@ def test_matchness_with_a_pruned_head_scores_the_drafts_top1():
 def test_layer_skip_is_switched_off_when_no_set_can_pay(draft_seconds, enabled, monkeypatch):
     from swiftkern.tuner import OnTheFlyTuner
 
-    # a draft forward "measured" at 10 s can never beat a plain step; a free one always does
+    # a draft forward "measured" at 10 s can never beat a plain step, not even with the target
+    # matchness, so the ratio is dropped before any set is scored; a free one always pays
     monkeypatch.setattr(OnTheFlyTuner, "_draft_cost", lambda self, *a: draft_seconds)
     hf = tiny_model("llama", num_hidden_layers=6)
     ar = Generator(hf).generate(PROMPTS[:2], max_new_tokens=40, eos_token_id=[]).tokens
@@ -160,5 +166,6 @@ def test_layer_skip_is_switched_off_when_no_set_can_pay(draft_seconds, enabled, 
     assert out.tokens == ar
     assert out.stats["layer_skip_enabled"] is enabled
     if not enabled:
-        assert out.stats["search_phases"] == 1 and "can pay" in out.stats["search_stop"]
+        assert out.stats["search_phases"] == 0 and out.stats["candidates_scored"] == 0
+        assert "fast enough to pay" in out.stats["search_stop"] and out.stats["ratio_ceiling"][0.3] < 1
         assert out.stats["drafter_steps"]["layer-skip"] == 0
