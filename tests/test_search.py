@@ -169,3 +169,26 @@ def test_layer_skip_is_switched_off_when_no_set_can_pay(draft_seconds, enabled, 
         assert out.stats["search_phases"] == 0 and out.stats["candidates_scored"] == 0
         assert "fast enough to pay" in out.stats["search_stop"] and out.stats["ratio_ceiling"][0.3] < 1
         assert out.stats["drafter_steps"]["layer-skip"] == 0
+
+
+def test_predicted_draft_cost_is_the_share_of_weight_bytes_read():
+    """The tuner's draft cost: verify(1) x (kept sub-layers + head rows) / (all sub-layers + full head)."""
+    from swiftkern.drafter_policy import DrafterPolicy
+    from swiftkern.draft_head import DraftHead
+    from swiftkern.tuner import OnTheFlyTuner
+
+    sm = SkipModel.from_hf(tiny_model("llama", num_hidden_layers=6))
+    chooser = DrafterPolicy(("layer-skip",), k_max=8)
+    chooser.record_verify(1, 0.02)
+    tuner = OnTheFlyTuner(sm.num_layers, chooser, skip_ratio=0.3)
+    H, V, I = 64, sm.vocab_size, 96
+    attn = H * H * 2 + H * (H // 2) * 2  # q, o [64, 64]; k, v [32, 64] (2 of 4 heads)
+    mlp = 3 * H * I
+    full = 6 * (attn + mlp) + V * H
+    assert tuner._draft_cost(sm, None, None, LayerSet.parse("none", 6), None) == pytest.approx(0.02)
+    skip = LayerSet.parse("attn:3|mlp:1,2", 6)
+    want = 0.02 * (full - 2 * mlp - attn) / full
+    assert tuner._draft_cost(sm, None, None, skip, None) == pytest.approx(want)
+    head = DraftHead(sm.lm_head, None, 50, [7, 8, 9])
+    want = 0.02 * (full - V * H + len(head) * H) / full
+    assert tuner._draft_cost(sm, None, None, LayerSet.parse("none", 6), head) == pytest.approx(want)
