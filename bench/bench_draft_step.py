@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import swiftkern  # noqa: E402
 from bench import common  # noqa: E402
-from bench.bench_generate import tiny_model  # noqa: E402
+from bench.bench_generate import skip_model  # noqa: E402
 from swiftkern.draft_head import DEFAULT_DRAFT_VOCAB, DraftHead  # noqa: E402
 
 ROUTINE = "draft_step"
@@ -32,11 +32,7 @@ RATIOS = (0.0, 0.2, 0.45)
 
 
 def run(args) -> list[dict]:
-    if args.smoke:
-        model, name = swiftkern.SkipModel.from_hf(tiny_model()), "tiny-llama"
-    else:
-        model, _ = swiftkern.load_model(args.model, device=args.device)
-        name = args.model
+    model, name = skip_model(args)
     context = torch.randint(0, model.vocab_size, (1, 200 if not args.smoke else 20), device=model.device)
     cache = model.new_cache(1, context.shape[1] + 2)
     model.forward(context, cache)

@@ -17,7 +17,6 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from bench import common  # noqa: E402
 from bench.kernel_bench import PRINT_KEYS, Case, default_dtype, run_cases, standalone  # noqa: E402, F401
 
 ROUTINE = "fused_add_rms_norm"
@@ -44,7 +43,6 @@ def cases(args) -> list[Case]:
 
 
 def run(args) -> list[dict]:
-    print(f"copy bandwidth on {common.device_name(args.device)}: {common.copy_bandwidth_gbs(args.device):.1f} GB/s")
     return run_cases(ROUTINE, ROUTINE, cases(args), args)
 
 

@@ -69,6 +69,14 @@ def tiny_model():
     return model
 
 
+def skip_model(args):
+    """(SkipModel, name) for a routine: the tiny random Llama with --smoke, else --model."""
+    if args.smoke:
+        return swiftkern.SkipModel.from_hf(tiny_model()), "tiny-llama"
+    model, _ = swiftkern.load_model(args.model, device=args.device)
+    return model, args.model
+
+
 def encode(tok, text: str, vocab: int) -> list[int]:
     """Chat-template token ids; without a tokenizer (--smoke) bytes folded into the vocabulary."""
     if tok is None:

@@ -19,7 +19,6 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from bench import common  # noqa: E402
 from bench.kernel_bench import PRINT_KEYS, Case, default_dtype, providers, run_cases, standalone  # noqa: E402, F401
 
 ROUTINE = "kv_compact"
@@ -69,7 +68,6 @@ def refcheck(cases_: list[Case], args) -> None:
 
 
 def run(args) -> list[dict]:
-    print(f"copy bandwidth on {common.device_name(args.device)}: {common.copy_bandwidth_gbs(args.device):.1f} GB/s")
     cs = cases(args)
     if args.refcheck:
         refcheck(cs, args)

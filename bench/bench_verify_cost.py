@@ -22,9 +22,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-import swiftkern  # noqa: E402
 from bench import common  # noqa: E402
-from bench.bench_generate import tiny_model  # noqa: E402
+from bench.bench_generate import skip_model  # noqa: E402
 from swiftkern import ops  # noqa: E402
 
 ROUTINE = "verify_cost"
@@ -45,11 +44,7 @@ def _forced(backend: str | None, fn):
 
 
 def run(args) -> list[dict]:
-    if args.smoke:
-        model, name = swiftkern.SkipModel.from_hf(tiny_model()), "tiny-llama"
-    else:
-        model, _ = swiftkern.load_model(args.model, device=args.device)
-        name = args.model
+    model, name = skip_model(args)
     ctx = 20 if args.smoke else 200
     context = torch.randint(0, model.vocab_size, (1, ctx), device=model.device)
     cache = model.new_cache(1, ctx + max(TOKENS))

@@ -81,7 +81,9 @@ def check(op: str, name: str, got, want, atol: float, rtol: float) -> None:
 
 def run_cases(routine: str, op: str, cases: list[Case], args, extra: dict | None = None,
               tol: tuple[float, float] = (2e-2, 2e-2)) -> list[dict]:
-    """Time every provider on every case (interleaved) -> rows for bench/results/<routine>.csv."""
+    """Time every provider on every case (interleaved) -> rows for bench/results/<routine>.csv.
+    Prints the device's measured copy bandwidth first (the ceiling of memory-bound ops)."""
+    print(f"copy bandwidth on {common.device_name(args.device)}: {common.copy_bandwidth_gbs(args.device):.1f} GB/s")
     fns_of = providers(op, args.device, extra, args.providers)
     reps = args.reps or (3 if args.smoke else 20)
     rows = []

@@ -13,8 +13,12 @@ What breaks batch invariance, and what each op here does instead:
   keys into fixed blocks of ``KEY_BLOCK`` from position 0 and adds the blocks in order, so
   the keys past a query (weighted by exact zeros) and extra blocks change nothing;
 - an elementwise op whose scalar tail differs from its SIMD body (``F.silu`` on the CPU
-  differs in the last bit for ~4 % of inputs): ``bi_silu_mul`` is built from ``exp`` (the
-  same result in the body and the tail) and exact arithmetic.
+  differs in the last bit for ~4 % of inputs), or a library transcendental whose result
+  depends on how the library split the array (``torch.exp`` on the CPU: once in a few runs,
+  the second half of a 4097-element array came back different in the last bit): ``bi_exp``
+  is built from single IEEE operations (multiply, add, round, integer bit shifts), each
+  exactly rounded whatever path computes it, and ``bi_silu_mul``, ``bi_log_softmax`` and
+  ``bi_attention`` use it.
 All ops compute in float32 and return the input dtype where the model expects it.
 """
 
@@ -50,6 +54,32 @@ def tree_sum(x: torch.Tensor) -> torch.Tensor:
     return total
 
 
+_LOG2E = 1.4426950408889634
+_LN2_HI, _LN2_LO = 0.693145751953125, 1.4286068203094172e-06  # ln 2 = hi + lo, hi exact in 16 bits
+_EXP_TAYLOR = [1.0 / 5040, 1.0 / 720, 1.0 / 120, 1.0 / 24, 1.0 / 6, 0.5, 1.0, 1.0]  # degree 7, Horner order
+
+
+def bi_exp(x: torch.Tensor) -> torch.Tensor:
+    """exp(x) in float32 from single IEEE operations only: the same bits for an element
+    whatever the tensor's size, layout, SIMD path or threads. x: any shape -> float32.
+
+    x = n ln2 + r with n = round(x log2 e) and |r| <= ln2 / 2 (ln 2 split in two so n ln2 is
+    exact); exp(r) by its degree-7 Taylor polynomial (truncation < 3e-9 relative); 2^n built
+    from its exponent bits. Relative error a few float32 ulps; below -87 (and -inf) -> 0,
+    above 88 saturates at exp(88) (the callers subtract a maximum first: never positive).
+    """
+    x = x.to(torch.float32)
+    tiny = x < -87.0  # exp < 1.7e-38: flushed to 0 (as exp(-inf))
+    x = torch.clamp(x, min=-87.0, max=88.0)
+    n = torch.round(torch.mul(x, _LOG2E))
+    r = torch.sub(torch.sub(x, torch.mul(n, _LN2_HI)), torch.mul(n, _LN2_LO))
+    p = torch.full_like(r, _EXP_TAYLOR[0])
+    for c in _EXP_TAYLOR[1:]:
+        p = torch.add(torch.mul(p, r), c)
+    scale = torch.bitwise_left_shift(n.to(torch.int32) + 127, 23).view(torch.float32)  # 2^n
+    return torch.mul(p, scale).masked_fill(tiny, 0.0)
+
+
 def bi_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm with a fixed-order mean of squares. x: [..., H], weight: [H] -> [..., H]"""
     x32 = x.to(torch.float32)
@@ -60,7 +90,7 @@ def bi_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
 def bi_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up from exp and exact arithmetic. gate, up: [..., I] -> [..., I]"""
     g = gate.to(torch.float32)
-    return (g / (1.0 + torch.exp(-g)) * up.to(torch.float32)).to(gate.dtype)
+    return (g / (1.0 + bi_exp(-g)) * up.to(torch.float32)).to(gate.dtype)
 
 
 def bi_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -81,7 +111,7 @@ def bi_log_softmax(logits: torch.Tensor) -> torch.Tensor:
     """Row-wise log-softmax with a fixed-order sum. logits: [..., V] -> float32 [..., V]"""
     z = logits.to(torch.float32)
     z = z - z.amax(dim=-1, keepdim=True)
-    return z - torch.log(tree_sum(torch.exp(z)))
+    return z - torch.log(tree_sum(bi_exp(z)))
 
 
 def bi_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_start: torch.Tensor,
@@ -114,7 +144,7 @@ def bi_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_st
     scores = torch.matmul(qf, k.transpose(-1, -2)) * scale  # [R, Hkv, blocks, gT, KB]
     scores = scores.masked_fill(~visible, float("-inf"))
     top = scores.amax(dim=(2, 4), keepdim=True)  # key 0 is always visible: finite
-    p = torch.exp(scores - top).masked_fill(~visible, 0.0)
+    p = bi_exp(scores - top).masked_fill(~visible, 0.0)
     block_sums = tree_sum(p)  # [R, Hkv, blocks, gT, 1]
     block_out = torch.matmul(p, v)  # [R, Hkv, blocks, gT, D]
     total, out = block_sums[:, :, 0], block_out[:, :, 0]

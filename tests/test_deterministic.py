@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from conftest import tiny_model
 from swiftkern import reference
-from swiftkern.batch_invariant import (KEY_BLOCK, bi_attention, bi_log_softmax, bi_rms_norm, bi_silu_mul,
+from swiftkern.batch_invariant import (KEY_BLOCK, bi_attention, bi_exp, bi_log_softmax, bi_rms_norm, bi_silu_mul,
                                        tree_sum)
 from swiftkern.deterministic import FastPath
 from swiftkern.errors import SwiftkernError
@@ -56,6 +56,19 @@ def test_bi_rms_norm_matches_reference_rowwise_bits(rows, hidden):
     torch.testing.assert_close(full, reference.rms_norm(x, w, 1e-5), atol=1e-5, rtol=1e-5)
     i = rows // 2
     assert torch.equal(bi_rms_norm(x[i:i + 1], w, 1e-5), full[i:i + 1])
+
+
+def test_bi_exp_is_accurate_and_the_same_bits_at_any_place():
+    """Within 2 float32 ulps of exp over its range; -inf and tiny inputs give 0; an element's
+    bits do not depend on the array around it (size, offset, SIMD body or tail)."""
+    x = torch.cat([torch.linspace(-86.9, 87.9, 50001), rand(20011, seed=3) * 8])
+    y = bi_exp(x)
+    rel = (y.double() - torch.exp(x.double())).abs() / torch.exp(x.double())
+    assert float(rel.max()) < 2 * 2.0 ** -24
+    assert bi_exp(torch.tensor([float("-inf"), -100.0, 0.0])).tolist() == [0.0, 0.0, 1.0]
+    for size, offset in ((1, 0), (7, 3), (17, 1), (4097, 5), (33333, 11)):
+        part = x[offset:offset + size].clone()
+        assert torch.equal(bi_exp(part), y[offset:offset + size]), (size, offset)
 
 
 def test_bi_silu_mul_matches_reference_at_any_place():
