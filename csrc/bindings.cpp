@@ -35,6 +35,7 @@ std::tuple<at::Tensor, at::Tensor> greedy_accept_cpu(const at::Tensor& draft_tok
                                                      const at::Tensor& num_draft);
 at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
                              const std::optional<at::Tensor>& bias);
+at::Tensor bi_exp_cpu(const at::Tensor& x);
 at::Tensor skinny_linear_isa(const at::Tensor& x, const at::Tensor& weight, const std::string& isa);
 std::vector<std::string> skinny_linear_isas();
 std::tuple<at::Tensor, at::Tensor> rejection_sample_cpu(const at::Tensor& draft_tokens,
@@ -68,7 +69,7 @@ void kv_compact_cuda(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& s
 
 // The ops with a compiled kernel per device (what build_info() reports).
 constexpr const char* kCpuKernels[] = {"greedy_accept", "rejection_sample", "skinny_linear", "fused_add_rms_norm",
-                                       "rope_kv_append", "kv_compact"};
+                                       "rope_kv_append", "kv_compact", "bi_exp"};
 #ifdef SWIFTKERN_WITH_CUDA
 constexpr const char* kCudaKernels[] = {"greedy_accept", "rejection_sample", "fused_add_rms_norm", "rope_kv_append",
                                         "kv_compact"};
@@ -89,6 +90,7 @@ TORCH_LIBRARY(swiftkern, m) {
   m.def("verify_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_lens, float scale) -> Tensor");
   m.def("kv_compact(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor src_positions, Tensor dst_start, "
         "Tensor counts) -> ()");
+  m.def("bi_exp(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(swiftkern, CPU, m) {
@@ -98,6 +100,7 @@ TORCH_LIBRARY_IMPL(swiftkern, CPU, m) {
   m.impl("fused_add_rms_norm", &swiftkern::fused_add_rms_norm_cpu);
   m.impl("rope_kv_append", &swiftkern::rope_kv_append_cpu);
   m.impl("kv_compact", &swiftkern::kv_compact_cpu);
+  m.impl("bi_exp", &swiftkern::bi_exp_cpu);
 }
 
 #ifdef SWIFTKERN_WITH_CUDA

@@ -54,30 +54,10 @@ def tree_sum(x: torch.Tensor) -> torch.Tensor:
     return total
 
 
-_LOG2E = 1.4426950408889634
-_LN2_HI, _LN2_LO = 0.693145751953125, 1.4286068203094172e-06  # ln 2 = hi + lo, hi exact in 16 bits
-_EXP_TAYLOR = [1.0 / 5040, 1.0 / 720, 1.0 / 120, 1.0 / 24, 1.0 / 6, 0.5, 1.0, 1.0]  # degree 7, Horner order
-
-
 def bi_exp(x: torch.Tensor) -> torch.Tensor:
-    """exp(x) in float32 from single IEEE operations only: the same bits for an element
-    whatever the tensor's size, layout, SIMD path or threads. x: any shape -> float32.
-
-    x = n ln2 + r with n = round(x log2 e) and |r| <= ln2 / 2 (ln 2 split in two so n ln2 is
-    exact); exp(r) by its degree-7 Taylor polynomial (truncation < 3e-9 relative); 2^n built
-    from its exponent bits. Relative error a few float32 ulps; below -87 (and -inf) -> 0,
-    above 88 saturates at exp(88) (the callers subtract a maximum first: never positive).
-    """
-    x = x.to(torch.float32)
-    tiny = x < -87.0  # exp < 1.7e-38: flushed to 0 (as exp(-inf))
-    x = torch.clamp(x, min=-87.0, max=88.0)
-    n = torch.round(torch.mul(x, _LOG2E))
-    r = torch.sub(torch.sub(x, torch.mul(n, _LN2_HI)), torch.mul(n, _LN2_LO))
-    p = torch.full_like(r, _EXP_TAYLOR[0])
-    for c in _EXP_TAYLOR[1:]:
-        p = torch.add(torch.mul(p, r), c)
-    scale = torch.bitwise_left_shift(n.to(torch.int32) + 127, 23).view(torch.float32)  # 2^n
-    return torch.mul(p, scale).masked_fill(tiny, 0.0)
+    """exp(x) in float32, the same bits for an element wherever it sits: ``ops.bi_exp`` (the
+    C++ kernel on the CPU, else ``reference.bi_exp``). x: any shape -> float32."""
+    return ops.bi_exp(x)
 
 
 def bi_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -48,6 +48,7 @@ _SCHEMAS = {
     "verify_attention": "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_lens, float scale) -> Tensor",
     "kv_compact": ("(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor src_positions, Tensor dst_start, "
                    "Tensor counts) -> ()"),
+    "bi_exp": "(Tensor x) -> Tensor",
 }
 _BACKENDS = ("auto", "reference", "cpp", "triton", "cuda")
 _LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -137,6 +138,10 @@ def _verify_attention_fake(q, k_cache, v_cache, cache_lens, scale):
 
 def _kv_compact_fake(k_cache, v_cache, src_positions, dst_start, counts):
     return None
+
+
+def _bi_exp_fake(x):
+    return torch.empty_like(x, dtype=torch.float32, memory_format=torch.contiguous_format)
 
 
 # op -> {"cpu": "cpp" | "reference", "cuda": "cuda" | "reference"}: what torch.ops.swiftkern runs
@@ -763,6 +768,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return reference.skinny_linear(x, weight, bias)
 
 
+def bi_exp(x: torch.Tensor) -> torch.Tensor:
+    """exp(x) for the deterministic verifier, the same bits for an element whatever the tensor
+    around it (size, offset, SIMD body or tail, threads). x: float tensor [...] -> float32 [...].
+
+    One definition, ``reference.bi_exp`` (range reduction + degree-7 Taylor polynomial, single
+    IEEE operations; within 2 ulps of exp, 0 below -87); the C++ kernel (CPU, auto/cpp) does
+    the same operations in the same order and gives the same bits (tested).
+    """
+    op = "bi_exp"
+    _is_tensor(op, x=x)
+    if not x.is_floating_point():
+        raise SwiftkernError(f"{op}: x must be a float tensor, got {x.dtype}")
+    x = x.to(torch.float32)
+    if x.device.type == "cpu" and _backend() in ("auto", "cpp") and _OPS["bi_exp"]["cpu"] == "cpp":
+        return torch.ops.swiftkern.bi_exp(x)
+    return reference.bi_exp(x)
+
+
 def bi_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Batch-invariant matmul for the deterministic verifier: a @ b with each row of the result
     independent of M and of the other rows (same bits for a row alone or in any batch).
@@ -791,6 +814,6 @@ def bi_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return _run(op, a.device, a, b)
 
 
-__all__ = ["bi_matmul", "greedy_accept", "linear", "rejection_sample", "rms_norm", "fused_add_rms_norm",
+__all__ = ["bi_exp", "bi_matmul", "greedy_accept", "linear", "rejection_sample", "rms_norm", "fused_add_rms_norm",
            "silu_mul", "apply_rope", "rope_kv_append", "attention_mask", "verify_attention", "kv_compact", "backend_info",
            "backend_for", "info", "set_backend"]

@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from swiftkern import ops, reference
+from swiftkern.errors import SwiftkernError
 from triton_cases import assert_close
 
 BUILT = ops._C is not None
@@ -313,3 +314,26 @@ def test_opcheck_new_ops():
     torch.library.opcheck(OPS.rope_kv_append, (q, kk, vv, cos, sin, cache[0], cache[1], positions))
     x, res, w = norm_inputs((3, 64), torch.bfloat16, 4)
     torch.library.opcheck(OPS.fused_add_rms_norm, (x, res, w, 1e-5))
+
+
+# --------------------------------------------------------------------------- bi_exp
+
+@needs_cpp
+@settings(max_examples=30, deadline=None)
+@given(size=st.integers(0, 300), scale=st.sampled_from([1.0, 10.0, 60.0]), seed=st.integers(0, 2**31 - 1))
+def test_bi_exp_kernel_equals_the_reference_bitwise(size, scale, seed):
+    """The C++ kernel (SIMD body and scalar tail) does the reference's operations in its order."""
+    x = torch.randn(size, generator=torch.Generator().manual_seed(seed)) * scale
+    x[::7] = torch.tensor([-87.5, -87.0, -86.99, 88.0, 88.5, 0.0, -0.0, float("-inf")]).repeat(size)[: x[::7].numel()]
+    got = torch.ops.swiftkern.bi_exp(x)
+    assert torch.equal(got, reference.bi_exp(x))
+    assert torch.equal(got[1:], torch.ops.swiftkern.bi_exp(x[1:].clone()))  # another alignment
+
+
+@needs_cpp
+def test_bi_exp_opcheck_and_bad_input():
+    torch.library.opcheck(torch.ops.swiftkern.bi_exp, (torch.randn(3, 37),))
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.swiftkern.bi_exp(torch.randn(5).double())
+    with pytest.raises(SwiftkernError, match="float tensor"):
+        ops.bi_exp(torch.arange(5))
