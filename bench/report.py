@@ -62,17 +62,20 @@ def heading(routine: str, rows: list[dict]) -> str:
 
 
 def generate_table(rows: list[dict]) -> list[str]:
-    """Providers x prompt kinds (tok/s), then the medians over prompts."""
+    """Providers x prompt kinds (tok/s), then the medians over prompts, against the run's own
+    baseline: HF greedy (routine generate) or swiftkern ar (routine drafters)."""
+    base = "hf" if "ratio_vs_hf" in rows[0] else "ar"
+    baseline = {"hf": "hf-greedy", "ar": "ar"}[base]
     kinds = list(dict.fromkeys(r["prompt_kind"] for r in rows))
     lines = ["| provider | " + " | ".join(f"{k} tok/s" for k in kinds)
-             + " | median × hf-greedy | accepted / verify | tokens equal HF |",
+             + f" | median × {baseline} | accepted / verify | tokens equal {base.upper() if base == 'hf' else base} |",
              "|---|" + "---|" * len(kinds) + "---|---|---|"]
     for prov in dict.fromkeys(r["provider"] for r in rows):
         mine = {r["prompt_kind"]: r for r in rows if r["provider"] == prov}
         cells = [_fmt(mine[k]["tok_s"], 1) if k in mine else "–" for k in kinds]
-        ratio = statistics.median(float(r["ratio_vs_hf"]) for r in mine.values())
+        ratio = statistics.median(float(r[f"ratio_vs_{base}"]) for r in mine.values())
         acc = statistics.median(float(r["mean_accepted"]) for r in mine.values())
-        equal = all(str(r["tokens_equal_hf"]) == "True" for r in mine.values())
+        equal = all(str(r[f"tokens_equal_{base}"]) == "True" for r in mine.values())
         lines.append(f"| {prov} | " + " | ".join(cells) + f" | {ratio:.2f}× | {acc:.2f} | {'yes' if equal else 'no'} |")
     r = rows[0]
     lines.append("")
@@ -82,12 +85,13 @@ def generate_table(rows: list[dict]) -> list[str]:
 
 
 def op_table(rows: list[dict]) -> list[str]:
-    cols = [c for c in ("provider", "dtype", "shape", "median_ms", "p20_ms", "p80_ms", "gb_s", "tflop_s",
-                        "pct_of_ceiling") if any(r.get(c) not in (None, "") for r in rows)]
+    cols = [c for c in ("provider", "dtype", "shape", "window", "median_ms", "p20_ms", "p80_ms", "gb_s", "tflop_s",
+                        "pct_of_ceiling", "x_vs_reference", "tok_s", "ratio_vs_ar", "ratio_vs_T1", "ratio_vs_full",
+                        "rollback_fraction", "tokens_equal_ar") if any(r.get(c) not in (None, "") for r in rows)]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
-        lines.append("| " + " | ".join(_fmt(r.get(c), 3) if c.endswith(("_ms", "_s")) else str(r.get(c, ""))
-                                      for c in cols) + " |")
+        lines.append("| " + " | ".join(_fmt(r.get(c), 3) if c.endswith(("_ms", "_s", "_fraction"))
+                                      else str(r.get(c, "")) for c in cols) + " |")
     return lines
 
 
