@@ -76,10 +76,10 @@ def test_every_drafter_greedy_matches_hf(smollm2, references, drafter, layer_set
     out = gen.generate(PROMPTS, max_new_tokens=64)
     assert out.tokens == references[1]
     assert sum(out.stats["drafter_steps"].values()) == out.stats["row_verifies"]
-    if layer_set == "auto":  # after the first window of 32 tokens the search ran (its first phase
-        # scores 4 sets), or the measured costs ruled every skip ratio out before scoring
+    if layer_set == "auto":  # after the first window of 32 tokens the search scored sets (how many
+        # depends on which ratios the measured costs leave), or those costs ruled every ratio out
         s = out.stats
-        assert (s["search_phases"] >= 1 and s["candidates_scored"] >= 4) or "fast enough" in s["search_stop"]
+        assert s["candidates_scored"] >= s["search_phases"] >= 1 or "fast enough" in s["search_stop"]
 
 
 def test_chat_prompt_is_the_tokenizers_template(smollm2):
