@@ -196,6 +196,7 @@ class OnTheFlyTuner:
         if self.chooser is not None and getattr(self, "best_rate_vs_plain", 1.0) < 1.0:
             self.enabled = False  # no searched set can beat plain decoding at the measured costs
             self.stop_reason = why + "; layer skip cannot beat plain decoding"
+            self.current = None  # nothing drafts with it: report no set
             return None
         return self.current
 
