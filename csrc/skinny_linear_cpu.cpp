@@ -54,6 +54,19 @@ static void tile_portable(const float* x, const float* w, float* y, int64_t K, i
 }
 
 #if defined(__x86_64__)
+// reduce_lanes in registers: the same additions in the same order (l + 8, l + 4, l + 2, l + 1)
+__attribute__((target("avx2"))) static inline float halving_sum_8x2(__m256 lo, __m256 hi) {
+  const __m256 h8 = _mm256_add_ps(lo, hi);                                             // l + (l + 8)
+  const __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1));  // + 4
+  const __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));                             // + 2
+  return _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));                     // + 1
+}
+
+__attribute__((target("avx512f,avx2"))) static inline float halving_sum_avx512(__m512 v) {
+  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+  return halving_sum_8x2(_mm512_castps512_ps256(v), hi);
+}
+
 template <int MR, int NR>
 __attribute__((target("avx512f"))) static void tile_avx512(const float* x, const float* w, float* y, int64_t K,
                                                            int64_t N, const float* pf) {
@@ -80,12 +93,8 @@ __attribute__((target("avx512f"))) static void tile_avx512(const float* x, const
       for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_mask3_fmadd_ps(xv, wv[j], acc[i][j], mask);
     }
   }
-  float lane[kLanes];
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) {
-      _mm512_storeu_ps(lane, acc[i][j]);
-      y[i * N + j] = reduce_lanes(lane);
-    }
+    for (int j = 0; j < NR; ++j) y[i * N + j] = halving_sum_avx512(acc[i][j]);
 }
 
 // AVX2: lanes 0-7 and 8-15 of an output in two registers; tiles of up to 2 x rows (16 accumulators).
@@ -110,6 +119,10 @@ __attribute__((target("avx2,fma"))) static void tile_avx2(const float* x, const 
   float lane[kLanes];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) {
+      if (k == K) {  // no tail: reduce in registers
+        y[i * N + j] = halving_sum_8x2(lo[i][j], hi[i][j]);
+        continue;
+      }
       _mm256_storeu_ps(lane, lo[i][j]);
       _mm256_storeu_ps(lane + 8, hi[i][j]);
       for (int64_t t = k; t < K; ++t) lane[t - k] = std::fma(x[i * K + t], w[j * K + t], lane[t - k]);
