@@ -1,5 +1,5 @@
 """skinny_linear: ops.linear and the raw op against a float64 reference, batch invariance
-(any number of rows), every instruction set giving the same bits, the > 16-row fallback of
+(any number of rows), every instruction set giving the same bits, the > SKINNY_MAX_ROWS fallback of
 ops.linear, bad input and opcheck."""
 
 import pytest
@@ -97,8 +97,8 @@ def test_every_instruction_set_gives_the_same_bits(M, K, N, seed):
     assert torch.equal(OP(x, w, None), want)
 
 
-@pytest.mark.parametrize("lead", [(17,), (40,), (3, 7)])
-def test_more_than_16_rows_uses_matmul_and_matches(lead):
+@pytest.mark.parametrize("lead", [(ops.SKINNY_MAX_ROWS + 1,), (40,), (3, 17)])
+def test_more_than_skinny_max_rows_uses_matmul_and_matches(lead):
     x, w, b = make(lead, 576, 577, True, 1)
     check_close(ops.linear(x, w, b), x, w, b)
     check_close(ops.linear(x, w, None), x, w, None)
