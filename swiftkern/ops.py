@@ -752,6 +752,13 @@ def kv_compact(k_cache: torch.Tensor, v_cache: torch.Tensor, src_positions: torc
 SKINNY_MAX_ROWS = 32
 
 
+def _cpu_kernel(op: str, t: torch.Tensor) -> bool:
+    """True when ``op``'s C++ kernel may run on ``t``: a CPU tensor, the kernel built, and
+    SWIFTKERN_BACKEND auto or cpp. For the ops whose reference is the same function (bits
+    aside for linear), other backends take the reference rather than refusing."""
+    return t.device.type == "cpu" and _OPS[op]["cpu"] == "cpp" and _backend() in ("auto", "cpp")
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T + bias, the projection every layer of the model runner uses.
 
@@ -763,9 +770,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     (``reference.skinny_linear``); the two agree to float32 rounding.
     ``backend_info()["kernels"]["skinny_linear"]`` says which kernel is built.
     """
-    if (_OPS["skinny_linear"]["cpu"] == "cpp" and x.device.type == "cpu" and x.dtype == torch.float32
-            and weight.dtype == torch.float32 and x.numel() <= SKINNY_MAX_ROWS * x.shape[-1]
-            and _backend() in ("auto", "cpp")):
+    if (_cpu_kernel("skinny_linear", x) and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and x.numel() <= SKINNY_MAX_ROWS * x.shape[-1]):
         return torch.ops.swiftkern.skinny_linear(x, weight, bias)
     return reference.skinny_linear(x, weight, bias)
 
@@ -783,7 +789,7 @@ def bi_exp(x: torch.Tensor) -> torch.Tensor:
     if not x.is_floating_point():
         raise SwiftkernError(f"{op}: x must be a float tensor, got {x.dtype}")
     x = x.to(torch.float32)
-    if x.device.type == "cpu" and _backend() in ("auto", "cpp") and _OPS["bi_exp"]["cpu"] == "cpp":
+    if _cpu_kernel(op, x):
         return torch.ops.swiftkern.bi_exp(x)
     return reference.bi_exp(x)
 
@@ -810,7 +816,7 @@ def bi_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             importlib.import_module(__package__ + ".triton_kernels.bi_matmul")
         except Exception as e:
             _TRITON["error"] = _TRITON["error"] or f"{type(e).__name__}: {e}"
-    elif a.device.type == "cpu" and _backend() in ("auto", "cpp") and _OPS["skinny_linear"]["cpu"] == "cpp":
+    elif _cpu_kernel("skinny_linear", a):
         w = b.t().to(torch.float32)  # [N, K]: no copy for b = weight.t() of a float32 weight
         return torch.ops.swiftkern.skinny_linear(a.to(torch.float32), w, None).to(a.dtype)
     return _run(op, a.device, a, b)
