@@ -260,4 +260,4 @@ def decode_self_spec(model: SkipModel, cache: KVCache, first_logits: torch.Tenso
         index = torch.tensor(num_accepted, device=out_tokens.device).unsqueeze(1)
         pending = out_tokens.gather(1, index).squeeze(1)  # the corrected or bonus token
         if tuner is not None:
-            layer_set = tuner.after_step(model, cache, requests, prompts, pending, draft_head)
+            layer_set = tuner.after_step(model, cache, requests, prompts, draft_head)

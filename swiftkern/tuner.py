@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 from .drafter_policy import DrafterPolicy, expected_tokens
 from .kv_cache import KVCache
 from .layer_set import LayerSet
@@ -41,7 +39,7 @@ AUTO_RATIOS = (0.1, 0.2, 0.3, 0.45)
 class OnTheFlyTuner:
     """Finds the draft's layer set while generating; see the module doc.
 
-    ``after_step(model, cache, requests, prompts, pending, head)`` is called by the loop after
+    ``after_step(model, cache, requests, prompts, head)`` is called by the loop after
     every verify step and returns the layer set drafts should use now (None: no layer skip);
     ``observe(num_draft, num_accepted)`` records a verified layer-skip draft.
     """
@@ -79,12 +77,10 @@ class OnTheFlyTuner:
         self.phases = 0
         self.scored = 0
         self.restarts = 0
-        self.draft_cost: dict = {}  # sub-layers skipped -> seconds of one draft forward
         self._acc, self._miss = 0.0, 0.0
 
     # --- the schedule ----------------------------------------------------------------
-    def after_step(self, model: SkipModel, cache: KVCache, requests, prompts, pending: torch.Tensor,
-                   head=None) -> LayerSet | None:
+    def after_step(self, model: SkipModel, cache: KVCache, requests, prompts, head=None) -> LayerSet | None:
         if not self.optimizing or not self.enabled:
             return self.current
         rows = [i for i, r in enumerate(requests.alive) if not requests.done[r]]
@@ -103,13 +99,13 @@ class OnTheFlyTuner:
         self.last_optimized_at = produced
         t0 = time.perf_counter()
         if self.phases == 0 and self.chooser is not None and self.chooser.costs.known():
-            self._drop_slow_ratios(model, cache, pending, head)
+            self._drop_slow_ratios(model, head)
             if not self.searches:
                 self.search_s += time.perf_counter() - t0
                 self.best_rate_vs_plain = 0.0
                 return self._finish("no skip ratio drafts fast enough to pay")
         self._optimize(model, cache, i, prompts[r] + requests.out[r], head)
-        self._pick(model, cache, pending, head)
+        self._pick(model, head)
         self.search_s += time.perf_counter() - t0
         self.phases += 1
         if all(s.done() for s in self.searches.values()):
@@ -118,14 +114,13 @@ class OnTheFlyTuner:
             return self._finish("no set within reach can pay")
         return self.current
 
-    def _drop_slow_ratios(self, model, cache, pending, head) -> None:
+    def _drop_slow_ratios(self, model, head) -> None:
         """Drop the ratios whose draft forward (predicted for a random set of that ratio) is too
         slow for even a set of the target matchness to beat plain decoding."""
         plain = 1.0 / self.chooser.costs.verify(1)
         for ratio in list(self.searches):
             probe = LayerSet.random(model.num_layers, ratio, seed=0)
-            cost = self.draft_cost[probe.num_skipped] = self._draft_cost(model, cache, pending, probe, head)
-            self.ratio_ceiling[ratio] = self._rate(self.target, cost) / plain
+            self.ratio_ceiling[ratio] = self._rate(self.target, self._draft_cost(model, probe, head)) / plain
             if self.ratio_ceiling[ratio] <= 1.0:
                 del self.searches[ratio]
 
@@ -149,7 +144,7 @@ class OnTheFlyTuner:
                     search.observe(cand, score)
                 self.scored += 1
 
-    def _draft_cost(self, model, cache, pending, layer_set, head) -> float:
+    def _draft_cost(self, model, layer_set, head) -> float:
         """Seconds of one draft forward with this set, predicted without running it: the
         measured plain step verify(1) times the share of the weight bytes the draft reads
         (kept sub-layers + its LM head rows; a decode step is memory-bound, and its per-layer
@@ -168,7 +163,7 @@ class OnTheFlyTuner:
         costs = self.chooser.costs
         return max(expected_tokens(alpha, k) / (k * draft_cost + costs.verify(k + 1)) for k in range(1, 26))
 
-    def _pick(self, model, cache, pending, head) -> None:
+    def _pick(self, model, head) -> None:
         """The set to draft with: the best of the ratio whose best set promises the highest rate."""
         best = [(s.best_score, s.best) for s in self.searches.values() if s.best is not None]
         if not best:
@@ -178,13 +173,10 @@ class OnTheFlyTuner:
             return
         plain = 1.0 / self.chooser.costs.verify(1)
         rated = []
+        optimism = self.optimism[min(self.phases, len(self.optimism) - 1)]
         for score, ls in best:
-            key = ls.num_skipped  # a draft forward's time depends on how many sub-layers it skips
-            if key not in self.draft_cost:
-                self.draft_cost[key] = self._draft_cost(model, cache, pending, ls, head)
-            optimism = self.optimism[min(self.phases, len(self.optimism) - 1)]
-            rated.append((self._rate(max(score, 0.0), self.draft_cost[key]), score, ls,
-                          self._rate(min(1.0, score + optimism), self.draft_cost[key])))
+            cost = self._draft_cost(model, ls, head)
+            rated.append((self._rate(max(score, 0.0), cost), score, ls, self._rate(min(1.0, score + optimism), cost)))
         rate, score, ls, _ = max(rated, key=lambda t: t[0])
         self.current, self.current_score = ls, score
         self.best_rate_vs_plain = rate / plain

@@ -185,10 +185,10 @@ def test_predicted_draft_cost_is_the_share_of_weight_bytes_read():
     attn = H * H * 2 + H * (H // 2) * 2  # q, o [64, 64]; k, v [32, 64] (2 of 4 heads)
     mlp = 3 * H * I
     full = 6 * (attn + mlp) + V * H
-    assert tuner._draft_cost(sm, None, None, LayerSet.parse("none", 6), None) == pytest.approx(0.02)
+    assert tuner._draft_cost(sm, LayerSet.parse("none", 6), None) == pytest.approx(0.02)
     skip = LayerSet.parse("attn:3|mlp:1,2", 6)
     want = 0.02 * (full - 2 * mlp - attn) / full
-    assert tuner._draft_cost(sm, None, None, skip, None) == pytest.approx(want)
+    assert tuner._draft_cost(sm, skip, None) == pytest.approx(want)
     head = DraftHead(sm.lm_head, None, 50, [7, 8, 9])
     want = 0.02 * (full - V * H + len(head) * H) / full
-    assert tuner._draft_cost(sm, None, None, LayerSet.parse("none", 6), head) == pytest.approx(want)
+    assert tuner._draft_cost(sm, LayerSet.parse("none", 6), head) == pytest.approx(want)
