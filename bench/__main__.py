@@ -2,7 +2,7 @@
 
 Routines are the modules bench/bench_<name>.py (see bench/common.py for their contract);
 ``python -m bench --list`` names them. Each routine's rows are printed and appended to
-bench/results/<name>.csv with device, versions and commit.
+bench/results/<name>.csv (<name>-<gpu>.csv on a GPU) with device, versions and commit.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
         print(f"== {name}: {len(rows)} rows{where}", flush=True)
         if args.plot and rows:
             from bench import plot
-            print(f"wrote {os.path.relpath(plot.plot_routine(name, rows))}")
+            print(f"wrote {os.path.relpath(plot.plot_routine(common.results_name(name, rows[0]['device']), rows))}")
     return 0
 
 

@@ -17,6 +17,7 @@ import datetime
 import functools
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -131,12 +132,22 @@ def row(routine: str, provider: str, device: str, dtype, shape: str, timing: dic
     return r
 
 
+def results_name(name: str, device: str) -> str:
+    """CSV stem of a routine's rows: '<name>' on the CPU machine, '<name>-<gpu>' on a GPU
+    (e.g. 'greedy_accept-nvidia-h100-80gb-hbm3'), so each machine's rows stay in their own file."""
+    if device.startswith("cpu"):
+        return name
+    return f"{name}-{re.sub(r'[^a-z0-9]+', '-', device.lower()).strip('-')}"
+
+
 def append_csv(name: str, rows: list[dict]) -> str:
-    """Append rows to bench/results/<name>.csv (header from the first row when the file is
-    new; a file with other columns is kept and the rows go to <name>-v2.csv) -> the path."""
+    """Append rows to bench/results/<name>.csv, or <name>-<gpu>.csv for rows from a GPU
+    (header from the first row when the file is new; a file with other columns is kept and the
+    rows go to <stem>-v2.csv) -> the path."""
     if not rows:
         return ""
     os.makedirs(RESULTS_DIR, exist_ok=True)
+    name = results_name(name, rows[0]["device"])
     fields = list(rows[0])
     for r in rows[1:]:
         fields += [k for k in r if k not in fields]

