@@ -53,6 +53,25 @@ def host_flags() -> tuple[list[str], list[str]]:
     return ["-O3", "-fno-trapping-math", "-ffp-contract=off", "-fopenmp"], ["-fopenmp"]
 
 
+def loaded_libstdcxx() -> list[str]:
+    """[path] of the libstdc++ this process runs with (torch imported), on Linux; else [].
+
+    Linked by full path so that the extension takes libstdc++ from the same shared library as
+    torch. A toolchain that would link its own libstdc++ statically (seen with a GCC installed
+    under /opt/gcc on a GPU machine) then adds only what that library lacks; with Python's
+    -Bsymbolic-functions a static copy crashed in its own uninitialized locale the first time
+    an error message formatted a number."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split()[-1]
+                if os.path.basename(path).startswith("libstdc++.so") and os.path.isfile(path):
+                    return [path]
+    except OSError:
+        pass
+    return []
+
+
 def cuda_archs(torch) -> str:
     """What the CUDA build compiles for: TORCH_CUDA_ARCH_LIST, else the visible GPU's arch."""
     if os.environ.get("TORCH_CUDA_ARCH_LIST"):
@@ -89,6 +108,7 @@ def make_extension():
         return [], {}
 
     cflags, lflags = host_flags()
+    lflags = lflags + loaded_libstdcxx()
     nvcc = shutil.which("nvcc")
     cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
     if torch.version.cuda and ce.CUDA_HOME:

@@ -105,7 +105,7 @@ class ForwardCounter:
 def hf_provider(hf, counter: ForwardCounter, **extra):
     """-> run(ids, n) -> (new tokens, accepted drafts per verify)."""
     def run(ids, n):
-        x = torch.tensor([ids])
+        x = torch.tensor([ids], device=hf.device)
         counter.full = 0
         with torch.no_grad():
             out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,

@@ -53,17 +53,51 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_fn(fns: dict, device: str = "cpu", warmup: int = 3, reps: int = 20, min_time_s: float = 0.0) -> dict:
-    """Time each callable of {name: fn} interleaved -> {name: {"median_ms", "p20_ms", "p80_ms"}}.
+def cuda_graphed(fn, calls: int):
+    """fn called ``calls`` times, captured as one CUDA graph -> its replay (a callable), or None
+    when fn cannot be captured (it syncs with the host, or runs CPU work the graph would drop)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture: compiles, allocator pools
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+    except Exception:  # noqa: BLE001 - any capture failure means: time it eagerly
+        torch.cuda.synchronize()
+        return None
+    torch.cuda.synchronize()
+    return graph.replay
+
+
+def time_fn(fns: dict, device: str = "cpu", warmup: int = 3, reps: int = 20, min_time_s: float = 0.0,
+            graph_calls: int = 0) -> dict:
+    """Time each callable of {name: fn} interleaved -> {name: {"median_ms", "p20_ms", "p80_ms",
+    "mode"}}.
 
     One warm-up pass per fn (warmup calls), then `reps` rounds calling every fn once per round
-    in turn; on CUDA each call is bracketed by events (device time), on the CPU by
-    perf_counter after a sync. With min_time_s > 0, rounds go on until each fn has run that
-    long in total."""
+    in turn; on CUDA each call is bracketed by events, on the CPU by perf_counter after a sync.
+    With min_time_s > 0, rounds go on until each fn has run that long in total. With
+    graph_calls > 0 on CUDA, a fn that can be captured is timed as replays of a CUDA graph of
+    graph_calls calls, divided by graph_calls: the device time of its kernels without the host's
+    launch overhead ("mode": "graph"); the others are timed eagerly ("mode": "eager")."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     _sync(device)
+    modes = {name: "eager" for name in fns}
+    if graph_calls > 0 and device.startswith("cuda"):
+        per_call = {}
+        for name, fn in list(fns.items()):
+            replay = cuda_graphed(fn, graph_calls)
+            if replay is not None:
+                fns[name], modes[name], per_call[name] = replay, "graph", graph_calls
+        fns = dict(fns)
+    else:
+        per_call = {}
     times = {name: [] for name in fns}
     start = time.perf_counter()
     r = 0
@@ -83,8 +117,9 @@ def time_fn(fns: dict, device: str = "cpu", warmup: int = 3, reps: int = 20, min
         r += 1
     out = {}
     for name, ts in times.items():
+        ts = [t / per_call.get(name, 1) for t in ts]
         q = statistics.quantiles(ts, n=10, method="inclusive") if len(ts) >= 2 else [ts[0]] * 9
-        out[name] = {"median_ms": statistics.median(ts), "p20_ms": q[1], "p80_ms": q[7]}
+        out[name] = {"median_ms": statistics.median(ts), "p20_ms": q[1], "p80_ms": q[7], "mode": modes[name]}
     return out
 
 

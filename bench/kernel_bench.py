@@ -11,6 +11,12 @@ Providers (those that can run on the device; ``--providers`` picks some):
 plus any a routine adds (e.g. ``sdpa`` for attention). Every row carries the median time,
 achieved GB/s and its % of the copy bandwidth measured in the same run, and
 ``x_vs_reference``: the reference's median over this provider's, same case, same run.
+
+On a GPU, ``median_ms`` is the device time of one call, from replays of a CUDA graph of
+``GRAPH_CALLS`` calls (``timing`` = graph; a provider that cannot be captured is timed eagerly,
+``timing`` = eager), and ``eager_ms`` / ``x_vs_reference_eager`` are the same calls made one by
+one from Python, launch and wrapper overhead included: at decode sizes the two differ by
+10-100x, and both matter (a CUDA-graphed decode loop pays the first, a Python loop the second).
 """
 
 from __future__ import annotations
@@ -24,7 +30,9 @@ from bench import common
 from swiftkern import ops, reference
 
 
-PRINT_KEYS = ("provider", "dtype", "shape", "median_ms", "gb_s", "pct_of_ceiling", "x_vs_reference")
+PRINT_KEYS = ("provider", "dtype", "shape", "timing", "median_ms", "gb_s", "pct_of_ceiling", "x_vs_reference",
+              "eager_ms", "x_vs_reference_eager")
+GRAPH_CALLS = 10  # calls per captured CUDA graph when timing on a GPU
 
 
 @dataclass
@@ -94,12 +102,24 @@ def run_cases(routine: str, op: str, cases: list[Case], args, extra: dict | None
             for name, fn in fns_of.items():
                 check(op, name, fn(*[t.clone() if torch.is_tensor(t) else t for t in inputs]), want, *tol)
         fns = {name: (lambda fn=fn: fn(*inputs)) for name, fn in fns_of.items()}
-        times = common.time_fn(fns, args.device, warmup=1 if args.smoke else 3, reps=reps)
-        base = times["reference"]["median_ms"]
+        warmup = 1 if args.smoke else 3
+        times = common.time_fn(dict(fns), args.device, warmup=warmup, reps=reps)
+        gpu = args.device.startswith("cuda")
+        # on a GPU: the device time of each call from CUDA-graph replays (median_ms), and the
+        # eager time with Python and launch overhead beside it (eager_ms)
+        graphed = common.time_fn(dict(fns), args.device, warmup=0, reps=reps, graph_calls=GRAPH_CALLS) if gpu else times
+        base, base_eager = graphed["reference"]["median_ms"], times["reference"]["median_ms"]
         dtype = next((t.dtype for t in inputs if torch.is_tensor(t) and t.is_floating_point()), None)
-        for name, timing in times.items():
+        for name, timing in graphed.items():
+            eager = times[name]["median_ms"]
+            on_gpu = dict(timing=timing["mode"], eager_ms=round(eager, 5),
+                          x_vs_reference_eager=round(base_eager / eager, 2)) if gpu else {}
             rows.append(common.row(routine, name, args.device, dtype, case.shape, timing, bytes_moved=case.bytes_moved,
-                                   x_vs_reference=round(base / timing["median_ms"], 2), reps=reps, **case.extra))
+                                   x_vs_reference=round(base / timing["median_ms"], 2), reps=reps, **on_gpu,
+                                   **case.extra))
+        del graphed, times, fns, inputs
+        if gpu:
+            torch.cuda.empty_cache()
     return rows
 
 

@@ -811,12 +811,7 @@ def bi_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.shape[1] != b.shape[0] or a.dtype != b.dtype or a.device != b.device:
         raise SwiftkernError(f"{op}: a {tuple(a.shape)} {a.dtype} on {a.device} and b {tuple(b.shape)} {b.dtype} "
                              f"on {b.device} must share K, dtype and device")
-    if a.device.type == "cuda" or _backend() == "triton":
-        try:  # the module registers swiftkern_triton::bi_matmul when imported
-            importlib.import_module(__package__ + ".triton_kernels.bi_matmul")
-        except Exception as e:
-            _TRITON["error"] = _TRITON["error"] or f"{type(e).__name__}: {e}"
-    elif _cpu_kernel("skinny_linear", a):
+    if a.device.type == "cpu" and _backend() != "triton" and _cpu_kernel("skinny_linear", a):
         w = b.t().to(torch.float32)  # [N, K]: no copy for b = weight.t() of a float32 weight
         return torch.ops.swiftkern.skinny_linear(a.to(torch.float32), w, None).to(a.dtype)
     return _run(op, a.device, a, b)

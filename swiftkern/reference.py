@@ -159,7 +159,7 @@ def verify_attention(
     out = torch.nn.functional.scaled_dot_product_attention(
         q_grouped, k_cache[:, :, :max_len], v_cache[:, :, :max_len], attn_mask=attn_mask, scale=scale
     )
-    return out.view(B, Hq, T, D)
+    return out.reshape(B, Hq, T, D)  # not .view: SDPA on CUDA returns other strides than on the CPU
 
 
 def greedy_accept(

@@ -9,12 +9,13 @@ lazily, only when a Triton kernel may be needed, and picks the backend per op an
 
 Modules: launch (launch sizes and input checks), registry (the registration), and per op
 fused_add_rms_norm (with rms_norm), silu_mul, rope_kv_append, verify_attention, greedy_accept,
-rejection_sample, kv_compact. Other modules of this folder register their own ops through
-``registry.register`` (e.g. bi_matmul).
+rejection_sample, kv_compact; bi_matmul (the deterministic verifier's matmul, not in
+``_SCHEMAS``) registers its own op through ``registry.register`` when imported here.
 """
 
 from __future__ import annotations
 
+from . import bi_matmul as _bi_matmul  # noqa: F401  (registers swiftkern_triton::bi_matmul)
 from . import fused_add_rms_norm as _norm
 from . import greedy_accept as _greedy
 from . import kv_compact as _compact
