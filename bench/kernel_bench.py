@@ -13,8 +13,8 @@ achieved GB/s and its % of the copy bandwidth measured in the same run, and
 ``x_vs_reference``: the reference's median over this provider's, same case, same run.
 
 On a GPU, ``median_ms`` is the device time of one call, from replays of a CUDA graph of
-``GRAPH_CALLS`` calls (``timing`` = graph; a provider that cannot be captured is timed eagerly,
-``timing`` = eager), and ``eager_ms`` / ``x_vs_reference_eager`` are the same calls made one by
+``GRAPH_CALLS`` calls (``timed_as`` = graph; a provider that cannot be captured is timed eagerly,
+``timed_as`` = eager), and ``eager_ms`` / ``x_vs_reference_eager`` are the same calls made one by
 one from Python, launch and wrapper overhead included: at decode sizes the two differ by
 10-100x, and both matter (a CUDA-graphed decode loop pays the first, a Python loop the second).
 """
@@ -30,7 +30,7 @@ from bench import common
 from swiftkern import ops, reference
 
 
-PRINT_KEYS = ("provider", "dtype", "shape", "timing", "median_ms", "gb_s", "pct_of_ceiling", "x_vs_reference",
+PRINT_KEYS = ("provider", "dtype", "shape", "timed_as", "median_ms", "gb_s", "pct_of_ceiling", "x_vs_reference",
               "eager_ms", "x_vs_reference_eager")
 GRAPH_CALLS = 10  # calls per captured CUDA graph when timing on a GPU
 
@@ -112,7 +112,7 @@ def run_cases(routine: str, op: str, cases: list[Case], args, extra: dict | None
         dtype = next((t.dtype for t in inputs if torch.is_tensor(t) and t.is_floating_point()), None)
         for name, timing in graphed.items():
             eager = times[name]["median_ms"]
-            on_gpu = dict(timing=timing["mode"], eager_ms=round(eager, 5),
+            on_gpu = dict(timed_as=timing["mode"], eager_ms=round(eager, 5),
                           x_vs_reference_eager=round(base_eager / eager, 2)) if gpu else {}
             rows.append(common.row(routine, name, args.device, dtype, case.shape, timing, bytes_moved=case.bytes_moved,
                                    x_vs_reference=round(base / timing["median_ms"], 2), reps=reps, **on_gpu,
