@@ -32,11 +32,17 @@ RESULTS_DIR = os.path.join(os.path.dirname(__file__), "results")
 
 @functools.lru_cache(maxsize=None)
 def commit() -> str:
+    """The short hash of HEAD, with "+dirty" when tracked files differ from it (a copy of a
+    working tree, as the GPU machine gets, can carry an older .git: the hash alone would lie)."""
+    here = os.path.dirname(__file__)
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(__file__), check=True).stdout.strip()
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=here, check=True).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                 text=True, cwd=here, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+    return head + ("+dirty" if changed else "")
 
 
 @functools.lru_cache(maxsize=None)

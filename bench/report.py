@@ -54,6 +54,14 @@ def _fmt(value, digits=2) -> str:
         return str(value) if value not in (None, "") else "–"
 
 
+def _fmt_ms(value) -> str:
+    """Milliseconds to 4 significant digits (GPU kernels take microseconds)."""
+    try:
+        return f"{float(value):.4g}"
+    except (TypeError, ValueError):
+        return _fmt(value)
+
+
 def heading(routine: str, rows: list[dict]) -> str:
     r = rows[-1]
     extra = f", model {r['model']}" if r.get("model") else ""
@@ -85,12 +93,14 @@ def generate_table(rows: list[dict]) -> list[str]:
 
 
 def op_table(rows: list[dict]) -> list[str]:
-    cols = [c for c in ("provider", "dtype", "shape", "window", "median_ms", "p20_ms", "p80_ms", "gb_s", "tflop_s",
-                        "pct_of_ceiling", "x_vs_reference", "tok_s", "ratio_vs_ar", "ratio_vs_T1", "ratio_vs_full",
-                        "rollback_fraction", "tokens_equal_ar") if any(r.get(c) not in (None, "") for r in rows)]
+    cols = [c for c in ("provider", "dtype", "shape", "window", "timed_as", "median_ms", "p20_ms", "p80_ms", "gb_s",
+                        "tflop_s", "pct_of_ceiling", "x_vs_reference", "eager_ms", "x_vs_reference_eager", "tok_s",
+                        "ratio_vs_ar", "ratio_vs_T1", "ratio_vs_full", "rollback_fraction", "tokens_equal_ar")
+            if any(r.get(c) not in (None, "") for r in rows)]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
-        lines.append("| " + " | ".join(_fmt(r.get(c), 3) if c.endswith(("_ms", "_s", "_fraction"))
+        lines.append("| " + " | ".join(_fmt_ms(r.get(c)) if c.endswith("_ms")
+                                      else _fmt(r.get(c), 3) if c.endswith(("_s", "_fraction"))
                                       else str(r.get(c, "")) for c in cols) + " |")
     return lines
 

@@ -70,7 +70,7 @@ def test_report_tables_take_each_machines_latest_run(tmp_path):
     assert "`new1`" in body and "old1" not in body and "11.0" not in body
     ar_line = next(line for line in body.splitlines() if line.startswith("| ar | 40.0 | 44.0"))
     assert "2.10×" in ar_line  # median of 2.0 and 2.2
-    assert "| cpp | float32 | 4x576 | 0.012 |" in body and "**rms_norm** on **cpu: A**" in body
+    assert "| cpp | float32 | 4x576 | 0.0123 |" in body and "**rms_norm** on **cpu: A**" in body
     assert len(notes) == 2
 
     readme = tmp_path / "README.md"
