@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from . import ops
+from .layer_kernels import LayerKernels
 from .errors import SwiftkernError
 from .kv_cache import KVCache
 from .layer_set import LayerSet
@@ -153,16 +154,16 @@ class SkipModel:
             plans.append(plan)
         return plans[0], plans[1]
 
-    def _add_norm(self, hidden: torch.Tensor, pending: torch.Tensor | None, weight: torch.Tensor,
-                  fuse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _add_norm(self, kern: LayerKernels, hidden: torch.Tensor, pending: torch.Tensor | None,
+                  weight: torch.Tensor, fuse: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden, pending: [B, T, H] (pending None: nothing to add) -> (rms_norm(hidden +
         pending, weight), hidden + pending); one fused pass when ``fuse``."""
         if pending is None:
-            return ops.rms_norm(hidden, weight, self.eps), hidden
+            return kern.rms_norm(hidden, weight, self.eps), hidden
         if fuse:
-            return ops.fused_add_rms_norm(pending, hidden, weight, self.eps)
+            return kern.fused_add_rms_norm(pending, hidden, weight, self.eps)
         hidden = hidden + pending
-        return ops.rms_norm(hidden, weight, self.eps), hidden
+        return kern.rms_norm(hidden, weight, self.eps), hidden
 
     @torch.inference_mode()
     def forward(
@@ -195,7 +196,8 @@ class SkipModel:
         starts = cache.host_lengths
         max_len = max(starts) + T
         uniform_start = starts[0] if min(starts) == max(starts) else None
-        if ops.backend_for("verify_attention", tokens.device) != "reference":
+        kern = LayerKernels.for_device(tokens.device.type)  # the layer ops, bound once, unchecked
+        if kern.backends["verify_attention"] != "reference":
             mask = None  # the kernels mask by cache length themselves
         elif T == 1 and uniform_start is not None:
             mask = False  # every query sees the whole prefix
@@ -203,25 +205,26 @@ class SkipModel:
             mask = ops.attention_mask(new_lengths, T, max_len)  # [B, T, max_len], shared by all layers
         # fuse each kept sub-layer's residual add into the next kept norm where a kernel does it;
         # the reference/cpp path keeps HF's arithmetic (add, then norm) operation for operation
-        fuse = ops.backend_for("fused_add_rms_norm", tokens.device) not in ("reference", "cpp")
+        fuse = kern.backends["fused_add_rms_norm"] not in ("reference", "cpp")
         hidden = F.embedding(tokens, self.embed)  # [B, T, H]
         cos, sin = self.rotary(hidden, positions)  # [B, T, D] each
         pending = None  # the last kept sub-layer's output, added to hidden by the next norm
+        linear = kern.linear
         for i, w in enumerate(self.layers):
             if skip_attn[i] is not True:
-                x, hidden = self._add_norm(hidden, pending, w.ln_attn, fuse)
-                q = ops.linear(x, w.q, w.q_bias).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
-                k = ops.linear(x, w.k, w.k_bias).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-                v = ops.linear(x, w.v, w.v_bias).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-                q = ops.rope_kv_append(q, k, v, cos, sin, cache.k[i], cache.v[i], positions, uniform_start, max_len)
-                attn = ops.verify_attention(q, cache.k[i], cache.v[i], new_lengths, self.scale, max_len, mask)
+                x, hidden = self._add_norm(kern, hidden, pending, w.ln_attn, fuse)
+                q = linear(x, w.q, w.q_bias).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+                k = linear(x, w.k, w.k_bias).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+                v = linear(x, w.v, w.v_bias).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+                q = kern.rope_kv_append(q, k, v, cos, sin, cache.k[i], cache.v[i], positions, uniform_start, max_len)
+                attn = kern.verify_attention(q, cache.k[i], cache.v[i], new_lengths, self.scale, max_len, mask)
                 attn = attn.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
-                out = ops.linear(attn, w.o, w.o_bias)
+                out = linear(attn, w.o, w.o_bias)
                 pending = out if skip_attn[i] is False else out * skip_attn[i]
             if skip_mlp[i] is not True:
-                x, hidden = self._add_norm(hidden, pending, w.ln_mlp, fuse)
-                act = ops.silu_mul(ops.linear(x, w.gate, w.gate_bias), ops.linear(x, w.up, w.up_bias))
-                out = ops.linear(act, w.down, w.down_bias)
+                x, hidden = self._add_norm(kern, hidden, pending, w.ln_mlp, fuse)
+                act = kern.silu_mul(linear(x, w.gate, w.gate_bias), linear(x, w.up, w.up_bias))
+                out = linear(act, w.down, w.down_bias)
                 pending = out if skip_mlp[i] is False else out * skip_mlp[i]
         if pending is not None:
             hidden = hidden + pending
@@ -229,9 +232,9 @@ class SkipModel:
         if logits_positions is not None:
             idx = logits_positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
             hidden = hidden.gather(1, idx)  # [B, P, H]
-        hidden = ops.rms_norm(hidden, self.final_norm, self.eps)
+        hidden = kern.rms_norm(hidden, self.final_norm, self.eps)
         if head is not None:  # a pruned head: logits over a vocabulary subset only
-            return ops.linear(hidden, *head)
-        return ops.linear(hidden, self.lm_head, self.lm_head_bias)
+            return linear(hidden, *head)
+        return linear(hidden, self.lm_head, self.lm_head_bias)
 
     __call__ = forward

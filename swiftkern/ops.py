@@ -266,6 +266,21 @@ def _run(op: str, device: torch.device, *args, **hints):
     return getattr(torch.ops.swiftkern, op)(*args)
 
 
+def unchecked(op: str, device_type: str):
+    """The callable that runs ``op`` on ``device_type`` tensors with the backend chosen now,
+    without the public wrapper's input checks: for callers whose inputs are valid by
+    construction (the model runner's hot loop; see ``layer_kernels``). Takes the positional
+    arguments of ``_SCHEMAS[op]``. Triton ops are the launchers themselves, which skips the
+    dispatcher's round trip through ``torch.ops``; a new ``set_backend`` needs a new call."""
+    backend = _resolve(op, device_type)
+    if backend == "reference":
+        return getattr(reference, op)
+    if backend == "triton":
+        from .triton_kernels import KERNELS
+        return KERNELS[op][0]
+    return getattr(torch.ops.swiftkern, op)
+
+
 def backend_info() -> dict:
     """What runs where. {"extension": "built (cpu)" | "built (cpu+cuda)" | "not built: <reason>",
     "build": swiftkern._C.build_info() or None, "triton": version or "not available (<why>)",
@@ -819,4 +834,4 @@ def bi_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 __all__ = ["bi_exp", "bi_matmul", "greedy_accept", "linear", "rejection_sample", "rms_norm", "fused_add_rms_norm",
            "silu_mul", "apply_rope", "rope_kv_append", "attention_mask", "verify_attention", "kv_compact", "backend_info",
-           "backend_for", "info", "set_backend"]
+           "backend_for", "info", "set_backend", "unchecked"]
