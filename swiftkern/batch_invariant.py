@@ -6,9 +6,10 @@ What breaks batch invariance, and what each op here does instead:
   reductions are a fixed tree of elementwise adds (``tree_sum``), so every row is summed in
   the same order whatever the tensor's shape;
 - a matmul whose kernel choice depends on M: ``bi_linear`` runs ``ops.bi_matmul``, the
-  Triton kernel (fixed tiles, no split-K) on CUDA; on the CPU an MKL GEMM over at least 16
-  rows, whose row results are independent of M and of the row's position (measured, and
-  guarded bitwise for every M in 1..300 by ``tests/test_bi_matmul.py``);
+  Triton kernel (fixed tiles, no split-K) on CUDA; on the CPU the C++ ``skinny_linear``
+  kernel, whose every output is a dot product in an order fixed by K alone (MKL's GEMM was
+  not: on an AVX-512 Xeon its rows changed with M for K = 1536); guarded bitwise for many M
+  by ``tests/test_bi_matmul.py``;
 - attention over a padded key length that changes with the batch: ``bi_attention`` cuts the
   keys into fixed blocks of ``KEY_BLOCK`` from position 0 and adds the blocks in order, so
   the keys past a query (weighted by exact zeros) and extra blocks change nothing;
@@ -77,7 +78,7 @@ def bi_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     """x @ weight.T + bias with row results independent of the other rows.
 
     x: [..., K]; weight: [N, K]; bias: [N] or None -> [..., N] in x's dtype, through
-    ``ops.bi_matmul`` (Triton fixed-tile kernel on CUDA, padded MKL GEMM on the CPU).
+    ``ops.bi_matmul`` (Triton fixed-tile kernel on CUDA, the C++ fixed-order kernel on the CPU).
     """
     if x.shape[-1] != weight.shape[1]:
         raise SwiftkernError(f"bi_linear: x has {x.shape[-1]} features, weight expects {weight.shape[1]}")
