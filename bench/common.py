@@ -28,17 +28,19 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 RESULTS_DIR = os.path.join(os.path.dirname(__file__), "results")
+CODE_PATHS = (":/swiftkern", ":/triton_kernels", ":/csrc", ":/bench", ":/setup.py", ":!/bench/results")  # what a row's commit covers
 
 
 @functools.lru_cache(maxsize=None)
 def commit() -> str:
-    """The short hash of HEAD, with "+dirty" when tracked files differ from it (a copy of a
-    working tree, as the GPU machine gets, can carry an older .git: the hash alone would lie)."""
+    """The short hash of HEAD, with "+dirty" when the code that runs (the package, kernels and
+    benchmarks; not tests or results) differs from it: a copy of a working tree, as the GPU
+    machine gets, can carry an older .git, and the hash alone would lie."""
     here = os.path.dirname(__file__)
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=here, check=True).stdout.strip()
-        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", *CODE_PATHS], capture_output=True,
                                  text=True, cwd=here, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"

@@ -227,17 +227,23 @@ def test_negative_control_plain_batched_ar_is_batch_variant(tiny):
     """The needle check on plain batched ar finds differences: on this CPU the prefill GEMM of a
     short prompt alone takes another MKL path than the padded [B * width] batch, and attention
     runs over the batch's padded key length, so the needle's logprobs change in the last bits."""
+    assert ar_needle_differences(tiny, trials=4, max_batch=16) > 0
+
+
+def ar_needle_differences(model, trials, max_batch, vocab=301):
+    """In how many of ``trials`` random batches (2..max_batch prompts) plain batched ar gives a
+    fixed needle other logprobs than alone."""
     rng = random.Random(0)
     needle = [5, 6, 7, 8, 9]
-    alone = _ar_logprobs(tiny, [needle], 0, 12)
+    alone = _ar_logprobs(model, [needle], 0, 12)
     differ = 0
-    for _ in range(4):
-        B = rng.randint(2, 16)
+    for _ in range(trials):
+        B = rng.randint(2, max_batch)
         idx = rng.randrange(B)
-        prompts = _random_prompts(rng, B)
+        prompts = _random_prompts(rng, B, vocab)
         prompts[idx] = needle
-        differ += not torch.equal(_ar_logprobs(tiny, prompts, idx, 12), alone)
-    assert differ > 0
+        differ += not torch.equal(_ar_logprobs(model, prompts, idx, 12), alone)
+    return differ
 
 
 # --------------------------------------------------------------------------- decode vs prefill
@@ -350,29 +356,39 @@ def test_generator_stats_and_errors(tiny):
 
 # --------------------------------------------------------------------------- SmolLM2
 
-@pytest.mark.slow
-def test_needle_smollm2(smollm2):
-    model, tok = smollm2
+def smollm2_needle(model, tok, max_new_tokens, batch_ranges):
+    """The needle on SmolLM2 (window 16, verify batch 4), greedy and sampled: alone, then in
+    one batch of random other prompts per (lo, hi) in batch_ranges, at a random place.
+    -> (needle ids, {sample: its output alone})."""
     gen = Generator(model, tok, mode="deterministic", window=16, verify_batch=4)
     needle = tok("The three primary colors are")["input_ids"]
     rng = random.Random(5)
     others = ["def fib(n):", "Paris is", "Once upon a time, in a small village", "1, 2, 3,",
               "The weather today", "import numpy as np", "Dear John,", "What is 2 + 2?"]
+    alone_by = {}
     for sample in (False, True):
-        kw = dict(max_new_tokens=16, eos_token_id=[], do_sample=sample, temperature=0.9, seed=3)
-        alone = gen.generate([needle], **kw)
-        for B in (rng.randint(2, 4), rng.randint(5, 10)):
+        kw = dict(max_new_tokens=max_new_tokens, eos_token_id=[], do_sample=sample, temperature=0.9, seed=3)
+        alone = alone_by[sample] = gen.generate([needle], **kw)
+        for lo, hi in batch_ranges:
+            B = rng.randint(lo, hi)
             prompts = [tok(rng.choice(others))["input_ids"] for _ in range(B)]
             idx = rng.randrange(B)
             prompts[idx] = needle
             out = gen.generate(prompts, **kw)
-            assert out.tokens[idx] == alone.tokens[0]
-            assert torch.equal(out.logprobs[idx], alone.logprobs[0])
-        if not sample:  # the verifier is the model: greedy output equals plain decoding's
-            assert alone.tokens == Generator(model, tok, mode="ar").generate([needle], max_new_tokens=16,
-                                                                             eos_token_id=[]).tokens
-            lp = Verifier(model, 16, 4).token_logprobs(needle + alone.tokens[0], len(needle))
-            assert torch.equal(lp, alone.logprobs[0])
+            assert out.tokens[idx] == alone.tokens[0], (sample, B, idx)
+            assert torch.equal(out.logprobs[idx], alone.logprobs[0]), (sample, B, idx)
+    return needle, alone_by
+
+
+@pytest.mark.slow
+def test_needle_smollm2(smollm2):
+    model, tok = smollm2
+    needle, alone = smollm2_needle(model, tok, 16, [(2, 4), (5, 10)])
+    greedy = alone[False]  # the verifier is the model: greedy output equals plain decoding's
+    assert greedy.tokens == Generator(model, tok, mode="ar").generate([needle], max_new_tokens=16,
+                                                                      eos_token_id=[]).tokens
+    lp = Verifier(model, 16, 4).token_logprobs(needle + greedy.tokens[0], len(needle))
+    assert torch.equal(lp, greedy.logprobs[0])
 
 
 # --------------------------------------------------------------------------- CLI

@@ -13,7 +13,7 @@ import torch
 from conftest import tiny_model
 from swiftkern import Generator, SkipModel, ops
 from swiftkern.verifier import Verifier
-from test_deterministic import _ar_logprobs, _needle_trials, _random_prompts
+from test_deterministic import _needle_trials, ar_needle_differences, smollm2_needle
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -51,17 +51,7 @@ def test_negative_control_plain_batched_ar_on_gpu_is_batch_variant():
     batch). A wider model than the tiny one, so that the library has room to choose."""
     model = SkipModel(tiny_model("llama", hidden_size=512, intermediate_size=1536, num_attention_heads=8,
                                  num_key_value_heads=4, vocab_size=2048).cuda())
-    rng = random.Random(0)
-    needle = [5, 6, 7, 8, 9]
-    alone = _ar_logprobs(model, [needle], 0, 12)
-    differ = 0
-    for _ in range(6):
-        B = rng.randint(2, 48)
-        idx = rng.randrange(B)
-        prompts = _random_prompts(rng, B, 2048)
-        prompts[idx] = needle
-        differ += not torch.equal(_ar_logprobs(model, prompts, idx, 12), alone)
-    assert differ > 0
+    assert ar_needle_differences(model, trials=6, max_batch=48, vocab=2048) > 0
 
 
 @pytest.mark.slow
@@ -69,18 +59,4 @@ def test_needle_smollm2_on_gpu():
     import swiftkern
 
     model, tok = swiftkern.load_model("smollm2", device="cuda")
-    gen = Generator(model, tok, mode="deterministic", window=16, verify_batch=4)
-    needle = tok("The three primary colors are")["input_ids"]
-    rng = random.Random(5)
-    others = ["def fib(n):", "Paris is", "Once upon a time, in a small village", "1, 2, 3,",
-              "The weather today", "import numpy as np", "Dear John,", "What is 2 + 2?"]
-    for sample in (False, True):
-        kw = dict(max_new_tokens=24, eos_token_id=[], do_sample=sample, temperature=0.9, seed=3)
-        alone = gen.generate([needle], **kw)
-        for B in (rng.randint(2, 6), rng.randint(7, 16)):
-            prompts = [tok(rng.choice(others))["input_ids"] for _ in range(B)]
-            idx = rng.randrange(B)
-            prompts[idx] = needle
-            out = gen.generate(prompts, **kw)
-            assert out.tokens[idx] == alone.tokens[0], (sample, B, idx)
-            assert torch.equal(out.logprobs[idx], alone.logprobs[0]), (sample, B, idx)
+    smollm2_needle(model, tok, 24, [(2, 6), (7, 16)])
