@@ -81,3 +81,18 @@ def test_report_tables_take_each_machines_latest_run(tmp_path):
     text = readme.read_text()
     assert text.startswith("# title\n\n") and text.endswith(f"{report.END}\n\nafter\n") and "stale" not in text
     assert report.main([*args, "--check"]) == 0
+
+
+def test_gpu_rows_go_to_a_file_of_their_own(tmp_path, monkeypatch):
+    sys.path.insert(0, ROOT)
+    from bench import common
+
+    assert common.results_name("greedy_accept", "cpu: Intel(R) Xeon(R) (2 threads)") == "greedy_accept"
+    assert common.results_name("greedy_accept", "NVIDIA H100 80GB HBM3") == "greedy_accept-nvidia-h100-80gb-hbm3"
+    monkeypatch.setattr(common, "RESULTS_DIR", str(tmp_path))
+    row = dict(device="NVIDIA H100 80GB HBM3", provider="cuda", median_ms=0.01)
+    path = common.append_csv("greedy_accept", [row])
+    assert os.path.basename(path) == "greedy_accept-nvidia-h100-80gb-hbm3.csv"
+    cpu = common.append_csv("greedy_accept", [dict(row, device="cpu: A")])
+    assert os.path.basename(cpu) == "greedy_accept.csv" and sorted(os.listdir(tmp_path)) == [
+        "greedy_accept-nvidia-h100-80gb-hbm3.csv", "greedy_accept.csv"]
