@@ -82,7 +82,7 @@ def cuda_graphed(fn, calls: int):
 
 
 def time_fn(fns: dict, device: str = "cpu", warmup: int = 3, reps: int = 20, min_time_s: float = 0.0,
-            graph_calls: int = 0) -> dict:
+            graph_calls: int = 0, graph_only: bool = False) -> dict:
     """Time each callable of {name: fn} interleaved -> {name: {"median_ms", "p20_ms", "p80_ms",
     "mode"}}.
 
@@ -91,7 +91,8 @@ def time_fn(fns: dict, device: str = "cpu", warmup: int = 3, reps: int = 20, min
     With min_time_s > 0, rounds go on until each fn has run that long in total. With
     graph_calls > 0 on CUDA, a fn that can be captured is timed as replays of a CUDA graph of
     graph_calls calls, divided by graph_calls: the device time of its kernels without the host's
-    launch overhead ("mode": "graph"); the others are timed eagerly ("mode": "eager")."""
+    launch overhead ("mode": "graph"); the others are timed eagerly ("mode": "eager"), or left
+    out of the result with graph_only (when the caller has their eager times already)."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -103,7 +104,8 @@ def time_fn(fns: dict, device: str = "cpu", warmup: int = 3, reps: int = 20, min
             replay = cuda_graphed(fn, graph_calls)
             if replay is not None:
                 fns[name], modes[name], per_call[name] = replay, "graph", graph_calls
-        fns = dict(fns)
+            elif graph_only:
+                del fns[name]
     else:
         per_call = {}
     times = {name: [] for name in fns}

@@ -107,7 +107,10 @@ def run_cases(routine: str, op: str, cases: list[Case], args, extra: dict | None
         gpu = args.device.startswith("cuda")
         # on a GPU: the device time of each call from CUDA-graph replays (median_ms), and the
         # eager time with Python and launch overhead beside it (eager_ms)
-        graphed = common.time_fn(dict(fns), args.device, warmup=0, reps=reps, graph_calls=GRAPH_CALLS) if gpu else times
+        graphed = times
+        if gpu:  # ops that cannot be captured (host syncs: the references of some) keep their eager times
+            graphed = dict(times, **common.time_fn(dict(fns), args.device, warmup=0, reps=reps,
+                                                   graph_calls=GRAPH_CALLS, graph_only=True))
         base, base_eager = graphed["reference"]["median_ms"], times["reference"]["median_ms"]
         dtype = next((t.dtype for t in inputs if torch.is_tensor(t) and t.is_floating_point()), None)
         for name, timing in graphed.items():
