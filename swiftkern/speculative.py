@@ -179,7 +179,8 @@ def decode_self_spec(model: SkipModel, cache: KVCache, first_logits: torch.Tenso
     ``draft_head``'s subset when given), "lookup" (prompt lookup over ``prompts`` + output, no
     model call; q is one-hot when sampling), "none" (verify passes of the pending token only:
     plain decoding through this loop) or "auto": ``chooser`` picks one of those per row and
-    step from the costs and acceptance it measures here. ``tuner`` (``tuner.OnTheFlyTuner``)
+    step from the costs and acceptance it measures here (given with "lookup", it picks lookup's
+    draft length, or no draft, the same way). ``tuner`` (``tuner.OnTheFlyTuner``)
     finds the layer set while generating and replaces ``layer_set`` as it goes.
 
     The cache needs room for max_new_tokens + policy.k_max + 1 positions past the longest
@@ -212,7 +213,7 @@ def decode_self_spec(model: SkipModel, cache: KVCache, first_logits: torch.Tenso
         if drafter in ("lookup", "auto"):
             lookups = [lookup_draft(prompts[r] + requests.out[r], budget[i], min_ngram=LOOKUP_MIN_NGRAM)
                        for i, r in enumerate(alive)]
-        if drafter == "auto":
+        if chooser is not None:  # auto, or lookup with cost-aware draft lengths
             choices = [chooser.choose(r, len(lookups[i]), budget[i], layer_skip=layer_set is not None)
                        for i, r in enumerate(alive)]
         else:

@@ -20,7 +20,11 @@ The search pays only for what can pay, since on a small model it is pure overhea
   ``steps_per_window``), and after each one the search stops when not even a set
   ``optimism[phase]`` better in matchness than the best found would beat plain decoding
   (generous after one phase, tighter as the scores accumulate);
-- all of it is capped at ``time_fraction`` of the time spent generating.
+- all of it is capped at ``time_fraction`` of the time spent generating, counting the phase
+  about to run (predicted from the last phase, or from the measured verify costs): a phase
+  waits until the generation so far has earned it, so a short generation pays no search
+  (on SmolLM2/CPU the first phase, 0.14-0.17 s, was 5 % of a 128-token generation);
+- no phase starts with fewer than two windows of tokens left to use its result.
 """
 
 from __future__ import annotations
@@ -94,8 +98,13 @@ class OnTheFlyTuner:
         if produced - self.last_optimized_at < self.window:
             return self.current  # still accumulating context
         elapsed = time.perf_counter() - self.start
-        if self.search_s > self.time_fraction * max(elapsed - self.search_s, 1e-9):
+        budget = self.time_fraction * max(elapsed - self.search_s, 1e-9)
+        if self.search_s > budget:
             return self._finish("time budget")
+        if requests.remaining(r) < 2 * self.window:
+            return self._finish("too few tokens left for a found set to pay")
+        if self.search_s + self._phase_estimate() > budget:
+            return self.current  # this phase is not affordable yet: keep generating, ask again
         self.last_optimized_at = produced
         t0 = time.perf_counter()
         if self.phases == 0 and self.chooser is not None and self.chooser.costs.known():
@@ -106,6 +115,7 @@ class OnTheFlyTuner:
                 return self._finish("no skip ratio drafts fast enough to pay")
         self._optimize(model, cache, i, prompts[r] + requests.out[r], head)
         self._pick(model, head)
+        self.last_phase_s = time.perf_counter() - t0
         self.search_s += time.perf_counter() - t0
         self.phases += 1
         if all(s.done() for s in self.searches.values()):
@@ -113,6 +123,17 @@ class OnTheFlyTuner:
         if getattr(self, "hopeless", False):
             return self._finish("no set within reach can pay")
         return self.current
+
+    def _phase_estimate(self) -> float:
+        """Seconds the next phase should take: twice the last one (phases double their
+        candidates), or before any, one forward of candidates_per_forward x window tokens from
+        the verify costs the drafter policy measured (extrapolated: on SmolLM2/CPU 0.27 s
+        predicted for a first phase that took 0.14-0.17 s); 0 when nothing is measured."""
+        if getattr(self, "last_phase_s", None) is not None:
+            return 2 * self.last_phase_s
+        if self.chooser is None or not self.chooser.costs.known():
+            return 0.0
+        return self.chooser.costs.verify(self.per_forward * self.window)
 
     def _drop_slow_ratios(self, model, head) -> None:
         """Drop the ratios whose draft forward (predicted for a random set of that ratio) is too

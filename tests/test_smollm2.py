@@ -72,12 +72,16 @@ def test_self_spec_greedy_matches_hf_batch_1_and_4(smollm2, references, layer_se
                                                ("auto", "auto"), ("lookup", None), ("none", None)])
 def test_every_drafter_greedy_matches_hf(smollm2, references, drafter, layer_set):
     model, tok = smollm2
-    gen = Generator(model, tok, mode="self-spec", drafter=drafter, layer_set=layer_set, eps=0.6)
+    # with layer_set="auto", windows of 16 tokens and no time cap, so that the search runs (and
+    # drafts with what it finds) inside 64 tokens; by default it waits until it is affordable
+    search = dict(window=16, time_fraction=1e9) if layer_set == "auto" else None
+    gen = Generator(model, tok, mode="self-spec", drafter=drafter, layer_set=layer_set, eps=0.6,
+                    search_options=search)
     out = gen.generate(PROMPTS, max_new_tokens=64)
     assert out.tokens == references[1]
     assert sum(out.stats["drafter_steps"].values()) == out.stats["row_verifies"]
-    if layer_set == "auto":  # after the first window of 32 tokens the search scored sets (how many
-        # depends on which ratios the measured costs leave), or those costs ruled every ratio out
+    if layer_set == "auto":  # after the first window the search scored sets (how many depends on
+        # which ratios the measured costs leave), or those costs ruled every ratio out
         s = out.stats
         assert s["candidates_scored"] >= s["search_phases"] >= 1 or "fast enough" in s["search_stop"]
 
