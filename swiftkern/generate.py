@@ -103,9 +103,9 @@ class Generator:
     pruned head of ``draft_vocab`` frequent tokens plus the prompt's and output's tokens (None:
     the full head); ``lookup`` drafts the continuation of the latest earlier match of the last
     2-3 tokens in prompt + output (no model call), as many of its tokens (or none) per step as
-    the measured verify costs and lookup's running acceptance say pay (a verify of 26 tokens
-    costs 2.3 decode steps on SmolLM2/CPU: drafting every match up to k_max = 25 made lookup
-    1.10x ``ar``, the policy's lengths 1.25x); ``none`` drafts nothing; ``auto`` (default)
+    the measured verify costs and lookup's running acceptance say pay (a verify of 16 tokens
+    costs 1.88 decode steps on SmolLM2/CPU: drafting every match up to k_max = 25 made lookup
+    1.10x ``ar``, the policy's lengths 1.24x); ``none`` drafts nothing; ``auto`` (default)
     picks among lookup, layer-skip (when a layer set is given) and none per row and step, for
     the most expected tokens per second from the costs and acceptance measured while it runs
     (``drafter_policy.DrafterPolicy``). ``layer_set="auto"`` finds the layer set while
