@@ -127,8 +127,8 @@ class OnTheFlyTuner:
     def _phase_estimate(self) -> float:
         """Seconds the next phase should take: twice the last one (phases double their
         candidates), or before any, one forward of candidates_per_forward x window tokens from
-        the verify costs the drafter policy measured (extrapolated: on SmolLM2/CPU 0.27 s
-        predicted for a first phase that took 0.14-0.17 s); 0 when nothing is measured."""
+        the verify costs the drafter policy measured (extrapolated linearly from the short
+        verify passes it has timed); 0 when nothing is measured."""
         if getattr(self, "last_phase_s", None) is not None:
             return 2 * self.last_phase_s
         if self.chooser is None or not self.chooser.costs.known():
