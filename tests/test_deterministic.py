@@ -173,13 +173,18 @@ def _needle_trials(gen, needle, rng, trials, max_batch, **kw):
     return alone
 
 
+def needle_tiny(model, sample, seed, trials):
+    """The needle on a tiny model, window 8, verify batch 4, 24 tokens, batches of 1-16."""
+    gen = Generator(model, mode="deterministic", window=8, verify_batch=4)
+    kw = dict(max_new_tokens=24, eos_token_id=[], do_sample=sample, temperature=1.3, seed=11)
+    alone = _needle_trials(gen, [17, 250, 9, 3, 44, 61], random.Random(seed + sample), trials=trials,
+                           max_batch=16, **kw)
+    assert len(alone.tokens[0]) == 24 and alone.logprobs[0].shape == (24,)
+
+
 @pytest.mark.parametrize("sample", [False, True])
 def test_needle_tiny(tiny, sample):
-    rng = random.Random(7 + sample)
-    gen = Generator(tiny, mode="deterministic", window=8, verify_batch=4)
-    kw = dict(max_new_tokens=24, eos_token_id=[], do_sample=sample, temperature=1.3, seed=11)
-    alone = _needle_trials(gen, [17, 250, 9, 3, 44, 61], rng, trials=4, max_batch=16, **kw)
-    assert len(alone.tokens[0]) == 24 and alone.logprobs[0].shape == (24,)
+    needle_tiny(tiny, sample, seed=7, trials=4)
 
 
 def test_needle_tiny_qwen2_with_biases():

@@ -5,15 +5,13 @@ Triton ``bi_matmul`` and the batch-invariant ops; and the negative control, plai
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from conftest import tiny_model
 from swiftkern import Generator, SkipModel, ops
 from swiftkern.verifier import Verifier
-from test_deterministic import _needle_trials, ar_needle_differences, smollm2_needle
+from test_deterministic import ar_needle_differences, needle_tiny, smollm2_needle
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -29,11 +27,7 @@ def test_bi_matmul_runs_the_triton_kernel_on_cuda():
 
 @pytest.mark.parametrize("sample", [False, True])
 def test_needle_tiny_on_gpu(tiny_gpu, sample):
-    rng = random.Random(17 + sample)
-    gen = Generator(tiny_gpu, mode="deterministic", window=8, verify_batch=4)
-    kw = dict(max_new_tokens=24, eos_token_id=[], do_sample=sample, temperature=1.3, seed=11)
-    alone = _needle_trials(gen, [17, 250, 9, 3, 44, 61], rng, trials=5, max_batch=16, **kw)
-    assert len(alone.tokens[0]) == 24 and alone.logprobs[0].device.type in ("cpu", "cuda")
+    needle_tiny(tiny_gpu, sample, seed=17, trials=5)
 
 
 def test_decode_equals_prefill_on_gpu(tiny_gpu):
