@@ -85,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="self-spec: auto (default) picks per step among lookup, layer-skip (with "
                           "--layer-set) and none by measured cost and acceptance; layer-skip drafts with "
                           "the skipped model; lookup drafts the continuation of an earlier match in "
-                          "prompt + output (no model call); none drafts nothing. deterministic: self-spec "
+                          "prompt + output (no model call), as many tokens as measured costs say pay; none "
+                          "drafts nothing. deterministic: self-spec "
                           "makes the --layer-set draft the fast path (auto/none: regular batched decoding)")
     gen.add_argument("--layer-set", default=None,
                      help="self-spec: sub-layers the draft skips, 'attn:3,5-7|mlp:4,9', JSON, 'none', or "
