@@ -79,6 +79,7 @@ class OnTheFlyTuner:
         self.start = time.perf_counter()
         self.last_optimized_at = None
         self.phases = 0
+        self.last_phase_s: float | None = None
         self.scored = 0
         self.restarts = 0
         self._acc, self._miss = 0.0, 0.0
@@ -129,7 +130,7 @@ class OnTheFlyTuner:
         candidates), or before any, one forward of candidates_per_forward x window tokens from
         the verify costs the drafter policy measured (extrapolated linearly from the short
         verify passes it has timed); 0 when nothing is measured."""
-        if getattr(self, "last_phase_s", None) is not None:
+        if self.last_phase_s is not None:
             return 2 * self.last_phase_s
         if self.chooser is None or not self.chooser.costs.known():
             return 0.0

@@ -192,3 +192,23 @@ def test_predicted_draft_cost_is_the_share_of_weight_bytes_read():
     head = DraftHead(sm.lm_head, None, 50, [7, 8, 9])
     want = 0.02 * (full - V * H + len(head) * H) / full
     assert tuner._draft_cost(sm, LayerSet.parse("none", 6), head) == pytest.approx(want)
+
+
+def test_search_waits_for_its_budget_and_needs_tokens_left(monkeypatch):
+    from swiftkern.tuner import OnTheFlyTuner
+
+    monkeypatch.setattr(OnTheFlyTuner, "_draft_cost", lambda self, *a: 0.0)
+    hf = tiny_model("llama", num_hidden_layers=6)
+    run = lambda n, **opts: Generator(hf, mode="self-spec", layer_set="auto", skip_ratio=0.3,  # noqa: E731
+                                      search_options=dict(SMALL_SEARCH, **opts)).generate(
+        PROMPTS[:1], max_new_tokens=n, eos_token_id=[]).stats
+    # 20 tokens: after the first window of 8 only 12 are left, fewer than two windows
+    s = run(20)
+    assert s["search_phases"] == 0 and "too few tokens left" in s["search_stop"]
+    # a phase predicted to cost more than the budget earned so far waits; with 60 tokens it never
+    # becomes affordable, and the search ends when too few tokens are left
+    monkeypatch.setattr(OnTheFlyTuner, "_phase_estimate", lambda self: 1e6)
+    s = run(60)
+    assert s["search_phases"] == 0 and "too few tokens left" in s["search_stop"]
+    monkeypatch.setattr(OnTheFlyTuner, "_phase_estimate", lambda self: 0.0)
+    assert run(60)["search_phases"] >= 1
