@@ -65,7 +65,7 @@ stage_sanitizer() {
 
 stage_kernels() {
   for r in greedy_accept rejection_sample fused_add_rms_norm rope_kv_append silu_mul verify_attention kv_compact; do
-    timeout 100 python3 -m bench --routine $r --reps 10 --plot >> "$OUT/kernels.log" 2>&1; echo "kernel bench $r: exit $?"
+    timeout 150 python3 -m bench --routine $r --reps 10 --plot >> "$OUT/kernels.log" 2>&1; echo "kernel bench $r: exit $?"
   done
 }
 
