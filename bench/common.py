@@ -28,7 +28,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 RESULTS_DIR = os.path.join(os.path.dirname(__file__), "results")
-CODE_PATHS = (":/swiftkern", ":/triton_kernels", ":/csrc", ":/bench", ":/setup.py", ":!/bench/results")  # what a row's commit covers
+# what a row's commit covers: the code that runs, not tests or results
+CODE_PATHS = (":/swiftkern", ":/triton_kernels", ":/csrc", ":/bench", ":/setup.py", ":!/bench/results")
 
 
 @functools.lru_cache(maxsize=None)
@@ -40,8 +41,8 @@ def commit() -> str:
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=here, check=True).stdout.strip()
-        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", *CODE_PATHS], capture_output=True,
-                                 text=True, cwd=here, check=True).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", *CODE_PATHS],
+                                 capture_output=True, text=True, cwd=here, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("+dirty" if changed else "")
@@ -98,16 +99,14 @@ def time_fn(fns: dict, device: str = "cpu", warmup: int = 3, reps: int = 20, min
             fn()
     _sync(device)
     modes = {name: "eager" for name in fns}
+    per_call = {}  # name -> calls per timed replay
     if graph_calls > 0 and device.startswith("cuda"):
-        per_call = {}
         for name, fn in list(fns.items()):
             replay = cuda_graphed(fn, graph_calls)
             if replay is not None:
                 fns[name], modes[name], per_call[name] = replay, "graph", graph_calls
             elif graph_only:
                 del fns[name]
-    else:
-        per_call = {}
     times = {name: [] for name in fns}
     start = time.perf_counter()
     r = 0

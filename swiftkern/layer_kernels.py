@@ -72,9 +72,7 @@ def _bind(device_type: str) -> LayerKernels:
         verify_attention = reference.verify_attention
     else:
         def verify_attention(q, k_cache, v_cache, cache_lens, scale, max_len, mask):
-            if max_len < k_cache.shape[2]:  # keys past max_len are never needed
-                k_cache, v_cache = k_cache[:, :, :max_len], v_cache[:, :, :max_len]
-            return attend(q, k_cache, v_cache, cache_lens, float(scale))
+            return attend(q, *ops.keys_in_use(k_cache, v_cache, max_len), cache_lens, float(scale))
 
     return LayerKernels(linear=_linear_for(device_type), rms_norm=run["rms_norm"],
                         fused_add_rms_norm=run["fused_add_rms_norm"], silu_mul=run["silu_mul"],
@@ -84,12 +82,10 @@ def _bind(device_type: str) -> LayerKernels:
 def _linear_for(device_type: str) -> Callable:
     """ops.linear's choice, made once: the C++ skinny kernel for float32 inputs of at most
     ops.SKINNY_MAX_ROWS rows on the CPU (when built and allowed), torch's matmul otherwise."""
-    if device_type != "cpu" or ops._OPS["skinny_linear"]["cpu"] != "cpp" or ops._backend() not in ("auto", "cpp"):
+    if not ops._cpu_kernel("skinny_linear", device_type):
         return reference.skinny_linear
-    skinny, limit, f32 = torch.ops.swiftkern.skinny_linear, ops.SKINNY_MAX_ROWS, torch.float32
+    skinny, fits = torch.ops.swiftkern.skinny_linear, ops.skinny_fits
 
     def linear(x, weight, bias=None):
-        if x.dtype == f32 and weight.dtype == f32 and x.numel() <= limit * x.shape[-1]:
-            return skinny(x, weight, bias)
-        return reference.skinny_linear(x, weight, bias)
+        return skinny(x, weight, bias) if fits(x, weight) else reference.skinny_linear(x, weight, bias)
     return linear

@@ -662,6 +662,14 @@ def rope_kv_append(
     return ns.rope_kv_append(q, k, v, cos, sin, k_cache, v_cache, positions)
 
 
+def keys_in_use(k_cache: torch.Tensor, v_cache: torch.Tensor, max_len: int | None):
+    """The caches [B, Hkv, S, D] cut to their first max_len positions (views): the attention
+    kernels never need keys past max_len. None: all S."""
+    if max_len is not None and max_len < k_cache.shape[2]:
+        return k_cache[:, :, :max_len], v_cache[:, :, :max_len]
+    return k_cache, v_cache
+
+
 def verify_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_lens: torch.Tensor, scale: float,
     max_len: int | None = None, mask: torch.Tensor | None = None,
@@ -708,8 +716,7 @@ def verify_attention(
     backend = _resolve(op, device.type)
     if backend == "reference":
         return reference.verify_attention(q, k_cache, v_cache, cache_lens, scale, max_len, mask)
-    if max_len is not None and max_len < S:  # keys past max_len are never needed
-        k_cache, v_cache = k_cache[:, :, :max_len], v_cache[:, :, :max_len]
+    k_cache, v_cache = keys_in_use(k_cache, v_cache, max_len)
     ns = torch.ops.swiftkern_triton if backend == "triton" else torch.ops.swiftkern
     return ns.verify_attention(q, k_cache, v_cache, cache_lens, float(scale))
 
@@ -767,11 +774,17 @@ def kv_compact(k_cache: torch.Tensor, v_cache: torch.Tensor, src_positions: torc
 SKINNY_MAX_ROWS = 32
 
 
-def _cpu_kernel(op: str, t: torch.Tensor) -> bool:
-    """True when ``op``'s C++ kernel may run on ``t``: a CPU tensor, the kernel built, and
-    SWIFTKERN_BACKEND auto or cpp. For the ops whose reference is the same function (bits
-    aside for linear), other backends take the reference rather than refusing."""
-    return t.device.type == "cpu" and _OPS[op]["cpu"] == "cpp" and _backend() in ("auto", "cpp")
+def _cpu_kernel(op: str, device_type: str) -> bool:
+    """True when ``op``'s C++ kernel may run on tensors of ``device_type``: the CPU, the kernel
+    built, and SWIFTKERN_BACKEND auto or cpp. For the ops whose reference is the same function
+    (bits aside for linear), other backends take the reference rather than refusing."""
+    return device_type == "cpu" and _OPS[op]["cpu"] == "cpp" and _backend() in ("auto", "cpp")
+
+
+def skinny_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the C++ skinny kernel takes x @ weight.T, once ``_cpu_kernel`` allows it:
+    float32 operands of at most SKINNY_MAX_ROWS rows."""
+    return x.dtype == torch.float32 and weight.dtype == torch.float32 and x.numel() <= SKINNY_MAX_ROWS * x.shape[-1]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -785,8 +798,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     (``reference.skinny_linear``); the two agree to float32 rounding.
     ``backend_info()["kernels"]["skinny_linear"]`` says which kernel is built.
     """
-    if (_cpu_kernel("skinny_linear", x) and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and x.numel() <= SKINNY_MAX_ROWS * x.shape[-1]):
+    if _cpu_kernel("skinny_linear", x.device.type) and skinny_fits(x, weight):
         return torch.ops.swiftkern.skinny_linear(x, weight, bias)
     return reference.skinny_linear(x, weight, bias)
 
@@ -804,7 +816,7 @@ def bi_exp(x: torch.Tensor) -> torch.Tensor:
     if not x.is_floating_point():
         raise SwiftkernError(f"{op}: x must be a float tensor, got {x.dtype}")
     x = x.to(torch.float32)
-    if _cpu_kernel(op, x):
+    if _cpu_kernel(op, x.device.type):
         return torch.ops.swiftkern.bi_exp(x)
     return reference.bi_exp(x)
 
@@ -826,7 +838,7 @@ def bi_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.shape[1] != b.shape[0] or a.dtype != b.dtype or a.device != b.device:
         raise SwiftkernError(f"{op}: a {tuple(a.shape)} {a.dtype} on {a.device} and b {tuple(b.shape)} {b.dtype} "
                              f"on {b.device} must share K, dtype and device")
-    if a.device.type == "cpu" and _backend() != "triton" and _cpu_kernel("skinny_linear", a):
+    if _cpu_kernel("skinny_linear", a.device.type):
         w = b.t().to(torch.float32)  # [N, K]: no copy for b = weight.t() of a float32 weight
         return torch.ops.swiftkern.skinny_linear(a.to(torch.float32), w, None).to(a.dtype)
     return _run(op, a.device, a, b)

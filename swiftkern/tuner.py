@@ -117,7 +117,7 @@ class OnTheFlyTuner:
         self._optimize(model, cache, i, prompts[r] + requests.out[r], head)
         self._pick(model, head)
         self.last_phase_s = time.perf_counter() - t0
-        self.search_s += time.perf_counter() - t0
+        self.search_s += self.last_phase_s
         self.phases += 1
         if all(s.done() for s in self.searches.values()):
             return self._finish("stop rule")
