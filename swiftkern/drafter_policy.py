@@ -9,7 +9,9 @@ which is plain decoding.
 
 Costs are measured while generating (``ForwardCosts``); acceptance is the maximum-likelihood
 a of a truncated geometric model, accepted / (accepted + misses), counted with a decay so it
-follows the text (``Acceptance``).
+follows the text (``Acceptance``). Prompt lookup's acceptance is kept per match length (1, 2,
+3, 4+ tokens of context matched): a long match is a far better bet than a one-token one
+(on SmolLM2 18 % of 1-token matches predicted the next token, 78-91 % of 4+-token ones).
 """
 
 from __future__ import annotations
@@ -17,6 +19,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DRAFTERS = ("auto", "layer-skip", "lookup", "none")
+# prior acceptance of a lookup draft by the length of the context match it came from (1, 2, 3, 4+)
+LOOKUP_PRIORS = (0.3, 0.5, 0.6, 0.8)
+
+
+def lookup_bucket(ngram: int) -> int:
+    """The acceptance class of a lookup match of ``ngram`` tokens: 1, 2, 3 or 4 (4 or more)."""
+    return max(1, min(ngram, len(LOOKUP_PRIORS)))
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -95,6 +104,10 @@ class Acceptance:
         return self.accepted / (self.accepted + self.misses)
 
 
+def _class_key(drafter: str, lookup_ngram: int) -> tuple[str, int]:
+    return (drafter, lookup_bucket(lookup_ngram) if drafter == "lookup" else 0)
+
+
 @dataclass
 class Choice:
     drafter: str  # "layer-skip" | "lookup" | "none"
@@ -106,8 +119,9 @@ class DrafterPolicy:
     """Chooses per row and step among prompt lookup, the layer-skipped model and no draft.
 
     ``allowed``: the drafters it may pick ("none" always); ``k_max``: most drafts per step.
-    Call ``choose(row, lookup_len, budget)`` before a step and ``observe(row, drafter,
-    num_draft, num_accepted)`` after it; the generation loop feeds ``costs``.
+    Call ``choose(row, lookup_len, budget, lookup_ngram=n)`` before a step and ``observe(row,
+    drafter, num_draft, num_accepted, lookup_ngram=n)`` after it; the generation loop feeds
+    ``costs``. Lookup acceptance is per (row, match length class), layer-skip's per row.
     Exploration: a drafter that has not been used for ``explore_every`` steps of a row is
     valued at its prior again, so a stale low estimate is re-tested now and then.
 
@@ -117,18 +131,20 @@ class DrafterPolicy:
     """
 
     def __init__(self, allowed: tuple[str, ...], k_max: int, explore_every: int = 32,
-                 lookup_prior: float = 0.6, skip_prior: float = 0.6, measure: bool = True):
+                 lookup_priors: tuple[float, ...] = LOOKUP_PRIORS, skip_prior: float = 0.6, measure: bool = True):
         self.allowed = tuple(allowed)
         self.k_max = k_max
         self.explore_every = explore_every
-        self.priors = {"lookup": lookup_prior, "layer-skip": skip_prior}
+        self.priors = {_class_key("lookup", n): p for n, p in enumerate(lookup_priors, start=1)}
+        self.priors[_class_key("layer-skip", 0)] = skip_prior
         self.costs = ForwardCosts()
         self.measure = measure
         if not measure:
             self.costs.add_verify(1, 1.0)
             self.costs.add_draft(0.5)
-        self._acc: dict = {}  # (row, drafter) -> Acceptance
-        self._idle: dict = {}  # (row, drafter) -> steps since last used
+        # per row: {(drafter, class): [Acceptance, steps since the row last used it]};
+        # class: lookup_bucket of the match for lookup, 0 for layer-skip
+        self._rows: dict = {}
         self.mean_draft_len = {"layer-skip": float(k_max)}  # drafts a confident run yields
 
     def record_verify(self, T: int, seconds: float) -> None:
@@ -139,12 +155,15 @@ class DrafterPolicy:
         if self.measure:
             self.costs.add_draft(seconds_per_forward)
 
-    def acceptance(self, row: int, drafter: str) -> Acceptance:
-        key = (row, drafter)
-        if key not in self._acc or self._idle.get(key, 0) >= self.explore_every:
-            self._acc[key] = Acceptance(prior=self.priors[drafter])
-            self._idle[key] = 0
-        return self._acc[key]
+    def acceptance(self, row: int, drafter: str, lookup_ngram: int = 1) -> Acceptance:
+        """The running acceptance of ``drafter`` on ``row`` (lookup: for matches of
+        ``lookup_ngram`` tokens); back at its prior when unused for ``explore_every`` steps."""
+        key = _class_key(drafter, lookup_ngram)
+        entries = self._rows.setdefault(row, {})
+        entry = entries.get(key)
+        if entry is None or entry[1] >= self.explore_every:
+            entry = entries[key] = [Acceptance(prior=self.priors[key]), 0]
+        return entry[0]
 
     def _best_k(self, a: float, k_limit: int, draft_cost: float) -> tuple[int, float]:
         best_k, best = 0, 1.0 / self.costs.verify(1)
@@ -154,16 +173,18 @@ class DrafterPolicy:
                 best_k, best = k, rate
         return best_k, best
 
-    def choose(self, row: int, lookup_len: int, budget: int, layer_skip: bool = True) -> Choice:
+    def choose(self, row: int, lookup_len: int, budget: int, layer_skip: bool = True,
+               lookup_ngram: int = 1) -> Choice:
         """The drafter and number of drafts for ``row`` this step. lookup_len: drafts prompt
-        lookup has for it (0 = no match); budget: most drafts the row may still use;
-        layer_skip: False while there is no layer set to draft with."""
+        lookup has for it (0 = no match), from a context match of lookup_ngram tokens;
+        budget: most drafts the row may still use; layer_skip: False while there is no layer
+        set to draft with."""
         if budget <= 0 or not self.costs.known():
             # nothing measured yet: the first step is a plain one that measures verify(1)
             return Choice("none", 0, 0.0)
         best = Choice("none", 0, 1.0 / self.costs.verify(1))
         if "lookup" in self.allowed and lookup_len > 0:
-            a = self.acceptance(row, "lookup").rate
+            a = self.acceptance(row, "lookup", lookup_ngram).rate
             k, rate = self._best_k(a, min(lookup_len, budget, self.k_max), 0.0)
             if k > 0 and rate > best.tokens_per_s:
                 best = Choice("lookup", k, rate)
@@ -176,13 +197,14 @@ class DrafterPolicy:
                 best = Choice("layer-skip", min(budget, self.k_max), rate)
         return best
 
-    def observe(self, row: int, drafter: str, num_draft: int, num_accepted: int) -> None:
-        """Record a verified step of ``row`` that used ``drafter`` (any of them)."""
-        for d in ("lookup", "layer-skip"):
-            key = (row, d)
-            self._idle[key] = 0 if d == drafter else self._idle.get(key, 0) + 1
-        if drafter in self.priors:
-            self.acceptance(row, drafter).update(num_draft, num_accepted)
+    def observe(self, row: int, drafter: str, num_draft: int, num_accepted: int, lookup_ngram: int = 1) -> None:
+        """Record a verified step of ``row`` that used ``drafter`` (any of them; lookup: drafts
+        from a match of ``lookup_ngram`` tokens)."""
+        used = _class_key(drafter, lookup_ngram)
+        for key, entry in self._rows.get(row, {}).items():
+            entry[1] = 0 if key == used else entry[1] + 1
+        if drafter in ("lookup", "layer-skip"):
+            self.acceptance(row, drafter, lookup_ngram).update(num_draft, num_accepted)
         if drafter == "layer-skip" and num_draft > 0:
             m = self.mean_draft_len["layer-skip"]
             self.mean_draft_len["layer-skip"] = 0.8 * m + 0.2 * num_draft

@@ -2,22 +2,50 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
 
-def lookup_draft(context: list[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
-    """Up to k tokens that followed the latest earlier occurrence of context's last n tokens.
+# the longest suffix matched; on SmolLM2 a match of 4+ tokens predicts the next token 78-91 % of
+# the time, of 1 token 18 % (bench prompts, 128 greedy tokens each): the length is worth knowing
+LOOKUP_MAX_NGRAM = 8
 
-    Tries n = max_ngram down to min_ngram; the first n with an earlier match wins, and among
-    its matches the most recent one. Returns [] when nothing matches (or k <= 0).
-    context: prompt + generated tokens so far (the last one is the pending token).
+
+class LookupMatch(NamedTuple):
+    """A prompt-lookup proposal: ``tokens`` followed an earlier occurrence of the context's
+    last ``ngram`` tokens (ngram 0 and no tokens: no match)."""
+
+    ngram: int
+    tokens: list[int]
+
+
+def lookup_match(context: list[int], k: int, max_ngram: int = LOOKUP_MAX_NGRAM, min_ngram: int = 1) -> LookupMatch:
+    """Up to k tokens that followed the earlier occurrence of the longest suffix of ``context``
+    (of min_ngram..max_ngram tokens) that occurs earlier; among equally long matches the latest.
+
+    context: prompt + generated tokens so far (the last one is the pending token). One pass
+    over the context: each earlier position holding the last token is a candidate end of a
+    match, extended backwards. Returns LookupMatch(0, []) when nothing matches or k <= 0.
     """
     size = len(context)
-    if k <= 0:
-        return []
-    for n in range(min(max_ngram, size - 1), min_ngram - 1, -1):
-        tail = context[size - n:]
-        for start in range(size - n - 1, -1, -1):  # latest earlier occurrence first
-            if context[start:start + n] == tail:
-                follow = context[start + n:start + n + k]
-                if follow:
-                    return follow
-    return []
+    longest = min(max_ngram, size - 1)
+    if k <= 0 or longest < min_ngram:
+        return LookupMatch(0, [])
+    last = context[-1]
+    best_n, best_end = 0, -1
+    for end in range(size - 2, -1, -1):  # latest first; the continuation context[end + 1:] is non-empty
+        if context[end] != last:
+            continue
+        n = 1
+        while n < longest and n <= end and context[end - n] == context[size - 1 - n]:
+            n += 1
+        if n > best_n:
+            best_n, best_end = n, end
+            if n == longest:
+                break
+    if best_n < min_ngram:
+        return LookupMatch(0, [])
+    return LookupMatch(best_n, context[best_end + 1:best_end + 1 + k])
+
+
+def lookup_draft(context: list[int], k: int, max_ngram: int = LOOKUP_MAX_NGRAM, min_ngram: int = 1) -> list[int]:
+    """The tokens of ``lookup_match`` alone: [] when nothing matches (or k <= 0)."""
+    return lookup_match(context, k, max_ngram, min_ngram).tokens

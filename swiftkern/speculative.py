@@ -22,14 +22,15 @@ from .layer_set import LayerSet
 from .model import SkipModel
 from .draft_head import DraftHead
 from .drafter_policy import Choice, DrafterPolicy
-from .drafters import lookup_draft
+from .drafters import LookupMatch, lookup_match
 from .requests import Requests
 from .sampling import SamplingParams, keyed_uniforms, probs_from_logits, sample_from_weights, select_tokens
 
 STREAM_TARGET, STREAM_DRAFT, STREAM_ACCEPT, STREAM_RESIDUAL = 0, 1, 2, 3
-# a lookup draft needs a match of at least 2 tokens: 1-token matches were mostly rejected on
-# SmolLM2 (0.2-0.4 accepted per verify) and a verify of k+1 tokens costs more than a decode step
-LOOKUP_MIN_NGRAM = 2
+# without a DrafterPolicy to judge them, lookup drafts need a match of at least 2 tokens:
+# 1-token matches were mostly rejected on SmolLM2 (18 % of first drafts right) and a verify of
+# k+1 tokens costs more than a decode step; the policy keeps their acceptance apart and decides
+LOOKUP_MIN_NGRAM_UNJUDGED = 2
 
 
 @dataclass
@@ -209,13 +210,15 @@ def decode_self_spec(model: SkipModel, cache: KVCache, first_logits: torch.Tenso
         row_seeds = [seeds[r] for r in alive]
         base = list(cache.host_lengths)
         budget = [min(policy.k_max, requests.remaining(r)) for r in alive]
-        lookups = [[] for _ in alive]
+        matches = [LookupMatch(0, [])] * B
         if drafter in ("lookup", "auto"):
-            lookups = [lookup_draft(prompts[r] + requests.out[r], budget[i], min_ngram=LOOKUP_MIN_NGRAM)
+            min_ngram = 1 if chooser is not None else LOOKUP_MIN_NGRAM_UNJUDGED
+            matches = [lookup_match(prompts[r] + requests.out[r], budget[i], min_ngram=min_ngram)
                        for i, r in enumerate(alive)]
+        lookups = [m.tokens for m in matches]
         if chooser is not None:  # auto, or lookup with cost-aware draft lengths
-            choices = [chooser.choose(r, len(lookups[i]), budget[i], layer_skip=layer_set is not None)
-                       for i, r in enumerate(alive)]
+            choices = [chooser.choose(r, len(lookups[i]), budget[i], layer_skip=layer_set is not None,
+                                      lookup_ngram=matches[i].ngram) for i, r in enumerate(alive)]
         else:
             choices = [_fixed_choice(drafter if layer_set is not None or drafter != "layer-skip" else "none",
                                      len(lookups[i]), budget[i]) for i in range(B)]
@@ -253,7 +256,7 @@ def decode_self_spec(model: SkipModel, cache: KVCache, first_logits: torch.Tenso
                 if tuner is not None:
                     tuner.observe(num_draft[i], num_accepted[i])
             if chooser is not None:
-                chooser.observe(r, used, num_draft[i], num_accepted[i])
+                chooser.observe(r, used, num_draft[i], num_accepted[i], lookup_ngram=matches[i].ngram)
             committed = row[: num_accepted[i] + 1]
             requests.commit(r, committed)
             if draft_head is not None:

@@ -82,6 +82,18 @@ def test_good_lookup_is_taken_and_bad_lookup_is_not():
     assert p.choose(1, lookup_len=6, budget=20).drafter == "none"  # each draft costs 0.1 and is rejected
 
 
+def test_lookup_acceptance_is_kept_per_match_length():
+    """One-token matches that miss do not stop drafting from long matches that hit."""
+    p = _policy(("lookup", "none"))
+    for _ in range(100):
+        p.observe(0, "lookup", 4, 0, lookup_ngram=1)
+        p.observe(0, "lookup", 4, 4, lookup_ngram=6)
+    assert p.choose(0, lookup_len=6, budget=20, lookup_ngram=1).drafter == "none"
+    long_match = p.choose(0, lookup_len=6, budget=20, lookup_ngram=5)
+    assert long_match.drafter == "lookup" and long_match.k == 6
+    assert p.acceptance(0, "lookup", 4).rate > 0.95 and p.acceptance(0, "lookup", 1).rate < 0.05
+
+
 def test_expensive_layer_skip_loses_to_plain_decoding():
     # a draft forward costs 0.9 of a full step (a small model): even 60 % acceptance loses
     p = _policy(("layer-skip", "none"), draft=0.9)
@@ -95,8 +107,9 @@ def test_expensive_layer_skip_loses_to_plain_decoding():
 
 def test_free_lookup_beats_an_equally_accurate_layer_skip():
     p = _policy(("lookup", "layer-skip", "none"), draft=0.3)
-    _train(p, 0, "lookup", 0.8)
-    _train(p, 0, "layer-skip", 0.8)
+    for seed in range(20):  # interleaved, so neither estimate goes stale
+        _train(p, 0, "lookup", 0.8, steps=10, seed=seed)
+        _train(p, 0, "layer-skip", 0.8, steps=10, seed=seed)
     assert p.choose(0, lookup_len=8, budget=20).drafter == "lookup"
     assert p.choose(0, lookup_len=0, budget=20).drafter == "layer-skip"
 

@@ -6,7 +6,7 @@ import torch
 
 from conftest import tiny_model
 from swiftkern import Generator, SkipModel, SwiftkernError
-from swiftkern.drafters import lookup_draft
+from swiftkern.drafters import lookup_draft, lookup_match
 from test_self_spec import _two_token_marginal
 
 PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [10, 11, 12], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [200]]
@@ -54,7 +54,7 @@ def test_unknown_drafter_is_refused():
 
 def _slow_lookup(context, k, max_ngram, min_ngram):
     """Reference: every earlier window equal to the last n tokens, for the longest n that has
-    one with a non-empty continuation; the latest such window's continuation."""
+    one with a non-empty continuation; (n, the latest such window's continuation)."""
     for n in range(max_ngram, min_ngram - 1, -1):
         if n >= len(context):
             continue
@@ -62,13 +62,20 @@ def _slow_lookup(context, k, max_ngram, min_ngram):
         starts = [s for s in range(len(context) - n) if tuple(context[s:s + n]) == tail
                   and s + n < len(context)]
         if starts:
-            return context[max(starts) + n:max(starts) + n + k]
-    return []
+            return n, context[max(starts) + n:max(starts) + n + k]
+    return 0, []
 
 
-@settings(max_examples=300, deadline=None)
-@given(context=st.lists(st.integers(0, 4), min_size=1, max_size=40), k=st.integers(0, 8),
-       max_ngram=st.integers(1, 4), min_ngram=st.integers(1, 4))
+@settings(max_examples=400, deadline=None)
+@given(context=st.lists(st.integers(0, 3), min_size=1, max_size=60), k=st.integers(0, 8),
+       max_ngram=st.integers(1, 10), min_ngram=st.integers(1, 4))
 def test_lookup_matches_a_slow_reference(context, k, max_ngram, min_ngram):
-    expect = _slow_lookup(context, k, max_ngram, min_ngram) if k > 0 else []
-    assert lookup_draft(context, k, max_ngram=max_ngram, min_ngram=min_ngram) == expect
+    expect = _slow_lookup(context, k, max_ngram, min_ngram) if k > 0 else (0, [])
+    assert lookup_match(context, k, max_ngram=max_ngram, min_ngram=min_ngram) == expect
+    assert lookup_draft(context, k, max_ngram=max_ngram, min_ngram=min_ngram) == expect[1]
+
+
+def test_lookup_reports_the_match_length():
+    assert lookup_match([1, 2, 3, 4, 9, 2, 3, 4], k=2) == (3, [9, 2])  # "2 3 4" matched
+    assert lookup_match([5, 1, 2, 3, 4, 6, 1, 2, 3, 4], k=1, max_ngram=3) == (3, [6])  # capped at 3
+    assert lookup_match([5, 6, 7], k=2) == (0, [])
