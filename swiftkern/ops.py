@@ -685,7 +685,8 @@ def verify_attention(
         max_len: host-side hint, max(cache_lens) (no device sync to range-check then; only
             keys below it are read).
         mask: hint for the reference backend only, ``attention_mask(cache_lens, T, max_len)``
-            computed once for all layers, or False when no key is masked.
+            or its ``reference.grouped_attention_bias`` computed once for all layers, or False
+            when no key is masked.
 
     Query i of row b sees keys j < cache_lens[b] - T + i + 1 (causal within the new tokens).
     T = 1 is decode, T = k + 1 verification; every row has its own length, in one launch.

@@ -125,6 +125,15 @@ def attention_mask(cache_lens: torch.Tensor, num_new: int, max_len: int) -> torc
     return key_pos.view(1, 1, max_len) < limit.unsqueeze(2)
 
 
+def grouped_attention_bias(mask: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """``attention_mask``'s bool [B, T, max_len] as the additive bias verify_attention hands to
+    SDPA: float [B, 1, group * T, max_len], 0 where a key is seen and -inf where not, in the
+    layout of the query heads of one kv head folded into the query axis. SDPA turns a bool
+    mask into this bias itself on every call; built once it serves every layer of a forward."""
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return bias.unsqueeze(1).repeat(1, 1, group, 1)
+
+
 def verify_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -141,8 +150,9 @@ def verify_attention(
     Query i of row b attends to keys j < cache_lens[b] - T + i + 1 (causal in the chunk).
     Hq must be a multiple of Hkv (GQA: query head h reads kv head h // (Hq // Hkv)).
     Hints a caller may pass to save work: max_len, the host-side max(cache_lens); mask,
-    ``attention_mask(cache_lens, T, max_len)`` computed once for all layers, or False when
-    no key needs masking (T = 1 and all rows of length max_len). -> [B, Hq, T, D]
+    ``attention_mask(cache_lens, T, max_len)`` or its ``grouped_attention_bias`` computed once
+    for all layers, or False when no key needs masking (T = 1 and all rows of length
+    max_len). -> [B, Hq, T, D]
     """
     B, Hq, T, D = q.shape
     Hkv = k_cache.shape[1]
@@ -155,7 +165,8 @@ def verify_attention(
     q_grouped = q.reshape(B, Hkv, group * T, D)
     attn_mask = None
     if mask is not False:
-        attn_mask = mask.unsqueeze(1).repeat(1, 1, group, 1)  # [B, 1, group*T, max_len]
+        # [B, 1, group*T, max_len]
+        attn_mask = mask if mask.dim() == 4 else grouped_attention_bias(mask, group, q.dtype)
     out = torch.nn.functional.scaled_dot_product_attention(
         q_grouped, k_cache[:, :, :max_len], v_cache[:, :, :max_len], attn_mask=attn_mask, scale=scale
     )

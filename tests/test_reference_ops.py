@@ -35,6 +35,10 @@ def test_verify_attention_matches_naive(B, hkv, group, T, D, data):
     scale = 1 / math.sqrt(D)
     expect = naive_attention(q, k, v, lens, scale)
     torch.testing.assert_close(ref.verify_attention(q, k, v, lens, scale), expect, rtol=1e-4, atol=1e-5)
+    max_len = int(lens.max())
+    bias = ref.grouped_attention_bias(ref.attention_mask(lens, T, max_len), group, q.dtype)
+    grouped = ref.verify_attention(q, k, v, lens, scale, max_len, mask=bias)  # the model's hint
+    torch.testing.assert_close(grouped, expect, rtol=1e-4, atol=1e-5)
     if T == 1 and len(set(lens.tolist())) == 1:  # the no-mask fast path
         got = ref.verify_attention(q, k, v, lens, scale, int(lens[0]), mask=False)
         torch.testing.assert_close(got, expect, rtol=1e-4, atol=1e-5)
