@@ -49,6 +49,8 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_cpu(const at::Tensor& x, c
 at::Tensor rope_kv_append_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
                               const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
                               const at::Tensor& positions);
+at::Tensor verify_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                const at::Tensor& cache_lens, double scale);
 void kv_compact_cpu(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& src_positions,
                     const at::Tensor& dst_start, const at::Tensor& counts);
 #ifdef SWIFTKERN_WITH_CUDA  // csrc/ops_cuda.cpp
@@ -69,7 +71,7 @@ void kv_compact_cuda(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& s
 
 // The ops with a compiled kernel per device (what build_info() reports).
 constexpr const char* kCpuKernels[] = {"greedy_accept", "rejection_sample", "skinny_linear", "fused_add_rms_norm",
-                                       "rope_kv_append", "kv_compact", "bi_exp"};
+                                       "rope_kv_append", "verify_attention", "kv_compact", "bi_exp"};
 #ifdef SWIFTKERN_WITH_CUDA
 constexpr const char* kCudaKernels[] = {"greedy_accept", "rejection_sample", "fused_add_rms_norm", "rope_kv_append",
                                         "kv_compact"};
@@ -99,6 +101,7 @@ TORCH_LIBRARY_IMPL(swiftkern, CPU, m) {
   m.impl("rejection_sample", &swiftkern::rejection_sample_cpu);
   m.impl("fused_add_rms_norm", &swiftkern::fused_add_rms_norm_cpu);
   m.impl("rope_kv_append", &swiftkern::rope_kv_append_cpu);
+  m.impl("verify_attention", &swiftkern::verify_attention_cpu);
   m.impl("kv_compact", &swiftkern::kv_compact_cpu);
   m.impl("bi_exp", &swiftkern::bi_exp_cpu);
 }

@@ -100,5 +100,30 @@ inline void kv_compact(const at::Tensor& k_cache, const at::Tensor& v_cache, con
   TORCH_CHECK(counts.scalar_type() == at::kInt, "kv_compact: counts must be int32, got ", counts.scalar_type());
 }
 
+// q [B, Hq, T, D]; k_cache, v_cache [B, Hkv, S, D] of one layout with D contiguous, Hq a multiple
+// of Hkv; cache_lens int64 [B]; one float dtype.
+inline void verify_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                             const at::Tensor& cache_lens) {
+  TORCH_CHECK(q.dim() == 4, "verify_attention: q must be [B, Hq, T, D], got ", q.sizes());
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(3);
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(0) == B && k_cache.size(3) == D && v_cache.sizes() == k_cache.sizes(),
+              "verify_attention: k_cache and v_cache must be [B, Hkv, S, D] = [", B, ", Hkv, S, ", D, "], got ",
+              k_cache.sizes(), " and ", v_cache.sizes());
+  const int64_t Hkv = k_cache.size(1);
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "verify_attention: query heads (", Hq, ") must be a multiple of kv heads (",
+              Hkv, ")");
+  TORCH_CHECK(is_float_dtype(q.scalar_type()), "verify_attention: q must be float32, bfloat16 or float16, got ",
+              q.scalar_type());
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "verify_attention: q, k_cache and v_cache must share one dtype, got ", q.scalar_type(), ", ",
+              k_cache.scalar_type(), " and ", v_cache.scalar_type());
+  TORCH_CHECK((k_cache.stride(3) == 1 || D <= 1) && k_cache.strides() == v_cache.strides(),
+              "verify_attention (kernel): k_cache and v_cache must share one layout with D contiguous, got strides ",
+              k_cache.strides(), " and ", v_cache.strides(), "; pass slices of the KVCache tensors or .contiguous()");
+  TORCH_CHECK(cache_lens.dim() == 1 && cache_lens.size(0) == B && cache_lens.scalar_type() == at::kLong,
+              "verify_attention: cache_lens must be int64 [B] = [", B, "], got ", cache_lens.scalar_type(), " ",
+              cache_lens.sizes());
+}
+
 }  // namespace checks
 }  // namespace swiftkern

@@ -34,7 +34,8 @@ def test_extension_is_built_with_the_cpu_kernels():
         pytest.skip("SWIFTKERN_BUILD_EXT=0: the extension is not built on purpose")
     assert BUILT, ops.backend_info()["extension"]
     info = ops._C.build_info()
-    for op in ("greedy_accept", "rejection_sample", "fused_add_rms_norm", "rope_kv_append", "kv_compact"):
+    for op in ("greedy_accept", "rejection_sample", "fused_add_rms_norm", "rope_kv_append", "verify_attention",
+               "kv_compact"):
         assert op in info["cpu_kernels"]
         assert "cpp" in ops.backend_info()["kernels"][op]["cpu"]
     if sys.platform != "win32":  # fp32 kernels match the reference only without contraction

@@ -1,0 +1,93 @@
+"""The C++ CPU verify_attention (torch.ops.swiftkern.verify_attention on CPU tensors) against
+the definition (a float64 loop per query, test_reference_ops.naive_attention) on odd shapes:
+GQA groups, new tokens per row 1-16 (both the one-query-at-a-time path and the 16-lane path
+the kernel takes from 8 queries per kv head), head sizes off the vector width, rows of unequal
+lengths including length T (nothing cached) and S (a full cache), caches sliced to the keys in
+use, bf16/fp16; that a query's result does not depend on the batch; bad input."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from swiftkern import ops
+from test_reference_ops import naive_attention
+from triton_cases import assert_close
+
+needs_cpp = pytest.mark.skipif(ops._OPS["verify_attention"]["cpu"] != "cpp",
+                               reason="swiftkern._C is not built with the CPU verify_attention kernel")
+OPS = torch.ops.swiftkern
+DRAWN = settings(max_examples=60, deadline=None, derandomize=True,
+                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def case(B, Hkv, group, T, D, S, dtype, data, slack=3):
+    """q [B, Hq, T, D] (a transposed view, as the model passes it), caches [B, Hkv, S + slack, D]
+    sliced to S keys, NaN past S (never read), lens in [T, S]."""
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
+    q = torch.randn(B, T, Hkv * group, D, generator=g).to(dtype).transpose(1, 2)
+    k = torch.randn(B, Hkv, S + slack, D, generator=g).to(dtype)
+    v = torch.randn(B, Hkv, S + slack, D, generator=g).to(dtype)
+    k[:, :, S:], v[:, :, S:] = float("nan"), float("nan")
+    lens = torch.tensor([data.draw(st.integers(T, S)) for _ in range(B)])
+    return q, k[:, :, :S], v[:, :, :S], lens
+
+
+@needs_cpp
+@DRAWN
+@given(B=st.integers(1, 3), heads=st.sampled_from([(1, 1), (3, 3), (2, 4), (1, 8), (3, 6)]), T=st.integers(1, 16),
+       D=st.sampled_from([1, 20, 64, 100, 130]), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       data=st.data())
+def test_matches_the_definition(B, heads, T, D, dtype, data):
+    Hkv, group = heads
+    S = T + data.draw(st.integers(0, 40))
+    q, k, v, lens = case(B, Hkv, group, T, D, S, dtype, data)
+    got = OPS.verify_attention(q, k, v, lens, D ** -0.5)
+    want = naive_attention(q.float(), k.float(), v.float(), lens, D ** -0.5).to(dtype)
+    assert got.shape == (B, Hkv * group, T, D) and got.is_contiguous()
+    assert_close("verify_attention", got, want)
+
+
+@needs_cpp
+@pytest.mark.parametrize("T", [1, 8])  # one query at a time; the 16-lane path
+def test_a_row_does_not_depend_on_the_batch(T):
+    torch.manual_seed(0)
+    B, Hkv, group, D, S = 5, 3, 3, 64, 70
+    q, k, v = torch.randn(B, Hkv * group, T, D), torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, D)
+    lens = torch.tensor([70, 9, 33, T, 64])
+    full = OPS.verify_attention(q, k, v, lens, 0.125)
+    for b in range(B):
+        alone = OPS.verify_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], lens[b:b + 1], 0.125)
+        assert torch.equal(alone, full[b:b + 1])
+
+
+@needs_cpp
+def test_one_key_gives_its_value():
+    """Closed form: a query that sees one key returns that key's value row."""
+    q, k, v = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16)
+    out = OPS.verify_attention(q, k, v, torch.tensor([1]), 0.25)
+    torch.testing.assert_close(out[0, :, 0], v[0, [0, 0, 1, 1], 0], rtol=1e-6, atol=1e-6)
+
+
+@needs_cpp
+@pytest.mark.parametrize("call, message", [
+    (lambda: OPS.verify_attention(torch.ones(1, 3, 1, 8), torch.ones(1, 2, 4, 8), torch.ones(1, 2, 4, 8),
+                                  torch.tensor([2]), 1.0), "multiple of kv heads"),
+    (lambda: OPS.verify_attention(torch.ones(1, 2, 2, 8), torch.ones(1, 2, 4, 8), torch.ones(1, 2, 4, 8),
+                                  torch.tensor([5]), 1.0), r"cache_lens\[0\] = 5"),
+    (lambda: OPS.verify_attention(torch.ones(1, 2, 2, 8), torch.ones(1, 2, 4, 8), torch.ones(1, 2, 4, 8),
+                                  torch.tensor([1]), 1.0), r"cache_lens\[0\] = 1"),
+    (lambda: OPS.verify_attention(torch.ones(1, 2, 1, 8), torch.ones(1, 2, 4, 8), torch.ones(1, 2, 4, 8,
+                                  dtype=torch.bfloat16), torch.tensor([2]), 1.0), "share one dtype"),
+    (lambda: OPS.verify_attention(torch.ones(1, 2, 1, 8), torch.ones(1, 2, 4, 8), torch.ones(1, 2, 4, 8),
+                                  torch.tensor([2], dtype=torch.int32), 1.0), "int64"),
+])
+def test_bad_input_names_the_problem(call, message):
+    with pytest.raises(RuntimeError, match=message):
+        call()
+
+
+@needs_cpp
+def test_opcheck():
+    q, k, v = torch.randn(2, 6, 3, 16), torch.randn(2, 2, 9, 16), torch.randn(2, 2, 9, 16)
+    torch.library.opcheck(OPS.verify_attention, (q, k, v, torch.tensor([9, 3]), 0.25))
