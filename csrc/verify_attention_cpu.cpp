@@ -1,10 +1,13 @@
 // verify_attention on CPU: T new queries per row against the row's cache, causal within the new
 // tokens, GQA, per-row lengths, no mask tensor.
 //
-// One task per (row, query head, new token): scores s_j = scale * q . k_j for the keys it sees
-// (j < cache_lens[b] - T + i + 1), p_j = exp(s_j - max s) (cpu_exp.h), out = sum_j p_j v_j / sum_j p_j,
-// all in fp32 (bf16/fp16 load and round once at the store). Each query is computed alone in a
-// fixed order, so its result does not depend on the batch, T or the thread that ran it.
+// Per query: scores s_j = scale * q . k_j for the keys it sees (j < cache_lens[b] - T + i + 1),
+// p_j = exp(s_j - max s) (cpu_exp.h), out = sum_j p_j v_j / sum_j p_j, all in fp32 (bf16/fp16
+// load and round once at the store). Two paths, by the queries that share a kv head (GQA group
+// x new tokens): below 8, one task per (row, kv head, token) walks the keys in blocks shared by
+// the group's queries, one query at a time; from 8 (fp32, AVX-512), tasks of 16 queries in the
+// lanes of a register. Each query's arithmetic is in a fixed order set by its own keys, so its
+// result does not depend on the batch or the thread that ran it.
 //
 // Why a kernel: for decode and verification (T <= 16, a few hundred keys) torch's SDPA spends
 // most of its time outside the arithmetic (44 us per SmolLM2 layer at T = 1, for ~30 K FMAs), and
@@ -29,6 +32,11 @@ namespace swiftkern {
 namespace cpu {
 namespace {
 
+constexpr int kLanes = 16;
+constexpr int64_t kMinLaneQueries = 8;  // fewer queries per kv head: one query at a time is faster
+constexpr int64_t kKeyBlock = 64;       // keys per block walked by all of a task's queries (32 KiB at D 128)
+constexpr int64_t kSharedKvBytes = int64_t(1) << 19;  // a head's keys + values past this: read once per task
+
 struct AttnShape {
   int64_t B, Hq, T, D, Hkv, S;
   int64_t q_b, q_h, q_t;  // strides of q (elements), D contiguous
@@ -49,16 +57,13 @@ void scores_portable(const E* q, const E* k, int64_t k_s, int64_t L, int64_t D, 
   }
 }
 
-// out[d] = sum_j p[j] * v_j[d] / total, accumulated in fp32 in key order.
+// acc[d] += sum_j p[j] * v_j[d] over keys [0, L), in key order (acc: fp32 [D]).
 template <class E>
-void weighted_values_portable(const float* p, const E* v, int64_t v_s, int64_t L, int64_t D, float inv_total,
-                              float* acc, E* out) {
-  std::fill(acc, acc + D, 0.0f);
+void accumulate_values_portable(const float* p, const E* v, int64_t v_s, int64_t L, int64_t D, float* acc) {
   for (int64_t j = 0; j < L; ++j) {
     const E* vj = v + j * v_s;
     for (int64_t d = 0; d < D; ++d) acc[d] += p[j] * static_cast<float>(vj[d]);
   }
-  for (int64_t d = 0; d < D; ++d) out[d] = static_cast<E>(acc[d] * inv_total);
 }
 
 #if defined(__x86_64__)
@@ -77,17 +82,18 @@ __attribute__((target("avx512f"))) void scores_avx512(const float* q, const floa
   }
 }
 
-__attribute__((target("avx512f"))) void weighted_values_avx512(const float* p, const float* v, int64_t v_s,
-                                                                int64_t L, int64_t D, float inv_total, float* out) {
-  // D in chunks of 64 (4 registers): every key's row chunk is read once per query
+__attribute__((target("avx512f"))) void accumulate_values_avx512(const float* p, const float* v, int64_t v_s,
+                                                                  int64_t L, int64_t D, float* acc) {
+  // D in chunks of 64 (4 registers): every key's row chunk is read once
   for (int64_t d0 = 0; d0 < D; d0 += 64) {
-    const int64_t width = std::min<int64_t>(64, D - d0);
     __mmask16 m[4];
     for (int c = 0; c < 4; ++c) {
-      const int64_t n = std::clamp<int64_t>(width - 16 * c, 0, 16);
+      const int64_t n = std::clamp<int64_t>(D - d0 - 16 * c, 0, 16);
       m[c] = static_cast<__mmask16>(n == 16 ? 0xFFFFu : (1u << n) - 1u);
     }
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    float* a = acc + d0;
+    __m512 a0 = _mm512_maskz_loadu_ps(m[0], a), a1 = _mm512_maskz_loadu_ps(m[1], a + 16);
+    __m512 a2 = _mm512_maskz_loadu_ps(m[2], a + 32), a3 = _mm512_maskz_loadu_ps(m[3], a + 48);
     for (int64_t j = 0; j < L; ++j) {
       const float* vj = v + j * v_s + d0;
       const __m512 pj = _mm512_set1_ps(p[j]);
@@ -96,96 +102,104 @@ __attribute__((target("avx512f"))) void weighted_values_avx512(const float* p, c
       a2 = _mm512_fmadd_ps(pj, _mm512_maskz_loadu_ps(m[2], vj + 32), a2);
       a3 = _mm512_fmadd_ps(pj, _mm512_maskz_loadu_ps(m[3], vj + 48), a3);
     }
-    const __m512 inv = _mm512_set1_ps(inv_total);
-    _mm512_mask_storeu_ps(out + d0, m[0], _mm512_mul_ps(a0, inv));
-    _mm512_mask_storeu_ps(out + d0 + 16, m[1], _mm512_mul_ps(a1, inv));
-    _mm512_mask_storeu_ps(out + d0 + 32, m[2], _mm512_mul_ps(a2, inv));
-    _mm512_mask_storeu_ps(out + d0 + 48, m[3], _mm512_mul_ps(a3, inv));
+    _mm512_mask_storeu_ps(a, m[0], a0);
+    _mm512_mask_storeu_ps(a + 16, m[1], a1);
+    _mm512_mask_storeu_ps(a + 32, m[2], a2);
+    _mm512_mask_storeu_ps(a + 48, m[3], a3);
   }
 }
 
-// Up to 16 queries that share one kv head (GQA group x new tokens), in the 16 lanes of a
-// register: q[l] (D floats), lim[l] keys seen (0 for unused lanes), out[l] (D floats).
-// Scores of 4 keys at a time against all lanes (q transposed once: qt[d][lane]), the softmax
-// of all lanes at once, then the values for 4 queries at a time (each value row read once per
-// 4 queries). ~5 cycles per (query, key) against ~12 for one query at a time, where every key
-// needs a horizontal sum.
-__attribute__((target("avx512f"))) void attend_lanes_avx512(const float* const* q, const int64_t* lim, int nq,
-                                                            const float* k, const float* v, int64_t kv_s,
-                                                            int64_t D, float scale, float* const* out, float* qt,
-                                                            float* sc) {
-  int64_t L = 0;
-  for (int l = 0; l < nq; ++l) L = std::max(L, lim[l]);
+// Up to 16 queries that share one kv head (GQA group x new tokens) in the 16 lanes of a
+// register (a "lane block"): scores of 4 keys at a time against all lanes (q transposed once:
+// qt[d][lane]), the softmax of all lanes at once, then the values for 4 queries at a time
+// (each value row read once per 4 queries). ~5 cycles per (query, key) against ~12 for one
+// query at a time, where every key needs a horizontal sum. Each phase takes a range of keys,
+// so a task can walk one block of keys through all lane blocks of a head (keys read once).
+
+// qt[d * 16 + l] = q[l][d] (0 for lanes past nq)
+void lane_transpose(const float* const* q, int nq, int64_t D, float* qt) {
   for (int64_t d = 0; d < D; ++d)
-    for (int l = 0; l < 16; ++l) qt[d * 16 + l] = l < nq ? q[l][d] : 0.0f;
+    for (int l = 0; l < kLanes; ++l) qt[d * kLanes + l] = l < nq ? q[l][d] : 0.0f;
+}
+
+// sc[j * 16 + l] = scale * q_l . k_j for keys [0, n) (k: the block's first key)
+__attribute__((target("avx512f"))) void lane_scores(const float* qt, const float* k, int64_t kv_s, int64_t n,
+                                                    int64_t D, float scale, float* sc) {
   const __m512 vscale = _mm512_set1_ps(scale);
   int64_t j = 0;
-  for (; j + 4 <= L; j += 4) {
+  for (; j + 4 <= n; j += 4) {
     const float *k0 = k + j * kv_s, *k1 = k0 + kv_s, *k2 = k1 + kv_s, *k3 = k2 + kv_s;
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     for (int64_t d = 0; d < D; ++d) {
-      const __m512 qd = _mm512_loadu_ps(qt + d * 16);
+      const __m512 qd = _mm512_loadu_ps(qt + d * kLanes);
       a0 = _mm512_fmadd_ps(_mm512_set1_ps(k0[d]), qd, a0);
       a1 = _mm512_fmadd_ps(_mm512_set1_ps(k1[d]), qd, a1);
       a2 = _mm512_fmadd_ps(_mm512_set1_ps(k2[d]), qd, a2);
       a3 = _mm512_fmadd_ps(_mm512_set1_ps(k3[d]), qd, a3);
     }
-    _mm512_storeu_ps(sc + j * 16, _mm512_mul_ps(a0, vscale));
-    _mm512_storeu_ps(sc + (j + 1) * 16, _mm512_mul_ps(a1, vscale));
-    _mm512_storeu_ps(sc + (j + 2) * 16, _mm512_mul_ps(a2, vscale));
-    _mm512_storeu_ps(sc + (j + 3) * 16, _mm512_mul_ps(a3, vscale));
+    _mm512_storeu_ps(sc + j * kLanes, _mm512_mul_ps(a0, vscale));
+    _mm512_storeu_ps(sc + (j + 1) * kLanes, _mm512_mul_ps(a1, vscale));
+    _mm512_storeu_ps(sc + (j + 2) * kLanes, _mm512_mul_ps(a2, vscale));
+    _mm512_storeu_ps(sc + (j + 3) * kLanes, _mm512_mul_ps(a3, vscale));
   }
-  for (; j < L; ++j) {
+  for (; j < n; ++j) {
     const float* kj = k + j * kv_s;
     __m512 a = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; ++d) a = _mm512_fmadd_ps(_mm512_set1_ps(kj[d]), _mm512_loadu_ps(qt + d * 16), a);
-    _mm512_storeu_ps(sc + j * 16, _mm512_mul_ps(a, vscale));
+    for (int64_t d = 0; d < D; ++d) a = _mm512_fmadd_ps(_mm512_set1_ps(kj[d]), _mm512_loadu_ps(qt + d * kLanes), a);
+    _mm512_storeu_ps(sc + j * kLanes, _mm512_mul_ps(a, vscale));
   }
-  // softmax per lane over the keys it sees; unseen keys get weight 0
-  alignas(64) int32_t lim32[16];
-  for (int l = 0; l < 16; ++l) lim32[l] = l < nq ? static_cast<int32_t>(lim[l]) : 0;
+}
+
+// In place over keys [0, L): sc -> exp(sc - max) where lane l sees key j (j < lim[l]), else 0;
+// tot[l] = the sum of lane l's weights.
+__attribute__((target("avx512f"))) void lane_softmax(float* sc, const int64_t* lim, int nq, int64_t L, float* tot) {
+  alignas(64) int32_t lim32[kLanes];
+  for (int l = 0; l < kLanes; ++l) lim32[l] = l < nq ? static_cast<int32_t>(lim[l]) : 0;
   const __m512i vlim = _mm512_load_si512(lim32);
   __m512 mx = _mm512_set1_ps(-INFINITY);
-  for (j = 0; j < L; ++j) {
+  for (int64_t j = 0; j < L; ++j) {
     const __mmask16 seen = _mm512_cmpgt_epi32_mask(vlim, _mm512_set1_epi32(static_cast<int32_t>(j)));
-    mx = _mm512_mask_max_ps(mx, seen, mx, _mm512_loadu_ps(sc + j * 16));
+    mx = _mm512_mask_max_ps(mx, seen, mx, _mm512_loadu_ps(sc + j * kLanes));
   }
   __m512 total = _mm512_setzero_ps();
-  for (j = 0; j < L; ++j) {
+  for (int64_t j = 0; j < L; ++j) {
     const __mmask16 seen = _mm512_cmpgt_epi32_mask(vlim, _mm512_set1_epi32(static_cast<int32_t>(j)));
-    const __m512 p = _mm512_maskz_mov_ps(seen, bi_exp_avx512_vec(_mm512_sub_ps(_mm512_loadu_ps(sc + j * 16), mx)));
+    const __m512 p =
+        _mm512_maskz_mov_ps(seen, bi_exp_avx512_vec(_mm512_sub_ps(_mm512_loadu_ps(sc + j * kLanes), mx)));
     total = _mm512_add_ps(total, p);
-    _mm512_storeu_ps(sc + j * 16, p);
+    _mm512_storeu_ps(sc + j * kLanes, p);
   }
-  alignas(64) float tot[16];
-  _mm512_store_ps(tot, total);
-  // values: 4 queries x 64 columns of D in 16 registers
+  _mm512_storeu_ps(tot, total);
+}
+
+// acc[l * D + d] += sum_j p[j * 16 + l] * v_j[d] for keys [0, n) and lanes l < nq: 4 lanes x 64
+// columns of D in 16 registers, each value row loaded once per 4 lanes.
+__attribute__((target("avx512f"))) void lane_values(const float* p, const float* v, int64_t kv_s, int64_t n,
+                                                    int64_t D, int nq, float* acc) {
   for (int q0 = 0; q0 < nq; q0 += 4) {
-    int64_t Lq = 0;
-    for (int r = q0; r < std::min(nq, q0 + 4); ++r) Lq = std::max(Lq, lim[r]);
+    const int nr = std::min(4, nq - q0);
     for (int64_t d0 = 0; d0 < D; d0 += 64) {
       __mmask16 m[4];
       for (int c = 0; c < 4; ++c) {
-        const int64_t n = std::clamp<int64_t>(D - d0 - 16 * c, 0, 16);
-        m[c] = static_cast<__mmask16>(n == 16 ? 0xFFFFu : (1u << n) - 1u);
+        const int64_t w = std::clamp<int64_t>(D - d0 - 16 * c, 0, 16);
+        m[c] = static_cast<__mmask16>(w == 16 ? 0xFFFFu : (1u << w) - 1u);
       }
-      __m512 acc[4][4];
+      __m512 a[4][4];
       for (int r = 0; r < 4; ++r)
-        for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
-      for (j = 0; j < Lq; ++j) {
+        for (int c = 0; c < 4; ++c)
+          a[r][c] = r < nr ? _mm512_maskz_loadu_ps(m[c], acc + (q0 + r) * D + d0 + 16 * c) : _mm512_setzero_ps();
+      for (int64_t j = 0; j < n; ++j) {
         const float* vj = v + j * kv_s + d0;
         __m512 vv[4];
         for (int c = 0; c < 4; ++c) vv[c] = _mm512_maskz_loadu_ps(m[c], vj + 16 * c);
-        const float* pj = sc + j * 16 + q0;
+        const float* pj = p + j * kLanes + q0;
         for (int r = 0; r < 4; ++r) {
           const __m512 pr = _mm512_set1_ps(pj[r]);  // lanes past nq hold weight 0
-          for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_fmadd_ps(pr, vv[c], acc[r][c]);
+          for (int c = 0; c < 4; ++c) a[r][c] = _mm512_fmadd_ps(pr, vv[c], a[r][c]);
         }
       }
-      for (int r = 0; r < 4 && q0 + r < nq; ++r) {
-        const __m512 inv = _mm512_set1_ps(1.0f / tot[q0 + r]);
-        for (int c = 0; c < 4; ++c) _mm512_mask_storeu_ps(out[q0 + r] + d0 + 16 * c, m[c], _mm512_mul_ps(acc[r][c], inv));
-      }
+      for (int r = 0; r < nr; ++r)
+        for (int c = 0; c < 4; ++c) _mm512_mask_storeu_ps(acc + (q0 + r) * D + d0 + 16 * c, m[c], a[r][c]);
     }
   }
 }
@@ -206,32 +220,67 @@ float softmax_weights(float* s, int64_t L, ExpFn exp_fn) {
 
 // The query heads of one kv head and the new tokens, flattened: u = g * T + i (query head
 // hkv * group + g, token i); lanes of 16 of them per task on the AVX-512 fp32 path.
-constexpr int kLanes = 16;
-constexpr int64_t kMinLaneQueries = 8;  // fewer queries per kv head: one query at a time is faster
 
 #if defined(__x86_64__)
 void attend_lanes(const AttnShape& sh, const float* q, const float* k, const float* v, const int64_t* lens,
                   float* out) {
   const int64_t group = sh.Hq / sh.Hkv, per_head = group * sh.T;
-  const int64_t blocks = (per_head + kLanes - 1) / kLanes;
-  const int64_t tasks = sh.B * sh.Hkv * blocks;
-  const int64_t work = std::max<int64_t>(1, kLanes * sh.S * sh.D);
+  const int64_t blocks = (per_head + kLanes - 1) / kLanes;  // lane blocks of one (row, kv head)
+  // a head's keys and values past kSharedKvBytes, and heads enough to keep every thread busy:
+  // one task walks them once through all its lane blocks (else each block would stream them
+  // again); otherwise a task per lane block (parallelism)
+  const bool shared = 2 * sh.S * sh.D * static_cast<int64_t>(sizeof(float)) > kSharedKvBytes &&
+                      sh.B * sh.Hkv >= 2 * at::get_num_threads();
+  const int64_t per_task = shared ? blocks : 1;
+  const int64_t tasks = sh.B * sh.Hkv * (blocks / per_task);
+  const int64_t work = std::max<int64_t>(1, per_task * kLanes * sh.S * sh.D);
   at::parallel_for(0, tasks, std::max<int64_t>(1, (int64_t(1) << 16) / work), [&](int64_t t0, int64_t t1) {
-    std::vector<float> qt(static_cast<size_t>(sh.D * kLanes)), sc(static_cast<size_t>(sh.S * kLanes));
+    const size_t nb = static_cast<size_t>(per_task);
+    std::vector<float> qt(nb * sh.D * kLanes), sc(nb * sh.S * kLanes), acc(nb * kLanes * sh.D);
+    std::vector<int64_t> lim(nb * kLanes);
+    std::vector<int> nq(nb);
+    std::vector<float*> outs(nb * kLanes);
     for (int64_t task = t0; task < t1; ++task) {
-      const int64_t blk = task % blocks, hkv = (task / blocks) % sh.Hkv, b = task / (blocks * sh.Hkv);
-      const float* qs[kLanes];
-      float* outs[kLanes];
-      int64_t lim[kLanes];
-      int nq = 0;
-      for (int64_t u = blk * kLanes; u < std::min(per_head, (blk + 1) * kLanes); ++u, ++nq) {
-        const int64_t h = hkv * group + u / sh.T, i = u % sh.T;
-        qs[nq] = q + b * sh.q_b + h * sh.q_h + i * sh.q_t;
-        outs[nq] = out + ((b * sh.Hq + h) * sh.T + i) * sh.D;
-        lim[nq] = lens[b] - sh.T + i + 1;
+      const int64_t first = (task % (blocks / per_task)) * per_task;
+      const int64_t hkv = (task / (blocks / per_task)) % sh.Hkv, b = task / ((blocks / per_task) * sh.Hkv);
+      int64_t L = 0;
+      for (size_t x = 0; x < nb; ++x) {
+        const float* qs[kLanes];
+        const int64_t blk = first + static_cast<int64_t>(x);
+        nq[x] = 0;
+        for (int64_t u = blk * kLanes; u < std::min(per_head, (blk + 1) * kLanes); ++u, ++nq[x]) {
+          const int64_t h = hkv * group + u / sh.T, i = u % sh.T;
+          qs[nq[x]] = q + b * sh.q_b + h * sh.q_h + i * sh.q_t;
+          outs[x * kLanes + nq[x]] = out + ((b * sh.Hq + h) * sh.T + i) * sh.D;
+          lim[x * kLanes + nq[x]] = lens[b] - sh.T + i + 1;
+          L = std::max(L, lim[x * kLanes + nq[x]]);
+        }
+        lane_transpose(qs, nq[x], sh.D, qt.data() + x * sh.D * kLanes);
       }
-      const int64_t kv_off = b * sh.k_b + hkv * sh.k_h;
-      attend_lanes_avx512(qs, lim, nq, k + kv_off, v + kv_off, sh.k_s, sh.D, sh.scale, outs, qt.data(), sc.data());
+      const float* kh = k + b * sh.k_b + hkv * sh.k_h;
+      const float* vh = v + b * sh.k_b + hkv * sh.k_h;
+      for (int64_t j0 = 0; j0 < L; j0 += kKeyBlock)  // each key block once, through every lane block
+        for (size_t x = 0; x < nb; ++x)
+          lane_scores(qt.data() + x * sh.D * kLanes, kh + j0 * sh.k_s, sh.k_s, std::min(kKeyBlock, L - j0), sh.D,
+                      sh.scale, sc.data() + (x * sh.S + j0) * kLanes);
+      alignas(64) float tot[kLanes];
+      std::vector<float> totals(nb * kLanes);
+      for (size_t x = 0; x < nb; ++x) {
+        lane_softmax(sc.data() + x * sh.S * kLanes, lim.data() + x * kLanes, nq[x], L, tot);
+        std::copy(tot, tot + kLanes, totals.begin() + x * kLanes);
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t j0 = 0; j0 < L; j0 += kKeyBlock)
+        for (size_t x = 0; x < nb; ++x)
+          lane_values(sc.data() + (x * sh.S + j0) * kLanes, vh + j0 * sh.k_s, sh.k_s, std::min(kKeyBlock, L - j0),
+                      sh.D, nq[x], acc.data() + x * kLanes * sh.D);
+      for (size_t x = 0; x < nb; ++x)
+        for (int l = 0; l < nq[x]; ++l) {
+          const float inv = 1.0f / totals[x * kLanes + l];
+          const float* a = acc.data() + (x * kLanes + l) * sh.D;
+          float* o = outs[x * kLanes + l];
+          for (int64_t d = 0; d < sh.D; ++d) o[d] = a[d] * inv;
+        }
     }
   });
 }
@@ -246,29 +295,57 @@ void attend(const AttnShape& sh, const E* q, const E* k, const E* v, const int64
     if (avx512 && group * sh.T >= kMinLaneQueries) return attend_lanes(sh, q, k, v, lens, out);
   }
 #endif
-  const int64_t tasks = sh.B * sh.Hq * sh.T;
-  const int64_t work = std::max<int64_t>(1, sh.S * sh.D);  // FMAs of one query, at most
+  // one task per (row, kv head, new token): the group's queries see the same keys, which are
+  // walked in blocks of kKeyBlock, each block read from memory once for the whole group
+  const int64_t tasks = sh.B * sh.Hkv * sh.T;
+  const int64_t work = std::max<int64_t>(1, group * sh.S * sh.D);  // FMAs of one task, at most
+  [[maybe_unused]] const bool fast = std::is_same_v<E, float> && avx512;
   at::parallel_for(0, tasks, std::max<int64_t>(1, (int64_t(1) << 16) / work), [&](int64_t t0, int64_t t1) {
-    std::vector<float> scores(static_cast<size_t>(sh.S)), acc(static_cast<size_t>(sh.D));
+    std::vector<float> scores(static_cast<size_t>(group * sh.S)), acc(static_cast<size_t>(group * sh.D));
     for (int64_t task = t0; task < t1; ++task) {
-      const int64_t i = task % sh.T, h = (task / sh.T) % sh.Hq, b = task / (sh.T * sh.Hq);
-      const int64_t L = lens[b] - sh.T + i + 1;  // keys this query sees (>= 1: lens[b] >= T)
-      const E* qp = q + b * sh.q_b + h * sh.q_h + i * sh.q_t;
-      const int64_t kv_off = b * sh.k_b + (h / group) * sh.k_h;
-      E* op = out + ((b * sh.Hq + h) * sh.T + i) * sh.D;
+      const int64_t i = task % sh.T, hkv = (task / sh.T) % sh.Hkv, b = task / (sh.T * sh.Hkv);
+      const int64_t L = lens[b] - sh.T + i + 1;  // keys these queries see (>= 1: lens[b] >= T)
+      const E* kb = k + b * sh.k_b + hkv * sh.k_h;
+      const E* vb = v + b * sh.k_b + hkv * sh.k_h;
+      auto query = [&](int64_t g) { return q + b * sh.q_b + (hkv * group + g) * sh.q_h + i * sh.q_t; };
+      for (int64_t j0 = 0; j0 < L; j0 += kKeyBlock) {
+        const int64_t n = std::min(kKeyBlock, L - j0);
+        for (int64_t g = 0; g < group; ++g) {
+          float* s_g = scores.data() + g * sh.S + j0;
 #if defined(__x86_64__)
-      if constexpr (std::is_same_v<E, float>) {
-        if (avx512) {
-          scores_avx512(qp, k + kv_off, sh.k_s, L, sh.D, sh.scale, scores.data());
-          const float total = softmax_weights(scores.data(), L, exp_fn);
-          weighted_values_avx512(scores.data(), v + kv_off, sh.k_s, L, sh.D, 1.0f / total, op);
-          continue;
+          if constexpr (std::is_same_v<E, float>) {
+            if (fast) {
+              scores_avx512(query(g), kb + j0 * sh.k_s, sh.k_s, n, sh.D, sh.scale, s_g);
+              continue;
+            }
+          }
+#endif
+          scores_portable(query(g), kb + j0 * sh.k_s, sh.k_s, n, sh.D, sh.scale, s_g);
         }
       }
+      std::vector<float> total(static_cast<size_t>(group));
+      for (int64_t g = 0; g < group; ++g) total[g] = softmax_weights(scores.data() + g * sh.S, L, exp_fn);
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t j0 = 0; j0 < L; j0 += kKeyBlock) {
+        const int64_t n = std::min(kKeyBlock, L - j0);
+        for (int64_t g = 0; g < group; ++g) {
+          const float* p_g = scores.data() + g * sh.S + j0;
+#if defined(__x86_64__)
+          if constexpr (std::is_same_v<E, float>) {
+            if (fast) {
+              accumulate_values_avx512(p_g, vb + j0 * sh.k_s, sh.k_s, n, sh.D, acc.data() + g * sh.D);
+              continue;
+            }
+          }
 #endif
-      scores_portable(qp, k + kv_off, sh.k_s, L, sh.D, sh.scale, scores.data());
-      const float total = softmax_weights(scores.data(), L, exp_fn);
-      weighted_values_portable(scores.data(), v + kv_off, sh.k_s, L, sh.D, 1.0f / total, acc.data(), op);
+          accumulate_values_portable(p_g, vb + j0 * sh.k_s, sh.k_s, n, sh.D, acc.data() + g * sh.D);
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        E* o = out + ((b * sh.Hq + hkv * group + g) * sh.T + i) * sh.D;
+        const float inv = 1.0f / total[g];
+        for (int64_t d = 0; d < sh.D; ++d) o[d] = static_cast<E>(acc[g * sh.D + d] * inv);
+      }
     }
   });
 }

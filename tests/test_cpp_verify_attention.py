@@ -3,7 +3,8 @@ the definition (a float64 loop per query, test_reference_ops.naive_attention) on
 GQA groups, new tokens per row 1-16 (both the one-query-at-a-time path and the 16-lane path
 the kernel takes from 8 queries per kv head), head sizes off the vector width, rows of unequal
 lengths including length T (nothing cached) and S (a full cache), caches sliced to the keys in
-use, bf16/fp16; that a query's result does not depend on the batch; bad input."""
+use, bf16/fp16, caches long enough that a task walks them once for all its queries; that a
+query's result does not depend on the batch; bad input."""
 
 import pytest
 import torch
@@ -46,6 +47,23 @@ def test_matches_the_definition(B, heads, T, D, dtype, data):
     want = naive_attention(q.float(), k.float(), v.float(), lens, D ** -0.5).to(dtype)
     assert got.shape == (B, Hkv * group, T, D) and got.is_contiguous()
     assert_close("verify_attention", got, want)
+
+
+@needs_cpp
+@pytest.mark.parametrize("heads, T, D, S", [
+    ((2, 4), 9, 128, 600),  # 36 queries per kv head: three lane blocks walk each key block once
+    ((1, 9), 2, 64, 1100),  # 18: two lane blocks, one short
+    ((2, 4), 1, 128, 700),  # 4: one query at a time, key blocks shared by the group
+])
+def test_long_caches_read_once_per_head(heads, T, D, S):
+    """Keys + values of a head past 512 KiB: the paths that walk them once per task."""
+    Hkv, group = heads
+    g = torch.Generator().manual_seed(S)
+    q = torch.randn(1, Hkv * group, T, D, generator=g)
+    k, v = torch.randn(1, Hkv, S, D, generator=g), torch.randn(1, Hkv, S, D, generator=g)
+    lens = torch.tensor([S - 3])
+    got = OPS.verify_attention(q, k, v, lens, D ** -0.5)
+    assert_close("verify_attention", got, naive_attention(q, k, v, lens, D ** -0.5))
 
 
 @needs_cpp
