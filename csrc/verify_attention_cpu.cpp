@@ -10,8 +10,9 @@
 // result does not depend on the batch or the thread that ran it.
 //
 // Why a kernel: for decode and verification (T <= 16, a few hundred keys) torch's SDPA spends
-// most of its time outside the arithmetic (44 us per SmolLM2 layer at T = 1, for ~30 K FMAs), and
-// the mask it needs for per-row lengths costs more ops per layer.
+// most of its time outside the arithmetic, and the mask it needs for per-row lengths costs more
+// ops per layer (SmolLM2 heads, 512 keys, T = 1: 25 us here against 69 us for the reference
+// path, `python -m bench --routine verify_attention`).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -218,10 +219,9 @@ float softmax_weights(float* s, int64_t L, ExpFn exp_fn) {
   return total;
 }
 
-// The query heads of one kv head and the new tokens, flattened: u = g * T + i (query head
-// hkv * group + g, token i); lanes of 16 of them per task on the AVX-512 fp32 path.
-
 #if defined(__x86_64__)
+// The query heads of one kv head and the new tokens, flattened: u = g * T + i (query head
+// hkv * group + g, token i), in lane blocks of 16.
 void attend_lanes(const AttnShape& sh, const float* q, const float* k, const float* v, const int64_t* lens,
                   float* out) {
   const int64_t group = sh.Hq / sh.Hkv, per_head = group * sh.T;
