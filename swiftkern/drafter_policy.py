@@ -132,6 +132,8 @@ class DrafterPolicy:
 
     def __init__(self, allowed: tuple[str, ...], k_max: int, explore_every: int = 32,
                  lookup_priors: tuple[float, ...] = LOOKUP_PRIORS, skip_prior: float = 0.6, measure: bool = True):
+        if len(lookup_priors) != len(LOOKUP_PRIORS):
+            raise ValueError(f"lookup_priors: one prior per match length class (1, 2, 3, 4+), got {lookup_priors}")
         self.allowed = tuple(allowed)
         self.k_max = k_max
         self.explore_every = explore_every
