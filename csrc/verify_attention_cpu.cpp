@@ -151,6 +151,36 @@ __attribute__((target("avx512f"))) void lane_scores(const float* qt, const float
   }
 }
 
+// lane_scores for two lane blocks at once (qa, qb -> sa, sb): each key element broadcast once
+// feeds both, 6 loads per 8 FMAs instead of 5 per 4.
+__attribute__((target("avx512f"))) void lane_scores2(const float* qa, const float* qb, const float* k, int64_t kv_s,
+                                                     int64_t n, int64_t D, float scale, float* sa, float* sb) {
+  const __m512 vscale = _mm512_set1_ps(scale);
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    const float *k0 = k + j * kv_s, *k1 = k0 + kv_s, *k2 = k1 + kv_s, *k3 = k2 + kv_s;
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    for (int64_t d = 0; d < D; ++d) {
+      const __m512 qad = _mm512_loadu_ps(qa + d * kLanes), qbd = _mm512_loadu_ps(qb + d * kLanes);
+      const __m512 x0 = _mm512_set1_ps(k0[d]), x1 = _mm512_set1_ps(k1[d]);
+      const __m512 x2 = _mm512_set1_ps(k2[d]), x3 = _mm512_set1_ps(k3[d]);
+      a0 = _mm512_fmadd_ps(x0, qad, a0); b0 = _mm512_fmadd_ps(x0, qbd, b0);
+      a1 = _mm512_fmadd_ps(x1, qad, a1); b1 = _mm512_fmadd_ps(x1, qbd, b1);
+      a2 = _mm512_fmadd_ps(x2, qad, a2); b2 = _mm512_fmadd_ps(x2, qbd, b2);
+      a3 = _mm512_fmadd_ps(x3, qad, a3); b3 = _mm512_fmadd_ps(x3, qbd, b3);
+    }
+    const __m512 av[4] = {a0, a1, a2, a3}, bv[4] = {b0, b1, b2, b3};
+    for (int r = 0; r < 4; ++r) {
+      _mm512_storeu_ps(sa + (j + r) * kLanes, _mm512_mul_ps(av[r], vscale));
+      _mm512_storeu_ps(sb + (j + r) * kLanes, _mm512_mul_ps(bv[r], vscale));
+    }
+  }
+  if (j < n) {  // the last keys: the one-block kernel, same per-lane arithmetic
+    lane_scores(qa, k + j * kv_s, kv_s, n - j, D, scale, sa + j * kLanes);
+    lane_scores(qb, k + j * kv_s, kv_s, n - j, D, scale, sb + j * kLanes);
+  }
+}
+
 // In place over keys [0, L): sc -> exp(sc - max) where lane l sees key j (j < lim[l]), else 0;
 // tot[l] = the sum of lane l's weights.
 __attribute__((target("avx512f"))) void lane_softmax(float* sc, const int64_t* lim, int nq, int64_t L, float* tot) {
@@ -224,31 +254,35 @@ float softmax_weights(float* s, int64_t L, ExpFn exp_fn) {
 // hkv * group + g, token i), in lane blocks of 16.
 void attend_lanes(const AttnShape& sh, const float* q, const float* k, const float* v, const int64_t* lens,
                   float* out) {
-  const int64_t group = sh.Hq / sh.Hkv, per_head = group * sh.T;
-  const int64_t blocks = (per_head + kLanes - 1) / kLanes;  // lane blocks of one (row, kv head)
+  const int64_t group = sh.Hq / sh.Hkv, queries = group * sh.T;  // queries per (row, kv head)
+  const int64_t blocks = (queries + kLanes - 1) / kLanes;  // lane blocks of one (row, kv head)
   // a head's keys and values past kSharedKvBytes, and heads enough to keep every thread busy:
   // one task walks them once through all its lane blocks (else each block would stream them
   // again); otherwise a task per lane block (parallelism)
   const bool shared = 2 * sh.S * sh.D * static_cast<int64_t>(sizeof(float)) > kSharedKvBytes &&
                       sh.B * sh.Hkv >= 2 * at::get_num_threads();
-  const int64_t per_task = shared ? blocks : 1;
-  const int64_t tasks = sh.B * sh.Hkv * (blocks / per_task);
+  // otherwise pairs of lane blocks when there are tasks enough (scored together: lane_scores2)
+  const bool pairs = blocks >= 2 && sh.B * sh.Hkv * ((blocks + 1) / 2) >= 2 * at::get_num_threads();
+  const int64_t per_task = shared ? blocks : pairs ? 2 : 1;
+  const int64_t per_head = (blocks + per_task - 1) / per_task;  // tasks per (row, kv head)
+  const int64_t tasks = sh.B * sh.Hkv * per_head;
   const int64_t work = std::max<int64_t>(1, per_task * kLanes * sh.S * sh.D);
   at::parallel_for(0, tasks, std::max<int64_t>(1, (int64_t(1) << 16) / work), [&](int64_t t0, int64_t t1) {
-    const size_t nb = static_cast<size_t>(per_task);
-    std::vector<float> qt(nb * sh.D * kLanes), sc(nb * sh.S * kLanes), acc(nb * kLanes * sh.D);
-    std::vector<int64_t> lim(nb * kLanes);
-    std::vector<int> nq(nb);
-    std::vector<float*> outs(nb * kLanes);
+    const size_t cap = static_cast<size_t>(per_task);
+    std::vector<float> qt(cap * sh.D * kLanes), sc(cap * sh.S * kLanes), acc(cap * kLanes * sh.D);
+    std::vector<int64_t> lim(cap * kLanes);
+    std::vector<int> nq(cap);
+    std::vector<float*> outs(cap * kLanes);
     for (int64_t task = t0; task < t1; ++task) {
-      const int64_t first = (task % (blocks / per_task)) * per_task;
-      const int64_t hkv = (task / (blocks / per_task)) % sh.Hkv, b = task / ((blocks / per_task) * sh.Hkv);
+      const int64_t first = (task % per_head) * per_task;
+      const int64_t hkv = (task / per_head) % sh.Hkv, b = task / (per_head * sh.Hkv);
+      const size_t nb = static_cast<size_t>(std::min(per_task, blocks - first));  // lane blocks of this task
       int64_t L = 0;
       for (size_t x = 0; x < nb; ++x) {
         const float* qs[kLanes];
         const int64_t blk = first + static_cast<int64_t>(x);
         nq[x] = 0;
-        for (int64_t u = blk * kLanes; u < std::min(per_head, (blk + 1) * kLanes); ++u, ++nq[x]) {
+        for (int64_t u = blk * kLanes; u < std::min(queries, (blk + 1) * kLanes); ++u, ++nq[x]) {
           const int64_t h = hkv * group + u / sh.T, i = u % sh.T;
           qs[nq[x]] = q + b * sh.q_b + h * sh.q_h + i * sh.q_t;
           outs[x * kLanes + nq[x]] = out + ((b * sh.Hq + h) * sh.T + i) * sh.D;
@@ -259,10 +293,17 @@ void attend_lanes(const AttnShape& sh, const float* q, const float* k, const flo
       }
       const float* kh = k + b * sh.k_b + hkv * sh.k_h;
       const float* vh = v + b * sh.k_b + hkv * sh.k_h;
-      for (int64_t j0 = 0; j0 < L; j0 += kKeyBlock)  // each key block once, through every lane block
-        for (size_t x = 0; x < nb; ++x)
-          lane_scores(qt.data() + x * sh.D * kLanes, kh + j0 * sh.k_s, sh.k_s, std::min(kKeyBlock, L - j0), sh.D,
-                      sh.scale, sc.data() + (x * sh.S + j0) * kLanes);
+      for (int64_t j0 = 0; j0 < L; j0 += kKeyBlock) {  // each key block once, through every lane block
+        const int64_t n = std::min(kKeyBlock, L - j0);
+        size_t x = 0;
+        for (; x + 2 <= nb; x += 2)
+          lane_scores2(qt.data() + x * sh.D * kLanes, qt.data() + (x + 1) * sh.D * kLanes, kh + j0 * sh.k_s, sh.k_s,
+                       n, sh.D, sh.scale, sc.data() + (x * sh.S + j0) * kLanes,
+                       sc.data() + ((x + 1) * sh.S + j0) * kLanes);
+        if (x < nb)
+          lane_scores(qt.data() + x * sh.D * kLanes, kh + j0 * sh.k_s, sh.k_s, n, sh.D, sh.scale,
+                      sc.data() + (x * sh.S + j0) * kLanes);
+      }
       alignas(64) float tot[kLanes];
       std::vector<float> totals(nb * kLanes);
       for (size_t x = 0; x < nb; ++x) {
