@@ -270,6 +270,7 @@ void attend_lanes(const AttnShape& sh, const float* q, const float* k, const flo
   at::parallel_for(0, tasks, std::max<int64_t>(1, (int64_t(1) << 16) / work), [&](int64_t t0, int64_t t1) {
     const size_t cap = static_cast<size_t>(per_task);
     std::vector<float> qt(cap * sh.D * kLanes), sc(cap * sh.S * kLanes), acc(cap * kLanes * sh.D);
+    std::vector<float> totals(cap * kLanes);  // the softmax sum of every lane
     std::vector<int64_t> lim(cap * kLanes);
     std::vector<int> nq(cap);
     std::vector<float*> outs(cap * kLanes);
@@ -304,12 +305,8 @@ void attend_lanes(const AttnShape& sh, const float* q, const float* k, const flo
           lane_scores(qt.data() + x * sh.D * kLanes, kh + j0 * sh.k_s, sh.k_s, n, sh.D, sh.scale,
                       sc.data() + (x * sh.S + j0) * kLanes);
       }
-      alignas(64) float tot[kLanes];
-      std::vector<float> totals(nb * kLanes);
-      for (size_t x = 0; x < nb; ++x) {
-        lane_softmax(sc.data() + x * sh.S * kLanes, lim.data() + x * kLanes, nq[x], L, tot);
-        std::copy(tot, tot + kLanes, totals.begin() + x * kLanes);
-      }
+      for (size_t x = 0; x < nb; ++x)
+        lane_softmax(sc.data() + x * sh.S * kLanes, lim.data() + x * kLanes, nq[x], L, totals.data() + x * kLanes);
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t j0 = 0; j0 < L; j0 += kKeyBlock)
         for (size_t x = 0; x < nb; ++x)
@@ -338,49 +335,41 @@ void attend(const AttnShape& sh, const E* q, const E* k, const E* v, const int64
 #endif
   // one task per (row, kv head, new token): the group's queries see the same keys, which are
   // walked in blocks of kKeyBlock, each block read from memory once for the whole group
+  using ScoresFn = void (*)(const E*, const E*, int64_t, int64_t, int64_t, float, float*);
+  using ValuesFn = void (*)(const float*, const E*, int64_t, int64_t, int64_t, float*);
+  ScoresFn scores_fn = scores_portable<E>;
+  ValuesFn values_fn = accumulate_values_portable<E>;
+#if defined(__x86_64__)
+  if constexpr (std::is_same_v<E, float>) {
+    if (avx512) {
+      scores_fn = scores_avx512;
+      values_fn = accumulate_values_avx512;
+    }
+  }
+#endif
   const int64_t tasks = sh.B * sh.Hkv * sh.T;
   const int64_t work = std::max<int64_t>(1, group * sh.S * sh.D);  // FMAs of one task, at most
-  [[maybe_unused]] const bool fast = std::is_same_v<E, float> && avx512;
   at::parallel_for(0, tasks, std::max<int64_t>(1, (int64_t(1) << 16) / work), [&](int64_t t0, int64_t t1) {
     std::vector<float> scores(static_cast<size_t>(group * sh.S)), acc(static_cast<size_t>(group * sh.D));
+    std::vector<float> total(static_cast<size_t>(group));
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t i = task % sh.T, hkv = (task / sh.T) % sh.Hkv, b = task / (sh.T * sh.Hkv);
       const int64_t L = lens[b] - sh.T + i + 1;  // keys these queries see (>= 1: lens[b] >= T)
       const E* kb = k + b * sh.k_b + hkv * sh.k_h;
       const E* vb = v + b * sh.k_b + hkv * sh.k_h;
-      auto query = [&](int64_t g) { return q + b * sh.q_b + (hkv * group + g) * sh.q_h + i * sh.q_t; };
       for (int64_t j0 = 0; j0 < L; j0 += kKeyBlock) {
         const int64_t n = std::min(kKeyBlock, L - j0);
         for (int64_t g = 0; g < group; ++g) {
-          float* s_g = scores.data() + g * sh.S + j0;
-#if defined(__x86_64__)
-          if constexpr (std::is_same_v<E, float>) {
-            if (fast) {
-              scores_avx512(query(g), kb + j0 * sh.k_s, sh.k_s, n, sh.D, sh.scale, s_g);
-              continue;
-            }
-          }
-#endif
-          scores_portable(query(g), kb + j0 * sh.k_s, sh.k_s, n, sh.D, sh.scale, s_g);
+          const E* qg = q + b * sh.q_b + (hkv * group + g) * sh.q_h + i * sh.q_t;
+          scores_fn(qg, kb + j0 * sh.k_s, sh.k_s, n, sh.D, sh.scale, scores.data() + g * sh.S + j0);
         }
       }
-      std::vector<float> total(static_cast<size_t>(group));
       for (int64_t g = 0; g < group; ++g) total[g] = softmax_weights(scores.data() + g * sh.S, L, exp_fn);
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t j0 = 0; j0 < L; j0 += kKeyBlock) {
         const int64_t n = std::min(kKeyBlock, L - j0);
-        for (int64_t g = 0; g < group; ++g) {
-          const float* p_g = scores.data() + g * sh.S + j0;
-#if defined(__x86_64__)
-          if constexpr (std::is_same_v<E, float>) {
-            if (fast) {
-              accumulate_values_avx512(p_g, vb + j0 * sh.k_s, sh.k_s, n, sh.D, acc.data() + g * sh.D);
-              continue;
-            }
-          }
-#endif
-          accumulate_values_portable(p_g, vb + j0 * sh.k_s, sh.k_s, n, sh.D, acc.data() + g * sh.D);
-        }
+        for (int64_t g = 0; g < group; ++g)
+          values_fn(scores.data() + g * sh.S + j0, vb + j0 * sh.k_s, sh.k_s, n, sh.D, acc.data() + g * sh.D);
       }
       for (int64_t g = 0; g < group; ++g) {
         E* o = out + ((b * sh.Hq + hkv * group + g) * sh.T + i) * sh.D;

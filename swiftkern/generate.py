@@ -101,13 +101,13 @@ class Generator:
     ``layer-skip`` drafts with ``layer_set`` skipped (a ``LayerSet`` or its string/JSON form),
     up to ``k_max`` tokens while the draft's top-1 probability is >= ``eps``, its logits over a
     pruned head of ``draft_vocab`` frequent tokens plus the prompt's and output's tokens (None:
-    the full head); ``lookup`` drafts the continuation of the latest earlier match of the last
-    2-3 tokens in prompt + output (no model call), as many of its tokens (or none) per step as
-    the measured verify costs and lookup's running acceptance say pay (a verify of 16 tokens
-    costs 1.88 decode steps on SmolLM2/CPU: drafting every match up to k_max = 25 made lookup
-    1.10x ``ar``, the policy's lengths 1.24x); ``none`` drafts nothing; ``auto`` (default)
-    picks among lookup, layer-skip (when a layer set is given) and none per row and step, for
-    the most expected tokens per second from the costs and acceptance measured while it runs
+    the full head); ``lookup`` drafts the continuation of the latest earlier occurrence of the
+    longest suffix (up to 8 tokens) of prompt + output (no model call), as many of its tokens
+    (or none) per step as the measured verify costs and lookup's running acceptance for matches
+    of that length say pay (a verify of 16 tokens costs 1.9 decode steps on SmolLM2/CPU:
+    drafting every match up to k_max = 25 made lookup 1.10x ``ar``); ``none`` drafts nothing;
+    ``auto`` (default) picks among lookup, layer-skip (when a layer set is given) and none per
+    row and step, for the most expected tokens per second from the costs and acceptance measured while it runs
     (``drafter_policy.DrafterPolicy``). ``layer_set="auto"`` finds the layer set while
     generating (SWIFT's schedule, ``tuner.OnTheFlyTuner``; ``skip_ratio`` a fraction or "auto"
     for a ladder of ratios judged by measured speed; ``search_options`` go to the tuner),
