@@ -51,6 +51,10 @@ at::Tensor rope_kv_append_cpu(const at::Tensor& q, const at::Tensor& k, const at
                               const at::Tensor& positions);
 at::Tensor verify_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                 const at::Tensor& cache_lens, double scale);
+at::Tensor verify_attention_invariant_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                          const at::Tensor& cache_lens, double scale);
+at::Tensor verify_attention_canonical_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                          const at::Tensor& cache_lens, double scale);
 void kv_compact_cpu(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& src_positions,
                     const at::Tensor& dst_start, const at::Tensor& counts);
 #ifdef SWIFTKERN_WITH_CUDA  // csrc/ops_cuda.cpp
@@ -71,7 +75,8 @@ void kv_compact_cuda(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& s
 
 // The ops with a compiled kernel per device (what build_info() reports).
 constexpr const char* kCpuKernels[] = {"greedy_accept", "rejection_sample", "skinny_linear", "fused_add_rms_norm",
-                                       "rope_kv_append", "verify_attention", "kv_compact", "bi_exp"};
+                                       "rope_kv_append", "verify_attention", "verify_attention_invariant",
+                                       "kv_compact", "bi_exp"};
 #ifdef SWIFTKERN_WITH_CUDA
 constexpr const char* kCudaKernels[] = {"greedy_accept", "rejection_sample", "fused_add_rms_norm", "rope_kv_append",
                                         "kv_compact"};
@@ -90,6 +95,8 @@ TORCH_LIBRARY(swiftkern, m) {
   m.def("rope_kv_append(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor positions) -> Tensor");
   m.def("verify_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_lens, float scale) -> Tensor");
+  m.def("verify_attention_invariant(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_lens, float scale) "
+        "-> Tensor");
   m.def("kv_compact(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor src_positions, Tensor dst_start, "
         "Tensor counts) -> ()");
   m.def("bi_exp(Tensor x) -> Tensor");
@@ -102,6 +109,7 @@ TORCH_LIBRARY_IMPL(swiftkern, CPU, m) {
   m.impl("fused_add_rms_norm", &swiftkern::fused_add_rms_norm_cpu);
   m.impl("rope_kv_append", &swiftkern::rope_kv_append_cpu);
   m.impl("verify_attention", &swiftkern::verify_attention_cpu);
+  m.impl("verify_attention_invariant", &swiftkern::verify_attention_invariant_cpu);
   m.impl("kv_compact", &swiftkern::kv_compact_cpu);
   m.impl("bi_exp", &swiftkern::bi_exp_cpu);
 }
@@ -120,6 +128,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "swiftkern C++/CUDA kernels; importing this module registers torch.ops.swiftkern.*";
   m.def("skinny_linear_isa", &swiftkern::skinny_linear_isa,
         "skinny_linear (no bias) with a named instruction set: avx512, avx2 or portable (tests)");
+  m.def("verify_attention_canonical", &swiftkern::verify_attention_canonical_cpu,
+        "verify_attention_invariant computed one query at a time (float32; tests: same bits as the lane path)");
   m.def("skinny_linear_isas", &swiftkern::skinny_linear_isas, "the instruction sets this CPU runs, widest first");
   m.def("build_info", [] {
     py::dict d;

@@ -95,6 +95,12 @@ def bi_log_softmax(logits: torch.Tensor) -> torch.Tensor:
     return z - torch.log(tree_sum(bi_exp(z)))
 
 
+def bi_token_logprob(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log-softmax of each row at its token, batch-invariant. logits: [N, V]; tokens: int64 [N]
+    -> float32 [N]"""
+    return bi_log_softmax(logits).gather(1, tokens.unsqueeze(1)).squeeze(1)
+
+
 def bi_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_start: torch.Tensor,
                  scale: float) -> torch.Tensor:
     """Causal attention of T query tokens per row against that row's keys, in fixed key blocks.

@@ -81,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="deterministic: unverified tokens per row before a verify pass (default 32)")
     gen.add_argument("--verify-batch", type=_positive_int, default=4,
                      help="deterministic: rows of every (fixed-shape) verify pass (default 4)")
+    gen.add_argument("--replay", default="auto", choices=["auto", "always"],
+                     help="deterministic: auto (default) skips the replay where it cannot change a bit "
+                          "(CPU, float32, C++ kernels: every kernel is batch- and length-invariant, so rows "
+                          "decode directly; --drafter self-spec then speculates with lookup and the "
+                          "--layer-set draft); always: the LLM-42 replay everywhere")
     gen.add_argument("--drafter", default="auto", choices=["auto", "layer-skip", "lookup", "none", "self-spec"],
                      help="self-spec: auto (default) picks per step among lookup, layer-skip (with "
                           "--layer-set) and none by measured cost and acceptance; layer-skip drafts with "
@@ -175,7 +180,7 @@ def cmd_generate(args) -> int:
     gen = Generator(model, tokenizer, mode=args.mode, layer_set=args.layer_set, k_max=args.k_max,
                     eps=args.eps, adaptive_eps=args.adaptive_eps, drafter=args.drafter,
                     draft_vocab=args.draft_vocab, window=args.window, verify_batch=args.verify_batch,
-                    skip_ratio=args.skip_ratio)
+                    skip_ratio=args.skip_ratio, replay=args.replay)
     out = gen.generate(prompts, max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0,
                        temperature=args.temperature or 1.0, top_k=args.top_k, top_p=args.top_p,
                        seed=args.seed, chat=args.chat)
@@ -200,7 +205,10 @@ def cmd_generate(args) -> int:
                       f"{s['search_s']:.2f} s | layer set {s['searched_layer_set'] or '-'} | "
                       f"{'layer skip on' if s['layer_skip_enabled'] else 'layer skip off'} "
                       f"{('(' + s['search_stop'] + ')') if s['search_stop'] else ''}")
-        if s["mode"] == "deterministic":
+        if s["mode"] == "deterministic" and "replay" in s:
+            print(f"[deterministic] no replay ({s['replay']}) | fast path {s['fast_path']} | "
+                  f"{s['fast_steps']} forwards")
+        elif s["mode"] == "deterministic":
             print(f"[deterministic] fast path {s['fast_path']} | window {s['window']} x verify batch "
                   f"{s['verify_batch']} | {s['fast_steps']} fast steps + {s['verify_passes']} verify passes | "
                   f"{s['rolled_back']}/{s['fast_tokens']} fast tokens rolled back ({s['rollback_fraction']:.1%})")

@@ -15,6 +15,11 @@ whatever else is in the batch:
 Sampling draws each token with a uniform keyed on (seed, absolute position), so the fast path
 and the replay draw the same token unless their distributions differ at that point.
 Words: the *pending* token of a row is its last verified token, whose KV is not yet written.
+
+Where every kernel of the regular path is itself batch- and length-invariant (the CPU in float32
+with the C++ kernels, ``SkipModel.batch_invariant``), the replay would reproduce the fast path
+bit for bit: ``Generator(replay="auto")`` then decodes without it, and ``invariant_token_logprobs``
+re-scores an output.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from .layer_set import LayerSet
 from .model import SkipModel
 from .requests import Requests
 from .sampling import SamplingParams, select_tokens
-from .batch_invariant import bi_log_softmax
+from .batch_invariant import bi_log_softmax, bi_token_logprob
 from .draft_head import DraftHead
 from .verifier import Slot, Verifier, set_lengths
 
@@ -73,11 +78,6 @@ class FastPath:
             return tokens, [True] * len(tokens), logits
         confidence = logits.float().softmax(-1).max(-1).values
         return tokens, (confidence >= self.eps).tolist(), logits
-
-
-def token_logprob(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Verifier log-probability of each chosen token. logits: [N, V]; tokens: int64 [N] -> float32 [N]"""
-    return bi_log_softmax(logits).gather(1, tokens.unsqueeze(1)).squeeze(1)
 
 
 @torch.inference_mode()
@@ -157,6 +157,22 @@ def decode_deterministic(model: SkipModel, cache: KVCache, prompts: list[list[in
     return stats
 
 
+@torch.inference_mode()
+def invariant_token_logprobs(model: SkipModel, tokens: list[int], prompt_len: int) -> torch.Tensor:
+    """Score ``tokens`` from scratch with the batch-invariant kernel set (one forward over all of
+    them): -> float32 [len(tokens) - prompt_len], each token's log-probability after the prompt
+    given everything before it. Equal bit for bit to the logprobs mode deterministic returns
+    without replay (``Generator(replay="auto")`` where those kernels run), whatever the batch
+    and however the tokens were decoded (tested)."""
+    if not 1 <= prompt_len <= len(tokens):
+        raise SwiftkernError(f"prompt_len must be in [1, {len(tokens)}], got {prompt_len}")
+    with model.batch_invariant():
+        cache = model.new_cache(1, len(tokens))
+        logits = model.forward(torch.tensor([tokens], device=model.device), cache)[0]  # [L, V]
+        targets = torch.tensor(tokens[prompt_len:], device=model.device)
+        return bi_token_logprob(logits[prompt_len - 1:-1], targets)
+
+
 def _vlen(prompts, requests, r: int) -> int:
     """Verified length of request r: prompt + committed tokens (the pending one included)."""
     return len(prompts[r]) + len(requests.out[r])
@@ -207,7 +223,7 @@ def _verify(verifier, cache, rows, picked, prompts, params, seeds, requests, sta
     row_seeds = [seeds[alive[s.row]] for s in slots for _ in s.want]
     positions = [s.start + 1 + j for s in slots for j in s.want]  # position of each predicted token
     chosen = select_tokens(logits, params, row_seeds, positions)  # [N]
-    chosen_lp = token_logprob(logits, chosen)
+    chosen_lp = bi_token_logprob(logits, chosen)
     n = 0
     for s in slots:
         row, r = rows[s.row], alive[s.row]

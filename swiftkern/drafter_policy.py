@@ -147,7 +147,7 @@ class DrafterPolicy:
         # per row: {(drafter, class): [Acceptance, steps since the row last used it]};
         # class: lookup_bucket of the match for lookup, 0 for layer-skip
         self._rows: dict = {}
-        self.mean_draft_len = {"layer-skip": float(k_max)}  # drafts a confident run yields
+        self._draft_len: dict = {}  # per row: drafts a confident layer-skip run yields (running mean)
 
     def record_verify(self, T: int, seconds: float) -> None:
         if self.measure:
@@ -193,7 +193,7 @@ class DrafterPolicy:
         if "layer-skip" in self.allowed and layer_skip:
             a = self.acceptance(row, "layer-skip").rate
             draft_cost = self.costs.draft if self.costs.draft is not None else 0.5 * self.costs.verify(1)
-            limit = min(budget, self.k_max, max(1, round(self.mean_draft_len["layer-skip"])))
+            limit = min(budget, self.k_max, max(1, round(self._draft_len.get(row, float(self.k_max)))))
             k, rate = self._best_k(a, limit, draft_cost)
             if k > 0 and rate > best.tokens_per_s:
                 best = Choice("layer-skip", min(budget, self.k_max), rate)
@@ -208,5 +208,5 @@ class DrafterPolicy:
         if drafter in ("lookup", "layer-skip"):
             self.acceptance(row, drafter, lookup_ngram).update(num_draft, num_accepted)
         if drafter == "layer-skip" and num_draft > 0:
-            m = self.mean_draft_len["layer-skip"]
-            self.mean_draft_len["layer-skip"] = 0.8 * m + 0.2 * num_draft
+            m = self._draft_len.get(row, float(self.k_max))
+            self._draft_len[row] = 0.8 * m + 0.2 * num_draft

@@ -6,6 +6,7 @@ token per row per step. Greedy output is token-identical to HF ``generate(do_sam
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -14,7 +15,9 @@ import torch
 from .errors import SwiftkernError
 from .kv_cache import KVCache
 from .layer_set import LayerSet
+from .layer_kernels import invariant_kernels_available
 from .model import SkipModel
+from .batch_invariant import bi_token_logprob
 from .requests import Requests
 from .sampling import SamplingParams, select_tokens
 from .draft_head import DEFAULT_DRAFT_VOCAB, DraftHead
@@ -24,6 +27,7 @@ from .speculative import DraftPolicy, decode_self_spec
 from .tuner import OnTheFlyTuner
 from .deterministic import FastPath, decode_deterministic
 
+REPLAY = ("auto", "always")
 MODES = ("ar", "self-spec", "deterministic")
 DRAFTERS = ("auto", "layer-skip", "lookup", "none", "self-spec")
 
@@ -63,16 +67,22 @@ def prefill(model: SkipModel, cache: KVCache, prompts: list[list[int]]) -> torch
 
 
 def decode_ar(model: SkipModel, cache: KVCache, first_logits: torch.Tensor, params: SamplingParams,
-              seeds: list[int], requests: Requests) -> int:
+              seeds: list[int], requests: Requests, logprobs: list[list[torch.Tensor]] | None = None) -> int:
     """Plain autoregressive decoding into ``requests``. first_logits: [B, V] from prefill.
 
-    One token per unfinished row per step; finished rows leave the batch. -> decode steps
+    One token per unfinished row per step; finished rows leave the batch. logprobs: per
+    request, a list that gets each new token's log-probability (``bi_token_logprob``, float32
+    [1] each). -> decode steps
     """
     logits, steps = first_logits, 0
     while True:
         positions = list(cache.host_lengths)  # absolute position of the token chosen now
         row_seeds = [seeds[r] for r in requests.alive]
         next_tokens = select_tokens(logits, params, row_seeds, positions)  # [B]
+        if logprobs is not None:
+            lps = bi_token_logprob(logits, next_tokens)  # [B]
+            for i, r in enumerate(requests.alive):
+                logprobs[r].append(lps[i:i + 1])
         for r, t in zip(requests.alive, next_tokens.tolist()):
             requests.commit(r, [t])
         next_tokens = requests.drop_finished(cache, next_tokens)
@@ -117,13 +127,18 @@ class Generator:
     (regular batched decoding; ``drafter="self-spec"``: the draft with ``layer_set`` skipped,
     stopping at confidence < ``eps``), and every ``window`` unverified tokens are replayed in a
     fixed-shape ``verify_batch x window`` batch-invariant pass that commits the matching prefix
-    plus its own token at the first mismatch.
+    plus its own token at the first mismatch. ``replay="auto"`` (default) skips that replay where
+    it cannot change a bit: on the CPU in float32 with the C++ kernels, every decode, verify and
+    prefill runs the batch- and length-invariant kernels (``SkipModel.batch_invariant``), so
+    rows decode as in ``ar`` (``drafter="self-spec"``: as in self-spec, the drafter policy over
+    lookup, the layer-skipped draft and no draft, whose verify passes are the invariant model)
+    and ``logprobs`` are those of the model itself; ``replay="always"`` keeps the LLM-42 replay.
     """
 
     def __init__(self, model, tokenizer=None, mode: str = "ar", layer_set=None, k_max: int = 25,
                  eps: float = 0.8, adaptive_eps: bool = False, drafter: str = "auto",
                  draft_vocab: int | None = DEFAULT_DRAFT_VOCAB, window: int = 32, verify_batch: int = 4,
-                 skip_ratio="auto", search_options: dict | None = None):
+                 skip_ratio="auto", search_options: dict | None = None, replay: str = "auto"):
         if mode not in MODES:
             raise SwiftkernError(f"unknown mode {mode!r}; available: {', '.join(MODES)}")
         self.model = model if isinstance(model, SkipModel) else SkipModel.from_hf(model)
@@ -142,6 +157,9 @@ class Generator:
         if window < 1 or verify_batch < 1:
             raise SwiftkernError(f"window and verify_batch must be >= 1, got {window} and {verify_batch}")
         self.window, self.verify_batch = window, verify_batch
+        if replay not in REPLAY:
+            raise SwiftkernError(f"replay must be one of {', '.join(REPLAY)}, got {replay!r}")
+        self.replay = replay
         if drafter == "self-spec" and layer_set is None:
             raise SwiftkernError("drafter self-spec needs a layer set (e.g. 'attn:3,5|mlp:4')")
         self.auto_layer_set = isinstance(layer_set, str) and layer_set.strip() == "auto"
@@ -173,6 +191,43 @@ class Generator:
         record = layer_set_store.load(self.model)
         return OnTheFlyTuner(self.model.num_layers, chooser, self.skip_ratio,
                              initial=record["layer_set"] if record else None, **self.search_options)
+
+    def replay_elided(self) -> bool:
+        """Whether mode deterministic skips the LLM-42 replay here (``replay="auto"`` and the
+        batch-invariant kernels run on this model's device and dtype)."""
+        return (self.mode == "deterministic" and self.replay == "auto"
+                and invariant_kernels_available(self.model.device.type, self.model.dtype))
+
+    def _draft_head(self, ids: list[list[int]]) -> DraftHead | None:
+        if self.draft_vocab is None or self.draft_vocab >= self.model.vocab_size:
+            return None
+        return DraftHead(self.model.lm_head, self.model.lm_head_bias, self.draft_vocab, [t for p in ids for t in p])
+
+    def _decode_invariant(self, cache, first_logits, params, seeds, requests, ids) -> dict:
+        """Mode deterministic without replay, inside ``batch_invariant()``: ``ar`` decoding, or
+        with drafter self-spec the speculative loop (drafter policy over lookup, the layer-skipped
+        draft and no draft). Every row's bits are its own whatever the batch, so nothing needs
+        replaying; with sampling, the choices that pick which drafts a row verifies depend on
+        that row alone (no timings, no shared pruned head), which keeps its samples its own."""
+        logprobs: list[list[torch.Tensor]] = [[] for _ in ids]
+        stats = {}
+        if self.drafter == "self-spec":
+            seeded = params.do_sample
+            chooser = DrafterPolicy(("lookup", "layer-skip", "none"), self.k_max, measure=not seeded)
+            head = None if seeded else self._draft_head(ids)  # a pruned head grows with every row's tokens
+            policy = DraftPolicy(k_max=self.k_max, eps=self.eps)
+            stats = decode_self_spec(self.model, cache, first_logits, params, seeds,
+                                     requests, self.layer_set, policy, "auto", ids, chooser, head, None, logprobs)
+            stats.pop("per_row")
+            fast_steps = stats["draft_steps"] + stats["verify_steps"]
+        else:
+            fast_steps = decode_ar(self.model, cache, first_logits, params, seeds, requests, logprobs)
+        new = [len(t) for t in requests.out]
+        stats.update(replay="elided: batch-invariant kernels", fast_steps=fast_steps, fast_tokens=sum(new),
+                     prefill_passes=0, verify_passes=0, dummy_rows=0, rolled_back=0, corrected=0,
+                     rollback_fraction=0.0, logprobs=[torch.cat(lp) for lp in logprobs],
+                     per_row=[{"verifies": 0, "fast_tokens": n, "rolled_back": 0} for n in new])
+        return stats
 
     # --- inputs ------------------------------------------------------------------------
     def encode(self, prompts, chat: bool = False) -> list[list[int]]:
@@ -258,48 +313,48 @@ class Generator:
         stop_ids = self._stop_ids(eos_token_id, stop_token_ids)
         device = self.model.device
         slack = self.k_max + 1 if self.mode == "self-spec" else 0  # a verify pass may overshoot by K+1
-        slack = self.window if self.mode == "deterministic" else slack  # a window-wide replay
+        if self.mode == "deterministic":  # a window-wide replay, or (no replay, self-spec) a verify pass
+            slack = max(self.window, self.k_max + 1)
         cache = self.model.new_cache(len(ids), longest + max_new_tokens + slack)
 
-        _sync(device)
-        t0 = time.perf_counter()
-        # deterministic mode prefills through its verifier
-        first_logits = prefill(self.model, cache, ids) if self.mode != "deterministic" else None
-        _sync(device)
-        t1 = time.perf_counter()
-        requests = Requests(len(ids), max_new_tokens, stop_ids, self._stop_check(stop))
-        spec_stats = {}
-        if self.mode == "ar":
-            steps = decode_ar(self.model, cache, first_logits, params, seeds, requests)
-        elif self.mode == "deterministic":
-            fast = FastPath()
-            if self.drafter == "self-spec":
-                head = None
-                if self.draft_vocab is not None and self.draft_vocab < self.model.vocab_size:
-                    head = DraftHead(self.model.lm_head, self.model.lm_head_bias, self.draft_vocab,
-                                     [t for p in ids for t in p])
-                fast = FastPath(self.layer_set, self.eps, head)
-            spec_stats = decode_deterministic(self.model, cache, ids, params, seeds, requests, self.window,
-                                              self.verify_batch, fast, verified)
-            steps = spec_stats["fast_steps"] + spec_stats["verify_passes"]
-        else:
-            policy = DraftPolicy(k_max=self.k_max, eps=self.eps, adaptive=self.adaptive_eps)
-            uses_skip = self.drafter == "layer-skip" or (self.drafter == "auto" and (
-                self.layer_set is not None or self.auto_layer_set))
-            chooser = None
-            if self.drafter in ("auto", "lookup"):  # lookup too: how many of its drafts pay is a cost question
-                allowed = ("lookup", "none") + (("layer-skip",) if uses_skip else ())
-                chooser = DrafterPolicy(allowed, self.k_max, measure=not do_sample)  # seeded: no timing
-            head = None
-            if uses_skip and self.draft_vocab is not None and self.draft_vocab < self.model.vocab_size:
-                head = DraftHead(self.model.lm_head, self.model.lm_head_bias, self.draft_vocab,
-                                 [t for p in ids for t in p])
-            tuner = self._tuner(chooser) if self.auto_layer_set else None
-            spec_stats = decode_self_spec(self.model, cache, first_logits, params, seeds, requests,
-                                          self.layer_set, policy, self.drafter, ids, chooser, head, tuner)
-            if tuner is not None:
-                spec_stats.update(tuner.stats(), searched_layer_set=str(tuner.current or ""))
-            steps = spec_stats["draft_steps"] + spec_stats["verify_steps"]
+        invariant = self.replay_elided()
+        with self.model.batch_invariant() if invariant else contextlib.nullcontext():
+            _sync(device)
+            t0 = time.perf_counter()
+            # deterministic mode with replay prefills through its verifier
+            replayed = self.mode == "deterministic" and not invariant
+            first_logits = prefill(self.model, cache, ids) if not replayed else None
+            _sync(device)
+            t1 = time.perf_counter()
+            requests = Requests(len(ids), max_new_tokens, stop_ids, self._stop_check(stop))
+            spec_stats = {}
+            if self.mode == "ar":
+                steps = decode_ar(self.model, cache, first_logits, params, seeds, requests)
+            elif invariant:
+                spec_stats = self._decode_invariant(cache, first_logits, params, seeds, requests, ids)
+                steps = spec_stats["fast_steps"]
+            elif self.mode == "deterministic":
+                fast = FastPath()
+                if self.drafter == "self-spec":
+                    fast = FastPath(self.layer_set, self.eps, self._draft_head(ids))
+                spec_stats = decode_deterministic(self.model, cache, ids, params, seeds, requests, self.window,
+                                                  self.verify_batch, fast, verified)
+                steps = spec_stats["fast_steps"] + spec_stats["verify_passes"]
+            else:
+                policy = DraftPolicy(k_max=self.k_max, eps=self.eps, adaptive=self.adaptive_eps)
+                uses_skip = self.drafter == "layer-skip" or (self.drafter == "auto" and (
+                    self.layer_set is not None or self.auto_layer_set))
+                chooser = None
+                if self.drafter in ("auto", "lookup"):  # lookup too: how many of its drafts pay is a cost question
+                    allowed = ("lookup", "none") + (("layer-skip",) if uses_skip else ())
+                    chooser = DrafterPolicy(allowed, self.k_max, measure=not do_sample)  # seeded: no timing
+                head = self._draft_head(ids) if uses_skip else None
+                tuner = self._tuner(chooser) if self.auto_layer_set else None
+                spec_stats = decode_self_spec(self.model, cache, first_logits, params, seeds, requests,
+                                              self.layer_set, policy, self.drafter, ids, chooser, head, tuner)
+                if tuner is not None:
+                    spec_stats.update(tuner.stats(), searched_layer_set=str(tuner.current or ""))
+                steps = spec_stats["draft_steps"] + spec_stats["verify_steps"]
         tokens = requests.out
         _sync(device)
         t2 = time.perf_counter()

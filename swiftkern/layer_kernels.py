@@ -10,6 +10,12 @@ kernels, the same arguments, the same bits.
 
 ``LayerKernels.for_device(device_type)`` is cached per device type and ``SWIFTKERN_BACKEND``
 state; ``ops.set_backend`` takes effect at the next forward.
+
+``LayerKernels.for_device("cpu", invariant=True)`` is the batch- and length-invariant set (see
+``invariant_kernels_available``): every op computes a row's (a token's) result in an order
+fixed by that row alone, so decode, verify and prefill of the same tokens give the same bits
+in any batch. On the CPU this costs little: the C++ matmul and norm already are, and the
+attention takes one fixed order for every query.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from typing import Callable
 import torch
 
 from . import ops, reference
+from .batch_invariant import bi_rms_norm, bi_silu_mul
 
 _CACHE: dict = {}
 
@@ -46,12 +53,43 @@ class LayerKernels:
     backends: dict
 
     @staticmethod
-    def for_device(device_type: str) -> "LayerKernels":
-        key = (device_type, ops._BACKEND)
+    def for_device(device_type: str, invariant: bool = False) -> "LayerKernels":
+        key = (device_type, ops._BACKEND, invariant)
         hit = _CACHE.get(key)
         if hit is None:
-            hit = _CACHE[key] = _bind(device_type)
+            hit = _CACHE[key] = _bind_invariant(device_type) if invariant else _bind(device_type)
         return hit
+
+
+INVARIANT_CPU_OPS = ("skinny_linear", "fused_add_rms_norm", "rope_kv_append", "verify_attention_invariant", "bi_exp")
+
+
+def invariant_kernels_available(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether the batch- and length-invariant kernel set runs here: float32 on the CPU with the
+    C++ kernels built and allowed (SWIFTKERN_BACKEND auto or cpp)."""
+    return dtype == torch.float32 and all(ops._cpu_kernel(op, device_type) for op in INVARIANT_CPU_OPS)
+
+
+def _bind_invariant(device_type: str) -> LayerKernels:
+    """Every op with a row's bits fixed by the row: the C++ fixed-order matmul at any number
+    of rows, the C++ per-row fused norm and per-element RoPE, the canonical-order attention,
+    and the verifier's torch ops (fixed-tree sums, bi_exp) for the plain norm and SwiGLU."""
+    if not invariant_kernels_available(device_type, torch.float32):
+        raise RuntimeError("the invariant kernel set needs the C++ CPU kernels (see invariant_kernels_available)")
+    skinny, attend = torch.ops.swiftkern.skinny_linear, torch.ops.swiftkern.verify_attention_invariant
+    rope = torch.ops.swiftkern.rope_kv_append
+
+    def rope_kv_append(q, k, v, cos, sin, k_cache, v_cache, positions, uniform_start, max_len):
+        return rope(q, k, v, cos, sin, k_cache, v_cache, positions)
+
+    def verify_attention(q, k_cache, v_cache, cache_lens, scale, max_len, mask):
+        return attend(q, *ops.keys_in_use(k_cache, v_cache, max_len), cache_lens, float(scale))
+
+    backends = {"rms_norm": "reference", "fused_add_rms_norm": "cpp", "silu_mul": "reference",
+                "rope_kv_append": "cpp", "verify_attention": "cpp"}
+    return LayerKernels(linear=skinny, rms_norm=bi_rms_norm,
+                        fused_add_rms_norm=torch.ops.swiftkern.fused_add_rms_norm, silu_mul=bi_silu_mul,
+                        rope_kv_append=rope_kv_append, verify_attention=verify_attention, backends=backends)
 
 
 def _bind(device_type: str) -> LayerKernels:

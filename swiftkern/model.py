@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from . import ops, reference
-from .layer_kernels import LayerKernels
+from .layer_kernels import LayerKernels, invariant_kernels_available
 from .errors import SwiftkernError
 from .kv_cache import KVCache
 from .layer_set import LayerSet
+from .rope_table import RopeTable
 
 SUPPORTED_MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
@@ -83,6 +85,8 @@ class SkipModel:
         self.lm_head_bias = getattr(hf_model.lm_head, "bias", None)
         self.rotary = inner.rotary_emb
         self.layers = [self._layer(layer) for layer in inner.layers]
+        self.invariant = False  # True inside batch_invariant(): the invariant kernel set
+        self._rope_table: RopeTable | None = None
 
     @classmethod
     def from_hf(cls, hf_model) -> "SkipModel":
@@ -111,6 +115,27 @@ class SkipModel:
             gate=mlp.gate_proj.weight, up=mlp.up_proj.weight, down=mlp.down_proj.weight,
             gate_bias=mlp.gate_proj.bias, up_bias=mlp.up_proj.bias, down_bias=mlp.down_proj.bias,
         )
+
+    @contextmanager
+    def batch_invariant(self):
+        """Within this context every forward runs the batch- and length-invariant kernel set
+        (``layer_kernels.invariant_kernels_available``; RoPE from a ``RopeTable``): a row's
+        logits depend on its own tokens alone, bit for bit, whatever the other rows, and
+        decoding token by token, verifying drafts and prefilling give a token the same bits.
+        Raises SwiftkernError where the set does not run (not float32 on the CPU with the C++
+        kernels); the deterministic mode then replays through its verifier instead."""
+        if not invariant_kernels_available(self.device.type, self.dtype):
+            raise SwiftkernError(
+                f"the batch-invariant kernels run on the CPU in float32 with the C++ extension built (here: "
+                f"{self.device.type}, {self.dtype}); use the deterministic mode's replay (replay='always')")
+        if self._rope_table is None:
+            self._rope_table = RopeTable(self.rotary, self.dtype, self.device)
+        before = self.invariant
+        self.invariant = True
+        try:
+            yield self
+        finally:
+            self.invariant = before
 
     @property
     def device(self) -> torch.device:
@@ -196,7 +221,7 @@ class SkipModel:
         starts = cache.host_lengths
         max_len = max(starts) + T
         uniform_start = starts[0] if min(starts) == max(starts) else None
-        kern = LayerKernels.for_device(tokens.device.type)  # the layer ops, bound once, unchecked
+        kern = LayerKernels.for_device(tokens.device.type, self.invariant)  # the layer ops, bound once, unchecked
         if kern.backends["verify_attention"] != "reference":
             mask = None  # the kernels mask by cache length themselves
         elif T == 1 and uniform_start is not None:
@@ -211,7 +236,10 @@ class SkipModel:
         # HF's arithmetic (add, then norm) operation for operation
         fuse = kern.backends["fused_add_rms_norm"] != "reference"
         hidden = F.embedding(tokens, self.embed)  # [B, T, H]
-        cos, sin = self.rotary(hidden, positions)  # [B, T, D] each
+        if self.invariant:
+            cos, sin = self._rope_table.lookup(positions, max_len)  # [B, T, D] each
+        else:
+            cos, sin = self.rotary(hidden, positions)  # [B, T, D] each
         pending = None  # the last kept sub-layer's output, added to hidden by the next norm
         linear = kern.linear
         for i, w in enumerate(self.layers):

@@ -46,6 +46,8 @@ _SCHEMAS = {
     "rope_kv_append": ("(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
                        "Tensor(b!) v_cache, Tensor positions) -> Tensor"),
     "verify_attention": "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_lens, float scale) -> Tensor",
+    "verify_attention_invariant": ("(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_lens, float scale) "
+                                   "-> Tensor"),
     "kv_compact": ("(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor src_positions, Tensor dst_start, "
                    "Tensor counts) -> ()"),
     "bi_exp": "(Tensor x) -> Tensor",
@@ -134,6 +136,9 @@ def _rope_kv_append_fake(q, k, v, cos, sin, k_cache, v_cache, positions):
 
 def _verify_attention_fake(q, k_cache, v_cache, cache_lens, scale):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+_verify_attention_invariant_fake = _verify_attention_fake
 
 
 def _kv_compact_fake(k_cache, v_cache, src_positions, dst_start, counts):
@@ -670,6 +675,31 @@ def keys_in_use(k_cache: torch.Tensor, v_cache: torch.Tensor, max_len: int | Non
     return k_cache, v_cache
 
 
+def _check_attention(op: str, q, k_cache, v_cache, cache_lens, max_len) -> torch.device:
+    """verify_attention's input checks (shapes, dtypes, lengths) -> the device."""
+    tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, cache_lens=cache_lens)
+    _is_tensor(op, **tensors)
+    device = _one_device(op, **tensors)
+    _shape(op, "q", q, (None, None, None, None), "4-D [B, Hq, T, D]")
+    B, Hq, T, D = q.shape
+    _shape(op, "k_cache", k_cache, (B, None, None, D), f"[B, Hkv, S, D] = [{B}, Hkv, S, {D}]")
+    _shape(op, "v_cache", v_cache, tuple(k_cache.shape), f"the shape of k_cache {tuple(k_cache.shape)}")
+    _shape(op, "cache_lens", cache_lens, (B,), f"int64 [B] = [{B}]")
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    if Hkv == 0 or Hq % Hkv:
+        raise SwiftkernError(f"{op}: query heads ({Hq}) must be a multiple of kv heads ({Hkv})")
+    _float(op, q=q, k_cache=k_cache, v_cache=v_cache)
+    _same_dtype(op, q=q, k_cache=k_cache, v_cache=v_cache)
+    if cache_lens.dtype != torch.int64:
+        raise SwiftkernError(f"{op}: cache_lens must be int64, got {cache_lens.dtype}")
+    if max_len is not None:
+        if not T <= max_len <= S:
+            raise SwiftkernError(f"{op}: max_len {max_len} must be in [T = {T}, S = {S}]")
+    else:
+        _range(op, "cache_lens", cache_lens, T, S, f"each row holds its T = {T} new tokens in a cache of S = {S}")
+    return device
+
+
 def verify_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_lens: torch.Tensor, scale: float,
     max_len: int | None = None, mask: torch.Tensor | None = None,
@@ -694,32 +724,27 @@ def verify_attention(
     [B, T, Hq, D] buffer, so merging heads is free). Runs ``backend_for("verify_attention", q.device)``.
     """
     op = "verify_attention"
-    tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, cache_lens=cache_lens)
-    _is_tensor(op, **tensors)
-    device = _one_device(op, **tensors)
-    _shape(op, "q", q, (None, None, None, None), "4-D [B, Hq, T, D]")
-    B, Hq, T, D = q.shape
-    _shape(op, "k_cache", k_cache, (B, None, None, D), f"[B, Hkv, S, D] = [{B}, Hkv, S, {D}]")
-    _shape(op, "v_cache", v_cache, tuple(k_cache.shape), f"the shape of k_cache {tuple(k_cache.shape)}")
-    _shape(op, "cache_lens", cache_lens, (B,), f"int64 [B] = [{B}]")
-    Hkv, S = k_cache.shape[1], k_cache.shape[2]
-    if Hkv == 0 or Hq % Hkv:
-        raise SwiftkernError(f"{op}: query heads ({Hq}) must be a multiple of kv heads ({Hkv})")
-    _float(op, q=q, k_cache=k_cache, v_cache=v_cache)
-    _same_dtype(op, q=q, k_cache=k_cache, v_cache=v_cache)
-    if cache_lens.dtype != torch.int64:
-        raise SwiftkernError(f"{op}: cache_lens must be int64, got {cache_lens.dtype}")
-    if max_len is not None:
-        if not T <= max_len <= S:
-            raise SwiftkernError(f"{op}: max_len {max_len} must be in [T = {T}, S = {S}]")
-    else:
-        _range(op, "cache_lens", cache_lens, T, S, f"each row holds its T = {T} new tokens in a cache of S = {S}")
+    device = _check_attention(op, q, k_cache, v_cache, cache_lens, max_len)
     backend = _resolve(op, device.type)
     if backend == "reference":
         return reference.verify_attention(q, k_cache, v_cache, cache_lens, scale, max_len, mask)
     k_cache, v_cache = keys_in_use(k_cache, v_cache, max_len)
     ns = torch.ops.swiftkern_triton if backend == "triton" else torch.ops.swiftkern
     return ns.verify_attention(q, k_cache, v_cache, cache_lens, float(scale))
+
+
+def verify_attention_invariant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               cache_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """``verify_attention`` (same arguments and result) with every query in one fixed order of
+    operations, whatever T, the GQA group and the other rows: a query's bits depend on its own
+    q and keys alone, so decoding token by token, verifying k + 1 tokens and prefilling a whole
+    prompt give the same bits. The C++ CPU kernel (``invariant_kernels_available``); elsewhere
+    torch's SDPA, which has no such guarantee."""
+    op = "verify_attention_invariant"
+    _check_attention(op, q, k_cache, v_cache, cache_lens, None)
+    if _cpu_kernel(op, q.device.type):
+        return torch.ops.swiftkern.verify_attention_invariant(q, k_cache, v_cache, cache_lens, float(scale))
+    return reference.verify_attention_invariant(q, k_cache, v_cache, cache_lens, scale)
 
 
 def kv_compact(k_cache: torch.Tensor, v_cache: torch.Tensor, src_positions: torch.Tensor,
@@ -846,5 +871,6 @@ def bi_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = ["bi_exp", "bi_matmul", "greedy_accept", "linear", "rejection_sample", "rms_norm", "fused_add_rms_norm",
-           "silu_mul", "apply_rope", "rope_kv_append", "attention_mask", "verify_attention", "kv_compact", "backend_info",
+           "silu_mul", "apply_rope", "rope_kv_append", "attention_mask", "verify_attention",
+           "verify_attention_invariant", "kv_compact", "backend_info",
            "backend_for", "info", "set_backend", "unchecked"]

@@ -173,6 +173,14 @@ def verify_attention(
     return out.reshape(B, Hq, T, D)  # not .view: SDPA on CUDA returns other strides than on the CPU
 
 
+def verify_attention_invariant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               cache_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """The twin of the C++ ``verify_attention_invariant``: the same attention (``verify_attention``'s
+    contract) in torch's arithmetic. Equal to the kernel to float rounding only; the kernel's
+    point, a query's bits independent of T and of the batch, is its own."""
+    return verify_attention(q, k_cache, v_cache, cache_lens, scale)
+
+
 def greedy_accept(
     draft_tokens: torch.Tensor, target_logits: torch.Tensor, num_draft: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,6 +23,7 @@ from .model import SkipModel
 from .draft_head import DraftHead
 from .drafter_policy import Choice, DrafterPolicy
 from .drafters import LookupMatch, lookup_match
+from .batch_invariant import bi_token_logprob
 from .requests import Requests
 from .sampling import SamplingParams, keyed_uniforms, probs_from_logits, sample_from_weights, select_tokens
 
@@ -117,7 +118,8 @@ def verify_and_accept(model: SkipModel, cache: KVCache, pending: torch.Tensor, d
     """One full-model forward over [pending, drafts] and the acceptance rule.
 
     -> out_tokens int64 [B, K+1] (accepted drafts, then the corrected/bonus token, then -1),
-       num_accepted list[int]. The cache is advanced by K+1 (the caller rolls it back).
+       num_accepted list[int], logits [B, K+1, V]. The cache is advanced by K+1 (the caller
+       rolls it back).
     """
     B, K = drafts.shape
     start = list(cache.host_lengths)  # position of each row's pending token
@@ -125,12 +127,12 @@ def verify_and_accept(model: SkipModel, cache: KVCache, pending: torch.Tensor, d
     nd = torch.tensor(num_draft, dtype=torch.int32, device=drafts.device)
     if not params.do_sample:
         out, acc = ops.greedy_accept(drafts, logits, nd)
-        return out, acc.tolist()
+        return out, acc.tolist(), logits
     target = probs_from_logits(logits.reshape(B * (K + 1), -1), params).view(B, K + 1, -1)
     u_accept = _chunk_uniforms(seeds, start, K, STREAM_ACCEPT, drafts.device)  # [B, K]
     u_sample = _chunk_uniforms(seeds, start, K + 1, STREAM_RESIDUAL, drafts.device)  # [B, K+1]
     out, acc = ops.rejection_sample(drafts, draft_probs, target, nd, u_accept, u_sample)
-    return out, acc.tolist()
+    return out, acc.tolist(), logits
 
 
 def _assemble(B: int, choices, lookups, skip, params: SamplingParams, vocab: int, device):
@@ -173,7 +175,7 @@ def decode_self_spec(model: SkipModel, cache: KVCache, first_logits: torch.Tenso
                      seeds: list[int], requests: Requests, layer_set: LayerSet | None, policy: DraftPolicy,
                      drafter: str = "layer-skip", prompts: list[list[int]] | None = None,
                      chooser: DrafterPolicy | None = None, draft_head: DraftHead | None = None,
-                     tuner=None) -> dict:
+                     tuner=None, logprobs: list[list[torch.Tensor]] | None = None) -> dict:
     """The speculative loop into ``requests``. first_logits: [B, V] from prefill.
 
     drafter: "layer-skip" (the model with ``layer_set`` skipped, confidence-aware, logits over
@@ -197,6 +199,10 @@ def decode_self_spec(model: SkipModel, cache: KVCache, first_logits: torch.Tenso
     per_row = [{"verifies": 0, "drafted": 0, "accepted": 0} for _ in requests.out]
     stats["per_row"] = per_row
     pending = select_tokens(first_logits, params, seeds, list(cache.host_lengths))  # [B]
+    if logprobs is not None:
+        first_lp = bi_token_logprob(first_logits, pending)  # [B]
+        for r in range(len(pending)):
+            logprobs[r].append(first_lp[r:r + 1])
     for r, t in enumerate(pending.tolist()):
         requests.commit(r, [t])
     if draft_head is not None:
@@ -236,7 +242,7 @@ def decode_self_spec(model: SkipModel, cache: KVCache, first_logits: torch.Tenso
         drafts, draft_probs, num_draft = _assemble(B, choices, lookups, skip, params, model.vocab_size,
                                                    pending.device)
         t0 = time.perf_counter()
-        out_tokens, num_accepted = verify_and_accept(model, cache, pending, drafts, draft_probs, num_draft,
+        out_tokens, num_accepted, logits = verify_and_accept(model, cache, pending, drafts, draft_probs, num_draft,
                                                      params, row_seeds)
         if chooser is not None:
             chooser.record_verify(drafts.shape[1] + 1, time.perf_counter() - t0)
@@ -258,7 +264,11 @@ def decode_self_spec(model: SkipModel, cache: KVCache, first_logits: torch.Tenso
             if chooser is not None:
                 chooser.observe(r, used, num_draft[i], num_accepted[i], lookup_ngram=matches[i].ngram)
             committed = row[: num_accepted[i] + 1]
+            before = len(requests.out[r])
             requests.commit(r, committed)
+            if logprobs is not None:
+                n = len(requests.out[r]) - before
+                logprobs[r].append(bi_token_logprob(logits[i, :n], out_tokens[i, :n]))
             if draft_head is not None:
                 draft_head.add(committed)
         index = torch.tensor(num_accepted, device=out_tokens.device).unsqueeze(1)

@@ -1,6 +1,7 @@
 """Deterministic mode (LLM-42): batch-invariant ops, the fixed-shape verifier, and the
-decode-verify-rollback loop. The central check is the needle: a prompt's tokens and verifier
-logprobs are the same bits alone and at any place in batches of any size."""
+decode-verify-rollback loop (``replay="always"``), and the mode without replay where the
+batch-invariant kernel set runs (``replay="auto"`` on the CPU). The central check is the needle:
+a prompt's tokens and logprobs are the same bits alone and at any place in batches of any size."""
 
 from __future__ import annotations
 
@@ -16,13 +17,17 @@ from conftest import tiny_model
 from swiftkern import reference
 from swiftkern.batch_invariant import (KEY_BLOCK, bi_attention, bi_exp, bi_log_softmax, bi_rms_norm, bi_silu_mul,
                                        tree_sum)
-from swiftkern.deterministic import FastPath
+from swiftkern.deterministic import FastPath, invariant_token_logprobs
 from swiftkern.errors import SwiftkernError
 from swiftkern.generate import Generator, prefill
+from swiftkern.layer_kernels import invariant_kernels_available
 from swiftkern.model import SkipModel
 from swiftkern.verifier import Slot, Verifier
 
 SOME = settings(max_examples=15, deadline=None, derandomize=True)
+needs_invariant = pytest.mark.skipif(not invariant_kernels_available("cpu", torch.float32),
+                                     reason="swiftkern._C is not built with the CPU kernels of the invariant set")
+REPLAYS = ["always", pytest.param("auto", marks=needs_invariant)]
 EOS = 2  # the tiny models' eos_token_id
 
 
@@ -173,30 +178,41 @@ def _needle_trials(gen, needle, rng, trials, max_batch, **kw):
     return alone
 
 
-def needle_tiny(model, sample, seed, trials):
+def needle_tiny(model, sample, seed, trials, replay="always", **gen_kw):
     """The needle on a tiny model, window 8, verify batch 4, 24 tokens, batches of 1-16."""
-    gen = Generator(model, mode="deterministic", window=8, verify_batch=4)
+    gen = Generator(model, mode="deterministic", window=8, verify_batch=4, replay=replay, **gen_kw)
     kw = dict(max_new_tokens=24, eos_token_id=[], do_sample=sample, temperature=1.3, seed=11)
     alone = _needle_trials(gen, [17, 250, 9, 3, 44, 61], random.Random(seed + sample), trials=trials,
                            max_batch=16, **kw)
     assert len(alone.tokens[0]) == 24 and alone.logprobs[0].shape == (24,)
 
 
+@pytest.mark.parametrize("replay", REPLAYS)
 @pytest.mark.parametrize("sample", [False, True])
-def test_needle_tiny(tiny, sample):
-    needle_tiny(tiny, sample, seed=7, trials=4)
+def test_needle_tiny(tiny, sample, replay):
+    needle_tiny(tiny, sample, seed=7, trials=4, replay=replay)
+
+
+@needs_invariant
+@pytest.mark.parametrize("sample", [False, True])
+def test_needle_tiny_self_spec_without_replay(tiny, sample):
+    """No replay, drafter self-spec: the speculative loop on the invariant kernels (lookup and
+    layer-skip drafts of varying lengths) still gives the needle its own bits."""
+    needle_tiny(tiny, sample, seed=9, trials=4, replay="auto", drafter="self-spec", layer_set="attn:1|mlp:2",
+                eps=0.0)
 
 
 def test_needle_tiny_qwen2_with_biases():
     model = SkipModel(tiny_model("qwen2", seed=3))
-    gen = Generator(model, mode="deterministic", window=4, verify_batch=2)
-    _needle_trials(gen, [8, 8, 100, 7], random.Random(3), trials=2, max_batch=9, max_new_tokens=12,
-                   eos_token_id=[])
+    for replay in ("always", "auto") if invariant_kernels_available("cpu", torch.float32) else ("always",):
+        gen = Generator(model, mode="deterministic", window=4, verify_batch=2, replay=replay)
+        _needle_trials(gen, [8, 8, 100, 7], random.Random(3), trials=2, max_batch=9, max_new_tokens=12,
+                       eos_token_id=[])
 
 
 def test_needle_among_requests_that_skip_verification(tiny):
     """LLM-42's common case: few requests need determinism; the rest decode at regular cost."""
-    gen = Generator(tiny, mode="deterministic", window=8, verify_batch=2)
+    gen = Generator(tiny, mode="deterministic", window=8, verify_batch=2, replay="always")
     needle = [17, 250, 9, 3, 44, 61]
     kw = dict(max_new_tokens=20, eos_token_id=[])
     alone = gen.generate([needle], **kw)
@@ -211,7 +227,7 @@ def test_needle_among_requests_that_skip_verification(tiny):
     assert all(lp.shape == (20,) and bool(torch.isfinite(lp).all()) for lp in out.logprobs)
     with pytest.raises(SwiftkernError, match="needs mode='deterministic'"):
         Generator(tiny, mode="ar").generate(others, deterministic=False, **kw)
-    spec = Generator(tiny, mode="deterministic", drafter="self-spec", layer_set="attn:1")
+    spec = Generator(tiny, mode="deterministic", drafter="self-spec", layer_set="attn:1", replay="always")
     with pytest.raises(SwiftkernError, match="must be verified"):
         spec.generate(others[:2], deterministic=[True, False], **kw)
 
@@ -257,7 +273,7 @@ def test_decode_equals_prefill_and_windows_agree(tiny):
     prompts = [[4, 77, 31], list(range(10, 60)), [200]]
     runs = {}
     for window, vb in [(8, 2), (4, 3), (16, 1)]:
-        gen = Generator(tiny, mode="deterministic", window=window, verify_batch=vb)
+        gen = Generator(tiny, mode="deterministic", window=window, verify_batch=vb, replay="always")
         runs[window] = gen.generate(prompts, max_new_tokens=20, eos_token_id=[])
     base = runs[8]
     for window, out in runs.items():  # the verifier's output does not depend on how it was chunked
@@ -268,9 +284,28 @@ def test_decode_equals_prefill_and_windows_agree(tiny):
         assert torch.equal(verifier.token_logprobs(p + toks, len(p)), lp)
 
 
-def test_greedy_equals_ar_on_a_tiny_model(tiny):
+@needs_invariant
+def test_without_replay_decode_equals_prefill(tiny):
+    """No replay: the logprobs returned are the invariant model's, equal bit for bit to scoring
+    prompt + output in one forward (``invariant_token_logprobs``); with or without self-spec."""
+    prompts = [[4, 77, 31], list(range(10, 60)), [200]]
+    plain = Generator(tiny, mode="deterministic").generate(prompts, max_new_tokens=20, eos_token_id=[])
+    spec = Generator(tiny, mode="deterministic", drafter="self-spec", layer_set="attn:1|mlp:2", eps=0.0).generate(
+        prompts, max_new_tokens=20, eos_token_id=[])
+    assert spec.tokens == plain.tokens and plain.stats["replay"].startswith("elided")
+    for p, toks, lp, lp_spec in zip(prompts, plain.tokens, plain.logprobs, spec.logprobs):
+        assert lp.shape == (20,)
+        assert torch.equal(invariant_token_logprobs(tiny, p + toks, len(p)), lp)
+        assert torch.equal(lp_spec, lp)
+    s = spec.stats
+    assert s["verify_passes"] == 0 and s["rolled_back"] == 0 and s["drafted"] > 0
+    assert s["fast_path"].startswith("self-spec")
+
+
+@pytest.mark.parametrize("replay", REPLAYS)
+def test_greedy_equals_ar_on_a_tiny_model(tiny, replay):
     prompts = [[4, 77, 31], list(range(10, 60)), [200, 3]]
-    det = Generator(tiny, mode="deterministic", window=8).generate(prompts, max_new_tokens=16)
+    det = Generator(tiny, mode="deterministic", window=8, replay=replay).generate(prompts, max_new_tokens=16)
     ar = Generator(tiny, mode="ar").generate(prompts, max_new_tokens=16)
     assert det.tokens == ar.tokens
 
@@ -329,9 +364,11 @@ def test_real_eos_ends_the_output_exactly(tiny):
 @pytest.mark.parametrize("draft_vocab", [None, 40])
 def test_self_spec_fast_path_gives_the_same_output(tiny, draft_vocab):
     prompts = [[5, 6, 7], list(range(30, 45))]
-    plain = Generator(tiny, mode="deterministic", window=6).generate(prompts, max_new_tokens=18, eos_token_id=[])
+    plain = Generator(tiny, mode="deterministic", window=6, replay="always").generate(
+        prompts, max_new_tokens=18, eos_token_id=[])
     spec = Generator(tiny, mode="deterministic", window=6, drafter="self-spec", layer_set="attn:1,2|mlp:2",
-                     eps=0.0, draft_vocab=draft_vocab).generate(prompts, max_new_tokens=18, eos_token_id=[])
+                     eps=0.0, draft_vocab=draft_vocab, replay="always").generate(prompts, max_new_tokens=18,
+                                                                                   eos_token_id=[])
     assert spec.tokens == plain.tokens
     assert all(torch.equal(a, b) for a, b in zip(spec.logprobs, plain.logprobs))
     s = spec.stats
@@ -340,15 +377,18 @@ def test_self_spec_fast_path_gives_the_same_output(tiny, draft_vocab):
 
 
 def test_generator_stats_and_errors(tiny):
-    out = Generator(tiny, mode="deterministic", window=4, verify_batch=2).generate(
+    out = Generator(tiny, mode="deterministic", window=4, verify_batch=2, replay="always").generate(
         [[5, 6], [7]], max_new_tokens=9, eos_token_id=[])
     s = out.stats
     assert s["mode"] == "deterministic" and s["window"] == 4 and s["verify_batch"] == 2
     assert s["new_tokens"] == 18 and s["prefill_passes"] == 1 and s["verify_passes"] >= 2
     assert s["fast_tokens"] == 16 + s["rolled_back"]  # every token but the prefill's came from the fast path
     assert all(r["verifies"] >= 2 for r in out.request_stats)
-    one = Generator(tiny, mode="deterministic").generate([[5, 6]], max_new_tokens=1, eos_token_id=[])
+    one = Generator(tiny, mode="deterministic", replay="always").generate([[5, 6]], max_new_tokens=1,
+                                                                          eos_token_id=[])
     assert len(one.tokens[0]) == 1 and one.stats["verify_passes"] == 0
+    with pytest.raises(SwiftkernError, match="replay must be one of"):
+        Generator(tiny, mode="deterministic", replay="never")
     with pytest.raises(SwiftkernError, match="window"):
         Generator(tiny, mode="deterministic", window=0)
     with pytest.raises(SwiftkernError, match="does not go with mode"):
@@ -361,11 +401,11 @@ def test_generator_stats_and_errors(tiny):
 
 # --------------------------------------------------------------------------- SmolLM2
 
-def smollm2_needle(model, tok, max_new_tokens, batch_ranges):
+def smollm2_needle(model, tok, max_new_tokens, batch_ranges, replay="always"):
     """The needle on SmolLM2 (window 16, verify batch 4), greedy and sampled: alone, then in
     one batch of random other prompts per (lo, hi) in batch_ranges, at a random place.
     -> (needle ids, {sample: its output alone})."""
-    gen = Generator(model, tok, mode="deterministic", window=16, verify_batch=4)
+    gen = Generator(model, tok, mode="deterministic", window=16, verify_batch=4, replay=replay)
     needle = tok("The three primary colors are")["input_ids"]
     rng = random.Random(5)
     others = ["def fib(n):", "Paris is", "Once upon a time, in a small village", "1, 2, 3,",
@@ -386,13 +426,17 @@ def smollm2_needle(model, tok, max_new_tokens, batch_ranges):
 
 
 @pytest.mark.slow
-def test_needle_smollm2(smollm2):
+@pytest.mark.parametrize("replay", REPLAYS)
+def test_needle_smollm2(smollm2, replay):
     model, tok = smollm2
-    needle, alone = smollm2_needle(model, tok, 16, [(2, 4), (5, 10)])
+    needle, alone = smollm2_needle(model, tok, 16, [(2, 4), (5, 10)], replay)
     greedy = alone[False]  # the verifier is the model: greedy output equals plain decoding's
     assert greedy.tokens == Generator(model, tok, mode="ar").generate([needle], max_new_tokens=16,
                                                                       eos_token_id=[]).tokens
-    lp = Verifier(model, 16, 4).token_logprobs(needle + greedy.tokens[0], len(needle))
+    if replay == "always":
+        lp = Verifier(model, 16, 4).token_logprobs(needle + greedy.tokens[0], len(needle))
+    else:
+        lp = invariant_token_logprobs(model, needle + greedy.tokens[0], len(needle))
     assert torch.equal(lp, greedy.logprobs[0])
 
 
@@ -417,8 +461,14 @@ def test_cli_deterministic_json(smollm2, capsys, monkeypatch):
     monkeypatch.setattr(loading, "load_model", lambda *a, **k: smollm2)  # the session's copy
 
     assert cli.main(["generate", "--prompt", "The capital of France is", "--mode", "deterministic",
-                     "--window", "8", "--verify-batch", "2", "--max-new-tokens", "10", "--json"]) == 0
+                     "--window", "8", "--verify-batch", "2", "--max-new-tokens", "10", "--replay", "always",
+                     "--json"]) == 0
     rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     s = rec["stats"]
     assert s["mode"] == "deterministic" and s["window"] == 8 and s["verify_batch"] == 2
     assert len(rec["tokens"]) == 10 and s["verify_passes"] >= 1 and 0.0 <= s["rollback_fraction"] <= 1.0
+    if invariant_kernels_available("cpu", torch.float32):  # the default, no replay: the same tokens
+        assert cli.main(["generate", "--prompt", "The capital of France is", "--mode", "deterministic",
+                         "--max-new-tokens", "10", "--json"]) == 0
+        plain = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert plain["tokens"] == rec["tokens"] and plain["stats"]["verify_passes"] == 0

@@ -1,0 +1,42 @@
+"""Rotary cos/sin looked up by position from blocks computed once: the same bits for a position
+whatever batch or chunk asks for it.
+
+The model's rotary module computes cos/sin for the positions of each forward; torch's
+vectorized cos/sin may round an element differently in a SIMD body than in a scalar tail, and
+where an element falls depends on the tensor's shape. The batch-invariant runner
+(``SkipModel.batch_invariant``) reads them from this table instead: blocks of ``BLOCK``
+positions, each computed by the model's own rotary module the first time a position in it is
+needed and never recomputed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK = 1024  # positions per block
+
+
+class RopeTable:
+    """``RopeTable(rotary, dtype, device)``; ``lookup(positions, max_pos)`` -> cos, sin [B, T, D]."""
+
+    def __init__(self, rotary, dtype: torch.dtype, device: torch.device):
+        self.rotary, self.dtype, self.device = rotary, dtype, device
+        self.cos = self.sin = None  # [positions computed, D]
+
+    def _grow(self, needed: int) -> None:
+        have = 0 if self.cos is None else self.cos.shape[0]
+        cos, sin = [] if self.cos is None else [self.cos], [] if self.sin is None else [self.sin]
+        while have < needed:
+            positions = torch.arange(have, have + BLOCK, device=self.device).unsqueeze(0)  # [1, BLOCK]
+            probe = torch.zeros((1, BLOCK, 1), dtype=self.dtype, device=self.device)
+            c, s = self.rotary(probe, positions)  # [1, BLOCK, D]
+            cos.append(c[0])
+            sin.append(s[0])
+            have += BLOCK
+        self.cos, self.sin = torch.cat(cos), torch.cat(sin)
+
+    def lookup(self, positions: torch.Tensor, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: int64 [B, T], all below ``max_pos`` (a host-side bound) -> cos, sin [B, T, D]."""
+        if self.cos is None or self.cos.shape[0] < max_pos:
+            self._grow(max_pos)
+        return self.cos[positions], self.sin[positions]

@@ -1,0 +1,191 @@
+"""The batch- and length-invariant CPU kernel set (``SkipModel.batch_invariant``).
+
+The attention kernel ``verify_attention_invariant`` against the float64 definition on odd shapes,
+its canonical one-query-at-a-time computation against the lane path (same bits), and its point:
+a query's bits do not depend on how many tokens came with it or on the other rows, where the
+regular kernel's do (the negative control). Then the model: inside ``batch_invariant()`` a row's
+logits are the same bits alone or in a batch of other prompts, and decoding token by token,
+verifying a chunk and prefilling everything agree bit for bit.
+"""
+
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import tiny_model
+from swiftkern import SkipModel, ops
+from swiftkern.errors import SwiftkernError
+from swiftkern.layer_kernels import invariant_kernels_available
+from test_reference_ops import naive_attention
+from triton_cases import assert_close
+
+needs_cpp = pytest.mark.skipif(not invariant_kernels_available("cpu", torch.float32),
+                               reason="swiftkern._C is not built with the CPU kernels of the invariant set")
+OPS = torch.ops.swiftkern
+DRAWN = settings(max_examples=40, deadline=None, derandomize=True,
+                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+HEADS = [(1, 1), (3, 3), (2, 4), (1, 8), (3, 6), (1, 16)]  # (kv heads, GQA group)
+
+
+def attention_case(B, Hkv, group, T, D, S, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, Hkv * group, D, generator=g).to(dtype).transpose(1, 2)  # [B, Hq, T, D] view
+    k = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
+    v = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
+    return q, k, v
+
+
+@needs_cpp
+@DRAWN
+@given(B=st.integers(1, 3), heads=st.sampled_from(HEADS), T=st.integers(1, 12),
+       D=st.sampled_from([1, 20, 64, 100]), dtype=st.sampled_from([torch.float32, torch.bfloat16]), data=st.data())
+def test_invariant_attention_matches_the_definition(B, heads, T, D, dtype, data):
+    Hkv, group = heads
+    S = T + data.draw(st.integers(0, 150))
+    q, k, v = attention_case(B, Hkv, group, T, D, S, dtype, data.draw(st.integers(0, 2**31 - 1)))
+    lens = torch.tensor([data.draw(st.integers(T, S)) for _ in range(B)])
+    got = ops.verify_attention_invariant(q, k, v, lens, D ** -0.5)
+    want = naive_attention(q.float(), k.float(), v.float(), lens, D ** -0.5).to(dtype)
+    assert got.shape == (B, Hkv * group, T, D)
+    assert_close("verify_attention", got, want)
+
+
+@needs_cpp
+@pytest.mark.parametrize("heads", HEADS)
+def test_canonical_order_gives_the_lane_path_bits(heads):
+    from swiftkern import _C
+
+    Hkv, group = heads
+    q, k, v = attention_case(3, Hkv, group, 7, 72, 300, torch.float32, seed=group)
+    lens = torch.tensor([7, 150, 300])
+    assert torch.equal(OPS.verify_attention_invariant(q, k, v, lens, 0.1),
+                       _C.verify_attention_canonical(q, k, v, lens, 0.1))
+
+
+def chunk_vs_one_by_one(op, Hkv, group, T, D, L, seed=0):
+    """How many of T queries get other bits from a T-token call than from T calls of one token
+    (query i alone sees keys < L - T + i + 1, as in the chunk), rows of two lengths."""
+    q, k, v = attention_case(2, Hkv, group, T, D, L, torch.float32, seed)
+    lens = torch.tensor([L, L - 3])
+    chunk = op(q, k, v, lens, D ** -0.5)
+    differ = 0
+    for i in range(T):
+        one = op(q[:, :, i:i + 1].contiguous(), k, v, lens - (T - 1 - i), D ** -0.5)
+        differ += not torch.equal(one[:, :, 0], chunk[:, :, i])
+    return differ
+
+
+@needs_cpp
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("T", [2, 5, 9])
+def test_a_query_has_the_same_bits_in_any_chunk(heads, T):
+    assert chunk_vs_one_by_one(OPS.verify_attention_invariant, *heads, T, 64, 140) == 0
+
+
+@needs_cpp
+def test_a_query_has_the_same_bits_in_any_batch():
+    q, k, v = attention_case(5, 3, 3, 4, 64, 200, torch.float32, seed=1)
+    lens = torch.tensor([200, 4, 77, 130, 9])
+    together = OPS.verify_attention_invariant(q, k, v, lens, 0.125)
+    for b in range(5):
+        alone = OPS.verify_attention_invariant(q[b:b + 1], k[b:b + 1], v[b:b + 1], lens[b:b + 1], 0.125)
+        assert torch.equal(alone, together[b:b + 1]), b
+
+
+@needs_cpp
+def test_negative_control_the_regular_kernel_is_not_length_invariant():
+    """The regular kernel takes another order from 8 queries per kv head: a query's bits then
+    change with the chunk it came in (so the check above can fail)."""
+    assert chunk_vs_one_by_one(OPS.verify_attention, 3, 3, 5, 64, 140) > 0
+
+
+def test_invariant_attention_refuses_bad_input():
+    q, k, v = attention_case(1, 2, 2, 3, 16, 10, torch.float32, seed=0)
+    with pytest.raises(SwiftkernError, match="cache_lens"):
+        ops.verify_attention_invariant(q, k, v, torch.tensor([2]), 0.25)  # fewer than T
+    with pytest.raises(SwiftkernError, match="multiple of kv heads"):
+        ops.verify_attention_invariant(q[:, :3], k, v, torch.tensor([5]), 0.25)
+
+
+# --------------------------------------------------------------------------- the model
+
+@pytest.fixture(scope="module")
+def tiny_gqa():
+    """A tiny LLaMA whose GQA group (3) crosses the regular attention's lane threshold at T = 3."""
+    return SkipModel(tiny_model(num_attention_heads=6, num_key_value_heads=2, hidden_size=96, seed=4))
+
+
+def _feed(prompt, steps):
+    """Tokens fed after a prompt: a function of the prompt alone."""
+    return [(7 * sum(prompt) + 13 * j) % 290 + 3 for j in range(steps)]
+
+
+def _logits(model, prompts, steps, chunks=None):
+    """Prefill prompts (batched, right-padded), then feed each row ``_feed(prompt, steps)``,
+    ``chunks`` tokens per forward (default one by one).
+    -> per row, float32 [steps, V]: the logits after each fed token."""
+    from swiftkern.generate import prefill
+
+    feed = [_feed(p, steps) for p in prompts]
+    cache = model.new_cache(len(prompts), max(map(len, prompts)) + steps)
+    prefill(model, cache, prompts)
+    out, done = [[] for _ in prompts], 0
+    for size in chunks or [1] * steps:
+        tokens = torch.tensor([f[done:done + size] for f in feed])
+        logits = model.forward(tokens, cache)  # [B, size, V]
+        for i in range(len(prompts)):
+            out[i].append(logits[i])
+        done += size
+    return [torch.cat(o) for o in out]
+
+
+@needs_cpp
+def test_model_row_alone_equals_row_in_a_batch(tiny_gqa):
+    rng = random.Random(0)
+    needle = [17, 250, 9, 3, 44, 61]
+    with tiny_gqa.batch_invariant():
+        alone = _logits(tiny_gqa, [needle], 6)[0]
+        for _ in range(3):
+            B = rng.randint(2, 9)
+            prompts = [[rng.randrange(3, 301) for _ in range(rng.randint(1, 40))] for _ in range(B)]
+            idx = rng.randrange(B)
+            prompts[idx] = needle
+            assert torch.equal(_logits(tiny_gqa, prompts, 6)[idx], alone), (B, idx)
+
+
+@needs_cpp
+def test_model_decode_verify_and_prefill_agree(tiny_gqa):
+    prompts = [[5, 6, 7, 8], list(range(20, 61))]
+    with tiny_gqa.batch_invariant():
+        one_by_one = _logits(tiny_gqa, prompts, 9)
+        chunked = _logits(tiny_gqa, prompts, 9, chunks=[4, 1, 3, 1])
+        for a, b in zip(one_by_one, chunked):
+            assert torch.equal(a, b)
+        # the whole sequence in one forward: the logits at the fed tokens are the same bits
+        for i, p in enumerate(prompts):
+            cache = tiny_gqa.new_cache(1, len(p) + 9)
+            full = tiny_gqa.forward(torch.tensor([p + _feed(p, 9)]), cache)[0, len(p):]
+            assert torch.equal(full, one_by_one[i])
+    # the regular kernels: the same comparison finds other bits (the control)
+    regular_a, regular_b = _logits(tiny_gqa, prompts, 9), _logits(tiny_gqa, prompts, 9, chunks=[4, 1, 3, 1])
+    assert any(not torch.equal(a, b) for a, b in zip(regular_a, regular_b))
+
+
+@needs_cpp
+def test_invariant_logits_agree_with_the_regular_ones(tiny_gqa):
+    prompts = [[5, 6, 7, 8], list(range(20, 61))]
+    regular = _logits(tiny_gqa, prompts, 5)
+    with tiny_gqa.batch_invariant():
+        invariant = _logits(tiny_gqa, prompts, 5)
+    for a, b in zip(regular, invariant):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_batch_invariant_refuses_where_the_kernels_do_not_run():
+    model = SkipModel(tiny_model().to(torch.bfloat16))
+    with pytest.raises(SwiftkernError, match="float32"):
+        with model.batch_invariant():
+            pass
