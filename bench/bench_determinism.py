@@ -7,14 +7,19 @@ Three groups, each timed interleaved (A B C ... A B C) so drift hits every provi
 exactly ``--max-new-tokens`` per prompt (EOS off), prompts from bench/prompts.jsonl cycled
 to fill the batch (chat template):
 
-    throughput  batch 8 and 32: ar vs deterministic (window 32, verify batch 4; 16 on a GPU) vs det-1/8 (one
-                request in eight needs determinism, the others skip verification: LLM-42's case)
-    windows     batch 8: ar vs deterministic at windows 8, 16, 32, 64 (rollback fraction, speed)
-    batch 1     ar vs deterministic (window 32, verify batch 1) vs self-spec + deterministic (the
-                layer-skipped draft is the fast path, window 8, verify batch 1) vs self-spec
-                alone, layer set LAYER_SET
+    throughput  batch 8 and 32: ar vs deterministic (replay auto: none where the batch-invariant
+                kernels run, the CPU; else window 32, verify batch 4, 16 on a GPU) vs det-replay
+                (the LLM-42 replay forced) vs det-replay-1/8 (one request in eight needs
+                determinism, the others skip verification: LLM-42's case)
+    windows     batch 8: ar vs the replay at windows 8, 16, 32, 64 (rollback fraction, speed)
+    batch 1     ar vs deterministic (replay auto; window 32, verify batch 1) vs self-spec + deterministic
+                (replay auto: on the CPU the speculative loop on the invariant kernels, drafter
+                policy over lookup and the layer set; with replay: the layer-skipped draft is the
+                fast path, window 8, verify batch 1) vs self-spec+det-replay (the replay forced) vs
+                self-spec alone (layer-skip drafter), layer set LAYER_SET
 
-Columns: tok_s (all new tokens / median wall time, prefill included), deterministic_share (the
+Columns: tok_s (all new tokens / median wall time, prefill included), replay (elided or
+replayed), deterministic_share (the
 fraction of requests replayed), ratio_vs_ar (same batch,
 same run), rollback_fraction (fast-path tokens discarded / proposed), verify_passes,
 dummy_rows, tokens_equal_ar (the deterministic tokens equal plain ar's, greedy).
@@ -48,15 +53,19 @@ def _setups(smoke: bool, layer_set: str, verify_batch: int = 4) -> list[tuple[st
     batches = (2, 4) if smoke else (8, 32)
     windows = (4, 8) if smoke else (8, 16, 32, 64)
     w32 = 8 if smoke else 32
+    replay = dict(det, replay="always")
     groups = [("throughput", b, {"ar": dict(mode="ar"), "deterministic": dict(det, window=w32),
-                                 "det-1/8": dict(det, window=w32, share=1 / 8)}) for b in batches]
+                                 "det-replay": dict(replay, window=w32),
+                                 "det-replay-1/8": dict(replay, window=w32, share=1 / 8)}) for b in batches]
     groups.append(("windows", batches[0], {"ar": dict(mode="ar"),
-                                           **{f"det-w{w}": dict(det, window=w) for w in windows}}))
+                                           **{f"det-w{w}": dict(replay, window=w) for w in windows}}))
     spec = dict(layer_set=layer_set, eps=0.8)
+    spec_det = dict(mode="deterministic", window=8, verify_batch=1, drafter="self-spec", **spec)
     groups.append(("batch1", 1, {
         "ar": dict(mode="ar"),
         "deterministic": dict(mode="deterministic", window=32, verify_batch=1),
-        "self-spec+det": dict(mode="deterministic", window=8, verify_batch=1, drafter="self-spec", **spec),
+        "self-spec+det": spec_det,
+        "self-spec+det-replay": dict(spec_det, replay="always"),
         "self-spec": dict(mode="self-spec", drafter="layer-skip", **spec),
     }))
     return groups
@@ -110,6 +119,7 @@ def run(args) -> list[dict]:
                 batch=batch, new_tokens=n, reps=reps, window=kw.get("window", ""),
                 deterministic_share=kw.get("share", 1.0 if kw["mode"] == "deterministic" else 0.0),
                 verify_batch=kw.get("verify_batch", ""), fast_path=s.get("fast_path", ""),
+                replay=("elided" if "replay" in s else "replayed") if kw["mode"] == "deterministic" else "",
                 layer_set=kw.get("layer_set", ""), tok_s=round(tok_s, 2),
                 ratio_vs_ar=round(tok_s / ar_tok_s, 3) if ar_tok_s else "",
                 rollback_fraction=round(s["rollback_fraction"], 5) if "rollback_fraction" in s else "",
