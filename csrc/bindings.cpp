@@ -53,8 +53,6 @@ at::Tensor verify_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
                                 const at::Tensor& cache_lens, double scale);
 at::Tensor verify_attention_invariant_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                           const at::Tensor& cache_lens, double scale);
-at::Tensor verify_attention_canonical_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                          const at::Tensor& cache_lens, double scale);
 void kv_compact_cpu(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& src_positions,
                     const at::Tensor& dst_start, const at::Tensor& counts);
 #ifdef SWIFTKERN_WITH_CUDA  // csrc/ops_cuda.cpp
@@ -128,8 +126,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "swiftkern C++/CUDA kernels; importing this module registers torch.ops.swiftkern.*";
   m.def("skinny_linear_isa", &swiftkern::skinny_linear_isa,
         "skinny_linear (no bias) with a named instruction set: avx512, avx2 or portable (tests)");
-  m.def("verify_attention_canonical", &swiftkern::verify_attention_canonical_cpu,
-        "verify_attention_invariant computed one query at a time (float32; tests: same bits as the lane path)");
   m.def("skinny_linear_isas", &swiftkern::skinny_linear_isas, "the instruction sets this CPU runs, widest first");
   m.def("build_info", [] {
     py::dict d;

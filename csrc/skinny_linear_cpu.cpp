@@ -35,6 +35,7 @@ namespace cpu {
 constexpr int kLanes = 16;
 constexpr int kMaxTileRows = 6;  // x rows per register tile, at most (24 accumulators)
 constexpr int kTileCols = 4;     // weight rows per register tile
+constexpr int64_t kRowBlockBytes = 64 * 1024;  // x rows per block of a many-row call (L2-resident)
 constexpr int64_t kPrefetchTiles = 2;  // weight tiles prefetched ahead of the one in use (measured best of 1, 2, 3, 6)
 
 static inline float reduce_lanes(float* lane) {
@@ -180,20 +181,29 @@ struct TileTable {
 
 // Outputs y[:, n_begin:n_end): one weight tile (4 rows) at a time, every x tile against it,
 // so each weight row comes from memory once and is then read from L1 (x, a few rows, stays in
-// L1/L2); the weight is walked in order, which the hardware prefetcher streams.
+// L1/L2); the weight is walked in order, which the hardware prefetcher streams. Past
+// kRowBlock rows (a prefill) the x rows go in blocks that stay in L2 while the weight range is
+// swept once per block: without blocks every weight tile streamed all of x from L3 or memory
+// (a SmolLM2 prefill of 8 x 164 tokens ran at ~130 GFLOP/s against MKL's ~310). A block
+// changes which outputs are computed together, never the order of one output's sum.
 static void fixed_order_linear(const TileTable& table, const float* x, const float* w, float* y, int64_t M,
                                int64_t K, int64_t N, int64_t n_begin, int64_t n_end) {
   constexpr int nr_max = kTileCols;
   const int mr_max = static_cast<int>(std::min<int64_t>(table.max_rows, M));
-  for (int64_t n = n_begin; n < n_end; n += nr_max) {
-    const int nr = static_cast<int>(std::min<int64_t>(nr_max, n_end - n));
-    for (int64_t m = 0; m < M; m += mr_max) {
-      const int mr = static_cast<int>(std::min<int64_t>(mr_max, M - m));
-      // the first x tile asks for the weight tile kPrefetchTiles ahead, so it arrives while
-      // this one is used; past the end of this task's range nothing is prefetched
-      const int64_t ahead = n + kPrefetchTiles * nr_max;
-      const float* pf = (m == 0 && ahead + nr_max <= n_end) ? w + ahead * K : nullptr;
-      table.fn[mr - 1][nr - 1](x + m * K, w + n * K, y + m * N + n, K, N, pf);
+  // rows per block: ~192 KiB of x, a whole number of tiles
+  const int64_t block = std::max<int64_t>(mr_max, (kRowBlockBytes / (K * 4)) / mr_max * mr_max);
+  for (int64_t m0 = 0; m0 < M; m0 += block) {
+    const int64_t m1 = std::min(M, m0 + block);
+    for (int64_t n = n_begin; n < n_end; n += nr_max) {
+      const int nr = static_cast<int>(std::min<int64_t>(nr_max, n_end - n));
+      for (int64_t m = m0; m < m1; m += mr_max) {
+        const int mr = static_cast<int>(std::min<int64_t>(mr_max, m1 - m));
+        // the first x tile asks for the weight tile kPrefetchTiles ahead, so it arrives while
+        // this one is used; past the end of this task's range nothing is prefetched
+        const int64_t ahead = n + kPrefetchTiles * nr_max;
+        const float* pf = (m == m0 && ahead + nr_max <= n_end) ? w + ahead * K : nullptr;
+        table.fn[mr - 1][nr - 1](x + m * K, w + n * K, y + m * N + n, K, N, pf);
+      }
     }
   }
 }

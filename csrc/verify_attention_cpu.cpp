@@ -9,13 +9,13 @@
 // lanes of a register. Each query's arithmetic is in a fixed order set by its own keys, so its
 // result does not depend on the batch or the thread that ran it.
 //
-// verify_attention_invariant: every query in the lane path's order whatever T, the GQA group or
-// the dtype (AVX-512 fp32: the lane path itself; otherwise `attend_canonical`, one query at a
-// time with the same operations): score = (fma chain over d from 0) * scale, weights
-// bi_exp(score - max), their sum and the weighted values in key order from key 0, out = acc * (1 /
-// sum). A query's bits then depend on its own q and keys alone: not on the batch, not on how
-// many tokens came with it (decode, verify and prefill agree), so the deterministic mode's
-// regular decoding is already what its verifier would compute.
+// verify_attention_invariant: every query through the one-query-at-a-time path, whatever T and
+// the GQA group (the lane path sums in another order). A query's bits then depend on its own q
+// and keys alone: not on the batch, not on how many tokens came with it (decode, verify and
+// prefill agree), so the deterministic mode's regular decoding is already what its verifier
+// would compute. Decode (T = 1, groups below 8) costs what the regular kernel costs; it was
+// the lane path's order first, which made SmolLM2's decode attention several times slower
+// (3 of 16 lanes busy) and batch-8 deterministic decoding 0.73x plain.
 //
 // Why a kernel: for decode and verification (T <= 16, a few hundred keys) torch's SDPA spends
 // most of its time outside the arithmetic, and the mask it needs for per-row lengths costs more
@@ -332,53 +332,14 @@ void attend_lanes(const AttnShape& sh, const float* q, const float* k, const flo
 }
 #endif
 
-// One query at a time in the canonical order (see the top of the file); the same bits as the
-// lane path on every lane.
 template <class E>
-void attend_canonical(const AttnShape& sh, const E* q, const E* k, const E* v, const int64_t* lens, E* out) {
-  const int64_t group = sh.Hq / sh.Hkv;
-  const int64_t tasks = sh.B * sh.Hq * sh.T;
-  const int64_t work = std::max<int64_t>(1, sh.S * sh.D);
-  at::parallel_for(0, tasks, std::max<int64_t>(1, (int64_t(1) << 16) / work), [&](int64_t t0, int64_t t1) {
-    std::vector<float> p(static_cast<size_t>(sh.S)), acc(static_cast<size_t>(sh.D));
-    for (int64_t task = t0; task < t1; ++task) {
-      const int64_t i = task % sh.T, h = (task / sh.T) % sh.Hq, b = task / (sh.T * sh.Hq);
-      const int64_t L = lens[b] - sh.T + i + 1;
-      const E* qi = q + b * sh.q_b + h * sh.q_h + i * sh.q_t;
-      const E* kb = k + b * sh.k_b + (h / group) * sh.k_h;
-      const E* vb = v + b * sh.k_b + (h / group) * sh.k_h;
-      float mx = -INFINITY;
-      for (int64_t j = 0; j < L; ++j) {
-        const E* kj = kb + j * sh.k_s;
-        float a = 0.0f;
-        for (int64_t d = 0; d < sh.D; ++d) a = std::fma(static_cast<float>(kj[d]), static_cast<float>(qi[d]), a);
-        p[j] = a * sh.scale;
-        mx = std::max(mx, p[j]);
-      }
-      float total = 0.0f;
-      for (int64_t j = 0; j < L; ++j) {
-        p[j] = bi_exp_one(p[j] - mx);
-        total = total + p[j];
-      }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t j = 0; j < L; ++j) {
-        const E* vj = vb + j * sh.k_s;
-        for (int64_t d = 0; d < sh.D; ++d) acc[d] = std::fma(p[j], static_cast<float>(vj[d]), acc[d]);
-      }
-      const float inv = 1.0f / total;
-      E* o = out + ((b * sh.Hq + h) * sh.T + i) * sh.D;
-      for (int64_t d = 0; d < sh.D; ++d) o[d] = static_cast<E>(acc[d] * inv);
-    }
-  });
-}
-
-template <class E>
-void attend(const AttnShape& sh, const E* q, const E* k, const E* v, const int64_t* lens, E* out, bool avx512) {
+void attend(const AttnShape& sh, const E* q, const E* k, const E* v, const int64_t* lens, E* out, bool avx512,
+            bool invariant) {
   static const ExpFn exp_fn = pick_exp();
   const int64_t group = sh.Hq / sh.Hkv;
 #if defined(__x86_64__)
   if constexpr (std::is_same_v<E, float>) {
-    if (avx512 && group * sh.T >= kMinLaneQueries) return attend_lanes(sh, q, k, v, lens, out);
+    if (avx512 && !invariant && group * sh.T >= kMinLaneQueries) return attend_lanes(sh, q, k, v, lens, out);
   }
 #endif
   // one task per (row, kv head, new token): the group's queries see the same keys, which are
@@ -428,19 +389,6 @@ void attend(const AttnShape& sh, const E* q, const E* k, const E* v, const int64
   });
 }
 
-// The canonical order: the lane path where it runs (AVX-512, fp32), one query at a time elsewhere
-template <class E>
-void attend_invariant(const AttnShape& sh, const E* q, const E* k, const E* v, const int64_t* lens, E* out,
-                      bool avx512) {
-#if defined(__x86_64__)
-  if constexpr (std::is_same_v<E, float>) {
-    if (avx512) return attend_lanes(sh, q, k, v, lens, out);
-  }
-#endif
-  (void)avx512;
-  attend_canonical<E>(sh, q, k, v, lens, out);
-}
-
 bool cpu_has_avx512() {
 #if defined(__x86_64__)
   return __builtin_cpu_supports("avx512f");
@@ -476,10 +424,7 @@ at::Tensor attention_entry(const char* name, const at::Tensor& q, const at::Tens
     const scalar_t *qp = qc.data_ptr<scalar_t>(), *kp = k_cache.data_ptr<scalar_t>();
     const scalar_t* vp = v_cache.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    if (invariant)
-      cpu::attend_invariant<scalar_t>(sh, qp, kp, vp, lp, op, avx512);
-    else
-      cpu::attend<scalar_t>(sh, qp, kp, vp, lp, op, avx512);
+    cpu::attend<scalar_t>(sh, qp, kp, vp, lp, op, avx512, invariant);
   });
   return out;
 }
@@ -490,27 +435,10 @@ at::Tensor verify_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
   return attention_entry("verify_attention", q, k_cache, v_cache, cache_lens, scale, false);
 }
 
-// The same contract; each query's bits independent of T and the batch (the canonical order)
+// The same contract; each query through the one-query path: its bits independent of T and the batch
 at::Tensor verify_attention_invariant_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                           const at::Tensor& cache_lens, double scale) {
   return attention_entry("verify_attention_invariant", q, k_cache, v_cache, cache_lens, scale, true);
-}
-
-// The canonical order computed one query at a time even where the lane path runs: the test
-// that both give the same bits
-at::Tensor verify_attention_canonical_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                          const at::Tensor& cache_lens, double scale) {
-  checks::verify_attention(q, k_cache, v_cache, cache_lens);
-  TORCH_CHECK(q.scalar_type() == at::kFloat, "verify_attention_canonical: float32 only");
-  const at::Tensor qc = q.contiguous(), lens = cache_lens.contiguous();
-  cpu::AttnShape sh{q.size(0), q.size(1), q.size(2), q.size(3), k_cache.size(1), k_cache.size(2),
-                    qc.stride(0), qc.stride(1), qc.stride(2),
-                    k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), static_cast<float>(scale)};
-  at::Tensor out = at::empty({sh.B, sh.Hq, sh.T, sh.D}, q.options());
-  if (out.numel() == 0) return out;
-  cpu::attend_canonical<float>(sh, qc.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                               lens.data_ptr<int64_t>(), out.data_ptr<float>());
-  return out;
 }
 
 }  // namespace swiftkern

@@ -50,13 +50,24 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def prefill(model: SkipModel, cache: KVCache, prompts: list[list[int]]) -> torch.Tensor:
-    """Run all prompts through the model in one right-padded forward.
+def prefill(model: SkipModel, cache: KVCache, prompts: list[list[int]], per_row: bool = False) -> torch.Tensor:
+    """Run all prompts through the model: one right-padded forward, or (``per_row``) one
+    forward per prompt at its own length, no padding computed (the batch-invariant kernels are
+    compute-bound at prefill sizes, so padding costs its full share there).
 
     Padding sits after each row's real tokens, so causal attention keeps it out of the real
     positions; the cache is then rolled back to the real lengths. -> last logits [B, V]
     """
     lengths = [len(p) for p in prompts]
+    if per_row:
+        last = []
+        for b, p in enumerate(prompts):
+            view = cache.row_view(b)
+            logits = model.forward(torch.tensor([p], dtype=torch.int64, device=model.device), view,
+                                   logits_positions=torch.tensor([[len(p) - 1]], device=model.device))
+            cache.set_row_length(b, view.host_lengths[0])
+            last.append(logits[0, 0])
+        return torch.stack(last)
     width = max(lengths)
     tokens = torch.tensor([p + [p[-1]] * (width - len(p)) for p in prompts],
                           dtype=torch.int64, device=model.device)  # [B, width]
@@ -163,6 +174,7 @@ class Generator:
         if drafter == "self-spec" and layer_set is None:
             raise SwiftkernError("drafter self-spec needs a layer set (e.g. 'attn:3,5|mlp:4')")
         self.auto_layer_set = isinstance(layer_set, str) and layer_set.strip() == "auto"
+        self._tuner_state: OnTheFlyTuner | None = None  # layer_set "auto": kept across calls
         if self.auto_layer_set:
             if mode != "self-spec" or drafter not in ("auto", "layer-skip"):
                 raise SwiftkernError("layer_set 'auto' (search while generating) needs mode self-spec with "
@@ -186,11 +198,22 @@ class Generator:
         self.k_max, self.eps, self.adaptive_eps = k_max, eps, adaptive_eps
 
     def _tuner(self, chooser) -> OnTheFlyTuner:
-        """SWIFT's on-the-fly search, starting from the set ``swiftkern search`` stored for
-        this model when there is one."""
-        record = layer_set_store.load(self.model)
-        return OnTheFlyTuner(self.model.num_layers, chooser, self.skip_ratio,
-                             initial=record["layer_set"] if record else None, **self.search_options)
+        """SWIFT's on-the-fly search. The first call starts it from the set ``swiftkern search``
+        stored for this model when there is one; later calls go on with this Generator's tuner
+        (SWIFT optimizes on the first inputs of a task and drafts with the result on the rest):
+        a found set drafts at once, a search that was cut short resumes, and a verdict that
+        layer skipping cannot pay on this model and machine stands (``reset_search()`` clears it)."""
+        if self._tuner_state is None:
+            record = layer_set_store.load(self.model)
+            self._tuner_state = OnTheFlyTuner(self.model.num_layers, chooser, self.skip_ratio,
+                                              initial=record["layer_set"] if record else None, **self.search_options)
+        else:
+            self._tuner_state.new_generation(chooser)
+        return self._tuner_state
+
+    def reset_search(self) -> None:
+        """Forget what the on-the-fly layer-set search found; the next call searches anew."""
+        self._tuner_state = None
 
     def replay_elided(self) -> bool:
         """Whether mode deterministic skips the LLM-42 replay here (``replay="auto"`` and the
@@ -323,7 +346,7 @@ class Generator:
             t0 = time.perf_counter()
             # deterministic mode with replay prefills through its verifier
             replayed = self.mode == "deterministic" and not invariant
-            first_logits = prefill(self.model, cache, ids) if not replayed else None
+            first_logits = prefill(self.model, cache, ids, per_row=invariant) if not replayed else None
             _sync(device)
             t1 = time.perf_counter()
             requests = Requests(len(ids), max_new_tokens, stop_ids, self._stop_check(stop))
@@ -350,8 +373,9 @@ class Generator:
                     chooser = DrafterPolicy(allowed, self.k_max, measure=not do_sample)  # seeded: no timing
                 head = self._draft_head(ids) if uses_skip else None
                 tuner = self._tuner(chooser) if self.auto_layer_set else None
+                start_set = tuner.current if tuner is not None and tuner.enabled else self.layer_set
                 spec_stats = decode_self_spec(self.model, cache, first_logits, params, seeds, requests,
-                                              self.layer_set, policy, self.drafter, ids, chooser, head, tuner)
+                                              start_set, policy, self.drafter, ids, chooser, head, tuner)
                 if tuner is not None:
                     spec_stats.update(tuner.stats(), searched_layer_set=str(tuner.current or ""))
                 steps = spec_stats["draft_steps"] + spec_stats["verify_steps"]

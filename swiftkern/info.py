@@ -35,4 +35,9 @@ def collect_info() -> dict:
         except ImportError:
             info[name] = "not installed"
     info.update(ops.backend_info())
+    from .layer_kernels import invariant_kernels_available
+
+    # where the batch-invariant kernel set runs, mode deterministic needs no replay (replay="auto")
+    info["deterministic_without_replay"] = ("cpu float32" if invariant_kernels_available("cpu", torch.float32)
+                                            else "no (the LLM-42 replay runs)")
     return info

@@ -59,6 +59,24 @@ class KVCache:
         self.host_lengths = new
         self.lengths = torch.tensor(new, dtype=torch.int64, device=self.lengths.device)
 
+    def row_view(self, b: int) -> "KVCache":
+        """A one-row cache sharing row b's storage (writes land in this cache); after using it,
+        ``set_row_length(b, view.host_lengths[0])``."""
+        if not 0 <= b < self.batch:
+            raise SwiftkernError(f"row_view: row {b} outside [0, {self.batch})")
+        view = KVCache.__new__(KVCache)
+        view.k, view.v = self.k[:, b:b + 1], self.v[:, b:b + 1]
+        view.max_len = self.max_len
+        view.host_lengths = [self.host_lengths[b]]
+        view.lengths = self.lengths[b:b + 1].clone()
+        return view
+
+    def set_row_length(self, b: int, length: int) -> None:
+        if not 0 <= length <= self.max_len:
+            raise SwiftkernError(f"set_row_length: {length} outside [0, {self.max_len}]")
+        self.host_lengths[b] = length
+        self.lengths[b] = length
+
     def select_rows(self, rows: list[int]) -> None:
         """Keep only these rows, in this order (drops finished requests; copies the kept rows)."""
         if not rows or any(not 0 <= r < self.batch for r in rows):

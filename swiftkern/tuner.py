@@ -41,7 +41,9 @@ AUTO_RATIOS = (0.1, 0.2, 0.3, 0.45)
 
 
 class OnTheFlyTuner:
-    """Finds the draft's layer set while generating; see the module doc.
+    """Finds the draft's layer set while generating; see the module doc. One tuner may serve
+    several generate calls (``new_generation``): SWIFT optimizes on the first inputs and drafts
+    with what it found on the rest. ``search_s`` counts the current call's search time.
 
     ``after_step(model, cache, requests, prompts, head)`` is called by the loop after
     every verify step and returns the layer set drafts should use now (None: no layer skip);
@@ -75,7 +77,9 @@ class OnTheFlyTuner:
         self.current: LayerSet | None = None
         self.current_score = 0.0
         self.enabled = True  # False once no ratio can beat plain decoding
-        self.search_s = 0.0
+        self.search_s = 0.0  # this generate call's
+        self.total_search_s = 0.0  # earlier calls'
+        self.calls = 1
         self.start = time.perf_counter()
         self.last_optimized_at = None
         self.phases = 0
@@ -83,6 +87,19 @@ class OnTheFlyTuner:
         self.scored = 0
         self.restarts = 0
         self._acc, self._miss = 0.0, 0.0
+
+    def new_generation(self, chooser: DrafterPolicy | None) -> None:
+        """Go on in a new generate call (its own drafter policy and clock): what was found stays,
+        a search cut short resumes after a window of the new output, and the time cap counts
+        this call's time alone."""
+        self.chooser = chooser
+        if getattr(self, "cut_short", False):  # stopped by this call's clock or length, not a verdict
+            self.optimizing, self.enabled, self.cut_short = True, True, False
+        self.total_search_s += self.search_s
+        self.search_s = 0.0
+        self.start = time.perf_counter()
+        self.last_optimized_at = None
+        self.calls += 1
 
     # --- the schedule ----------------------------------------------------------------
     def after_step(self, model: SkipModel, cache: KVCache, requests, prompts, head=None) -> LayerSet | None:
@@ -101,9 +118,9 @@ class OnTheFlyTuner:
         elapsed = time.perf_counter() - self.start
         budget = self.time_fraction * max(elapsed - self.search_s, 1e-9)
         if self.search_s > budget:
-            return self._finish("time budget")
+            return self._finish("time budget", cut_short=True)
         if requests.remaining(r) < 2 * self.window:
-            return self._finish("too few tokens left for a found set to pay")
+            return self._finish("too few tokens left for a found set to pay", cut_short=True)
         if self.search_s + self._phase_estimate() > budget:
             return self.current  # this phase is not affordable yet: keep generating, ask again
         self.last_optimized_at = produced
@@ -204,8 +221,10 @@ class OnTheFlyTuner:
         self.best_rate_vs_plain = rate / plain
         self.hopeless = max(t[3] for t in rated) < plain  # not even a better-scoring set would pay
 
-    def _finish(self, why: str) -> LayerSet | None:
+    def _finish(self, why: str, cut_short: bool = False) -> LayerSet | None:
+        """Stop optimizing; ``cut_short``: for this call only (its time cap or its length)."""
         self.optimizing = False
+        self.cut_short = cut_short
         self.stop_reason = why
         if self.chooser is not None and getattr(self, "best_rate_vs_plain", 1.0) < 1.0:
             self.enabled = False  # no searched set can beat plain decoding at the measured costs
@@ -235,6 +254,7 @@ class OnTheFlyTuner:
 
     def stats(self) -> dict:
         return {"search_phases": self.phases, "candidates_scored": self.scored, "search_s": self.search_s,
+                "search_calls": self.calls,
                 "search_restarts": self.restarts, "layer_skip_enabled": self.enabled,
                 "ratio_ceiling": {r: round(v, 3) for r, v in self.ratio_ceiling.items()},
                 "search_stop": getattr(self, "stop_reason", "")}

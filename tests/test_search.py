@@ -212,3 +212,30 @@ def test_search_waits_for_its_budget_and_needs_tokens_left(monkeypatch):
     assert s["search_phases"] == 0 and "too few tokens left" in s["search_stop"]
     monkeypatch.setattr(OnTheFlyTuner, "_phase_estimate", lambda self: 0.0)
     assert run(60)["search_phases"] >= 1
+
+
+@pytest.mark.parametrize("draft_seconds,drafter", [(10.0, "auto"), (0.0, "layer-skip")])
+def test_the_search_carries_over_to_the_next_call(draft_seconds, drafter, monkeypatch):
+    """A Generator's tuner serves its later calls (SWIFT: optimize on the first inputs, draft with
+    the result on the rest): a verdict that layer skip cannot pay stands and costs the next call
+    nothing; a found set drafts from the next call's first steps; reset_search() starts over."""
+    from swiftkern.tuner import OnTheFlyTuner
+
+    monkeypatch.setattr(OnTheFlyTuner, "_draft_cost", lambda self, *a: draft_seconds)
+    hf = tiny_model("llama", num_hidden_layers=6)
+    ar = Generator(hf).generate(PROMPTS[:2], max_new_tokens=40, eos_token_id=[]).tokens
+    gen = Generator(hf, mode="self-spec", drafter=drafter, layer_set="auto", skip_ratio=0.3, eps=0.0,
+                    search_options=dict(SMALL_SEARCH, time_fraction=1e9))
+    first = gen.generate(PROMPTS[:2], max_new_tokens=40, eos_token_id=[])
+    second = gen.generate(PROMPTS[:2], max_new_tokens=40, eos_token_id=[])
+    assert first.tokens == second.tokens == ar
+    s1, s2 = first.stats, second.stats
+    assert s2["search_calls"] == 2 and s2["layer_skip_enabled"] is s1["layer_skip_enabled"]
+    if draft_seconds:  # no ratio can pay: decided once, never searched again
+        assert not s1["layer_skip_enabled"] and s2["search_s"] == 0 and s2["candidates_scored"] == 0
+        assert s2["drafter_steps"]["layer-skip"] == 0
+    else:  # the found set drafts at once in the second call (the first spent a window finding it)
+        assert s1["layer_skip_enabled"] and s2["searched_layer_set"]
+        assert s2["drafter_steps"]["layer-skip"] > s1["drafter_steps"]["layer-skip"]
+    gen.reset_search()
+    assert gen.generate(PROMPTS[:2], max_new_tokens=40, eos_token_id=[]).stats["search_calls"] == 1
