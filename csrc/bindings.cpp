@@ -49,6 +49,8 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_cpu(const at::Tensor& x, c
 at::Tensor rope_kv_append_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
                               const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
                               const at::Tensor& positions);
+at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor silu_mul_cpu(const at::Tensor& gate, const at::Tensor& up);
 at::Tensor verify_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                 const at::Tensor& cache_lens, double scale);
 at::Tensor verify_attention_invariant_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -72,7 +74,8 @@ void kv_compact_cuda(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& s
 #endif
 
 // The ops with a compiled kernel per device (what build_info() reports).
-constexpr const char* kCpuKernels[] = {"greedy_accept", "rejection_sample", "skinny_linear", "fused_add_rms_norm",
+constexpr const char* kCpuKernels[] = {"greedy_accept", "rejection_sample", "skinny_linear", "rms_norm",
+                                       "fused_add_rms_norm", "silu_mul",
                                        "rope_kv_append", "verify_attention", "verify_attention_invariant",
                                        "kv_compact", "bi_exp"};
 #ifdef SWIFTKERN_WITH_CUDA
@@ -105,6 +108,8 @@ TORCH_LIBRARY_IMPL(swiftkern, CPU, m) {
   m.impl("skinny_linear", &swiftkern::skinny_linear_cpu);
   m.impl("rejection_sample", &swiftkern::rejection_sample_cpu);
   m.impl("fused_add_rms_norm", &swiftkern::fused_add_rms_norm_cpu);
+  m.impl("rms_norm", &swiftkern::rms_norm_cpu);
+  m.impl("silu_mul", &swiftkern::silu_mul_cpu);
   m.impl("rope_kv_append", &swiftkern::rope_kv_append_cpu);
   m.impl("verify_attention", &swiftkern::verify_attention_cpu);
   m.impl("verify_attention_invariant", &swiftkern::verify_attention_invariant_cpu);

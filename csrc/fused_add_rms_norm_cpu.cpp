@@ -1,4 +1,7 @@
-// fused_add_rms_norm on CPU: rows in parallel, one pass over each row's inputs.
+// fused_add_rms_norm and rms_norm on CPU: rows in parallel, one pass over each row's inputs.
+//
+// rms_norm is the same with no residual (s = x, nothing stored but normed). Each row's
+// arithmetic is fixed by H alone, so a row's bits do not depend on the other rows.
 //
 // Per row: s = dtype(residual + x) is stored as the new residual and kept in fp32; the sum of
 // s^2 runs in 16 fp32 lanes (a vectorizable loop; torch sums in another order, so results agree
@@ -25,6 +28,7 @@ namespace {
 
 constexpr int kSumLanes = 16;
 
+// r, new_res: null for rms_norm
 template <class T>
 void fused_add_rms_norm_rows(const T* x, int64_t x_s, const T* r, int64_t r_s, const T* w, T* normed,
                              T* new_res, int64_t N, int64_t H, float eps) {
@@ -33,11 +37,15 @@ void fused_add_rms_norm_rows(const T* x, int64_t x_s, const T* r, int64_t r_s, c
     std::vector<float> s(H);
     for (int64_t n = n0; n < n1; ++n) {
       const T* xr = x + n * x_s;
-      const T* rr = r + n * r_s;
-      T* res = new_res + n * H;
-      for (int64_t h = 0; h < H; ++h) {
-        res[h] = static_cast<T>(static_cast<float>(rr[h]) + static_cast<float>(xr[h]));
-        s[h] = static_cast<float>(res[h]);
+      if (r == nullptr) {
+        for (int64_t h = 0; h < H; ++h) s[h] = static_cast<float>(xr[h]);
+      } else {
+        const T* rr = r + n * r_s;
+        T* res = new_res + n * H;
+        for (int64_t h = 0; h < H; ++h) {
+          res[h] = static_cast<T>(static_cast<float>(rr[h]) + static_cast<float>(xr[h]));
+          s[h] = static_cast<float>(res[h]);
+        }
       }
       float lanes[kSumLanes] = {};
       int64_t h = 0;
@@ -92,6 +100,24 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_cpu(const at::Tensor& x, c
                                               new_residual.data_ptr<c10::Half>(), N, H, e);
   }
   return {normed, new_residual};
+}
+
+// x: [..., H]; weight: [H]; one float dtype -> normed [..., H]
+at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  checks::fused_add_rms_norm(x, x, weight, "rms_norm");
+  checks::same_device("rms_norm", c10::DeviceType::CPU, {{"x", &x}, {"weight", &weight}});
+  const int64_t H = x.size(-1);
+  auto normed = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (x.numel() == 0) return normed;
+  const at::Tensor x2 = x.reshape({-1, H});
+  const at::Tensor xs = x2.stride(1) == 1 ? x2 : x2.contiguous();
+  const at::Tensor ws = weight.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm_cpu", [&] {
+    cpu::fused_add_rms_norm_rows<scalar_t>(xs.data_ptr<scalar_t>(), xs.stride(0), nullptr, 0,
+                                           ws.data_ptr<scalar_t>(), normed.data_ptr<scalar_t>(), nullptr,
+                                           xs.size(0), H, static_cast<float>(eps));
+  });
+  return normed;
 }
 
 }  // namespace swiftkern

@@ -30,17 +30,25 @@ inline void same_device(const char* op, c10::DeviceType device_type,
 }
 
 // x, residual [..., H] of one float dtype; weight [H] of the same dtype.
-inline void fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight) {
-  TORCH_CHECK(x.dim() >= 1 && x.sizes() == residual.sizes(), "fused_add_rms_norm: x and residual must have one "
+inline void fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
+                               const char* op = "fused_add_rms_norm") {
+  TORCH_CHECK(x.dim() >= 1 && x.sizes() == residual.sizes(), op, ": x and residual must have one "
               "shape [..., H], got ", x.sizes(), " and ", residual.sizes());
   const int64_t H = x.size(-1);
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == H, "fused_add_rms_norm: weight must be [H] = [", H,
-              "], got ", weight.sizes());
-  TORCH_CHECK(is_float_dtype(x.scalar_type()), "fused_add_rms_norm: x must be float32, bfloat16 or float16, got ",
-              x.scalar_type());
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == H, op, ": weight must be [H] = [", H, "], got ", weight.sizes());
+  TORCH_CHECK(is_float_dtype(x.scalar_type()), op, ": x must be float32, bfloat16 or float16, got ", x.scalar_type());
   TORCH_CHECK(residual.scalar_type() == x.scalar_type() && weight.scalar_type() == x.scalar_type(),
-              "fused_add_rms_norm (kernel): x, residual and weight must share one dtype, got ", x.scalar_type(), ", ",
+              op, " (kernel): x, residual and weight must share one dtype, got ", x.scalar_type(), ", ",
               residual.scalar_type(), " and ", weight.scalar_type(), "; convert them (e.g. weight.to(x.dtype)) first");
+}
+
+// gate, up: one shape and one float dtype
+inline void silu_mul(const at::Tensor& gate, const at::Tensor& up) {
+  TORCH_CHECK(gate.sizes() == up.sizes(), "silu_mul: gate and up must have one shape, got ", gate.sizes(), " and ",
+              up.sizes());
+  TORCH_CHECK(is_float_dtype(gate.scalar_type()) && up.scalar_type() == gate.scalar_type(),
+              "silu_mul: gate and up must share one float dtype (float32, bfloat16, float16), got ",
+              gate.scalar_type(), " and ", up.scalar_type());
 }
 
 // q [B, Hq, T, D]; k, v [B, Hkv, T, D]; cos, sin [B or 1, T, D]; caches [B, Hkv, S, D] with D

@@ -14,8 +14,8 @@ state; ``ops.set_backend`` takes effect at the next forward.
 ``LayerKernels.for_device("cpu", invariant=True)`` is the batch- and length-invariant set (see
 ``invariant_kernels_available``): every op computes a row's (a token's) result in an order
 fixed by that row alone, so decode, verify and prefill of the same tokens give the same bits
-in any batch. On the CPU this costs little: the C++ matmul and norm already are, and the
-attention takes one fixed order for every query.
+in any batch. On the CPU this costs little: the C++ matmul, norms and SwiGLU already are, and
+the attention takes its one-query path for every query.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from typing import Callable
 import torch
 
 from . import ops, reference
-from .batch_invariant import bi_rms_norm, bi_silu_mul
 
 _CACHE: dict = {}
 
@@ -61,7 +60,8 @@ class LayerKernels:
         return hit
 
 
-INVARIANT_CPU_OPS = ("skinny_linear", "fused_add_rms_norm", "rope_kv_append", "verify_attention_invariant", "bi_exp")
+INVARIANT_CPU_OPS = ("skinny_linear", "rms_norm", "fused_add_rms_norm", "silu_mul", "rope_kv_append",
+                     "verify_attention_invariant")
 
 
 def invariant_kernels_available(device_type: str, dtype: torch.dtype) -> bool:
@@ -72,8 +72,8 @@ def invariant_kernels_available(device_type: str, dtype: torch.dtype) -> bool:
 
 def _bind_invariant(device_type: str) -> LayerKernels:
     """Every op with a row's bits fixed by the row: the C++ fixed-order matmul at any number
-    of rows, the C++ per-row fused norm and per-element RoPE, the canonical-order attention,
-    and the verifier's torch ops (fixed-tree sums, bi_exp) for the plain norm and SwiGLU."""
+    of rows, the C++ per-row norms, per-element SwiGLU (bi_exp) and RoPE, and the attention
+    that takes the one-query path for every query."""
     if not invariant_kernels_available(device_type, torch.float32):
         raise RuntimeError("the invariant kernel set needs the C++ CPU kernels (see invariant_kernels_available)")
     skinny, attend = torch.ops.swiftkern.skinny_linear, torch.ops.swiftkern.verify_attention_invariant
@@ -85,10 +85,10 @@ def _bind_invariant(device_type: str) -> LayerKernels:
     def verify_attention(q, k_cache, v_cache, cache_lens, scale, max_len, mask):
         return attend(q, *ops.keys_in_use(k_cache, v_cache, max_len), cache_lens, float(scale))
 
-    backends = {"rms_norm": "reference", "fused_add_rms_norm": "cpp", "silu_mul": "reference",
-                "rope_kv_append": "cpp", "verify_attention": "cpp"}
-    return LayerKernels(linear=skinny, rms_norm=bi_rms_norm,
-                        fused_add_rms_norm=torch.ops.swiftkern.fused_add_rms_norm, silu_mul=bi_silu_mul,
+    backends = {op: "cpp" for op in ("rms_norm", "fused_add_rms_norm", "silu_mul", "rope_kv_append",
+                                     "verify_attention")}
+    return LayerKernels(linear=skinny, rms_norm=torch.ops.swiftkern.rms_norm,
+                        fused_add_rms_norm=torch.ops.swiftkern.fused_add_rms_norm, silu_mul=torch.ops.swiftkern.silu_mul,
                         rope_kv_append=rope_kv_append, verify_attention=verify_attention, backends=backends)
 
 

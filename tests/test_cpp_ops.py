@@ -338,3 +338,66 @@ def test_bi_exp_opcheck_and_bad_input():
         torch.ops.swiftkern.bi_exp(torch.randn(5).double())
     with pytest.raises(SwiftkernError, match="float tensor"):
         ops.bi_exp(torch.arange(5))
+
+
+# --------------------------------------------------------------------------- rms_norm, silu_mul
+
+@needs_cpp
+@DRAWN
+@given(rows=st.sampled_from([(0,), (1,), (3,), (2, 5), (1, 1, 7)]), hidden=st.sampled_from([1, 3, 17, 64, 576, 1000]),
+       dtype=st.sampled_from(DTYPES), eps=st.sampled_from([1e-6, 0.5]), seed=st.integers(0, 2**16))
+def test_rms_norm_matches_reference_and_the_fused_kernel(rows, hidden, dtype, eps, seed):
+    x, _, w = norm_inputs((*rows, hidden), dtype, seed)
+    got = OPS.rms_norm(x, w, eps)
+    assert got.shape == x.shape and got.dtype == dtype
+    assert_close("fused_add_rms_norm", got, reference.rms_norm(x, w, eps))
+    # the same arithmetic as the fused kernel with a zero residual (x + 0 = x exactly)
+    assert torch.equal(got, OPS.fused_add_rms_norm(x, torch.zeros_like(x), w, eps)[0])
+
+
+@needs_cpp
+def test_rms_norm_rows_do_not_depend_on_the_batch():
+    x, _, w = norm_inputs((9, 576), torch.float32, 3)
+    together = OPS.rms_norm(x, w, 1e-5)
+    assert all(torch.equal(OPS.rms_norm(x[i:i + 1], w, 1e-5), together[i:i + 1]) for i in range(9))
+
+
+@needs_cpp
+@DRAWN
+@given(shape=st.sampled_from([(0,), (1,), (17,), (3, 96), (2, 5, 1536), (40001,)]), dtype=st.sampled_from(DTYPES),
+       scale=st.sampled_from([1.0, 30.0]), seed=st.integers(0, 2**16))
+def test_silu_mul_matches_reference(shape, dtype, scale, seed):
+    g = torch.Generator().manual_seed(seed)
+    gate = (torch.randn(shape, generator=g) * scale).to(dtype)
+    up = torch.randn(shape, generator=g).to(dtype)
+    got = OPS.silu_mul(gate, up)
+    assert got.shape == gate.shape and got.dtype == dtype
+    assert_close("silu_mul", got, reference.silu_mul(gate, up))
+
+
+@needs_cpp
+def test_silu_mul_is_bi_silu_mul_bit_for_bit_at_any_place():
+    """The kernel does batch_invariant.bi_silu_mul's operations (bi_exp, then single IEEE ops):
+    the same bits, in the SIMD body and the scalar tail, at any offset."""
+    from swiftkern.batch_invariant import bi_silu_mul
+
+    gate = torch.randn(1000) * 12
+    gate[::9] = torch.tensor([0.0, -0.0, 88.5, -88.5, 100.0, -100.0, 1e-30]).repeat(200)[: gate[::9].numel()]
+    up = torch.randn(1000)
+    got = OPS.silu_mul(gate, up)
+    assert torch.equal(got, bi_silu_mul(gate, up))
+    for start in (1, 5, 16, 17):
+        assert torch.equal(OPS.silu_mul(gate[start:].clone(), up[start:].clone()), got[start:])
+
+
+@needs_cpp
+def test_rms_norm_and_silu_mul_opcheck_and_bad_input():
+    x, _, w = norm_inputs((3, 64), torch.bfloat16, 4)
+    torch.library.opcheck(OPS.rms_norm, (x, w, 1e-5))
+    torch.library.opcheck(OPS.silu_mul, (torch.randn(3, 40), torch.randn(3, 40)))
+    with pytest.raises(RuntimeError, match="rms_norm: weight must be"):
+        OPS.rms_norm(torch.ones(2, 4), torch.ones(5), 1e-5)
+    with pytest.raises(RuntimeError, match="silu_mul: gate and up must have one shape"):
+        OPS.silu_mul(torch.ones(2, 4), torch.ones(2, 5))
+    with pytest.raises(RuntimeError, match="share one float dtype"):
+        OPS.silu_mul(torch.ones(4), torch.ones(4, dtype=torch.float64))

@@ -111,7 +111,8 @@ def test_non_silu_mlp(spy):
     with swiftkern.apply_swiftkern_to_llama():  # class level: the gelu MLP keeps HF's forward
         got = _logits(model, torch.tensor([[4, 5, 6]]))
     assert spy["silu_mul"] == 0 and spy["rms_norm"] > 0
-    assert torch.equal(got, want)
+    atol, rtol = TOLERANCE[torch.float32]  # the C++ norm sums in another order than torch's mean
+    torch.testing.assert_close(got, want, atol=atol * want.abs().max().item(), rtol=rtol)
 
 
 def test_wrong_family_or_object_is_refused():

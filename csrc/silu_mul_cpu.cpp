@@ -1,0 +1,84 @@
+// silu_mul on CPU: silu(gate) * up = gate / (1 + exp(-gate)) * up, element by element.
+//
+// exp is cpu_exp.h's bi_exp and the rest single IEEE operations in that order (the arithmetic of
+// batch_invariant.bi_silu_mul, same bits), so an element's result does not depend on where it
+// sits (SIMD body or scalar tail, which thread): the op serves the regular decoder layers and
+// the batch-invariant set alike. One pass instead of torch's two (silu, then the product).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "cpu_exp.h"
+#include "op_checks.h"
+
+namespace swiftkern {
+namespace cpu {
+namespace {
+
+inline float silu_mul_one(float g, float u) { return g / (1.0f + bi_exp_one(-g)) * u; }
+
+template <class T>
+void silu_mul_scalar(const T* g, const T* u, T* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    y[i] = static_cast<T>(silu_mul_one(static_cast<float>(g[i]), static_cast<float>(u[i])));
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx512f"))) void silu_mul_avx512(const float* g, const float* u, float* y, int64_t n) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512i sign = _mm512_set1_epi32(static_cast<int32_t>(0x80000000u));
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 gv = _mm512_loadu_ps(g + i);
+    const __m512 neg = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(gv), sign));  // -g, exactly
+    const __m512 e = bi_exp_avx512_vec(neg);
+    _mm512_storeu_ps(y + i, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)), _mm512_loadu_ps(u + i)));
+  }
+  silu_mul_scalar(g + i, u + i, y + i, n - i);
+}
+#endif
+
+template <class T>
+void silu_mul_range(const T* g, const T* u, T* y, int64_t n, bool avx512) {
+#if defined(__x86_64__)
+  if constexpr (std::is_same_v<T, float>) {
+    if (avx512) return silu_mul_avx512(g, u, y, n);
+  }
+#endif
+  (void)avx512;
+  silu_mul_scalar(g, u, y, n);
+}
+
+}  // namespace
+}  // namespace cpu
+
+// gate, up: [...], one float dtype -> [...] contiguous, the same dtype
+at::Tensor silu_mul_cpu(const at::Tensor& gate, const at::Tensor& up) {
+  checks::silu_mul(gate, up);
+  checks::same_device("silu_mul", c10::DeviceType::CPU, {{"gate", &gate}, {"up", &up}});
+  const at::Tensor g = gate.contiguous(), u = up.contiguous();
+  at::Tensor y = at::empty(g.sizes(), g.options());
+  const int64_t n = g.numel();
+  if (n == 0) return y;
+#if defined(__x86_64__)
+  static const bool avx512 = __builtin_cpu_supports("avx512f");
+#else
+  static const bool avx512 = false;
+#endif
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, g.scalar_type(), "silu_mul_cpu", [&] {
+    const scalar_t *gp = g.data_ptr<scalar_t>(), *up_ = u.data_ptr<scalar_t>();
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    at::parallel_for(0, n, 16384, [&](int64_t i0, int64_t i1) {
+      cpu::silu_mul_range<scalar_t>(gp + i0, up_ + i0, yp + i0, i1 - i0, avx512);
+    });
+  });
+  return y;
+}
+
+}  // namespace swiftkern
