@@ -1,7 +1,7 @@
 """Drafters of self-spec vs plain decoding per prompt kind: ar, layer-skip, lookup, auto, SWIFT.
 
     python -m bench --routine drafters [--model smollm2] [--max-new-tokens 128] [--reps 2]
-                    [--providers ar,layer-skip,lookup,auto,swift] [--smoke]
+                    [--providers ar,layer-skip,lookup,auto,auto-cold,swift] [--smoke]
 
 Batch 1, greedy, exactly --max-new-tokens new tokens, the prompts of bench/prompts.jsonl
 (summarize, code, story, math, factual) through the chat template; providers timed
@@ -12,10 +12,16 @@ interleaved per prompt:
     lookup      self-spec, prompt-lookup drafter
     auto        self-spec defaults: drafter policy over lookup / layer-skip / none, layer set
                 searched while generating
+    auto-cold   auto with a new Generator for every call: the search starts over each time
     swift       SWIFT's published schedule: layer-skip drafter, skip ratio 0.45, search until
                 its stop rules (no time cap), eps 0.8, k_max 25
 
-Search time is included in every time. Columns: tok_s, ratio_vs_ar (same prompt, same run),
+Search time is included in every time. Each provider keeps one Generator for all prompts and
+repetitions, so what its layer-set search found carries over from call to call (SWIFT optimizes
+on a task's first inputs and drafts with the result on the rest): the warm-up call of the first
+prompt pays the first search; ``auto-cold`` pays it in every call.
+
+Columns: tok_s, ratio_vs_ar (same prompt, same run),
 mean_accepted (drafts accepted per verify), share_lookup / share_layer_skip / share_none (of
 row steps), search_s, tokens_equal_ar.
 """
@@ -40,6 +46,7 @@ PROVIDERS = {
     "layer-skip": dict(mode="self-spec", drafter="layer-skip", layer_set="auto"),
     "lookup": dict(mode="self-spec", drafter="lookup", layer_set=None),
     "auto": dict(mode="self-spec", drafter="auto", layer_set="auto"),
+    "auto-cold": dict(mode="self-spec", drafter="auto", layer_set="auto"),
     "swift": dict(mode="self-spec", drafter="layer-skip", layer_set="auto", skip_ratio=0.45,
                   search_options=dict(time_fraction=1e9)),
 }
@@ -65,7 +72,8 @@ def run(args) -> list[dict]:
 
         def call(p):
             def fn():
-                last[p] = gens[p].generate([ids], max_new_tokens=n, eos_token_id=[])
+                gen = swiftkern.Generator(model, tok, **PROVIDERS[p]) if p.endswith("-cold") else gens[p]
+                last[p] = gen.generate([ids], max_new_tokens=n, eos_token_id=[])
             return fn
 
         times = common.time_fn({p: call(p) for p in gens}, args.device, warmup=1, reps=reps)
