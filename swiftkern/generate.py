@@ -132,7 +132,8 @@ class Generator:
     (``drafter_policy.DrafterPolicy``). ``layer_set="auto"`` finds the layer set while
     generating (SWIFT's schedule, ``tuner.OnTheFlyTuner``; ``skip_ratio`` a fraction or "auto"
     for a ladder of ratios judged by measured speed; ``search_options`` go to the tuner),
-    starting from the set ``swiftkern search`` stored for this model when there is one.
+    starting from the set ``swiftkern search`` stored for this model when there is one; what it
+    finds carries over to this Generator's later calls (``reset_search()`` forgets it).
     Mode ``deterministic`` (LLM-42, ``deterministic.decode_deterministic``): a prompt's output
     and ``logprobs`` are the same bits whatever else is in the batch. Rows decode together
     (regular batched decoding; ``drafter="self-spec"``: the draft with ``layer_set`` skipped,
