@@ -32,7 +32,6 @@ import os
 import statistics
 import sys
 
-import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
