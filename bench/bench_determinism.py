@@ -18,6 +18,9 @@ to fill the batch (chat template):
                 fast path, window 8, verify batch 1) vs self-spec+det-replay (the replay forced) vs
                 self-spec alone (layer-skip drafter), layer set LAYER_SET
 
+Where the batch-invariant kernels do not run (a GPU), replay "auto" replays too, and the
+providers that would repeat another (det-replay, self-spec+det-replay) are left out.
+
 Columns: tok_s (all new tokens / median wall time, prefill included), replay (elided or
 replayed), deterministic_share (the
 fraction of requests replayed), ratio_vs_ar (same batch,
@@ -46,8 +49,11 @@ PRINT_KEYS = ("group", "provider", "batch", "window", "tok_s", "ratio_vs_ar", "r
               "dummy_rows", "tokens_equal_ar", "median_ms")
 
 
-def _setups(smoke: bool, layer_set: str, verify_batch: int = 4) -> list[tuple[str, int, dict]]:
-    """[(group, batch, {provider: Generator kwargs})] in the documented order."""
+def _setups(smoke: bool, layer_set: str, verify_batch: int = 4, replay_differs: bool = True
+            ) -> list[tuple[str, int, dict]]:
+    """[(group, batch, {provider: Generator kwargs})] in the documented order. replay_differs
+    False (no invariant kernels on the device: replay "auto" replays too) drops the providers
+    that would repeat another (det-replay, self-spec+det-replay)."""
     det = dict(mode="deterministic", verify_batch=verify_batch)
     batches = (2, 4) if smoke else (8, 32)
     windows = (4, 8) if smoke else (8, 16, 32, 64)
@@ -67,7 +73,15 @@ def _setups(smoke: bool, layer_set: str, verify_batch: int = 4) -> list[tuple[st
         "self-spec+det-replay": dict(spec_det, replay="always"),
         "self-spec": dict(mode="self-spec", drafter="layer-skip", **spec),
     }))
+    if not replay_differs:
+        for _, _, configs in groups:
+            configs.pop("det-replay", None)
+            configs.pop("self-spec+det-replay", None)
     return groups
+
+
+def torch_device_type(device: str) -> str:
+    return device.split(":")[0]
 
 
 def run(args) -> list[dict]:
@@ -89,7 +103,10 @@ def run(args) -> list[dict]:
     # it at these sizes), so the GPU runs fewer, wider passes; the output is the same bits for any
     # verify batch (rows are independent in the verifier)
     verify_batch = VERIFY_BATCH_GPU if args.device.startswith("cuda") else 4
-    for group, batch, configs in _setups(args.smoke, layer_set, verify_batch):
+    from swiftkern.layer_kernels import invariant_kernels_available
+
+    replay_differs = invariant_kernels_available(torch_device_type(args.device), hf.dtype)
+    for group, batch, configs in _setups(args.smoke, layer_set, verify_batch, replay_differs):
         if args.providers:
             configs = {k: v for k, v in configs.items() if k in args.providers or k == "ar"}
         prompts = [texts[i % len(texts)] for i in range(batch)]
