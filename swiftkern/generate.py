@@ -315,7 +315,9 @@ class Generator:
         seed alone. ``seed`` may be one int or one per prompt. Generation of a row stops after
         an EOS token (``eos_token_id``, default the model's), a ``stop_token_ids`` token, a
         ``stop`` string in its text, or ``max_new_tokens``. Mode deterministic: ``deterministic``
-        (one bool or one per prompt) False lets a request skip verification (regular decoding).
+        (one bool or one per prompt) False lets a request skip verification (regular decoding);
+        where no replay runs (``replay_elided()``) every request is deterministic at no cost and
+        the flags change nothing.
         Returns ``GenerationOutput``.
         """
         if max_new_tokens < 1:
