@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from swiftkern import cli
 
@@ -39,7 +40,7 @@ def test_malformed_jsonl(tmp_path, capsys):
 def test_help_explains_itself():
     r = run("generate", "--help")
     assert r.returncode == 0
-    for flag in ("--prompt-file", "--chat", "--max-new-tokens", "--temperature", "--json"):
+    for flag in ("--prompt-file", "--chat", "--max-new-tokens", "--temperature", "--json", "--replay"):
         assert flag in r.stdout
 
 
@@ -47,6 +48,10 @@ def test_info_names_backends():
     r = run("info")
     assert r.returncode == 0, r.stderr
     assert "torch:" in r.stdout and "greedy_accept" in r.stdout
+    from swiftkern.layer_kernels import invariant_kernels_available
+
+    said = "cpu float32" if invariant_kernels_available("cpu", torch.float32) else "the LLM-42 replay runs"
+    assert "deterministic_without_replay:" in r.stdout and said in r.stdout
 
 
 @pytest.mark.parametrize("args,msg", [
