@@ -177,3 +177,27 @@ def test_batch_invariant_refuses_where_the_kernels_do_not_run():
     with pytest.raises(SwiftkernError, match="float32"):
         with model.batch_invariant():
             pass
+
+
+@needs_cpp
+def test_prefill_per_row_equals_the_padded_batch(tiny_gqa):
+    """Prefilling each prompt at its own length (``prefill(per_row=True)``, the path mode
+    deterministic takes) writes the same cache and returns the same last logits as one padded
+    forward, bit for bit, under the invariant kernels (and close to it under the regular ones)."""
+    from swiftkern.generate import prefill
+
+    prompts = [[5, 6, 7], list(range(20, 61)), [9] * 17]
+    runs = {}
+    for per_row in (False, True):
+        with tiny_gqa.batch_invariant():
+            cache = tiny_gqa.new_cache(3, 64)
+            runs[per_row] = (prefill(tiny_gqa, cache, prompts, per_row=per_row), cache)
+    (a, ca), (b, cb) = runs[False], runs[True]
+    assert torch.equal(a, b) and ca.host_lengths == cb.host_lengths == [3, 41, 17]
+    assert torch.equal(ca.lengths, cb.lengths)
+    for r, n in enumerate(ca.host_lengths):
+        assert torch.equal(ca.k[:, r, :, :n], cb.k[:, r, :, :n]) and torch.equal(ca.v[:, r, :, :n], cb.v[:, r, :, :n])
+    regular = prefill(tiny_gqa, tiny_gqa.new_cache(3, 64), prompts, per_row=True)
+    torch.testing.assert_close(regular, a, rtol=1e-4, atol=1e-4)
+    with pytest.raises(SwiftkernError, match="row_view"):
+        tiny_gqa.new_cache(2, 8).row_view(2)
