@@ -239,3 +239,19 @@ def test_the_search_carries_over_to_the_next_call(draft_seconds, drafter, monkey
         assert s2["drafter_steps"]["layer-skip"] > s1["drafter_steps"]["layer-skip"]
     gen.reset_search()
     assert gen.generate(PROMPTS[:2], max_new_tokens=40, eos_token_id=[]).stats["search_calls"] == 1
+
+
+def test_a_search_cut_short_by_one_call_resumes_in_the_next(monkeypatch):
+    """A stop for this call's clock or length is not a verdict: the next call searches on (and a
+    phase that is affordable there runs)."""
+    from swiftkern.tuner import OnTheFlyTuner
+
+    monkeypatch.setattr(OnTheFlyTuner, "_draft_cost", lambda self, *a: 0.0)
+    monkeypatch.setattr(OnTheFlyTuner, "_phase_estimate", lambda self: 1e6)  # never affordable
+    hf = tiny_model("llama", num_hidden_layers=6)
+    gen = Generator(hf, mode="self-spec", layer_set="auto", skip_ratio=0.3, search_options=SMALL_SEARCH)
+    first = gen.generate(PROMPTS[:1], max_new_tokens=40, eos_token_id=[]).stats
+    assert first["search_phases"] == 0 and "too few tokens left" in first["search_stop"]
+    monkeypatch.setattr(OnTheFlyTuner, "_phase_estimate", lambda self: 0.0)
+    second = gen.generate(PROMPTS[:1], max_new_tokens=40, eos_token_id=[]).stats
+    assert second["search_calls"] == 2 and second["search_phases"] >= 1 and second["candidates_scored"] >= 4
