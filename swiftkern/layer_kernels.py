@@ -76,20 +76,12 @@ def _bind_invariant(device_type: str) -> LayerKernels:
     that takes the one-query path for every query."""
     if not invariant_kernels_available(device_type, torch.float32):
         raise RuntimeError("the invariant kernel set needs the C++ CPU kernels (see invariant_kernels_available)")
-    skinny, attend = torch.ops.swiftkern.skinny_linear, torch.ops.swiftkern.verify_attention_invariant
-    rope = torch.ops.swiftkern.rope_kv_append
-
-    def rope_kv_append(q, k, v, cos, sin, k_cache, v_cache, positions, uniform_start, max_len):
-        return rope(q, k, v, cos, sin, k_cache, v_cache, positions)
-
-    def verify_attention(q, k_cache, v_cache, cache_lens, scale, max_len, mask):
-        return attend(q, *ops.keys_in_use(k_cache, v_cache, max_len), cache_lens, float(scale))
-
+    cpp = torch.ops.swiftkern
     backends = {op: "cpp" for op in ("rms_norm", "fused_add_rms_norm", "silu_mul", "rope_kv_append",
                                      "verify_attention")}
-    return LayerKernels(linear=skinny, rms_norm=torch.ops.swiftkern.rms_norm,
-                        fused_add_rms_norm=torch.ops.swiftkern.fused_add_rms_norm, silu_mul=torch.ops.swiftkern.silu_mul,
-                        rope_kv_append=rope_kv_append, verify_attention=verify_attention, backends=backends)
+    return LayerKernels(linear=cpp.skinny_linear, rms_norm=cpp.rms_norm, fused_add_rms_norm=cpp.fused_add_rms_norm,
+                        silu_mul=cpp.silu_mul, rope_kv_append=_kernel_rope(cpp.rope_kv_append),
+                        verify_attention=_kernel_attention(cpp.verify_attention_invariant), backends=backends)
 
 
 def _bind(device_type: str) -> LayerKernels:
@@ -97,24 +89,34 @@ def _bind(device_type: str) -> LayerKernels:
     backends = {op: ops.backend_for(op, device_type) for op in names}
     run = {op: ops.unchecked(op, device_type) for op in names}
 
-    rope = run["rope_kv_append"]
     if backends["rope_kv_append"] == "reference":
         def rope_kv_append(q, k, v, cos, sin, k_cache, v_cache, positions, uniform_start, max_len):
             return reference.rope_kv_append(q, k, v, cos, sin, k_cache, v_cache, positions, uniform_start)
     else:
-        def rope_kv_append(q, k, v, cos, sin, k_cache, v_cache, positions, uniform_start, max_len):
-            return rope(q, k, v, cos, sin, k_cache, v_cache, positions)
-
-    attend = run["verify_attention"]
+        rope_kv_append = _kernel_rope(run["rope_kv_append"])
     if backends["verify_attention"] == "reference":
         verify_attention = reference.verify_attention
     else:
-        def verify_attention(q, k_cache, v_cache, cache_lens, scale, max_len, mask):
-            return attend(q, *ops.keys_in_use(k_cache, v_cache, max_len), cache_lens, float(scale))
+        verify_attention = _kernel_attention(run["verify_attention"])
 
     return LayerKernels(linear=_linear_for(device_type), rms_norm=run["rms_norm"],
                         fused_add_rms_norm=run["fused_add_rms_norm"], silu_mul=run["silu_mul"],
                         rope_kv_append=rope_kv_append, verify_attention=verify_attention, backends=backends)
+
+
+def _kernel_rope(rope: Callable) -> Callable:
+    """A compiled rope_kv_append in the runner's signature (the hints are the reference's)."""
+    def rope_kv_append(q, k, v, cos, sin, k_cache, v_cache, positions, uniform_start, max_len):
+        return rope(q, k, v, cos, sin, k_cache, v_cache, positions)
+    return rope_kv_append
+
+
+def _kernel_attention(attend: Callable) -> Callable:
+    """A compiled attention op in the runner's signature: the caches cut to max_len keys, the
+    mask (a reference-only hint) dropped."""
+    def verify_attention(q, k_cache, v_cache, cache_lens, scale, max_len, mask):
+        return attend(q, *ops.keys_in_use(k_cache, v_cache, max_len), cache_lens, float(scale))
+    return verify_attention
 
 
 def _linear_for(device_type: str) -> Callable:

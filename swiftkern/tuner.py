@@ -78,8 +78,8 @@ class OnTheFlyTuner:
         self.current_score = 0.0
         self.enabled = True  # False once no ratio can beat plain decoding
         self.search_s = 0.0  # this generate call's
-        self.total_search_s = 0.0  # earlier calls'
         self.calls = 1
+        self.cut_short = False  # the last stop was for one call's clock or length, not a verdict
         self.start = time.perf_counter()
         self.last_optimized_at = None
         self.phases = 0
@@ -93,9 +93,8 @@ class OnTheFlyTuner:
         a search cut short resumes after a window of the new output, and the time cap counts
         this call's time alone."""
         self.chooser = chooser
-        if getattr(self, "cut_short", False):  # stopped by this call's clock or length, not a verdict
+        if self.cut_short:
             self.optimizing, self.enabled, self.cut_short = True, True, False
-        self.total_search_s += self.search_s
         self.search_s = 0.0
         self.start = time.perf_counter()
         self.last_optimized_at = None
