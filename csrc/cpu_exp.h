@@ -64,10 +64,18 @@ __attribute__((target("avx512f"))) inline void bi_exp_avx512(const float* x, flo
 
 using ExpFn = void (*)(const float* x, float* y, int64_t n);  // y[i] = exp(x[i]), i < n
 
+inline bool cpu_has_avx512() {
+#if defined(__x86_64__)
+  return __builtin_cpu_supports("avx512f");
+#else
+  return false;
+#endif
+}
+
 // the widest implementation this CPU runs (all give the same bits)
 inline ExpFn pick_exp() {
 #if defined(__x86_64__)
-  if (__builtin_cpu_supports("avx512f")) return bi_exp_avx512;
+  if (cpu_has_avx512()) return bi_exp_avx512;
 #endif
   return bi_exp_scalar;
 }

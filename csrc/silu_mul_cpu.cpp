@@ -66,11 +66,7 @@ at::Tensor silu_mul_cpu(const at::Tensor& gate, const at::Tensor& up) {
   at::Tensor y = at::empty(g.sizes(), g.options());
   const int64_t n = g.numel();
   if (n == 0) return y;
-#if defined(__x86_64__)
-  static const bool avx512 = __builtin_cpu_supports("avx512f");
-#else
-  static const bool avx512 = false;
-#endif
+  static const bool avx512 = cpu::cpu_has_avx512();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, g.scalar_type(), "silu_mul_cpu", [&] {
     const scalar_t *gp = g.data_ptr<scalar_t>(), *up_ = u.data_ptr<scalar_t>();
     scalar_t* yp = y.data_ptr<scalar_t>();

@@ -389,14 +389,6 @@ void attend(const AttnShape& sh, const E* q, const E* k, const E* v, const int64
   });
 }
 
-bool cpu_has_avx512() {
-#if defined(__x86_64__)
-  return __builtin_cpu_supports("avx512f");
-#else
-  return false;
-#endif
-}
-
 }  // namespace
 }  // namespace cpu
 
