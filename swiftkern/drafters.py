@@ -18,19 +18,23 @@ class LookupMatch(NamedTuple):
 
 
 def lookup_match(context: list[int], k: int, max_ngram: int = LOOKUP_MAX_NGRAM, min_ngram: int = 1) -> LookupMatch:
-    """Up to k tokens that followed the earlier occurrence of the longest suffix of ``context``
-    (of min_ngram..max_ngram tokens) that occurs earlier; among equally long matches the latest.
+    """Up to k tokens that followed an earlier occurrence of the longest suffix of ``context``
+    (of min_ngram..max_ngram tokens) that occurs earlier.
 
-    context: prompt + generated tokens so far (the last one is the pending token). One pass
-    over the context: each earlier position holding the last token is a candidate end of a
-    match, extended backwards. Returns LookupMatch(0, []) when nothing matches or k <= 0.
+    Among the occurrences of that suffix the continuation is a vote: the one whose first token
+    followed the suffix most often, the latest among equals (an n-gram model's most likely next
+    token; on SmolLM2's greedy outputs it drafts better than the latest occurrence alone,
+    ``bench/results/drafters.csv``). context: prompt + generated tokens so far (the last one is
+    the pending token). One pass over the context: each earlier position holding the last token
+    is a candidate end of a match, extended backwards. Returns LookupMatch(0, []) when nothing
+    matches or k <= 0.
     """
     size = len(context)
     longest = min(max_ngram, size - 1)
     if k <= 0 or longest < min_ngram:
         return LookupMatch(0, [])
     last = context[-1]
-    best_n, best_end = 0, -1
+    best_n, ends = 0, []  # ends: the match ends of length best_n, latest first
     for end in range(size - 2, -1, -1):  # latest first; the continuation context[end + 1:] is non-empty
         if context[end] != last:
             continue
@@ -38,12 +42,17 @@ def lookup_match(context: list[int], k: int, max_ngram: int = LOOKUP_MAX_NGRAM, 
         while n < longest and n <= end and context[end - n] == context[size - 1 - n]:
             n += 1
         if n > best_n:
-            best_n, best_end = n, end
-            if n == longest:
-                break
+            best_n, ends = n, [end]
+        elif n == best_n:
+            ends.append(end)
     if best_n < min_ngram:
         return LookupMatch(0, [])
-    return LookupMatch(best_n, context[best_end + 1:best_end + 1 + k])
+    votes: dict[int, int] = {}
+    for end in ends:
+        votes[context[end + 1]] = votes.get(context[end + 1], 0) + 1
+    top = max(votes.values())
+    chosen = next(end for end in ends if votes[context[end + 1]] == top)  # the latest of the most voted
+    return LookupMatch(best_n, context[chosen + 1:chosen + 1 + k])
 
 
 def lookup_draft(context: list[int], k: int, max_ngram: int = LOOKUP_MAX_NGRAM, min_ngram: int = 1) -> list[int]:

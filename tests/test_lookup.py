@@ -14,7 +14,8 @@ PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [10, 11, 12], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2
 
 def test_lookup_rule():
     assert lookup_draft([1, 2, 3, 9, 1, 2], k=3) == [3, 9, 1]  # 2-gram "1 2" wins over 1-gram
-    assert lookup_draft([1, 2, 3, 1, 2, 4, 2], k=2) == [4, 2]  # latest earlier "2" first
+    assert lookup_draft([1, 2, 3, 1, 2, 4, 2], k=2) == [4, 2]  # a tie of next tokens: the latest "2"
+    assert lookup_draft([1, 5, 1, 5, 1, 7, 1], k=2) == [5, 1]  # "1" was followed by 5 twice, 7 once
     assert lookup_draft([4, 5, 6], k=3) == []  # no earlier occurrence
     assert lookup_draft([7, 8, 9, 7, 8, 9, 7, 8], k=10) == [9, 7, 8]  # stops at the end of context
     assert lookup_draft([1, 1], k=0) == [] and lookup_draft([3], k=4) == []
@@ -54,7 +55,8 @@ def test_unknown_drafter_is_refused():
 
 def _slow_lookup(context, k, max_ngram, min_ngram):
     """Reference: every earlier window equal to the last n tokens, for the longest n that has
-    one with a non-empty continuation; (n, the latest such window's continuation)."""
+    one with a non-empty continuation; (n, the continuation of the latest window among those
+    whose next token is the most common next token of all of them)."""
     for n in range(max_ngram, min_ngram - 1, -1):
         if n >= len(context):
             continue
@@ -62,7 +64,10 @@ def _slow_lookup(context, k, max_ngram, min_ngram):
         starts = [s for s in range(len(context) - n) if tuple(context[s:s + n]) == tail
                   and s + n < len(context)]
         if starts:
-            return n, context[max(starts) + n:max(starts) + n + k]
+            nexts = [context[s + n] for s in starts]
+            top = max(nexts.count(t) for t in nexts)
+            s = max(s for s in starts if nexts.count(context[s + n]) == top)
+            return n, context[s + n:s + n + k]
     return 0, []
 
 
