@@ -41,9 +41,14 @@ def plot_routine(name: str, rows: list[dict], path: str | None = None) -> str:
 
     key, label = metric(rows)
     group_key = "prompt_kind" if any(r.get("prompt_kind") for r in rows) else "shape"
-    groups = list(dict.fromkeys(str(r.get(group_key, "")) for r in rows))
+    lengths = {r.get("new_tokens", "") for r in rows}
+
+    def group(r):  # "story", or "story 256" when the rows hold several generation lengths
+        return str(r.get(group_key, "")) + (f" {r.get('new_tokens')}" if len(lengths) > 1 else "")
+
+    groups = list(dict.fromkeys(group(r) for r in rows))
     providers = list(dict.fromkeys(str(r["provider"]) for r in rows))
-    value = {(str(r.get(group_key, "")), str(r["provider"])): _number(r.get(key)) for r in rows}
+    value = {(group(r), str(r["provider"])): _number(r.get(key)) for r in rows}
     width = 0.8 / max(1, len(providers))
     fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(groups) + 0.3 * len(providers)), 4.2))
     for i, prov in enumerate(providers):

@@ -34,7 +34,8 @@ def read_csv(path: str) -> list[dict]:
 
 
 def latest_runs(rows: list[dict]) -> dict[str, list[dict]]:
-    """{device: rows of that device's last commit, newest row per (provider, prompt/shape, dtype)}."""
+    """{device: rows of that device's last commit, newest row per (provider, prompt/shape, dtype,
+    new tokens)}."""
     out = {}
     for device in dict.fromkeys(r["device"] for r in rows):
         mine = [r for r in rows if r["device"] == device]
@@ -42,7 +43,9 @@ def latest_runs(rows: list[dict]) -> dict[str, list[dict]]:
         newest = {}
         for r in mine:
             if r["commit"] == last_commit:
-                newest[(r["provider"], r.get("prompt_kind") or r.get("shape", ""), r.get("dtype", ""))] = r
+                key = (r["provider"], r.get("prompt_kind") or r.get("shape", ""), r.get("dtype", ""),
+                       r.get("new_tokens", ""))
+                newest[key] = r
         out[device] = list(newest.values())
     return out
 
@@ -135,8 +138,11 @@ def render(results_dir: str = RESULTS_DIR, plot: bool = True, repo_root: str | N
         by_device = latest_runs(rows)
         for device, run in by_device.items():
             parts += [heading(routine, run), ""]
-            parts += generate_table(run) if "prompt_kind" in run[0] else op_table(run)
-            parts.append("")
+            if "prompt_kind" in run[0]:  # one table per generation length
+                for n in dict.fromkeys(r.get("new_tokens", "") for r in run):
+                    parts += generate_table([r for r in run if r.get("new_tokens", "") == n]) + [""]
+            else:
+                parts += op_table(run) + [""]
         last_device = list(by_device)[-1]
         png, note = plot_or_note(routine, by_device[last_device], plot)
         notes.append(f"{routine}: {note}")

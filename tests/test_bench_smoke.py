@@ -83,6 +83,21 @@ def test_report_tables_take_each_machines_latest_run(tmp_path):
     assert report.main([*args, "--check"]) == 0
 
 
+def test_report_gives_each_generation_length_its_own_table(tmp_path):
+    sys.path.insert(0, ROOT)
+    from bench import report
+
+    results = tmp_path / "results"
+    results.mkdir()
+    rows = [_generate_row("cpu: A", "c1", "ar", "story", 40.0, 2.0),
+            dict(_generate_row("cpu: A", "c1", "ar", "story", 50.0, 2.5), new_tokens=256)]
+    _write_csv(results / "generate.csv", rows)
+    body, _ = report.render(str(results), plot=False, repo_root=str(tmp_path))
+    tables = [line for line in body.splitlines() if line.startswith("| ar |")]
+    assert len(tables) == 2 and "40.0" in tables[0] and "50.0" in tables[1]
+    assert "128 new tokens per prompt" in body and "256 new tokens per prompt" in body
+
+
 def test_gpu_rows_go_to_a_file_of_their_own(tmp_path, monkeypatch):
     sys.path.insert(0, ROOT)
     from bench import common
