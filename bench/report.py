@@ -98,7 +98,9 @@ def generate_table(rows: list[dict]) -> list[str]:
 def op_table(rows: list[dict]) -> list[str]:
     cols = [c for c in ("provider", "dtype", "shape", "window", "timed_as", "median_ms", "p20_ms", "p80_ms", "gb_s",
                         "tflop_s", "pct_of_ceiling", "x_vs_reference", "eager_ms", "x_vs_reference_eager", "tok_s",
-                        "ratio_vs_ar", "ratio_vs_T1", "ratio_vs_full", "rollback_fraction", "tokens_equal_ar")
+                        "ratio_vs_ar", "ratio_vs_T1", "ratio_vs_full", "rollback_fraction", "tokens_equal_ar",
+                        "prompt_kind", "new_tokens", "mean_accepted", "share_lookup", "replay_ratio_vs_ar",
+                        "verify_cost_T2_T4_T8")
             if any(r.get(c) not in (None, "") for r in rows)]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
@@ -138,7 +140,7 @@ def render(results_dir: str = RESULTS_DIR, plot: bool = True, repo_root: str | N
         by_device = latest_runs(rows)
         for device, run in by_device.items():
             parts += [heading(routine, run), ""]
-            if "prompt_kind" in run[0]:  # one table per generation length
+            if "tok_s" in run[0]:  # a generation routine: one table per generation length
                 for n in dict.fromkeys(r.get("new_tokens", "") for r in run):
                     parts += generate_table([r for r in run if r.get("new_tokens", "") == n]) + [""]
             else:

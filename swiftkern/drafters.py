@@ -17,15 +17,16 @@ class LookupMatch(NamedTuple):
     tokens: list[int]
 
 
-def lookup_match(context: list[int], k: int, max_ngram: int = LOOKUP_MAX_NGRAM, min_ngram: int = 1) -> LookupMatch:
+def lookup_match(context: list[int], k: int, max_ngram: int = LOOKUP_MAX_NGRAM, min_ngram: int = 1,
+                 vote: bool = True) -> LookupMatch:
     """Up to k tokens that followed an earlier occurrence of the longest suffix of ``context``
     (of min_ngram..max_ngram tokens) that occurs earlier.
 
     Among the occurrences of that suffix the continuation is a vote: the one whose first token
     followed the suffix most often, the latest among equals (an n-gram model's most likely next
-    token; on SmolLM2's greedy outputs it drafts better than the latest occurrence alone,
-    ``bench/results/drafters.csv``). context: prompt + generated tokens so far (the last one is
-    the pending token). One pass over the context: each earlier position holding the last token
+    token; vote=False: the latest occurrence). Replayed on SmolLM2's greedy outputs the vote
+    drafts better (``python -m bench --routine lookup_replay``). context: prompt + generated
+    tokens so far (the last one is the pending token). One pass over the context: each earlier position holding the last token
     is a candidate end of a match, extended backwards. Returns LookupMatch(0, []) when nothing
     matches or k <= 0.
     """
@@ -47,6 +48,8 @@ def lookup_match(context: list[int], k: int, max_ngram: int = LOOKUP_MAX_NGRAM, 
             ends.append(end)
     if best_n < min_ngram:
         return LookupMatch(0, [])
+    if not vote:
+        return LookupMatch(best_n, context[ends[0] + 1:ends[0] + 1 + k])
     votes: dict[int, int] = {}
     for end in ends:
         votes[context[end + 1]] = votes.get(context[end + 1], 0) + 1

@@ -122,8 +122,9 @@ class Generator:
     ``layer-skip`` drafts with ``layer_set`` skipped (a ``LayerSet`` or its string/JSON form),
     up to ``k_max`` tokens while the draft's top-1 probability is >= ``eps``, its logits over a
     pruned head of ``draft_vocab`` frequent tokens plus the prompt's and output's tokens (None:
-    the full head); ``lookup`` drafts the continuation of the latest earlier occurrence of the
-    longest suffix (up to 8 tokens) of prompt + output (no model call), as many of its tokens
+    the full head); ``lookup`` drafts what followed the longest suffix (up to 8 tokens) of
+    prompt + output where it occurred before, the most common continuation (no model call),
+    as many of its tokens
     (or none) per step as the measured verify costs and lookup's running acceptance for matches
     of that length say pay (a verify of 16 tokens costs 1.9 decode steps on SmolLM2/CPU:
     drafting every match up to k_max = 25 made lookup 1.10x ``ar``); ``none`` drafts nothing;

@@ -16,6 +16,7 @@ def test_lookup_rule():
     assert lookup_draft([1, 2, 3, 9, 1, 2], k=3) == [3, 9, 1]  # 2-gram "1 2" wins over 1-gram
     assert lookup_draft([1, 2, 3, 1, 2, 4, 2], k=2) == [4, 2]  # a tie of next tokens: the latest "2"
     assert lookup_draft([1, 5, 1, 5, 1, 7, 1], k=2) == [5, 1]  # "1" was followed by 5 twice, 7 once
+    assert lookup_match([1, 5, 1, 5, 1, 7, 1], k=2, vote=False) == (1, [7, 1])  # the latest "1"
     assert lookup_draft([4, 5, 6], k=3) == []  # no earlier occurrence
     assert lookup_draft([7, 8, 9, 7, 8, 9, 7, 8], k=10) == [9, 7, 8]  # stops at the end of context
     assert lookup_draft([1, 1], k=0) == [] and lookup_draft([3], k=4) == []

@@ -1,0 +1,128 @@
+"""Prompt-lookup drafting rules replayed on recorded greedy outputs: accepted drafts and speedup
+without timing noise.
+
+    python -m bench --routine lookup_replay [--model smollm2] [--max-new-tokens 128] [--smoke]
+
+Greedy self-spec emits exactly the ``ar`` tokens, so how a lookup rule and the drafter policy
+would have done on a prompt follows from the ``ar`` output alone: each step drafts what the
+rule proposes from prompt + output so far, the policy picks the draft length, the drafts that
+equal the next output tokens are accepted. Each step is charged the verify cost of its length,
+verify(T) / verify(1), measured in the same run (a forward of T tokens on a 200-token context,
+median of --reps). Providers (the lookup rule):
+
+    latest   the continuation of the latest earlier occurrence of the longest matched suffix
+    vote     the continuation whose next token followed that suffix most often (latest of equals)
+
+Columns: mean_accepted (drafts accepted per verify), share_lookup (steps that drafted),
+replay_ratio_vs_ar ((N - 1) tokens / the summed step costs; ar pays 1 per token; prefill and
+the loop's own overhead are not counted, so a timed run lands a few % lower), median_ms (the
+recorded ar generation), verify_cost_T2_T4_T8 (the measured costs it used).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import swiftkern  # noqa: E402
+from bench import common  # noqa: E402
+from bench.bench_generate import encode, load_prompts, skip_model  # noqa: E402
+from swiftkern.drafter_policy import DrafterPolicy  # noqa: E402
+from swiftkern.drafters import lookup_match  # noqa: E402
+
+ROUTINE = "lookup_replay"
+PRINT_KEYS = ("prompt_kind", "provider", "mean_accepted", "share_lookup", "replay_ratio_vs_ar")
+RULES = {"latest": False, "vote": True}
+K_MAX = 25  # the Generator's default k_max
+
+
+def verify_costs(model, context_len: int, max_T: int, reps: int) -> dict[int, float]:
+    """{T: median seconds of a forward of T tokens / that of one token} on a random context."""
+    context = torch.randint(0, model.vocab_size, (1, context_len), device=model.device)
+    cache = model.new_cache(1, context_len + max_T)
+    model.forward(context, cache)
+    base = list(cache.host_lengths)
+    tokens = context[:, -max_T:]
+
+    def step(T):
+        def fn():
+            model.forward(tokens[:, :T], cache)
+            cache.rollback(base)
+        return fn
+
+    times = common.time_fn({T: step(T) for T in range(1, max_T + 1)}, str(model.device), warmup=1, reps=reps)
+    return {T: t["median_ms"] / times[1]["median_ms"] for T, t in times.items()}
+
+
+def replay(prompt: list[int], out: list[int], vote: bool, costs: dict[int, float]) -> dict:
+    """One greedy generation of ``out`` replayed with lookup drafts (rule ``vote``) and the
+    drafter policy over lookup / no draft. -> steps, drafted, accepted, cost (in decode steps)."""
+    policy = DrafterPolicy(("lookup",), K_MAX)
+    for T, c in costs.items():
+        policy.record_verify(T, c)
+    j, steps, drafted, accepted, cost, drafting = 1, 0, 0, 0, 0.0, 0  # out[:j] committed
+    while j < len(out):
+        budget = min(K_MAX, len(out) - j)
+        match = lookup_match(prompt + out[:j], budget, vote=vote)
+        choice = policy.choose(0, len(match.tokens), budget, layer_skip=False, lookup_ngram=match.ngram)
+        drafts = match.tokens[:choice.k] if choice.drafter == "lookup" else []
+        a = 0
+        while a < len(drafts) and drafts[a] == out[j + a]:
+            a += 1
+        policy.observe(0, "lookup" if drafts else "none", len(drafts), a, lookup_ngram=match.ngram)
+        steps, drafted, accepted, drafting = steps + 1, drafted + len(drafts), accepted + a, drafting + bool(drafts)
+        cost += costs[min(len(drafts) + 1, max(costs))]
+        j += a + 1
+    return dict(steps=steps, drafted=drafted, accepted=accepted, cost=cost, drafting=drafting)
+
+
+def run(args) -> list[dict]:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    if args.smoke:
+        model, tok = skip_model(args)[0], None
+        name = "tiny-llama"
+    else:
+        model, tok = swiftkern.load_model(args.model, device=args.device)
+        name = args.model
+    n = 8 if args.smoke else args.max_new_tokens
+    costs = verify_costs(model, 20 if args.smoke else 200, K_MAX + 1, args.reps or (2 if args.smoke else 5))
+    gen = swiftkern.Generator(model, tok, mode="ar")
+    rows = []
+    for prompt in load_prompts():
+        ids = encode(tok, prompt["text"], model.vocab_size)
+        t0 = time.perf_counter()
+        out = gen.generate([ids], max_new_tokens=n, eos_token_id=[]).tokens[0]
+        ms = (time.perf_counter() - t0) * 1e3
+        timing = dict(median_ms=ms, p20_ms=ms, p80_ms=ms)
+        for rule, vote in RULES.items():
+            if args.providers and rule not in args.providers:
+                continue
+            r = replay(ids, out, vote, costs)
+            rows.append(common.row(
+                ROUTINE, rule, args.device, model.dtype, f"B=1 T={len(ids)} N={n}", timing, model=name,
+                prompt_kind=prompt["kind"], new_tokens=n, reps=1,
+                mean_accepted=round(r["accepted"] / r["steps"], 3), share_lookup=round(r["drafting"] / r["steps"], 3),
+                replay_ratio_vs_ar=round((n - 1) / r["cost"], 3),
+                verify_cost_T2_T4_T8=f"{costs[2]:.3f}/{costs[4]:.3f}/{costs[8]:.3f}"))
+    for rule in dict.fromkeys(r["provider"] for r in rows):
+        mine = [r["replay_ratio_vs_ar"] for r in rows if r["provider"] == rule]
+        print(f"  {rule:7s} replayed x{statistics.mean(mine):.3f} vs ar on average (min x{min(mine):.3f})")
+    return rows
+
+
+def main(argv=None) -> int:
+    from bench.__main__ import main as driver
+
+    return driver(["--routine", ROUTINE, *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
