@@ -140,7 +140,7 @@ def render(results_dir: str = RESULTS_DIR, plot: bool = True, repo_root: str | N
         by_device = latest_runs(rows)
         for device, run in by_device.items():
             parts += [heading(routine, run), ""]
-            if "tok_s" in run[0]:  # a generation routine: one table per generation length
+            if "prompt_kind" in run[0] and "tok_s" in run[0]:  # generation per prompt: a table per length
                 for n in dict.fromkeys(r.get("new_tokens", "") for r in run):
                     parts += generate_table([r for r in run if r.get("new_tokens", "") == n]) + [""]
             else:
