@@ -12,6 +12,8 @@ median of --reps). Providers (the lookup rule):
 
     latest   the continuation of the latest earlier occurrence of the longest matched suffix
     vote     the continuation whose next token followed that suffix most often (latest of equals)
+    oracle   vote's proposals, each step drafting exactly the tokens that will be accepted (when
+             that pays): the ceiling of any policy over these proposals
 
 Columns: mean_accepted (drafts accepted per verify), share_lookup (steps that drafted),
 replay_ratio_vs_ar ((N - 1) tokens / the summed step costs; ar pays 1 per token; prefill and
@@ -38,7 +40,7 @@ from swiftkern.drafters import lookup_match  # noqa: E402
 
 ROUTINE = "lookup_replay"
 PRINT_KEYS = ("prompt_kind", "provider", "mean_accepted", "share_lookup", "replay_ratio_vs_ar")
-RULES = {"latest": False, "vote": True}
+RULES = {"latest": dict(vote=False), "vote": dict(vote=True), "oracle": dict(vote=True, oracle=True)}
 K_MAX = 25  # the Generator's default k_max
 
 
@@ -60,9 +62,11 @@ def verify_costs(model, context_len: int, max_T: int, reps: int) -> dict[int, fl
     return {T: t["median_ms"] / times[1]["median_ms"] for T, t in times.items()}
 
 
-def replay(prompt: list[int], out: list[int], vote: bool, costs: dict[int, float]) -> dict:
+def replay(prompt: list[int], out: list[int], vote: bool, costs: dict[int, float], oracle: bool = False) -> dict:
     """One greedy generation of ``out`` replayed with lookup drafts (rule ``vote``) and the
-    drafter policy over lookup / no draft. -> steps, drafted, accepted, cost (in decode steps)."""
+    drafter policy over lookup / no draft (``oracle``: drafting exactly the tokens that will be
+    accepted, when more tokens per cost than a plain step). -> steps, drafted, accepted, cost
+    (in decode steps), drafting (steps that drafted)."""
     policy = DrafterPolicy(("lookup",), K_MAX)
     for T, c in costs.items():
         policy.record_verify(T, c)
@@ -72,6 +76,9 @@ def replay(prompt: list[int], out: list[int], vote: bool, costs: dict[int, float
         match = lookup_match(prompt + out[:j], budget, vote=vote)
         choice = policy.choose(0, len(match.tokens), budget, layer_skip=False, lookup_ngram=match.ngram)
         drafts = match.tokens[:choice.k] if choice.drafter == "lookup" else []
+        if oracle:
+            right = next((i for i, t in enumerate(match.tokens) if t != out[j + i]), len(match.tokens))
+            drafts = match.tokens[:right] if right and (right + 1) / costs[min(right + 1, max(costs))] > 1 else []
         a = 0
         while a < len(drafts) and drafts[a] == out[j + a]:
             a += 1
@@ -102,10 +109,10 @@ def run(args) -> list[dict]:
         out = gen.generate([ids], max_new_tokens=n, eos_token_id=[]).tokens[0]
         ms = (time.perf_counter() - t0) * 1e3
         timing = dict(median_ms=ms, p20_ms=ms, p80_ms=ms)
-        for rule, vote in RULES.items():
+        for rule, how in RULES.items():
             if args.providers and rule not in args.providers:
                 continue
-            r = replay(ids, out, vote, costs)
+            r = replay(ids, out, costs=costs, **how)
             rows.append(common.row(
                 ROUTINE, rule, args.device, model.dtype, f"B=1 T={len(ids)} N={n}", timing, model=name,
                 prompt_kind=prompt["kind"], new_tokens=n, reps=1,
