@@ -38,6 +38,11 @@ at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
 at::Tensor bi_exp_cpu(const at::Tensor& x);
 at::Tensor skinny_linear_isa(const at::Tensor& x, const at::Tensor& weight, const std::string& isa);
 std::vector<std::string> skinny_linear_isas();
+std::tuple<at::Tensor, at::Tensor> decoder_stack_cpu(
+    at::Tensor hidden, const std::vector<std::optional<at::Tensor>>& weights, const std::vector<int64_t>& skip,
+    const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cos, const at::Tensor& sin,
+    const at::Tensor& positions, const at::Tensor& cache_lens, int64_t max_len, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, double eps, double scale, int64_t skinny_max_rows, bool invariant);
 std::tuple<at::Tensor, at::Tensor> rejection_sample_cpu(const at::Tensor& draft_tokens,
                                                         const std::optional<at::Tensor>& draft_probs,
                                                         const at::Tensor& target_probs,
@@ -131,6 +136,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "swiftkern C++/CUDA kernels; importing this module registers torch.ops.swiftkern.*";
   m.def("skinny_linear_isa", &swiftkern::skinny_linear_isa,
         "skinny_linear (no bias) with a named instruction set: avx512, avx2 or portable (tests)");
+  m.def("decoder_stack", &swiftkern::decoder_stack_cpu,
+        "every kept sub-layer of the decoder on the CPU in one call (csrc/decoder_stack_cpu.cpp)");
   m.def("skinny_linear_isas", &swiftkern::skinny_linear_isas, "the instruction sets this CPU runs, widest first");
   m.def("build_info", [] {
     py::dict d;

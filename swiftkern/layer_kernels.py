@@ -41,7 +41,9 @@ class LayerKernels:
     rope_kv_append(q, k, v, cos, sin, k_cache, v_cache, positions, uniform_start, max_len) -> q rotated
     verify_attention(q, k_cache, v_cache, cache_lens, scale, max_len, mask) -> [B, Hq, T, D]
 
-    and ``backends``: {op: the backend name} as ``ops.backend_for`` reports it."""
+    and ``backends``: {op: the backend name} as ``ops.backend_for`` reports it. ``stack``: where
+    every layer op is a C++ CPU kernel, the whole layer loop in one C++ call (float32; see
+    ``_stack_for``), else None."""
 
     linear: Callable
     rms_norm: Callable
@@ -50,6 +52,7 @@ class LayerKernels:
     rope_kv_append: Callable
     verify_attention: Callable
     backends: dict
+    stack: Callable | None = None
 
     @staticmethod
     def for_device(device_type: str, invariant: bool = False) -> "LayerKernels":
@@ -81,7 +84,31 @@ def _bind_invariant(device_type: str) -> LayerKernels:
                                      "verify_attention")}
     return LayerKernels(linear=cpp.skinny_linear, rms_norm=cpp.rms_norm, fused_add_rms_norm=cpp.fused_add_rms_norm,
                         silu_mul=cpp.silu_mul, rope_kv_append=_kernel_rope(cpp.rope_kv_append),
-                        verify_attention=_kernel_attention(cpp.verify_attention_invariant), backends=backends)
+                        verify_attention=_kernel_attention(cpp.verify_attention_invariant), backends=backends,
+                        stack=_stack_for(invariant=True))
+
+
+def _stack_for(invariant: bool) -> Callable | None:
+    """``_C.decoder_stack`` (csrc/decoder_stack_cpu.cpp) in the runner's terms: every kept
+    sub-layer in one C++ call, through the same CPU kernels in the same order as the Python
+    loop (the same bits), without its ~15 Python-level op calls per layer (on SmolLM2 a few ms
+    of a ~24 ms decode step). Matmuls as ``linear`` here: the C++ kernel up to
+    ops.SKINNY_MAX_ROWS rows (at any number in the invariant set), torch's past that.
+
+    stack(hidden [B, T, H], weights (16 per layer, _Layer's fields), skip (per layer: 1 attention
+    skipped, 2 MLP skipped), k_cache, v_cache [L, B, Hkv, S, D], cos, sin [B, T, D], positions
+    [B, T], cache_lens [B], max_len, num_heads, num_kv_heads, head_dim, eps, scale)
+    -> (hidden, pending or None)."""
+    run = getattr(ops._C, "decoder_stack", None)
+    if run is None:
+        return None
+    rows = -1 if invariant else ops.SKINNY_MAX_ROWS
+
+    def stack(hidden, weights, skip, k_cache, v_cache, cos, sin, positions, cache_lens, max_len, num_heads,
+              num_kv_heads, head_dim, eps, scale):
+        return run(hidden, weights, skip, k_cache, v_cache, cos, sin, positions, cache_lens, max_len, num_heads,
+                   num_kv_heads, head_dim, eps, scale, rows, invariant)
+    return stack
 
 
 def _bind(device_type: str) -> LayerKernels:
@@ -99,9 +126,11 @@ def _bind(device_type: str) -> LayerKernels:
     else:
         verify_attention = _kernel_attention(run["verify_attention"])
 
+    all_cpp = ops._cpu_kernel("skinny_linear", device_type) and all(b == "cpp" for b in backends.values())
     return LayerKernels(linear=_linear_for(device_type), rms_norm=run["rms_norm"],
                         fused_add_rms_norm=run["fused_add_rms_norm"], silu_mul=run["silu_mul"],
-                        rope_kv_append=rope_kv_append, verify_attention=verify_attention, backends=backends)
+                        rope_kv_append=rope_kv_append, verify_attention=verify_attention, backends=backends,
+                        stack=_stack_for(invariant=False) if all_cpp else None)
 
 
 def _kernel_rope(rope: Callable) -> Callable:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -85,6 +85,8 @@ class SkipModel:
         self.lm_head_bias = getattr(hf_model.lm_head, "bias", None)
         self.rotary = inner.rotary_emb
         self.layers = [self._layer(layer) for layer in inner.layers]
+        # the same weights flat, 16 per layer in _Layer's field order, for LayerKernels.stack
+        self._stack_weights = [getattr(w, f.name) for w in self.layers for f in fields(_Layer)]
         self.invariant = False  # True inside batch_invariant(): the invariant kernel set
         self._rope_table: RopeTable | None = None
 
@@ -190,6 +192,32 @@ class SkipModel:
         hidden = hidden + pending
         return kern.rms_norm(hidden, weight, self.eps), hidden
 
+    def _layer_loop(self, kern: LayerKernels, cache: KVCache, hidden, cos, sin, positions, new_lengths, max_len,
+                    uniform_start, mask, fuse: bool, skip_attn: list, skip_mlp: list):
+        """The decoder layers op by op (what ``LayerKernels.stack`` does in one C++ call where it
+        can; this path also takes per-row skip masks and every backend). -> (hidden, pending):
+        the residual stream and the last kept sub-layer's output not yet added to it (or None)."""
+        B, T = hidden.shape[:2]
+        pending = None  # the last kept sub-layer's output, added to hidden by the next norm
+        linear = kern.linear
+        for i, w in enumerate(self.layers):
+            if skip_attn[i] is not True:
+                x, hidden = self._add_norm(kern, hidden, pending, w.ln_attn, fuse)
+                q = linear(x, w.q, w.q_bias).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+                k = linear(x, w.k, w.k_bias).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+                v = linear(x, w.v, w.v_bias).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+                q = kern.rope_kv_append(q, k, v, cos, sin, cache.k[i], cache.v[i], positions, uniform_start, max_len)
+                attn = kern.verify_attention(q, cache.k[i], cache.v[i], new_lengths, self.scale, max_len, mask)
+                attn = attn.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
+                out = linear(attn, w.o, w.o_bias)
+                pending = out if skip_attn[i] is False else out * skip_attn[i]
+            if skip_mlp[i] is not True:
+                x, hidden = self._add_norm(kern, hidden, pending, w.ln_mlp, fuse)
+                act = kern.silu_mul(linear(x, w.gate, w.gate_bias), linear(x, w.up, w.up_bias))
+                out = linear(act, w.down, w.down_bias)
+                pending = out if skip_mlp[i] is False else out * skip_mlp[i]
+        return hidden, pending
+
     @torch.inference_mode()
     def forward(
         self,
@@ -240,24 +268,15 @@ class SkipModel:
             cos, sin = self._rope_table.lookup(positions, max_len)  # [B, T, D] each
         else:
             cos, sin = self.rotary(hidden, positions)  # [B, T, D] each
-        pending = None  # the last kept sub-layer's output, added to hidden by the next norm
-        linear = kern.linear
-        for i, w in enumerate(self.layers):
-            if skip_attn[i] is not True:
-                x, hidden = self._add_norm(kern, hidden, pending, w.ln_attn, fuse)
-                q = linear(x, w.q, w.q_bias).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
-                k = linear(x, w.k, w.k_bias).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-                v = linear(x, w.v, w.v_bias).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-                q = kern.rope_kv_append(q, k, v, cos, sin, cache.k[i], cache.v[i], positions, uniform_start, max_len)
-                attn = kern.verify_attention(q, cache.k[i], cache.v[i], new_lengths, self.scale, max_len, mask)
-                attn = attn.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
-                out = linear(attn, w.o, w.o_bias)
-                pending = out if skip_attn[i] is False else out * skip_attn[i]
-            if skip_mlp[i] is not True:
-                x, hidden = self._add_norm(kern, hidden, pending, w.ln_mlp, fuse)
-                act = kern.silu_mul(linear(x, w.gate, w.gate_bias), linear(x, w.up, w.up_bias))
-                out = linear(act, w.down, w.down_bias)
-                pending = out if skip_mlp[i] is False else out * skip_mlp[i]
+        plain = all(s is True or s is False for s in skip_attn + skip_mlp)  # no per-row masks
+        if kern.stack is not None and plain and hidden.dtype == torch.float32:  # _layer_loop in one C++ call
+            skip = [int(a) | 2 * int(m) for a, m in zip(skip_attn, skip_mlp)]
+            hidden, pending = kern.stack(hidden, self._stack_weights, skip, cache.k, cache.v, cos, sin, positions,
+                                         new_lengths, max_len, self.num_heads, self.num_kv_heads, self.head_dim,
+                                         self.eps, self.scale)
+        else:
+            hidden, pending = self._layer_loop(kern, cache, hidden, cos, sin, positions, new_lengths, max_len,
+                                               uniform_start, mask, fuse, skip_attn, skip_mlp)
         if pending is not None:
             hidden = hidden + pending
         cache.advance(T)
@@ -266,7 +285,7 @@ class SkipModel:
             hidden = hidden.gather(1, idx)  # [B, P, H]
         hidden = kern.rms_norm(hidden, self.final_norm, self.eps)
         if head is not None:  # a pruned head: logits over a vocabulary subset only
-            return linear(hidden, *head)
-        return linear(hidden, self.lm_head, self.lm_head_bias)
+            return kern.linear(hidden, *head)
+        return kern.linear(hidden, self.lm_head, self.lm_head_bias)
 
     __call__ = forward

@@ -1,0 +1,87 @@
+"""LayerKernels.stack (csrc/decoder_stack_cpu.cpp), the layer loop in one C++ call, against the
+runner's Python loop over the same kernels: the same logits and cache, bit for bit."""
+
+import contextlib
+import dataclasses
+from dataclasses import fields
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from swiftkern import SkipModel, layer_kernels
+from swiftkern.layer_kernels import LayerKernels
+from swiftkern.layer_set import LayerSet
+from swiftkern.model import _Layer
+
+needs_stack = pytest.mark.skipif(LayerKernels.for_device("cpu").stack is None,
+                                 reason="the C++ CPU kernels (decoder_stack) were not built")
+
+# the order csrc/decoder_stack_cpu.cpp reads a layer's 16 weights in (its enum Field)
+CPP_FIELDS = ["ln_attn", "q", "k", "v", "q_bias", "k_bias", "v_bias", "o", "o_bias", "ln_mlp", "gate", "up", "down",
+              "gate_bias", "up_bias", "down_bias"]
+
+
+def test_layer_fields_are_in_the_order_the_cpp_stack_reads():
+    assert [f.name for f in fields(_Layer)] == CPP_FIELDS
+
+
+def _without_stack(monkeypatch):
+    """LayerKernels.for_device as it is, minus the C++ stack: the Python loop."""
+    original = LayerKernels.for_device
+
+    def python_loop(device_type, invariant=False):
+        return dataclasses.replace(original(device_type, invariant), stack=None)
+    monkeypatch.setattr(LayerKernels, "for_device", staticmethod(python_loop))
+
+
+def _run(model, chunks, layer_set=None):
+    """Logits of every chunk (int64 [B, T] each) fed in turn, and the caches at the end."""
+    cache = model.new_cache(chunks[0].shape[0], 64)
+    logits = [model.forward(c, cache, layer_set=layer_set).clone() for c in chunks]
+    return logits, cache.k.clone(), cache.v.clone(), list(cache.host_lengths)
+
+
+@needs_stack
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases
+@pytest.mark.parametrize("skip", [None, "attn:1|mlp:0,2", "attn:0,1,2,3|mlp:3"])
+@pytest.mark.parametrize("invariant", [False, True])
+def test_stack_equals_the_python_loop(arch, skip, invariant, monkeypatch):
+    model = SkipModel.from_hf(tiny_model(arch, num_hidden_layers=4))
+    layer_set = LayerSet.parse(skip, 4) if skip else None
+    g = torch.Generator().manual_seed(3)
+    # prefill of 40 tokens per row (past SKINNY_MAX_ROWS rows: torch's matmul outside the
+    # invariant set), a verify chunk of 4, a decode step; 3 rows
+    chunks = [torch.randint(3, 301, (3, T), generator=g) for T in (40, 4, 1)]
+
+    def go():
+        with model.batch_invariant() if invariant else contextlib.nullcontext():
+            return _run(model, chunks, layer_set)
+    with_stack = go()
+    _without_stack(monkeypatch)
+    layer_kernels._CACHE.clear()
+    without = go()
+    for a, b in zip(with_stack[0], without[0]):
+        assert torch.equal(a, b)
+    assert torch.equal(with_stack[1], without[1]) and torch.equal(with_stack[2], without[2])
+    assert with_stack[3] == without[3]
+
+
+@needs_stack
+def test_rows_of_unequal_lengths(monkeypatch):
+    """Rows at different cache lengths (a batch after acceptance), as the loop sees them."""
+    model = SkipModel.from_hf(tiny_model("llama", num_hidden_layers=3))
+    g = torch.Generator().manual_seed(5)
+
+    def go():
+        cache = model.new_cache(2, 64)
+        model.forward(torch.randint(3, 301, (2, 9), generator=g.manual_seed(5)), cache)
+        cache.rollback([4, 9])
+        out = model.forward(torch.randint(3, 301, (2, 3), generator=g), cache)
+        return out, cache.k.clone()
+    a = go()
+    _without_stack(monkeypatch)
+    layer_kernels._CACHE.clear()
+    b = go()
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
