@@ -35,7 +35,11 @@ def collect_info() -> dict:
         except ImportError:
             info[name] = "not installed"
     info.update(ops.backend_info())
-    from .layer_kernels import invariant_kernels_available
+    from .layer_kernels import LayerKernels, invariant_kernels_available
+
+    # float32 CPU forwards: the layer loop in one C++ call, or op by op from Python
+    info["cpu_layer_loop"] = ("C++ decoder_stack (float32)" if LayerKernels.for_device("cpu").stack is not None
+                              else "Python, op by op")
 
     # where the batch-invariant kernel set runs, mode deterministic needs no replay (replay="auto")
     info["deterministic_without_replay"] = ("cpu float32" if invariant_kernels_available("cpu", torch.float32)
