@@ -28,13 +28,12 @@ import statistics
 import sys
 import time
 
-import torch
-
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import swiftkern  # noqa: E402
 from bench import common  # noqa: E402
 from bench.bench_generate import encode, load_prompts, skip_model  # noqa: E402
+from bench.bench_verify_cost import forward_steps  # noqa: E402
 from swiftkern.drafter_policy import DrafterPolicy  # noqa: E402
 from swiftkern.drafters import lookup_match  # noqa: E402
 
@@ -46,20 +45,17 @@ K_MAX = 25  # the Generator's default k_max
 
 def verify_costs(model, context_len: int, max_T: int, reps: int) -> dict[int, float]:
     """{T: median seconds of a forward of T tokens / that of one token} on a random context."""
-    context = torch.randint(0, model.vocab_size, (1, context_len), device=model.device)
-    cache = model.new_cache(1, context_len + max_T)
-    model.forward(context, cache)
-    base = list(cache.host_lengths)
-    tokens = context[:, -max_T:]
-
-    def step(T):
-        def fn():
-            model.forward(tokens[:, :T], cache)
-            cache.rollback(base)
-        return fn
-
+    step = forward_steps(model, context_len, max_T)
     times = common.time_fn({T: step(T) for T in range(1, max_T + 1)}, str(model.device), warmup=1, reps=reps)
     return {T: t["median_ms"] / times[1]["median_ms"] for T, t in times.items()}
+
+
+def _accepted(drafts: list[int], out: list[int], j: int) -> int:
+    """How many leading drafts equal the output from position j on (greedy acceptance)."""
+    a = 0
+    while a < len(drafts) and drafts[a] == out[j + a]:
+        a += 1
+    return a
 
 
 def replay(prompt: list[int], out: list[int], vote: bool, costs: dict[int, float], oracle: bool = False) -> dict:
@@ -70,6 +66,9 @@ def replay(prompt: list[int], out: list[int], vote: bool, costs: dict[int, float
     policy = DrafterPolicy(("lookup",), K_MAX)
     for T, c in costs.items():
         policy.record_verify(T, c)
+    def step_cost(drafts: int) -> float:  # verify of the pending token + the drafts
+        return costs[min(drafts + 1, max(costs))]
+
     j, steps, drafted, accepted, cost, drafting = 1, 0, 0, 0, 0.0, 0  # out[:j] committed
     while j < len(out):
         budget = min(K_MAX, len(out) - j)
@@ -77,14 +76,12 @@ def replay(prompt: list[int], out: list[int], vote: bool, costs: dict[int, float
         choice = policy.choose(0, len(match.tokens), budget, layer_skip=False, lookup_ngram=match.ngram)
         drafts = match.tokens[:choice.k] if choice.drafter == "lookup" else []
         if oracle:
-            right = next((i for i, t in enumerate(match.tokens) if t != out[j + i]), len(match.tokens))
-            drafts = match.tokens[:right] if right and (right + 1) / costs[min(right + 1, max(costs))] > 1 else []
-        a = 0
-        while a < len(drafts) and drafts[a] == out[j + a]:
-            a += 1
+            right = _accepted(match.tokens, out, j)
+            drafts = match.tokens[:right] if right and (right + 1) / step_cost(right) > 1 else []
+        a = _accepted(drafts, out, j)
         policy.observe(0, "lookup" if drafts else "none", len(drafts), a, lookup_ngram=match.ngram)
         steps, drafted, accepted, drafting = steps + 1, drafted + len(drafts), accepted + a, drafting + bool(drafts)
-        cost += costs[min(len(drafts) + 1, max(costs))]
+        cost += step_cost(len(drafts))
         j += a + 1
     return dict(steps=steps, drafted=drafted, accepted=accepted, cost=cost, drafting=drafting)
 

@@ -43,21 +43,27 @@ def _forced(backend: str | None, fn):
     return run
 
 
-def run(args) -> list[dict]:
-    model, name = skip_model(args)
-    ctx = 20 if args.smoke else 200
-    context = torch.randint(0, model.vocab_size, (1, ctx), device=model.device)
-    cache = model.new_cache(1, ctx + max(TOKENS))
+def forward_steps(model, context_len: int, max_T: int):
+    """step(T) -> a callable running one forward of T tokens (batch 1) on a cache holding a
+    random context of context_len tokens, then rolling the cache back: repeatable timings."""
+    context = torch.randint(0, model.vocab_size, (1, context_len), device=model.device)
+    cache = model.new_cache(1, context_len + max_T)
     model.forward(context, cache)
     base = list(cache.host_lengths)
-    tokens = context[:, -max(TOKENS):]
+    tokens = context[:, -max_T:]
 
     def step(T):
         def fn():
             model.forward(tokens[:, :T], cache)
             cache.rollback(base)
         return fn
+    return step
 
+
+def run(args) -> list[dict]:
+    model, name = skip_model(args)
+    ctx = 20 if args.smoke else 200
+    step = forward_steps(model, ctx, max(TOKENS))
     fns = {}
     for T in TOKENS:
         fns[f"T{T}"] = _forced(None, step(T))

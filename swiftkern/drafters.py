@@ -25,10 +25,11 @@ def lookup_match(context: list[int], k: int, max_ngram: int = LOOKUP_MAX_NGRAM, 
     Among the occurrences of that suffix the continuation is a vote: the one whose first token
     followed the suffix most often, the latest among equals (an n-gram model's most likely next
     token; vote=False: the latest occurrence). Replayed on SmolLM2's greedy outputs the vote
-    drafts better (``python -m bench --routine lookup_replay``). context: prompt + generated
-    tokens so far (the last one is the pending token). One pass over the context: each earlier position holding the last token
-    is a candidate end of a match, extended backwards. Returns LookupMatch(0, []) when nothing
-    matches or k <= 0.
+    drafts better (``python -m bench --routine lookup_replay``).
+
+    context: prompt + generated tokens so far (the last one is the pending token). One pass
+    over the context: each earlier position holding the last token is a candidate end of a
+    match, extended backwards. Returns LookupMatch(0, []) when nothing matches or k <= 0.
     """
     size = len(context)
     longest = min(max_ngram, size - 1)

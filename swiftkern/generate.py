@@ -123,10 +123,9 @@ class Generator:
     up to ``k_max`` tokens while the draft's top-1 probability is >= ``eps``, its logits over a
     pruned head of ``draft_vocab`` frequent tokens plus the prompt's and output's tokens (None:
     the full head); ``lookup`` drafts what followed the longest suffix (up to 8 tokens) of
-    prompt + output where it occurred before, the most common continuation (no model call),
-    as many of its tokens
-    (or none) per step as the measured verify costs and lookup's running acceptance for matches
-    of that length say pay (a verify of 16 tokens costs 1.9 decode steps on SmolLM2/CPU:
+    prompt + output where it occurred before, the most common continuation (no model call), as
+    many of its tokens (or none) per step as the measured verify costs and lookup's running
+    acceptance for matches of that length say pay (a verify of 16 tokens costs 1.9 decode steps on SmolLM2/CPU:
     drafting every match up to k_max = 25 made lookup 1.10x ``ar``); ``none`` drafts nothing;
     ``auto`` (default) picks among lookup, layer-skip (when a layer set is given) and none per
     row and step, for the most expected tokens per second from the costs and acceptance measured while it runs
