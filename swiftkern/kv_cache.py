@@ -33,18 +33,29 @@ class KVCache:
     def batch(self) -> int:
         return len(self.host_lengths)
 
-    def positions_for(self, num_new: int) -> torch.Tensor:
-        """Absolute positions of ``num_new`` tokens appended to every row: int64 [B, T]."""
+    def check_room(self, num_new: int) -> None:
+        """Raise SwiftkernError unless every row has room for ``num_new`` more tokens."""
         if max(self.host_lengths) + num_new > self.max_len:
             raise SwiftkernError(
                 f"KV cache overflow: a row at length {max(self.host_lengths)} + {num_new} new tokens "
                 f"exceeds max_len={self.max_len}; allocate a larger cache (prompt + max_new_tokens)"
             )
+
+    def positions_for(self, num_new: int) -> torch.Tensor:
+        """Absolute positions of ``num_new`` tokens appended to every row: int64 [B, T]."""
+        self.check_room(num_new)
         return self.lengths.unsqueeze(1) + torch.arange(num_new, device=self.lengths.device)
 
     def advance(self, num_new: int) -> None:
         """Mark ``num_new`` tokens appended to every row."""
+        self.advance_host(num_new)
+        self.advance_device(num_new)
+
+    def advance_host(self, num_new: int) -> None:
         self.host_lengths = [n + num_new for n in self.host_lengths]
+
+    def advance_device(self, num_new: int) -> None:
+        """In place: ``lengths`` stays the same tensor (a captured CUDA graph holds its address)."""
         self.lengths += num_new
 
     def rollback(self, new_lengths) -> None:
@@ -56,8 +67,15 @@ class KVCache:
         if bad:
             b, n, o = bad[0]
             raise SwiftkernError(f"rollback: row {b} to length {n} is outside [0, {o}]")
-        self.host_lengths = new
-        self.lengths = torch.tensor(new, dtype=torch.int64, device=self.lengths.device)
+        self.set_lengths(new)
+
+    def set_lengths(self, lengths: list[int]) -> None:
+        """Set every row's length (may grow a row, e.g. after a pass that wrote those positions),
+        in place on the device."""
+        if len(lengths) != self.batch or any(not 0 <= n <= self.max_len for n in lengths):
+            raise SwiftkernError(f"set_lengths: {lengths} for {self.batch} rows of {self.max_len} positions")
+        self.host_lengths = [int(n) for n in lengths]
+        self.lengths.copy_(torch.tensor(self.host_lengths, dtype=torch.int64))
 
     def row_view(self, b: int) -> "KVCache":
         """A one-row cache sharing row b's storage (writes land in this cache); after using it,

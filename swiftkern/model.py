@@ -89,6 +89,7 @@ class SkipModel:
         self._stack_weights = [getattr(w, f.name) for w in self.layers for f in fields(_Layer)]
         self.invariant = False  # True inside batch_invariant(): the invariant kernel set
         self._rope_table: RopeTable | None = None
+        self.graphs = None  # a cuda_graphs.GraphRunner inside cuda_graphs(), else None
 
     @classmethod
     def from_hf(cls, hf_model) -> "SkipModel":
@@ -236,23 +237,40 @@ class SkipModel:
         logits_positions: int64 [B, P] chunk-relative positions whose logits are wanted
         (None: all T); head: (weight [V', H], bias [V'] or None) replacing the LM head, e.g.
         the rows of a vocabulary subset (``draft_head.DraftHead``). -> logits [B, T or P, V or
-        V'] in the model dtype. Advances the cache by T.
+        V'] in the model dtype. Advances the cache by T. Inside ``cuda_graphs(runner)`` the
+        runner replays captured CUDA graphs where it can (``cuda_graphs.GraphRunner``).
         """
         if tokens.dim() != 2 or tokens.shape[0] != cache.batch:
             raise SwiftkernError(
                 f"forward: tokens must be [B, T] with B = cache batch {cache.batch}, got {tuple(tokens.shape)}"
             )
         B, T = tokens.shape
+        cache.check_room(T)
         skip_attn, skip_mlp = self._skip_plan(layer_set, B, tokens.device)
-        positions = cache.positions_for(T)  # [B, T]
-        new_lengths = cache.lengths + T  # [B]
+        if self.graphs is not None:
+            return self.graphs.forward(tokens, cache, skip_attn, skip_mlp, logits_positions, head)
         starts = cache.host_lengths
-        max_len = max(starts) + T
         uniform_start = starts[0] if min(starts) == max(starts) else None
+        hidden = self.forward_device(tokens, cache, skip_attn, skip_mlp, max(starts) + T, uniform_start,
+                                     logits_positions)
+        cache.advance_host(T)
+        return self.head_logits(hidden, head)
+
+    def forward_device(self, tokens: torch.Tensor, cache: KVCache, skip_attn: list, skip_mlp: list, max_len: int,
+                       uniform_start: int | None, logits_positions: torch.Tensor | None) -> torch.Tensor:
+        """``forward`` up to the final norm, reading no host-side cache state (what a CUDA graph
+        captures): tokens int64 [B, T]; skip_attn, skip_mlp from ``_skip_plan``; ``max_len``
+        >= every row's length + T (the keys attention is planned for; past a row's length they
+        are masked); ``uniform_start``: every row's length when all are equal (a hint, None
+        always works). Advances ``cache.lengths`` (the device side) by T.
+        -> normed hidden [B, T or P, H]."""
+        B, T = tokens.shape
+        positions = cache.lengths.unsqueeze(1) + torch.arange(T, device=cache.lengths.device)  # [B, T]
+        new_lengths = cache.lengths + T  # [B]
         kern = LayerKernels.for_device(tokens.device.type, self.invariant)  # the layer ops, bound once, unchecked
         if kern.backends["verify_attention"] != "reference":
             mask = None  # the kernels mask by cache length themselves
-        elif T == 1 and uniform_start is not None:
+        elif T == 1 and uniform_start is not None and uniform_start + T == max_len:
             mask = False  # every query sees the whole prefix
         else:
             mask = reference.grouped_attention_bias(  # [B, 1, group * T, max_len], shared by all layers
@@ -279,13 +297,32 @@ class SkipModel:
                                                uniform_start, mask, fuse, skip_attn, skip_mlp)
         if pending is not None:
             hidden = hidden + pending
-        cache.advance(T)
+        cache.advance_device(T)
         if logits_positions is not None:
             idx = logits_positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
             hidden = hidden.gather(1, idx)  # [B, P, H]
-        hidden = kern.rms_norm(hidden, self.final_norm, self.eps)
+        return kern.rms_norm(hidden, self.final_norm, self.eps)
+
+    def head_logits(self, hidden: torch.Tensor,
+                    head: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
+        """normed hidden [B, P, H] -> logits [B, P, V] through the LM head, or [B, P, V'] through
+        ``head`` = (weight [V', H], bias [V'] or None), e.g. a pruned draft head."""
+        linear = LayerKernels.for_device(hidden.device.type, self.invariant).linear
         if head is not None:  # a pruned head: logits over a vocabulary subset only
-            return kern.linear(hidden, *head)
-        return kern.linear(hidden, self.lm_head, self.lm_head_bias)
+            return linear(hidden, *head)
+        return linear(hidden, self.lm_head, self.lm_head_bias)
+
+    @contextmanager
+    def cuda_graphs(self, runner):
+        """Within this context ``forward`` goes through ``runner`` (a ``cuda_graphs.GraphRunner``
+        for this model), which replays captured CUDA graphs for the shapes it has seen before."""
+        if runner is not None and runner.model is not self:
+            raise SwiftkernError("cuda_graphs: the runner belongs to another model")
+        before = self.graphs
+        self.graphs = runner
+        try:
+            yield self
+        finally:
+            self.graphs = before
 
     __call__ = forward

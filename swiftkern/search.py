@@ -66,8 +66,7 @@ def matchness(model: SkipModel, cache: KVCache, rows: list[int], contexts: list[
             scratch.k[:, b, :, :start] = cache.k[:, r, :, :start]
             scratch.v[:, b, :, :start] = cache.v[:, r, :, :start]
             lengths.append(start)
-    scratch.host_lengths = lengths
-    scratch.lengths = torch.tensor(lengths, dtype=torch.int64, device=model.device)
+    scratch.set_lengths(lengths)
     sets = [ls for ls in candidates for _ in spans]
     logits = model.forward(torch.tensor(inputs, device=model.device), scratch, layer_set=sets,
                            head=head.head if head is not None else None)  # [C*R, W, V or V']
