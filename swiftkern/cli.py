@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0, help="sampling seed; a token depends only on (seed, position)")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt: prompt, tokens, text, stats")
     gen.add_argument("--device", default=None, help="torch device (default cpu)")
+    gen.add_argument("--cuda-graphs", action="store_true",
+                     help="with --device cuda: replay decode, draft and verify forwards through CUDA graphs, "
+                          "each shape captured on its second use (removes the per-op launch cost of small models)")
 
     sub.add_parser("info", help="versions, device, and which kernel backends are built and in use")
 
@@ -180,7 +183,7 @@ def cmd_generate(args) -> int:
     gen = Generator(model, tokenizer, mode=args.mode, layer_set=args.layer_set, k_max=args.k_max,
                     eps=args.eps, adaptive_eps=args.adaptive_eps, drafter=args.drafter,
                     draft_vocab=args.draft_vocab, window=args.window, verify_batch=args.verify_batch,
-                    skip_ratio=args.skip_ratio, replay=args.replay)
+                    skip_ratio=args.skip_ratio, replay=args.replay, cuda_graphs=args.cuda_graphs)
     out = gen.generate(prompts, max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0,
                        temperature=args.temperature or 1.0, top_k=args.top_k, top_p=args.top_p,
                        seed=args.seed, chat=args.chat)
@@ -205,6 +208,9 @@ def cmd_generate(args) -> int:
                       f"{s['search_s']:.2f} s | layer set {s['searched_layer_set'] or '-'} | "
                       f"{'layer skip on' if s['layer_skip_enabled'] else 'layer skip off'} "
                       f"{('(' + s['search_stop'] + ')') if s['search_stop'] else ''}")
+        if "cuda_graphs" in s:
+            g = s["cuda_graphs"]
+            print(f"[cuda graphs] {g['captures']} captured | {g['replays']} replays | {g['eager']} eager forwards")
         if s["mode"] == "deterministic" and "replay" in s:
             print(f"[deterministic] no replay ({s['replay']}) | fast path {s['fast_path']} | "
                   f"{s['fast_steps']} forwards")

@@ -26,6 +26,7 @@ from . import layer_set_store
 from .speculative import DraftPolicy, decode_self_spec
 from .tuner import OnTheFlyTuner
 from .deterministic import FastPath, decode_deterministic
+from .cuda_graphs import GraphRunner
 
 REPLAY = ("auto", "always")
 MODES = ("ar", "self-spec", "deterministic")
@@ -145,12 +146,17 @@ class Generator:
     rows decode as in ``ar`` (``drafter="self-spec"``: as in self-spec, the drafter policy over
     lookup, the layer-skipped draft and no draft, whose verify passes are the invariant model)
     and ``logprobs`` are those of the model itself; ``replay="always"`` keeps the LLM-42 replay.
+    ``cuda_graphs=True`` (a model on a CUDA device) replays the forwards of decode, draft and
+    verify steps through CUDA graphs captured on a shape's second use (``cuda_graphs.GraphRunner``,
+    kept across calls; or pass a runner); prefill, the search's scoring passes and the
+    deterministic verifier run as before.
     """
 
     def __init__(self, model, tokenizer=None, mode: str = "ar", layer_set=None, k_max: int = 25,
                  eps: float = 0.8, adaptive_eps: bool = False, drafter: str = "auto",
                  draft_vocab: int | None = DEFAULT_DRAFT_VOCAB, window: int = 32, verify_batch: int = 4,
-                 skip_ratio="auto", search_options: dict | None = None, replay: str = "auto"):
+                 skip_ratio="auto", search_options: dict | None = None, replay: str = "auto",
+                 cuda_graphs=False):
         if mode not in MODES:
             raise SwiftkernError(f"unknown mode {mode!r}; available: {', '.join(MODES)}")
         self.model = model if isinstance(model, SkipModel) else SkipModel.from_hf(model)
@@ -197,6 +203,16 @@ class Generator:
                                  f"{self.model.num_layers}")
         self.layer_set = layer_set
         self.k_max, self.eps, self.adaptive_eps = k_max, eps, adaptive_eps
+        if isinstance(cuda_graphs, GraphRunner):
+            self.graph_runner = cuda_graphs
+        elif cuda_graphs is True:
+            self.graph_runner = GraphRunner(self.model)
+        elif cuda_graphs is False or cuda_graphs is None:
+            self.graph_runner = None
+        else:
+            raise SwiftkernError(f"cuda_graphs must be True, False or a GraphRunner, got {cuda_graphs!r}")
+        if self.graph_runner is not None and self.graph_runner.model is not self.model:
+            raise SwiftkernError("cuda_graphs: the GraphRunner was made for another model")
 
     def _tuner(self, chooser) -> OnTheFlyTuner:
         """SWIFT's on-the-fly search. The first call starts it from the set ``swiftkern search``
@@ -344,7 +360,8 @@ class Generator:
         cache = self.model.new_cache(len(ids), longest + max_new_tokens + slack)
 
         invariant = self.replay_elided()
-        with self.model.batch_invariant() if invariant else contextlib.nullcontext():
+        graphs = self.model.cuda_graphs(self.graph_runner) if self.graph_runner else contextlib.nullcontext()
+        with self.model.batch_invariant() if invariant else contextlib.nullcontext(), graphs:
             _sync(device)
             t0 = time.perf_counter()
             # deterministic mode with replay prefills through its verifier
@@ -403,6 +420,8 @@ class Generator:
             "tokens_per_s": new / (t2 - t0),
             "decode_tokens_per_s": decoded / (t2 - t1) if t2 > t1 and decoded else 0.0,
         }
+        if self.graph_runner is not None:
+            stats["cuda_graphs"] = self.graph_runner.stats()
         if self.mode == "self-spec":
             per_row = spec_stats.pop("per_row")
             layer_set = str(self.layer_set) if self.layer_set is not None and self.drafter in ("layer-skip", "auto") else ""

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from . import reference
 from .batch_invariant import (KEY_BLOCK, bi_attention, bi_linear, bi_log_softmax, bi_rms_norm,
                               bi_silu_mul)
+from .cuda_graphs import attention_span
 from .errors import SwiftkernError
 from .kv_cache import KVCache
 from .model import SkipModel
@@ -92,18 +93,44 @@ class Verifier:
         for i, s in enumerate(slots):
             tokens[i, :len(s.tokens)] = torch.tensor(s.tokens)
             tokens[i, len(s.tokens):] = s.tokens[-1]
-        tokens = tokens.to(device)  # [R, T]
-        starts = torch.tensor([s.start for s in slots] + [0] * (R - n_real), dtype=torch.int64, device=device)
-        positions = starts.unsqueeze(1) + torch.arange(T, device=device)  # [R, T]
-        rows = torch.tensor([s.row for s in slots], dtype=torch.int64, device=device)  # [n_real]
-        # where the real tokens' keys and values go: flat index into [R * T], cache row, position
-        real = torch.tensor([i * T + j for i, s in enumerate(slots) for j in range(len(s.tokens))], device=device)
-        write_rows = torch.tensor([s.row for s in slots for _ in s.tokens], device=device)
-        write_pos = positions.reshape(-1).index_select(0, real)
-        key_len = -(-max(s.start + len(s.tokens) for s in slots) // KEY_BLOCK) * KEY_BLOCK
-        cached = min(key_len, cache.max_len)
-        Hkv, D = m.num_kv_heads, m.head_dim
+        # every index list has one fixed length, so a pass of this shape is one CUDA graph: dummy
+        # rows read row 0's keys (their outputs are dropped), and the list of real tokens whose
+        # keys and values are written is padded by repeating its last entry (the same value to
+        # the same place)
+        rows = [s.row for s in slots] + [slots[0].row] * (R - n_real)
+        real = [i * T + j for i, s in enumerate(slots) for j in range(len(s.tokens))]
+        write_rows = [s.row for s in slots for _ in s.tokens]
+        real += real[-1:] * (R * T - len(real))
+        write_rows += write_rows[-1:] * (R * T - len(write_rows))
+        starts = [s.start for s in slots] + [0] * (R - n_real)
+        longest = max(s.start + len(s.tokens) for s in slots)
+        key_len = -(-longest // KEY_BLOCK) * KEY_BLOCK
+        inputs = tuple(torch.tensor(x, dtype=torch.int64).to(device)
+                       for x in (tokens, starts, rows, real, write_rows))  # [R, T], [R], [R], [R*T], [R*T]
+        runner = m.graphs
+        if runner is None or T != self.window:  # prefill passes (widths vary, each seen about once) run eagerly
+            hidden = self._pass(cache, key_len, *inputs)
+        else:  # extra key blocks change no bit (bi_attention), so the key length is bucketed
+            key_len = KEY_BLOCK * attention_span(-(-longest // KEY_BLOCK), -(-cache.max_len // KEY_BLOCK))
+            key = ("verify", R, T, key_len, cache.k.data_ptr(), cache.v.data_ptr(), tuple(cache.k.shape))
+            hidden = runner.run(key, lambda *x: self._pass(cache, key_len, *x), inputs)
+        wanted = torch.tensor([i * T + j for i, s in enumerate(slots) for j in s.want], dtype=torch.int64,
+                              device=device)
+        return bi_linear(hidden.index_select(0, wanted), m.lm_head, m.lm_head_bias)  # [N, V]
 
+    def _pass(self, cache: KVCache, key_len: int, tokens: torch.Tensor, starts: torch.Tensor, rows: torch.Tensor,
+              real: torch.Tensor, write_rows: torch.Tensor) -> torch.Tensor:
+        """The pass itself, from device tensors alone (a CUDA graph's body): tokens [R, T];
+        starts, rows [R]: each slot's first position and cache row; real, write_rows [R * T]:
+        flat indices of the tokens whose keys and values are written, and their cache rows;
+        key_len: a multiple of KEY_BLOCK past every slot's last position.
+        -> normed hidden [R * T, H] (the final norm is per row: picking rows later is the same)."""
+        m = self.model
+        R, T = tokens.shape
+        Hkv, D = m.num_kv_heads, m.head_dim
+        cached = min(key_len, cache.max_len)
+        positions = starts.unsqueeze(1) + torch.arange(T, device=tokens.device)  # [R, T]
+        write_pos = positions.reshape(-1).index_select(0, real)  # [R * T]
         hidden = F.embedding(tokens, m.embed)  # [R, T, H]
         cos, sin = m.rotary(hidden, positions)  # [R, T, D]
         for i, w in enumerate(m.layers):
@@ -117,20 +144,16 @@ class Verifier:
                 flat = new.transpose(1, 2).reshape(R * T, Hkv, D).index_select(0, real)
                 store[write_rows, :, write_pos] = flat.to(store.dtype)
             keys = hidden.new_zeros((R, Hkv, key_len, D), dtype=cache.k.dtype)
-            values = torch.zeros_like(keys)  # dummy rows see zero keys and values: finite, unused
-            keys[:n_real, :, :cached] = cache.k[i][:, :, :cached].index_select(0, rows)
-            values[:n_real, :, :cached] = cache.v[i][:, :, :cached].index_select(0, rows)
+            values = torch.zeros_like(keys)
+            keys[:, :, :cached] = cache.k[i][:, :, :cached].index_select(0, rows)
+            values[:, :, :cached] = cache.v[i][:, :, :cached].index_select(0, rows)
             attn = bi_attention(q, keys, values, starts, m.scale)  # [R, Hq, T, D]
             attn = attn.transpose(1, 2).reshape(R, T, m.num_heads * D)
             hidden = hidden + bi_linear(attn, w.o, w.o_bias)
             x = bi_rms_norm(hidden, w.ln_mlp, m.eps)
             act = bi_silu_mul(bi_linear(x, w.gate, w.gate_bias), bi_linear(x, w.up, w.up_bias))
             hidden = hidden + bi_linear(act, w.down, w.down_bias)
-        wanted = torch.tensor([i * T + j for i, s in enumerate(slots) for j in s.want], dtype=torch.int64,
-                              device=device)
-        picked = hidden.reshape(R * T, -1).index_select(0, wanted)  # [N, H]
-        picked = bi_rms_norm(picked, m.final_norm, m.eps)
-        return bi_linear(picked, m.lm_head, m.lm_head_bias)
+        return bi_rms_norm(hidden.reshape(R * T, -1), m.final_norm, m.eps)
 
     def prefill(self, cache: KVCache, prompts: list[list[int]], rows: list[int] | None = None) -> torch.Tensor:
         """Write prompts into their cache rows (row b = prompt b; only ``rows`` when given)
@@ -185,7 +208,4 @@ def prefill_width(longest: int, chunk: int) -> int:
 
 def set_lengths(cache: KVCache, lengths: list[int]) -> None:
     """Set every row's length (may grow a row: a verify pass wrote those positions)."""
-    if len(lengths) != cache.batch or any(not 0 <= n <= cache.max_len for n in lengths):
-        raise SwiftkernError(f"set_lengths: {lengths} for {cache.batch} rows of {cache.max_len} positions")
-    cache.host_lengths = list(lengths)
-    cache.lengths = torch.tensor(lengths, dtype=torch.int64, device=cache.lengths.device)
+    cache.set_lengths(lengths)

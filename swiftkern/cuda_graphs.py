@@ -1,0 +1,202 @@
+"""CUDA-graph replay of the model's forward passes.
+
+A decode step of a small model on a fast GPU is bound by the host, not the device: ~10 ops per
+layer, each a Python call, a dispatch and a kernel launch (SmolLM2-135M on an H100: ~14 ms a
+step from Python for ~1 ms of kernels). A CUDA graph records the launches of one forward once
+and replays them with one call. What a replay reads must then sit at the addresses captured:
+the tokens are copied into a static buffer, the cache is the same storage (its lengths updated
+in place), and the body (``SkipModel.forward_device``) reads no host-side cache state, so the
+only host values baked into a graph are those in its key.
+
+A graph's key: the batch and token count, the skip plan, the attention span (the longest row +
+T rounded up to a power of two, at most the cache's capacity: the keys the attention kernels
+are planned for; past a row's length they are masked), the positions whose logits are wanted,
+whether the full LM head runs inside, the cache's storage, the backend and the invariant flag.
+A key seen once runs eagerly (with the same span, so eager and replayed calls of one key give
+the same bits); the second time it is captured (a warm-up on a side stream, then the capture)
+and from then on replayed. Calls that a graph cannot serve run as ``forward`` always does:
+per-row layer sets (the search's candidates) and more than ``max_tokens`` tokens (prefill).
+A pruned draft head stays outside the graph (its size grows with the context): the graph
+returns the normed hidden state and the head's matmul runs eagerly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+
+import torch
+
+from . import ops
+from .errors import SwiftkernError
+
+MAX_GRAPH_TOKENS = 256  # B x T at most in a graphed forward: decode, drafts and verify passes
+MIN_SPAN = 64
+MAX_GRAPHS = 64  # captured graphs kept, least recently used dropped first
+
+
+def attention_span(longest: int, capacity: int) -> int:
+    """Keys a graphed forward's attention is planned for: ``longest`` (the longest row + T)
+    rounded up to a power of two, at least MIN_SPAN, at most ``capacity``."""
+    span = MIN_SPAN
+    while span < longest:
+        span *= 2
+    return min(span, capacity)
+
+
+class CudaGraph:
+    """One ``torch.cuda.CUDAGraph`` in a shared memory pool: ``capture(fn)`` records fn's
+    launches (on ``stream``), ``replay()`` reruns them and returns the output captured."""
+
+    def __init__(self, pool, stream):
+        self.graph, self.pool, self.stream = torch.cuda.CUDAGraph(), pool, stream
+        self.out = None
+
+    def capture(self, fn) -> None:
+        with torch.cuda.graph(self.graph, pool=self.pool, stream=self.stream):
+            self.out = fn()
+
+    def replay(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.out
+
+
+class EmulatedGraph:
+    """A stand-in for ``CudaGraph`` where there is no GPU (tests): ``capture`` keeps fn,
+    ``replay`` calls it again on the same static buffers. With the cache's host lengths hidden
+    while fn runs (``GraphRunner`` does that for both kinds), a body that read host state, which
+    a real capture would bake in, fails here too."""
+
+    def __init__(self, pool=None, stream=None):
+        self.fn = None
+
+    def capture(self, fn) -> None:
+        self.fn = fn
+
+    def replay(self) -> torch.Tensor:
+        return self.fn()
+
+
+@contextlib.contextmanager
+def _host_lengths_hidden(cache):
+    """The cache's host lengths are None inside: a read fails instead of being baked in."""
+    saved = cache.host_lengths
+    cache.host_lengths = None
+    try:
+        yield
+    finally:
+        cache.host_lengths = saved
+
+
+class _Entry:
+    """A key's state: seen once (graph None), or captured with its static inputs."""
+
+    def __init__(self):
+        self.graph = None
+        self.inputs: tuple = ()  # the static tensors the graph reads
+
+
+class GraphRunner:
+    """Replays ``SkipModel.forward`` (and the deterministic verifier's passes) through CUDA
+    graphs (see the module docstring).
+
+    ``GraphRunner(model, graph_type=None, max_tokens=MAX_GRAPH_TOKENS, max_graphs=MAX_GRAPHS)``:
+    ``graph_type`` None is ``CudaGraph`` (the model must be on a CUDA device); tests pass
+    ``EmulatedGraph`` to run the same bookkeeping on the CPU. Use it as
+    ``with model.cuda_graphs(runner): ...``; ``stats()`` counts captures, replays and eager calls.
+    """
+
+    def __init__(self, model, graph_type=None, max_tokens: int = MAX_GRAPH_TOKENS, max_graphs: int = MAX_GRAPHS):
+        if graph_type is None:
+            if model.device.type != "cuda":
+                raise SwiftkernError(f"CUDA graphs need the model on a CUDA device (it is on {model.device}): "
+                                     "use --device cuda, or leave cuda_graphs off")
+            graph_type = CudaGraph
+        self.model = model
+        self.graph_type = graph_type
+        self.max_tokens = max_tokens
+        self.max_graphs = max_graphs
+        self.entries: OrderedDict = OrderedDict()
+        self.captures = self.replays = self.eager = 0
+        self.replays_by_kind: dict = {}  # "forward" | "verify" -> replays
+        cuda = graph_type is CudaGraph
+        self.pool = torch.cuda.graph_pool_handle() if cuda else None
+        self.stream = torch.cuda.Stream(model.device) if cuda else None
+
+    def stats(self) -> dict:
+        return {"graphs": len(self.entries), "captures": self.captures, "replays": self.replays,
+                "eager": self.eager, "replays_by_kind": dict(self.replays_by_kind)}
+
+    def forward(self, tokens, cache, skip_attn, skip_mlp, logits_positions, head) -> torch.Tensor:
+        """``SkipModel.forward`` after its checks: -> logits [B, T or P, V or V']; advances the cache."""
+        model = self.model
+        B, T = tokens.shape
+        plain = all(s is True or s is False for s in skip_attn + skip_mlp)
+        longest = max(cache.host_lengths) + T
+        if not plain or B * T > self.max_tokens:
+            self.eager += 1
+            starts = cache.host_lengths
+            uniform = starts[0] if min(starts) == max(starts) else None
+            hidden = model.forward_device(tokens, cache, skip_attn, skip_mlp, longest, uniform, logits_positions)
+            cache.advance_host(T)
+            return model.head_logits(hidden, head)
+        span = attention_span(longest, cache.max_len)
+        with_head = head is None
+        key = ("forward", B, T, tuple(skip_attn), tuple(skip_mlp), span,
+               None if logits_positions is None else tuple(logits_positions.shape), with_head,
+               cache.k.data_ptr(), cache.v.data_ptr(), cache.lengths.data_ptr(), tuple(cache.k.shape),
+               model.invariant, ops._BACKEND, tokens.device)
+
+        def body(tok, pos=None):
+            hidden = model.forward_device(tok, cache, skip_attn, skip_mlp, span, None, pos)
+            return model.head_logits(hidden) if with_head else hidden
+
+        inputs = (tokens,) if logits_positions is None else (tokens, logits_positions)
+        with _host_lengths_hidden(cache):
+            out = self.run(key, body, inputs, restore=(cache.lengths,))
+        cache.advance_host(T)
+        return out if with_head else model.head_logits(out, head)
+
+    def run(self, key: tuple, fn, inputs: tuple, restore: tuple = ()) -> torch.Tensor:
+        """fn(*inputs) -> a tensor, where ``key`` (its first item names the kind of call) holds every host value and address fn depends
+        on besides the tensors ``inputs`` (copied into static buffers before a replay).
+        ``restore``: tensors fn updates in place that a capture's warm-up run must put back.
+        The first call for a key runs fn eagerly, the second captures it, later ones replay."""
+        entry = self.entries.get(key)
+        if entry is None:  # first sight: eager, the same arithmetic as the graph will do
+            self.entries[key] = _Entry()
+            while len(self.entries) > self.max_graphs:
+                self.entries.popitem(last=False)
+            self.eager += 1
+            return fn(*inputs)
+        self.entries.move_to_end(key)
+        if entry.graph is None:
+            self._capture(entry, fn, inputs, restore)
+        for static, x in zip(entry.inputs, inputs):
+            static.copy_(x)
+        out = entry.graph.replay().clone()
+        self.replays += 1
+        self.replays_by_kind[key[0]] = self.replays_by_kind.get(key[0], 0) + 1
+        return out
+
+    def _capture(self, entry: _Entry, fn, inputs: tuple, restore: tuple) -> None:
+        """A warm-up run on the capture stream (what it updates in ``restore`` put back after),
+        then the capture."""
+        entry.inputs = tuple(x.clone() for x in inputs)
+        graph = self.graph_type(self.pool, self.stream)
+
+        def static_fn():
+            return fn(*entry.inputs)
+
+        if self.stream is not None:
+            saved = [t.clone() for t in restore]
+            current = torch.cuda.current_stream(self.model.device)
+            self.stream.wait_stream(current)
+            with torch.cuda.stream(self.stream):
+                static_fn()
+            current.wait_stream(self.stream)
+            for t, s in zip(restore, saved):
+                t.copy_(s)
+        graph.capture(static_fn)
+        entry.graph = graph
+        self.captures += 1

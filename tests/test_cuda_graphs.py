@@ -1,0 +1,178 @@
+"""CUDA-graph replay (swiftkern/cuda_graphs.py).
+
+On the CPU the runner's bookkeeping runs with ``EmulatedGraph`` (capture keeps the body, replay
+calls it again on the static buffers, the cache's host lengths hidden so a body that read them
+fails): forwards through the runner give the logits of plain forwards, and generation gives the
+same tokens in every mode. On a GPU (skipped without one) real graphs replay: their logits equal
+the emulated runner's bit for bit (the same kernels on the same static buffers; only the
+launches differ), and SmolLM2's greedy tokens equal HF's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import hf_greedy, tiny_model
+from swiftkern import Generator, SkipModel, ops
+from swiftkern.cuda_graphs import MIN_SPAN, EmulatedGraph, GraphRunner, attention_span
+from swiftkern.errors import SwiftkernError
+from swiftkern.layer_set import LayerSet
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return SkipModel(tiny_model("llama", seed=3))
+
+
+@pytest.fixture(params=["auto", "reference"])
+def backend(request):
+    """auto: the C++ decoder stack on the CPU; reference: the op-by-op loop with its masks."""
+    ops.set_backend(request.param)
+    yield request.param
+    ops.set_backend("auto")
+
+
+def test_attention_span():
+    assert attention_span(1, 1000) == MIN_SPAN
+    assert attention_span(MIN_SPAN, 1000) == MIN_SPAN
+    assert attention_span(MIN_SPAN + 1, 1000) == 2 * MIN_SPAN
+    assert attention_span(300, 1000) == 512
+    assert attention_span(600, 700) == 700  # never past the cache
+
+
+def _steps(model, runner, schedule, seed=0):
+    """Run forwards of the given token counts over a 3-row cache (rows of unequal lengths,
+    a rollback after every verify-sized step) -> the list of logits."""
+    gen = torch.Generator().manual_seed(seed)
+    cache = model.new_cache(3, 200)
+    cache.set_lengths([0, 0, 0])
+    out = []
+    with model.cuda_graphs(runner):
+        prompt = torch.randint(0, model.vocab_size, (3, 9), generator=gen).to(model.device)
+        out.append(model.forward(prompt, cache))
+        cache.rollback([9, 5, 7])
+        for T in schedule:
+            tokens = torch.randint(0, model.vocab_size, (3, T), generator=gen).to(model.device)
+            out.append(model.forward(tokens, cache))
+            if T > 1:
+                cache.rollback([n - T + 1 for n in cache.host_lengths])
+    return out
+
+
+SCHEDULE = [1, 1, 4, 1, 4, 4, 1, 1, 2, 4, 1]
+
+
+def test_runner_logits_match_plain_forward(tiny, backend):
+    runner = GraphRunner(tiny, EmulatedGraph)
+    plain = _steps(tiny, None, SCHEDULE)
+    graphed = _steps(tiny, runner, SCHEDULE)
+    for a, b in zip(plain, graphed):
+        if backend == "auto":  # the C++ attention reads each row's keys alone: the span changes no bit
+            assert torch.equal(a, b)
+        else:  # SDPA over the span's masked keys rounds differently
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    stats = runner.stats()
+    assert stats["captures"] >= 2 and stats["replays"] >= 6, stats  # T = 1 and T = 4 recur
+    assert stats["eager"] >= 1  # the first sight of each key
+
+
+def test_runner_catches_a_host_read(tiny, monkeypatch):
+    """A body that reads host-side cache state would bake it into a real graph; here it fails."""
+    original = SkipModel.forward_device
+
+    def reads_host(self, tokens, cache, *args):
+        max(cache.host_lengths)
+        return original(self, tokens, cache, *args)
+
+    monkeypatch.setattr(SkipModel, "forward_device", reads_host)
+    with pytest.raises(TypeError):
+        _steps(tiny, GraphRunner(tiny, EmulatedGraph), [1, 1, 1])
+
+
+def test_per_row_layer_sets_and_long_passes_run_eagerly(tiny):
+    runner = GraphRunner(tiny, EmulatedGraph, max_tokens=8)
+    cache = tiny.new_cache(2, 64)
+    sets = [LayerSet.parse("attn:1|mlp:2", tiny.num_layers), None]
+    with tiny.cuda_graphs(runner):
+        tiny.forward(torch.zeros((2, 5), dtype=torch.int64), cache)  # 10 tokens > max_tokens
+        for _ in range(3):
+            tiny.forward(torch.zeros((2, 1), dtype=torch.int64), cache, layer_set=sets)
+    assert runner.stats() == {"graphs": 0, "captures": 0, "replays": 0, "eager": 4, "replays_by_kind": {}}
+    assert cache.host_lengths == [8, 8] and cache.lengths.tolist() == [8, 8]
+
+
+def test_runner_keeps_at_most_max_graphs(tiny):
+    runner = GraphRunner(tiny, EmulatedGraph, max_graphs=2)
+    _steps(tiny, runner, [1, 1, 2, 2, 3, 3, 4, 4])
+    assert runner.stats()["graphs"] == 2
+
+
+def _generate(model, runner, **kw):
+    gen = Generator(model, cuda_graphs=runner if runner is not None else False, **kw)
+    prompts = [[5, 17, 99, 3, 42, 8], [7, 7, 21], list(range(30, 50))]
+    return gen.generate(prompts, max_new_tokens=24, eos_token_id=[])
+
+
+@pytest.mark.parametrize("kw", [
+    dict(mode="ar"),
+    dict(mode="self-spec", drafter="layer-skip", layer_set="attn:1|mlp:2", k_max=4, eps=0.0),
+    dict(mode="self-spec", drafter="lookup"),
+    dict(mode="deterministic", replay="always", window=8, verify_batch=2),
+    dict(mode="deterministic", drafter="self-spec", layer_set="attn:1", replay="always", window=8,
+         verify_batch=2),
+], ids=["ar", "layer-skip", "lookup", "det", "det-self-spec"])
+def test_generation_through_the_runner_gives_the_same_tokens(tiny, backend, kw):
+    runner = GraphRunner(tiny, EmulatedGraph)
+    plain = _generate(tiny, None, **kw)
+    graphed = _generate(tiny, runner, **kw)
+    assert graphed.tokens == plain.tokens
+    assert graphed.stats["cuda_graphs"]["replays"] > 0
+    if kw["mode"] == "deterministic":  # the verifier's passes replayed too, to the same bits
+        assert graphed.stats["cuda_graphs"]["replays_by_kind"]["verify"] > 0
+        for a, b in zip(plain.logprobs, graphed.logprobs):
+            assert torch.equal(a, b)
+
+
+def test_cuda_graphs_refused_off_cuda(tiny):
+    with pytest.raises(SwiftkernError, match="CUDA device"):
+        Generator(tiny, cuda_graphs=True)
+    with pytest.raises(SwiftkernError, match="cuda_graphs must be"):
+        Generator(tiny, cuda_graphs="yes")
+    with pytest.raises(SwiftkernError, match="another model"):
+        Generator(SkipModel(tiny_model("llama")), cuda_graphs=GraphRunner(tiny, EmulatedGraph))
+
+
+# --------------------------------------------------------------------------- on a GPU
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_real_graphs_equal_emulated_ones_bit_for_bit(dtype):
+    model = SkipModel(tiny_model("llama", seed=3).to("cuda", dtype))
+    real = GraphRunner(model)
+    emulated = GraphRunner(model, EmulatedGraph)
+    a = _steps(model, real, SCHEDULE)
+    b = _steps(model, emulated, SCHEDULE)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    assert real.stats()["replays"] >= 6
+
+
+@needs_cuda
+@pytest.mark.slow
+@pytest.mark.parametrize("kw", [dict(mode="ar"),
+                                dict(mode="self-spec", drafter="layer-skip", layer_set="attn:9,13,17,21|mlp:11,15,19")],
+                         ids=["ar", "self-spec"])
+def test_smollm2_with_cuda_graphs_equals_hf_greedy(kw):
+    import swiftkern
+
+    model, tok = swiftkern.load_model("smollm2", device="cuda")
+    prompt = tok("The history of the printing press begins")["input_ids"]
+    expected = hf_greedy(model.hf_model, prompt, 48)
+    gen = Generator(model, tok, cuda_graphs=True, **kw)
+    for _ in range(2):  # the second call replays what the first captured
+        out = gen.generate([prompt], max_new_tokens=48)
+        assert out.tokens[0] == expected
+    assert out.stats["cuda_graphs"]["replays"] > 0
