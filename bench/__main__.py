@@ -47,6 +47,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--plot", action="store_true", help="also write bench/results/<routine>.png (matplotlib)")
     ap.add_argument("--model", default="smollm2", help="model for end-to-end routines")
     ap.add_argument("--max-new-tokens", type=int, default=128, help="end-to-end routines: tokens per prompt")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="end-to-end routines on a GPU: determinism runs every Generator with cuda_graphs=True; "
+                         "generate adds <provider>+graphs next to each swiftkern provider")
     return ap
 
 
@@ -67,6 +70,9 @@ def main(argv=None) -> int:
         return 2
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.providers = args.providers.split(",") if args.providers else None
+    if args.cuda_graphs and not args.device.startswith("cuda"):
+        print("python -m bench: --cuda-graphs needs a CUDA device (--device cuda)", file=sys.stderr)
+        return 2
     for name in names:
         print(f"== {name} on {common.device_name(args.device)}", flush=True)
         rows = found[name].run(args)

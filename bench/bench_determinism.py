@@ -1,7 +1,7 @@
 """Deterministic mode (LLM-42) vs plain batched ar: throughput, rollback fraction, and self-spec.
 
     python -m bench --routine determinism [--max-new-tokens 64] [--reps 2] [--smoke] [--no-csv]
-        [--providers ar,deterministic,self-spec+det,self-spec]
+        [--providers ar,deterministic,self-spec+det,self-spec] [--cuda-graphs]
 
 Three groups, each timed interleaved (A B C ... A B C) so drift hits every provider alike, greedy,
 exactly ``--max-new-tokens`` per prompt (EOS off), prompts from bench/prompts.jsonl cycled
@@ -26,6 +26,8 @@ replayed), deterministic_share (the
 fraction of requests replayed), ratio_vs_ar (same batch,
 same run), rollback_fraction (fast-path tokens discarded / proposed), verify_passes,
 dummy_rows, tokens_equal_ar (the deterministic tokens equal plain ar's, greedy).
+``--cuda-graphs`` (a GPU): every provider replays its forwards through CUDA graphs (named
+<provider>+graphs), ar included, so ratio_vs_ar compares graphed with graphed.
 ``--smoke``: a tiny random Llama, 16-token prompts, batches 2 and 4, 8 new tokens, one repetition.
 """
 
@@ -110,7 +112,9 @@ def run(args) -> list[dict]:
         if args.providers:
             configs = {k: v for k, v in configs.items() if k in args.providers or k == "ar"}
         prompts = [texts[i % len(texts)] for i in range(batch)]
-        gens = {name: swiftkern.Generator(model, tok, **{k: v for k, v in kw.items() if k != "share"})
+        graphs = getattr(args, "cuda_graphs", False)
+        gens = {name: swiftkern.Generator(model, tok, cuda_graphs=graphs,
+                                          **{k: v for k, v in kw.items() if k != "share"})
                 for name, kw in configs.items()}
         flags = {name: [i % round(1 / kw["share"]) == 0 for i in range(batch)] if "share" in kw else True
                  for name, kw in configs.items()}
@@ -131,7 +135,7 @@ def run(args) -> list[dict]:
             s = out.stats
             tok_s = batch * n / (timing["median_ms"] * 1e-3)
             rows.append(common.row(
-                ROUTINE, name, args.device, hf.dtype, f"B={batch} N={n}", timing, model=model_name, group=group,
+                ROUTINE, name + ("+graphs" if graphs else ""), args.device, hf.dtype, f"B={batch} N={n}", timing, model=model_name, group=group,
                 batch=batch, new_tokens=n, reps=reps, window=kw.get("window", ""),
                 deterministic_share=kw.get("share", 1.0 if kw["mode"] == "deterministic" else 0.0),
                 verify_batch=kw.get("verify_batch", ""), fast_path=s.get("fast_path", ""),
@@ -153,7 +157,7 @@ def _summary(rows: list[dict]) -> None:
         ratio = f"x{r['ratio_vs_ar']:.2f} vs ar" if r["ratio_vs_ar"] != "" else ""
         rb = f"rollback {r['rollback_fraction']:.2%}" if r["rollback_fraction"] != "" else ""
         print(f"  {r['group']:10s} B={r['batch']:<3d} {r['provider']:15s} {r['tok_s']:8.1f} tok/s  {ratio:12s} {rb}")
-    det = [r for r in rows if r["group"] == "throughput" and r["provider"] == "deterministic"]
+    det = [r for r in rows if r["group"] == "throughput" and r["provider"].split("+graphs")[0] == "deterministic"]
     if det:
         print(f"  deterministic / ar, median over batches: x{statistics.median(r['ratio_vs_ar'] for r in det):.2f}")
 

@@ -16,6 +16,7 @@ greedy, exactly ``--max-new-tokens`` new tokens (EOS disabled for every provider
     lookup             swiftkern self-spec with the prompt-lookup drafter
     auto               swiftkern self-spec with the drafter policy (drafter="auto")
     deterministic      swiftkern mode="deterministic"
+    <name>+graphs      with --cuda-graphs (a GPU): each swiftkern provider again, cuda_graphs=True
 
 A provider swiftkern cannot build yet (SwiftkernError) is skipped with a printed note.
 Columns: tok_s (new tokens / median time), ratio_vs_hf (to hf-greedy, same prompt, same run),
@@ -123,7 +124,7 @@ def swift_provider(gen: swiftkern.Generator):
     return run
 
 
-def providers(hf, tok, smoke: bool) -> tuple[dict, dict]:
+def providers(hf, tok, smoke: bool, cuda_graphs: bool = False) -> tuple[dict, dict]:
     """({name: run}, {name: why skipped}) in the documented order."""
     counter = ForwardCounter(hf)
     layers = hf.config.num_hidden_layers
@@ -141,6 +142,8 @@ def providers(hf, tok, smoke: bool) -> tuple[dict, dict]:
         "auto": dict(mode="self-spec", drafter="auto"),
         "deterministic": dict(mode="deterministic"),
     }
+    if cuda_graphs:
+        swift.update({f"{name}+graphs": dict(kw, cuda_graphs=True) for name, kw in list(swift.items())})
     for name, kw in swift.items():
         try:
             runs[name] = swift_provider(swiftkern.Generator(hf, tok, **kw))
@@ -169,7 +172,7 @@ def run(args) -> list[dict]:
     eos = hf.generation_config.eos_token_id
     hf.generation_config.eos_token_id = None  # fixed-length runs for every provider
     try:
-        runs, skipped = providers(hf, tok, args.smoke)
+        runs, skipped = providers(hf, tok, args.smoke, getattr(args, "cuda_graphs", False))
         if args.providers:
             runs = {k: v for k, v in runs.items() if k in args.providers or k == "hf-greedy"}
         rows = _measure(hf, tok, model_name, runs, skipped, n, reps, args)

@@ -6,6 +6,7 @@
 #   bash bench/gpu_session.sh sanitizer    tests/test_cuda_ops.py under compute-sanitizer memcheck
 #   bash bench/gpu_session.sh kernels      per-op kernel benchmarks (reference / triton / cuda)
 #   bash bench/gpu_session.sh e2e          generate, determinism, verify_cost, drafters on SmolLM2
+#   bash bench/gpu_session.sh graphs       generate and determinism with CUDA graphs (--cuda-graphs)
 # Stages chain: `bash bench/gpu_session.sh setup tests`. Everything under bench/results and the
 # logs are packed into $OUT/results.tgz at the end of every stage list.
 #
@@ -52,11 +53,11 @@ pytest_gpu() {  # name, timeout, pytest args...
 stage_tests() {
   pytest_gpu tests 330 -n 6 -m "not slow" --deselect tests/test_cuda_ops.py::test_compute_sanitizer_memcheck \
     tests/test_cuda_ops.py tests/test_triton_*.py tests/test_bi_matmul.py tests/test_greedy_accept.py \
-    tests/test_rejection_sample.py tests/test_deterministic_gpu.py
+    tests/test_rejection_sample.py tests/test_deterministic_gpu.py tests/test_cuda_graphs.py
 }
 
 stage_slow() {
-  pytest_gpu slow 240 -m slow tests/test_triton_model.py tests/test_deterministic_gpu.py
+  pytest_gpu slow 240 -m slow tests/test_triton_model.py tests/test_deterministic_gpu.py tests/test_cuda_graphs.py
 }
 
 stage_sanitizer() {
@@ -75,6 +76,15 @@ stage_e2e() {
   echo "generate: exit $?"; tail -12 "$OUT/generate.log"
   timeout 240 python3 -m bench --routine determinism --max-new-tokens 64 --reps 2 --plot > "$OUT/determinism.log" 2>&1
   echo "determinism: exit $?"; tail -22 "$OUT/determinism.log"
+}
+
+stage_graphs() {
+  timeout 200 python3 -m bench --routine generate --max-new-tokens 64 --reps 3 --cuda-graphs --plot \
+    --providers hf-greedy,ar,ar+graphs,lookup+graphs,auto+graphs,deterministic+graphs > "$OUT/generate-graphs.log" 2>&1
+  echo "generate graphs: exit $?"; tail -12 "$OUT/generate-graphs.log"
+  timeout 300 python3 -m bench --routine determinism --max-new-tokens 64 --reps 2 --cuda-graphs --plot \
+    > "$OUT/determinism-graphs.log" 2>&1
+  echo "determinism graphs: exit $?"; tail -22 "$OUT/determinism-graphs.log"
 }
 
 for stage in "$@"; do
