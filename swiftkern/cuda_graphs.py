@@ -53,8 +53,15 @@ class CudaGraph:
         self.out = None
 
     def capture(self, fn) -> None:
-        with torch.cuda.graph(self.graph, pool=self.pool, stream=self.stream):
-            self.out = fn()
+        # capture_begin/end on our stream rather than torch.cuda.graph(), whose entry runs a full
+        # gc.collect() and empty_cache() per capture (tens of ms each with a model loaded)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(self.stream):
+            self.graph.capture_begin(pool=self.pool)
+            try:
+                self.out = fn()
+            finally:
+                self.graph.capture_end()
 
     def replay(self) -> torch.Tensor:
         self.graph.replay()

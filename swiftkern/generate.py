@@ -29,6 +29,7 @@ from .deterministic import FastPath, decode_deterministic
 from .cuda_graphs import GraphRunner
 
 REPLAY = ("auto", "always")
+CACHE_STEP = 256  # with CUDA graphs, cache sizes are rounded up to a multiple of this
 MODES = ("ar", "self-spec", "deterministic")
 DRAFTERS = ("auto", "layer-skip", "lookup", "none", "self-spec")
 
@@ -213,6 +214,7 @@ class Generator:
             raise SwiftkernError(f"cuda_graphs must be True, False or a GraphRunner, got {cuda_graphs!r}")
         if self.graph_runner is not None and self.graph_runner.model is not self.model:
             raise SwiftkernError("cuda_graphs: the GraphRunner was made for another model")
+        self._graph_cache: KVCache | None = None  # with CUDA graphs: reused across calls where it fits
 
     def _tuner(self, chooser) -> OnTheFlyTuner:
         """SWIFT's on-the-fly search. The first call starts it from the set ``swiftkern search``
@@ -227,6 +229,24 @@ class Generator:
         else:
             self._tuner_state.new_generation(chooser)
         return self._tuner_state
+
+    def _new_cache(self, batch: int, needed: int) -> KVCache:
+        """A fresh cache; with CUDA graphs, this Generator's previous cache when it fits (graphs
+        are keyed on the cache's storage, so a reused cache reuses them across calls), else one
+        of ``needed`` rounded up to CACHE_STEP positions (fewer distinct sizes). A reused cache
+        holds stale keys and values past every row's length: finite, masked, overwritten."""
+        if self.graph_runner is None:
+            return self.model.new_cache(batch, needed)
+        cache = self._graph_cache
+        if cache is not None and cache.batch == batch and needed <= cache.max_len < 2 * needed + CACHE_STEP:
+            cache.set_lengths([0] * batch)
+            return cache
+        try:
+            cache = self.model.new_cache(batch, -(-needed // CACHE_STEP) * CACHE_STEP)
+        except SwiftkernError:  # a sliding-window model's limit: the exact size may still fit
+            cache = self.model.new_cache(batch, needed)
+        self._graph_cache = cache
+        return cache
 
     def reset_search(self) -> None:
         """Forget what the on-the-fly layer-set search found; the next call searches anew."""
@@ -357,7 +377,7 @@ class Generator:
         slack = self.k_max + 1 if self.mode == "self-spec" else 0  # a verify pass may overshoot by K+1
         if self.mode == "deterministic":  # a window-wide replay, or (no replay, self-spec) a verify pass
             slack = max(self.window, self.k_max + 1)
-        cache = self.model.new_cache(len(ids), longest + max_new_tokens + slack)
+        cache = self._new_cache(len(ids), longest + max_new_tokens + slack)
 
         invariant = self.replay_elided()
         graphs = self.model.cuda_graphs(self.graph_runner) if self.graph_runner else contextlib.nullcontext()

@@ -176,3 +176,19 @@ def test_smollm2_with_cuda_graphs_equals_hf_greedy(kw):
         out = gen.generate([prompt], max_new_tokens=48)
         assert out.tokens[0] == expected
     assert out.stats["cuda_graphs"]["replays"] > 0
+
+
+def test_generator_reuses_its_cache_and_graphs_across_calls(tiny):
+    """With a runner, later calls of the same shape replay earlier calls' graphs (the prefill's
+    key, seen once per call, is captured on the second call): no capture on the third, and the
+    same tokens as a run without graphs."""
+    runner = GraphRunner(tiny, EmulatedGraph)
+    gen = Generator(tiny, cuda_graphs=runner)
+    calls = [[[5, 17, 99, 3], [7, 7, 21, 4]], [[11, 12, 13, 14], [30, 31, 32, 33]], [[9, 8, 7, 6], [1, 2, 3, 4]]]
+    outs, captures = [], []
+    for prompts in calls:
+        outs.append(gen.generate(prompts, max_new_tokens=12, eos_token_id=[]))
+        captures.append(runner.captures)
+    plain = Generator(tiny).generate(calls[2], max_new_tokens=12, eos_token_id=[])
+    assert outs[2].tokens == plain.tokens and outs[0].tokens != outs[2].tokens
+    assert captures[2] == captures[1], captures
