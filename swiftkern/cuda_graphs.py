@@ -35,6 +35,14 @@ MIN_SPAN = 64
 MAX_GRAPHS = 64  # captured graphs kept, least recently used dropped first
 
 
+def unsteady_calls(model) -> int:
+    """Forwards of ``model`` so far that did not replay a graph (first sights and captures,
+    far slower than a replay), 0 outside ``cuda_graphs()``: a timing taken while this did not
+    change is of replays alone, which is what a cost model that picks draft lengths needs."""
+    runner = model.graphs
+    return 0 if runner is None else runner.eager + runner.captures
+
+
 def attention_span(longest: int, capacity: int) -> int:
     """Keys a graphed forward's attention is planned for: ``longest`` (the longest row + T)
     rounded up to a power of two, at least MIN_SPAN, at most ``capacity``."""

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import ops
+from .cuda_graphs import unsteady_calls
 from .kv_cache import KVCache
 from .layer_set import LayerSet
 from .model import SkipModel
@@ -231,20 +232,20 @@ def decode_self_spec(model: SkipModel, cache: KVCache, first_logits: torch.Tenso
         skip = None
         skip_budget = [c.k if c.drafter == "layer-skip" else 0 for c in choices]
         if any(skip_budget):
-            t0 = time.perf_counter()
+            t0, mark = time.perf_counter(), unsteady_calls(model)
             d, q, nd, forwards = draft_tokens(model, cache, pending, layer_set, policy, params, row_seeds,
                                               skip_budget, draft_head)
-            if chooser is not None and forwards:
+            if chooser is not None and forwards and unsteady_calls(model) == mark:
                 chooser.record_draft((time.perf_counter() - t0) / forwards)
             cache.rollback(base)
             skip = (d, q, nd)
             stats["draft_steps"] += forwards
         drafts, draft_probs, num_draft = _assemble(B, choices, lookups, skip, params, model.vocab_size,
                                                    pending.device)
-        t0 = time.perf_counter()
+        t0, mark = time.perf_counter(), unsteady_calls(model)
         out_tokens, num_accepted, logits = verify_and_accept(model, cache, pending, drafts, draft_probs, num_draft,
                                                      params, row_seeds)
-        if chooser is not None:
+        if chooser is not None and unsteady_calls(model) == mark:  # no capture's cost in the cost model
             chooser.record_verify(drafts.shape[1] + 1, time.perf_counter() - t0)
         cache.rollback([n + 1 + a for n, a in zip(base, num_accepted)])
         stats["verify_steps"] += 1

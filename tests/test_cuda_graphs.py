@@ -192,3 +192,23 @@ def test_generator_reuses_its_cache_and_graphs_across_calls(tiny):
     plain = Generator(tiny).generate(calls[2], max_new_tokens=12, eos_token_id=[])
     assert outs[2].tokens == plain.tokens and outs[0].tokens != outs[2].tokens
     assert captures[2] == captures[1], captures
+
+
+def test_drafter_costs_are_timed_on_replays_only(tiny, monkeypatch):
+    """A first sight or a capture costs many replays; the drafter policy's cost model must not
+    see them (it would shun that draft length for good)."""
+    from swiftkern.drafter_policy import DrafterPolicy
+
+    def run(runner):
+        recorded = []
+        monkeypatch.setattr(DrafterPolicy, "record_verify", lambda self, T, s: recorded.append(T))
+        out = Generator(tiny, mode="self-spec", drafter="lookup", cuda_graphs=runner or False).generate(
+            [[5, 6, 7, 5, 6, 7, 5, 6]], max_new_tokens=24, eos_token_id=[])
+        return len(recorded), out.stats["verify_steps"]
+
+    recorded, verifies = run(None)
+    assert recorded == verifies
+    runner = GraphRunner(tiny, EmulatedGraph)
+    recorded, verifies = run(runner)
+    unsteady = runner.stats()["eager"] + runner.stats()["captures"] - 1  # the prefill is not a verify
+    assert recorded == verifies - unsteady and 0 < recorded < verifies
