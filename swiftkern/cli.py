@@ -217,7 +217,8 @@ def cmd_generate(args) -> int:
         elif s["mode"] == "deterministic":
             print(f"[deterministic] fast path {s['fast_path']} | window {s['window']} x verify batch "
                   f"{s['verify_batch']} | {s['fast_steps']} fast steps + {s['verify_passes']} verify passes | "
-                  f"{s['rolled_back']}/{s['fast_tokens']} fast tokens rolled back ({s['rollback_fraction']:.1%})")
+                  f"{s['rolled_back']}/{s['fast_tokens']} fast tokens rolled back ({s['rollback_fraction']:.1%})"
+                  + (f" | {s['lookup_tokens']} from prompt lookup" if s.get("lookup_tokens") else ""))
     return 0
 
 

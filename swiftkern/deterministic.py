@@ -36,6 +36,7 @@ from .requests import Requests
 from .sampling import SamplingParams, select_tokens
 from .batch_invariant import bi_log_softmax, bi_token_logprob
 from .draft_head import DraftHead
+from .drafters import LOOKUP_MIN_NGRAM_UNJUDGED, lookup_match
 from .verifier import Slot, Verifier, set_lengths
 
 
@@ -53,12 +54,18 @@ class FastPath:
     layer_set None: the full model (regular decoding). A layer set: the layer-skipped draft,
     which also stops a row when its top-1 probability is below ``eps``, and may score only the
     vocabulary of a pruned ``head`` (``draft_head.DraftHead``, grown with every committed token).
+    ``lookup`` (with a layer set): before the draft forward, a row whose context ends in an
+    n-gram (of at least LOOKUP_MIN_NGRAM_UNJUDGED tokens) seen earlier takes that n-gram's
+    continuation as its unverified tokens at no model cost and is verified next; the verifier
+    commits what matches, as it does for the draft's tokens.
     """
 
-    def __init__(self, layer_set: LayerSet | None = None, eps: float = 0.0, head: DraftHead | None = None):
+    def __init__(self, layer_set: LayerSet | None = None, eps: float = 0.0, head: DraftHead | None = None,
+                 lookup: bool = False):
         self.layer_set = layer_set
         self.eps = eps if layer_set is not None else 0.0
         self.head = head if layer_set is not None else None
+        self.lookup = lookup and layer_set is not None
 
     def committed(self, tokens: list[int]) -> None:
         """Tokens that became part of the output (the pruned head keeps them proposable)."""
@@ -104,7 +111,7 @@ def decode_deterministic(model: SkipModel, cache: KVCache, prompts: list[list[in
         raise SwiftkernError("every request must be verified with the layer-skipped fast path (its unverified "
                              "tokens are the draft's, not the model's)")
     verifier = Verifier(model, window, verify_batch)
-    stats = {"fast_steps": 0, "fast_tokens": 0, "rolled_back": 0, "corrected": 0}
+    stats = {"fast_steps": 0, "fast_tokens": 0, "lookup_tokens": 0, "rolled_back": 0, "corrected": 0}
     per_row = [{"verifies": 0, "fast_tokens": 0, "rolled_back": 0} for _ in prompts]
     logprobs: list[list[torch.Tensor]] = [[] for _ in prompts]
 
@@ -178,10 +185,33 @@ def _vlen(prompts, requests, r: int) -> int:
     return len(prompts[r]) + len(requests.out[r])
 
 
+def _lookup_drafts(rows, prompts, requests, window, stats, per_row) -> None:
+    """Prompt-lookup tokens as unverified tokens for every row that is still drafting and has a
+    match (up to the window and the request's remaining tokens); such a row is verified next."""
+    for row, r in zip(rows, requests.alive):
+        if not row.verified or row.stopped:
+            continue
+        room = min(window - 1, requests.remaining(r)) - len(row.unverified)
+        context = prompts[r] + requests.out[r] + row.unverified
+        match = lookup_match(context, room, min_ngram=LOOKUP_MIN_NGRAM_UNJUDGED)
+        if match.tokens:
+            row.unverified.extend(match.tokens)
+            row.stopped = True
+            stats["fast_tokens"] += len(match.tokens)
+            stats["lookup_tokens"] += len(match.tokens)
+            per_row[r]["fast_tokens"] += len(match.tokens)
+
+
 def _fast_step(model, cache, rows, fast_path, prompts, params, seeds, requests, window, stats, per_row,
                logprobs):
-    """One batched fast forward for every row; rows that are waiting discard theirs."""
+    """One batched fast forward for every row; rows that are waiting discard theirs. With
+    lookup, rows with a match take its tokens first, and when every row is then waiting for its
+    verify pass no forward runs."""
     alive = requests.alive
+    if fast_path.lookup:
+        _lookup_drafts(rows, prompts, requests, window, stats, per_row)
+        if all(row.stopped for row in rows):
+            return
     last = torch.tensor([row.unverified[-1] if row.unverified else row.pending for row in rows],
                         dtype=torch.int64, device=model.device)
     tokens, confident, logits = fast_path.propose(model, cache, last, params, [seeds[r] for r in alive])
@@ -206,8 +236,10 @@ def _fast_step(model, cache, rows, fast_path, prompts, params, seeds, requests, 
                 or (fast_path.layer_set is not None and len(row.unverified) >= window)
                 or (requests.stop_check is not None and requests.stop_check(r, seen))):
             row.stopped = True
-    # each row keeps KV for its pending token and every unverified token but the newest
-    cache.rollback([_vlen(prompts, requests, r) - 1 + len(row.unverified) for r, row in zip(alive, rows)])
+    # each row keeps KV for its pending token and every unverified token but the newest (a row
+    # with lookup tokens has no KV for them: it keeps what it has, its verify pass writes the rest)
+    cache.rollback([min(_vlen(prompts, requests, r) - 1 + len(row.unverified), n)
+                    for r, row, n in zip(alive, rows, cache.host_lengths)])
 
 
 def _verify(verifier, cache, rows, picked, prompts, params, seeds, requests, stats, per_row, logprobs, fast_path):

@@ -7,6 +7,10 @@ from typing import NamedTuple
 # the longest suffix matched; on SmolLM2 a match of 4+ tokens predicts the next token 78-91 % of
 # the time, of 1 token 18 % (bench prompts, 128 greedy tokens each): the length is worth knowing
 LOOKUP_MAX_NGRAM = 8
+# without a DrafterPolicy to judge them, lookup drafts need a match of at least 2 tokens:
+# 1-token matches were mostly rejected on SmolLM2 (18 % of first drafts right) and a verify of
+# k+1 tokens costs more than a decode step; the policy keeps their acceptance apart and decides
+LOOKUP_MIN_NGRAM_UNJUDGED = 2
 
 
 class LookupMatch(NamedTuple):

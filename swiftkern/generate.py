@@ -399,7 +399,7 @@ class Generator:
             elif self.mode == "deterministic":
                 fast = FastPath()
                 if self.drafter == "self-spec":
-                    fast = FastPath(self.layer_set, self.eps, self._draft_head(ids))
+                    fast = FastPath(self.layer_set, self.eps, self._draft_head(ids), lookup=True)
                 spec_stats = decode_deterministic(self.model, cache, ids, params, seeds, requests, self.window,
                                                   self.verify_batch, fast, verified)
                 steps = spec_stats["fast_steps"] + spec_stats["verify_passes"]

@@ -23,16 +23,12 @@ from .layer_set import LayerSet
 from .model import SkipModel
 from .draft_head import DraftHead
 from .drafter_policy import Choice, DrafterPolicy
-from .drafters import LookupMatch, lookup_match
+from .drafters import LOOKUP_MIN_NGRAM_UNJUDGED, LookupMatch, lookup_match
 from .batch_invariant import bi_token_logprob
 from .requests import Requests
 from .sampling import SamplingParams, keyed_uniforms, probs_from_logits, sample_from_weights, select_tokens
 
 STREAM_TARGET, STREAM_DRAFT, STREAM_ACCEPT, STREAM_RESIDUAL = 0, 1, 2, 3
-# without a DrafterPolicy to judge them, lookup drafts need a match of at least 2 tokens:
-# 1-token matches were mostly rejected on SmolLM2 (18 % of first drafts right) and a verify of
-# k+1 tokens costs more than a decode step; the policy keeps their acceptance apart and decides
-LOOKUP_MIN_NGRAM_UNJUDGED = 2
 
 
 @dataclass

@@ -376,6 +376,26 @@ def test_self_spec_fast_path_gives_the_same_output(tiny, draft_vocab):
     assert 0 < s["rollback_fraction"] == s["rolled_back"] / s["fast_tokens"]
 
 
+@pytest.mark.parametrize("sample", [False, True])
+def test_self_spec_fast_path_with_lookup_drafts(tiny, sample):
+    """Repetitive prompts give the self-spec fast path prompt-lookup drafts (no model call);
+    the verifier decides every token, so the output and logprobs equal the regular fast path's,
+    and a needle keeps its bits in a batch."""
+    prompts = [[5, 6, 7, 8, 9] * 4, [40, 41, 42, 40, 41, 42, 40, 41], list(range(30, 45))]
+    kw = dict(max_new_tokens=20, eos_token_id=[], do_sample=sample, temperature=1.3, seed=[3, 4, 5])
+    plain = Generator(tiny, mode="deterministic", window=6, replay="always").generate(prompts, **kw)
+    gen = Generator(tiny, mode="deterministic", window=6, drafter="self-spec", layer_set="attn:1,2|mlp:2",
+                    eps=0.0, replay="always", verify_batch=2)
+    spec = gen.generate(prompts, **kw)
+    assert spec.tokens == plain.tokens
+    assert all(torch.equal(a, b) for a, b in zip(spec.logprobs, plain.logprobs))
+    assert spec.stats["fast_tokens"] > spec.stats["lookup_tokens"]  # the layer-skipped draft ran too
+    if not sample:  # sampled tokens rarely continue the prompts' n-grams
+        assert spec.stats["lookup_tokens"] > 0
+    alone = gen.generate(prompts[:1], **dict(kw, seed=3))
+    assert alone.tokens[0] == spec.tokens[0] and torch.equal(alone.logprobs[0], spec.logprobs[0])
+
+
 def test_generator_stats_and_errors(tiny):
     out = Generator(tiny, mode="deterministic", window=4, verify_batch=2, replay="always").generate(
         [[5, 6], [7]], max_new_tokens=9, eos_token_id=[])
