@@ -105,8 +105,8 @@ class Verifier:
         starts = [s.start for s in slots] + [0] * (R - n_real)
         longest = max(s.start + len(s.tokens) for s in slots)
         key_len = -(-longest // KEY_BLOCK) * KEY_BLOCK
-        inputs = tuple(torch.tensor(x, dtype=torch.int64).to(device)
-                       for x in (tokens, starts, rows, real, write_rows))  # [R, T], [R], [R], [R*T], [R*T]
+        inputs = (tokens.to(device),) + tuple(torch.tensor(x, dtype=torch.int64, device=device)
+                                              for x in (starts, rows, real, write_rows))  # [R, T], [R], [R], [R*T], [R*T]
         runner = m.graphs
         if runner is None or T != self.window:  # prefill passes (widths vary, each seen about once) run eagerly
             hidden = self._pass(cache, key_len, *inputs)
