@@ -138,8 +138,9 @@ class Generator:
     finds carries over to this Generator's later calls (``reset_search()`` forgets it).
     Mode ``deterministic`` (LLM-42, ``deterministic.decode_deterministic``): a prompt's output
     and ``logprobs`` are the same bits whatever else is in the batch. Rows decode together
-    (regular batched decoding; ``drafter="self-spec"``: the draft with ``layer_set`` skipped,
-    stopping at confidence < ``eps``), and every ``window`` unverified tokens are replayed in a
+    (regular batched decoding; ``drafter="self-spec"``: prompt-lookup drafts where a row's
+    context repeats, else the draft with ``layer_set`` skipped, stopping at confidence < ``eps``),
+    and every ``window`` unverified tokens are replayed in a
     fixed-shape ``verify_batch x window`` batch-invariant pass that commits the matching prefix
     plus its own token at the first mismatch. ``replay="auto"`` (default) skips that replay where
     it cannot change a bit: on the CPU in float32 with the C++ kernels, every decode, verify and
