@@ -10,7 +10,8 @@
 # Stages chain: `bash bench/gpu_session.sh setup tests`. Everything under bench/results and the
 # logs are packed into $OUT/results.tgz at the end of every stage list.
 #
-# Carried paths (ignored by git, see .git/info/exclude): .whl (the gguf wheel), .gpu/so (a built
+# Carried paths (ignored by git, see .git/info/exclude; bench/gpu_prepare.sh makes .whl, .gpu/a
+# and .gpu/b on the CPU machine): .whl (the gguf wheel), .gpu/so (a built
 # swiftkern/_C*.so: skips the build), .gpu/a and .gpu/b (the two halves of the 98 MB SmolLM2
 # GGUF; a warm machine keeps half a in /tmp between two calls).
 set -u
