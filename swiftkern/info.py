@@ -41,6 +41,8 @@ def collect_info() -> dict:
     info["cpu_layer_loop"] = ("C++ decoder_stack (float32)" if LayerKernels.for_device("cpu").stack is not None
                               else "Python, op by op")
 
+    info["cuda_graphs"] = ("available: Generator(cuda_graphs=True) / --cuda-graphs" if torch.cuda.is_available()
+                           else "not available (no CUDA device)")
     # where the batch-invariant kernel set runs, mode deterministic needs no replay (replay="auto")
     info["deterministic_without_replay"] = ("cpu float32" if invariant_kernels_available("cpu", torch.float32)
                                             else "no (the LLM-42 replay runs)")

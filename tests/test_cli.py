@@ -56,6 +56,8 @@ def test_info_names_backends():
 
     loop = "C++ decoder_stack" if LayerKernels.for_device("cpu").stack is not None else "Python, op by op"
     assert f"cpu_layer_loop: {loop}" in r.stdout
+    graphs = "available" if torch.cuda.is_available() else "not available (no CUDA device)"
+    assert f"cuda_graphs: {graphs}" in r.stdout
 
 
 @pytest.mark.parametrize("args,msg", [
