@@ -90,6 +90,7 @@ class SkipModel:
         self.invariant = False  # True inside batch_invariant(): the invariant kernel set
         self._rope_table: RopeTable | None = None
         self.graphs = None  # a cuda_graphs.GraphRunner inside cuda_graphs(), else None
+        self._plans: dict = {}  # LayerSet or None -> _skip_plan's (attn, mlp) plan (lists of bools)
 
     @classmethod
     def from_hf(cls, hf_model) -> "SkipModel":
@@ -162,11 +163,14 @@ class SkipModel:
         """Per layer, for attention and MLP: True (every row skips it), False (no row does), or
         a float mask [B, 1, 1] (1 = the row keeps it) when ``layer_set`` is a list with one
         LayerSet per row."""
-        sets = layer_set if isinstance(layer_set, (list, tuple)) else [layer_set]
+        per_row = isinstance(layer_set, (list, tuple))
+        if not per_row and layer_set in self._plans:  # one set for all rows: plain bools, kept
+            return self._plans[layer_set]
+        sets = layer_set if per_row else [layer_set]
         for ls in sets:
             if ls is not None and ls.num_layers != self.num_layers:
                 raise SwiftkernError(f"layer set is for {ls.num_layers} layers, the model has {self.num_layers}")
-        if isinstance(layer_set, (list, tuple)) and len(layer_set) != batch:
+        if per_row and len(layer_set) != batch:
             raise SwiftkernError(f"forward: got {len(layer_set)} layer sets for a batch of {batch} rows")
         plans = []
         for masks in ([ls.attn_mask() if ls is not None else [False] * self.num_layers for ls in sets],
@@ -180,6 +184,10 @@ class SkipModel:
                     keep = torch.tensor([0.0 if s else 1.0 for s in column], dtype=self.dtype, device=device)
                     plan.append(keep.view(batch, 1, 1))
             plans.append(plan)
+        if not per_row:
+            if len(self._plans) >= 1024:  # a long search drafts with many sets: keep the memo small
+                self._plans.clear()
+            self._plans[layer_set] = (plans[0], plans[1])
         return plans[0], plans[1]
 
     def _add_norm(self, kern: LayerKernels, hidden: torch.Tensor, pending: torch.Tensor | None,
