@@ -34,6 +34,7 @@ from .errors import SwiftkernError
 MAX_GRAPH_TOKENS = 256  # B x T at most in a graphed forward: decode, drafts and verify passes
 MIN_SPAN = 64
 MAX_GRAPHS = 64  # captured graphs kept, least recently used dropped first
+CACHE_STEP = 256  # the runner's cache sizes are rounded up to a multiple of this
 
 
 def unsteady_calls(model) -> int:
@@ -133,11 +134,29 @@ class GraphRunner:
         self.max_tokens = max_tokens
         self.max_graphs = max_graphs
         self.entries: OrderedDict = OrderedDict()
+        self.cache = None  # the KVCache new_cache handed out last
         self.captures = self.replays = self.eager = 0
         self.replays_by_kind: dict = {}  # "forward" | "verify" -> replays
         cuda = graph_type is CudaGraph
         self.pool = torch.cuda.graph_pool_handle() if cuda else None
         self.stream = torch.cuda.Stream(model.device) if cuda else None
+
+    def new_cache(self, batch: int, needed: int):
+        """A KVCache for ``batch`` rows of at least ``needed`` positions: the one handed out last
+        when it fits (graphs are keyed on the cache's storage, so a reused cache reuses them
+        across calls and Generators), else a new one of ``needed`` rounded up to CACHE_STEP
+        positions. A reused cache holds stale keys and values past every row's length: finite
+        model values, masked, overwritten."""
+        cache = self.cache
+        if cache is not None and cache.batch == batch and needed <= cache.max_len < 2 * needed + CACHE_STEP:
+            cache.set_lengths([0] * batch)
+            return cache
+        try:
+            cache = self.model.new_cache(batch, -(-needed // CACHE_STEP) * CACHE_STEP)
+        except SwiftkernError:  # a sliding-window model's limit: the exact size may still fit
+            cache = self.model.new_cache(batch, needed)
+        self.cache = cache
+        return cache
 
     def stats(self) -> dict:
         return {"graphs": len(self.entries), "captures": self.captures, "replays": self.replays,

@@ -29,7 +29,6 @@ from .deterministic import FastPath, decode_deterministic
 from .cuda_graphs import GraphRunner
 
 REPLAY = ("auto", "always")
-CACHE_STEP = 256  # with CUDA graphs, cache sizes are rounded up to a multiple of this
 MODES = ("ar", "self-spec", "deterministic")
 DRAFTERS = ("auto", "layer-skip", "lookup", "none", "self-spec")
 
@@ -150,8 +149,10 @@ class Generator:
     and ``logprobs`` are those of the model itself; ``replay="always"`` keeps the LLM-42 replay.
     ``cuda_graphs=True`` (a model on a CUDA device) replays the forwards of decode, draft and
     verify steps through CUDA graphs captured on a shape's second use (``cuda_graphs.GraphRunner``,
-    kept across calls; or pass a runner); prefill, the search's scoring passes and the
-    deterministic verifier run as before.
+    kept across calls; or pass a ``GraphRunner`` to share its graphs between Generators of its
+    model, e.g. across HF ``generate(custom_generate=...)`` calls with ``swift_kwargs=
+    {"cuda_graphs": runner}``); prefill of long prompts and the search's scoring passes run
+    eagerly.
     """
 
     def __init__(self, model, tokenizer=None, mode: str = "ar", layer_set=None, k_max: int = 25,
@@ -161,6 +162,8 @@ class Generator:
                  cuda_graphs=False):
         if mode not in MODES:
             raise SwiftkernError(f"unknown mode {mode!r}; available: {', '.join(MODES)}")
+        if isinstance(cuda_graphs, GraphRunner) and cuda_graphs.model.hf_model is model:
+            model = cuda_graphs.model  # an HF model whose runner (and its graphs) a caller keeps
         self.model = model if isinstance(model, SkipModel) else SkipModel.from_hf(model)
         self.tokenizer = tokenizer
         self.mode = mode
@@ -215,7 +218,6 @@ class Generator:
             raise SwiftkernError(f"cuda_graphs must be True, False or a GraphRunner, got {cuda_graphs!r}")
         if self.graph_runner is not None and self.graph_runner.model is not self.model:
             raise SwiftkernError("cuda_graphs: the GraphRunner was made for another model")
-        self._graph_cache: KVCache | None = None  # with CUDA graphs: reused across calls where it fits
 
     def _tuner(self, chooser) -> OnTheFlyTuner:
         """SWIFT's on-the-fly search. The first call starts it from the set ``swiftkern search``
@@ -232,22 +234,10 @@ class Generator:
         return self._tuner_state
 
     def _new_cache(self, batch: int, needed: int) -> KVCache:
-        """A fresh cache; with CUDA graphs, this Generator's previous cache when it fits (graphs
-        are keyed on the cache's storage, so a reused cache reuses them across calls), else one
-        of ``needed`` rounded up to CACHE_STEP positions (fewer distinct sizes). A reused cache
-        holds stale keys and values past every row's length: finite, masked, overwritten."""
+        """A fresh cache, or with CUDA graphs the runner's (``GraphRunner.new_cache``)."""
         if self.graph_runner is None:
             return self.model.new_cache(batch, needed)
-        cache = self._graph_cache
-        if cache is not None and cache.batch == batch and needed <= cache.max_len < 2 * needed + CACHE_STEP:
-            cache.set_lengths([0] * batch)
-            return cache
-        try:
-            cache = self.model.new_cache(batch, -(-needed // CACHE_STEP) * CACHE_STEP)
-        except SwiftkernError:  # a sliding-window model's limit: the exact size may still fit
-            cache = self.model.new_cache(batch, needed)
-        self._graph_cache = cache
-        return cache
+        return self.graph_runner.new_cache(batch, needed)
 
     def reset_search(self) -> None:
         """Forget what the on-the-fly layer-set search found; the next call searches anew."""

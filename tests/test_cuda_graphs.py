@@ -212,3 +212,23 @@ def test_drafter_costs_are_timed_on_replays_only(tiny, monkeypatch):
     recorded, verifies = run(runner)
     unsteady = runner.stats()["eager"] + runner.stats()["captures"] - 1  # the prefill is not a verify
     assert recorded == verifies - unsteady and 0 < recorded < verifies
+
+
+def test_hf_custom_generate_shares_a_runner_across_calls():
+    """HF generate(custom_generate=...) makes a Generator per call; a runner passed in
+    swift_kwargs keeps its cache and graphs across them, and the tokens equal HF greedy."""
+    from swiftkern.integrations.transformers import generate as swift_generate
+
+    hf = tiny_model("llama", seed=5)
+    runner = GraphRunner(SkipModel(hf), EmulatedGraph)
+    ids = torch.tensor([[5, 17, 99, 3, 42, 8]])
+    expected = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)
+    captures = []
+    for _ in range(3):
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                          eos_token_id=None, pad_token_id=0, custom_generate=swift_generate, swift_mode="ar",
+                          swift_kwargs={"cuda_graphs": runner})
+        assert torch.equal(out, expected)
+        captures.append(runner.captures)
+    assert captures[2] == captures[1] and runner.replays > 0
