@@ -12,10 +12,11 @@ to fill the batch (chat template):
                 (the LLM-42 replay forced) vs det-replay-1/8 (one request in eight needs
                 determinism, the others skip verification: LLM-42's case)
     windows     batch 8: ar vs the replay at windows 8, 16, 32, 64 (rollback fraction, speed)
-    batch 1     ar vs deterministic (replay auto; window 32, verify batch 1) vs self-spec + deterministic
-                (replay auto: on the CPU the speculative loop on the invariant kernels, drafter
-                policy over lookup and the layer set; with replay: the layer-skipped draft is the
-                fast path, window 8, verify batch 1) vs self-spec+det-replay (the replay forced) vs
+    batch 1     each of the five prompts alone, in turn: ar vs deterministic (replay auto;
+                window 32, verify batch 1) vs self-spec + deterministic (replay auto: on the
+                CPU the speculative loop on the invariant kernels, drafter
+                policy over lookup and the layer set; with replay: prompt lookup and the
+                layer-skipped draft are the fast path, window 8, verify batch 1) vs self-spec+det-replay (the replay forced) vs
                 self-spec alone (layer-skip drafter), layer set LAYER_SET
 
 Where the batch-invariant kernels do not run (a GPU), replay "auto" replays too, and the
@@ -111,7 +112,9 @@ def run(args) -> list[dict]:
     for group, batch, configs in _setups(args.smoke, layer_set, verify_batch, replay_differs):
         if args.providers:
             configs = {k: v for k, v in configs.items() if k in args.providers or k == "ar"}
-        prompts = [texts[i % len(texts)] for i in range(batch)]
+        # batch 1: every prompt kind in turn (one prompt alone says little); else one batch of
+        # the prompts cycled
+        calls = [[t] for t in texts] if batch == 1 else [[texts[i % len(texts)] for i in range(batch)]]
         graphs = getattr(args, "cuda_graphs", False)
         gens = {name: swiftkern.Generator(model, tok, cuda_graphs=graphs,
                                           **{k: v for k, v in kw.items() if k != "share"})
@@ -122,20 +125,22 @@ def run(args) -> list[dict]:
 
         def timed(name):
             def fn():
-                last[name] = gens[name].generate(prompts, max_new_tokens=n, eos_token_id=[],
-                                                 deterministic=flags[name])
+                last[name] = [gens[name].generate(prompts, max_new_tokens=n, eos_token_id=[],
+                                                  deterministic=flags[name]) for prompts in calls]
             return fn
 
         for name in gens:  # warm-up at the timed batch: kernel compiles for its shapes stay out of the timing
-            gens[name].generate(prompts, max_new_tokens=2, eos_token_id=[])
+            gens[name].generate(calls[0], max_new_tokens=2, eos_token_id=[])
         times = common.time_fn({name: timed(name) for name in gens}, args.device, warmup=0, reps=reps)
-        ar_tok_s = batch * n / (times["ar"]["median_ms"] * 1e-3) if "ar" in times else None
+        new_tokens = batch * n * len(calls)
+        ar_tok_s = new_tokens / (times["ar"]["median_ms"] * 1e-3) if "ar" in times else None
         for name, timing in times.items():
-            out, kw = last[name], configs[name]
-            s = out.stats
-            tok_s = batch * n / (timing["median_ms"] * 1e-3)
+            outs, kw = last[name], configs[name]
+            s = _merged_stats([o.stats for o in outs])
+            tok_s = new_tokens / (timing["median_ms"] * 1e-3)
             rows.append(common.row(
-                ROUTINE, name + ("+graphs" if graphs else ""), args.device, hf.dtype, f"B={batch} N={n}", timing, model=model_name, group=group,
+                ROUTINE, name + ("+graphs" if graphs else ""), args.device, hf.dtype, f"B={batch} N={n}", timing,
+                model=model_name, group=group,
                 batch=batch, new_tokens=n, reps=reps, window=kw.get("window", ""),
                 deterministic_share=kw.get("share", 1.0 if kw["mode"] == "deterministic" else 0.0),
                 verify_batch=kw.get("verify_batch", ""), fast_path=s.get("fast_path", ""),
@@ -144,9 +149,21 @@ def run(args) -> list[dict]:
                 ratio_vs_ar=round(tok_s / ar_tok_s, 3) if ar_tok_s else "",
                 rollback_fraction=round(s["rollback_fraction"], 5) if "rollback_fraction" in s else "",
                 verify_passes=s.get("verify_passes", ""), dummy_rows=s.get("dummy_rows", ""),
-                tokens_equal_ar=out.tokens == last["ar"].tokens if "ar" in last else ""))
+                tokens_equal_ar=[o.tokens for o in outs] == [o.tokens for o in last["ar"]] if "ar" in last else ""))
     _summary(rows)
     return rows
+
+
+def _merged_stats(stats: list[dict]) -> dict:
+    """The stats of several generate calls as one: counts summed, the rollback fraction of the
+    sums, the rest from the first call."""
+    out = dict(stats[0])
+    for key in ("verify_passes", "dummy_rows", "rolled_back", "fast_tokens"):
+        if key in out:
+            out[key] = sum(s[key] for s in stats)
+    if "rollback_fraction" in out:
+        out["rollback_fraction"] = out["rolled_back"] / out["fast_tokens"] if out["fast_tokens"] else 0.0
+    return out
 
 
 def _summary(rows: list[dict]) -> None:
