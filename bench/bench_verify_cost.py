@@ -1,6 +1,6 @@
 """Cost of one full-model forward of T tokens (a verify pass of T - 1 drafts) vs a decode step.
 
-    python -m bench --routine verify_cost [--model smollm2] [--reps 20] [--smoke]
+    python -m bench --routine verify_cost [--model smollm2] [--reps 20] [--smoke] [--cuda-graphs]
 
 What every drafter pays per step is k draft costs + verify(k + 1); speculation pays only
 when verify(T) stays close to verify(1). Providers, timed interleaved on one cache holding a
@@ -9,8 +9,10 @@ when verify(T) stays close to verify(1). Providers, timed interleaved on one cac
     T<t>             a forward of t tokens with the kernels swiftkern picks (SWIFTKERN_BACKEND
                      as set; on the CPU the C++ skinny_linear kernel)
     T<t>-reference   the same with every op forced to the plain torch reference (MKL matmuls)
+    T<t>+graphs      with --cuda-graphs (a GPU): T<t> replayed from a CUDA graph (GraphRunner;
+                     the warm-up calls are its first sight and its capture)
 
-Column ratio_vs_T1: median time / the same backend's T = 1 median, same run.
+Column ratio_vs_T1: median time / the same provider family's T = 1 median, same run.
 """
 
 from __future__ import annotations
@@ -43,6 +45,14 @@ def _forced(backend: str | None, fn):
     return run
 
 
+def _graphed(runner, fn):
+    """fn run with the model's forwards going through ``runner`` (CUDA graphs)."""
+    def run():
+        with runner.model.cuda_graphs(runner):
+            fn()
+    return run
+
+
 def forward_steps(model, context_len: int, max_T: int):
     """step(T) -> a callable running one forward of T tokens (batch 1) on a cache holding a
     random context of context_len tokens, then rolling the cache back: repeatable timings."""
@@ -68,13 +78,19 @@ def run(args) -> list[dict]:
     for T in TOKENS:
         fns[f"T{T}"] = _forced(None, step(T))
         fns[f"T{T}-reference"] = _forced("reference", step(T))
+    if getattr(args, "cuda_graphs", False):
+        from swiftkern.cuda_graphs import GraphRunner
+
+        runner = GraphRunner(model)
+        fns.update({f"T{T}+graphs": _graphed(runner, step(T)) for T in TOKENS})
     if args.providers:
-        fns = {k: v for k, v in fns.items() if k in args.providers or k in ("T1", "T1-reference")}
+        fns = {k: v for k, v in fns.items() if k in args.providers or k in ("T1", "T1-reference", "T1+graphs")}
     times = common.time_fn(fns, args.device, warmup=2, reps=args.reps or (3 if args.smoke else 20))
     rows = []
     for p, t in times.items():
-        T = int(p[1:].split("-")[0])
-        one = times["T1-reference" if p.endswith("-reference") else "T1"]["median_ms"]
+        T = int(p[1:].split("-")[0].split("+")[0])
+        family = p[len(f"T{T}"):]  # "", "-reference" or "+graphs"
+        one = times["T1" + family]["median_ms"]
         backend = "reference" if p.endswith("-reference") else ops._backend()
         rows.append(common.row(ROUTINE, p, args.device, model.dtype, f"B=1 T={T} ctx={ctx}", t, model=name,
                                backend=backend, ratio_vs_T1=round(t["median_ms"] / one, 3)))

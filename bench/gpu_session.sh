@@ -86,6 +86,8 @@ stage_graphs() {
   timeout 300 python3 -m bench --routine determinism --max-new-tokens 64 --reps 2 --cuda-graphs --plot \
     > "$OUT/determinism-graphs.log" 2>&1
   echo "determinism graphs: exit $?"; tail -22 "$OUT/determinism-graphs.log"
+  timeout 120 python3 -m bench --routine verify_cost --reps 20 --cuda-graphs > "$OUT/verify-cost-graphs.log" 2>&1
+  echo "verify_cost graphs: exit $?"; tail -20 "$OUT/verify-cost-graphs.log"
 }
 
 for stage in "$@"; do
