@@ -1,7 +1,7 @@
 """Deterministic mode (LLM-42) vs plain batched ar: throughput, rollback fraction, and self-spec.
 
     python -m bench --routine determinism [--max-new-tokens 64] [--reps 2] [--smoke] [--no-csv]
-        [--providers ar,deterministic,self-spec+det,self-spec] [--cuda-graphs]
+        [--providers ar,deterministic,self-spec+det,self-spec] [--cuda-graphs] [--dtype bfloat16]
 
 Three groups, each timed interleaved (A B C ... A B C) so drift hits every provider alike, greedy,
 exactly ``--max-new-tokens`` per prompt (EOS off), prompts from bench/prompts.jsonl cycled
@@ -37,6 +37,8 @@ from __future__ import annotations
 import os
 import statistics
 import sys
+
+import torch
 
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -96,6 +98,8 @@ def run(args) -> list[dict]:
     else:
         model, tok = swiftkern.load_model(args.model)
         hf, model_name, layer_set = model.hf_model, args.model, LAYER_SET
+    if args.dtype:  # e.g. bfloat16 on a GPU: the verifier's fixed-tile matmuls then run on tensor cores
+        hf.to(getattr(torch, args.dtype))
     hf.to(args.device)
     model = swiftkern.SkipModel.from_hf(hf)
     n = 8 if args.smoke else args.max_new_tokens

@@ -6,7 +6,8 @@
 #   bash bench/gpu_session.sh sanitizer    tests/test_cuda_ops.py under compute-sanitizer memcheck
 #   bash bench/gpu_session.sh kernels      per-op kernel benchmarks (reference / triton / cuda)
 #   bash bench/gpu_session.sh e2e          generate, determinism, verify_cost, drafters on SmolLM2
-#   bash bench/gpu_session.sh graphs       generate and determinism with CUDA graphs (--cuda-graphs)
+#   bash bench/gpu_session.sh graphs       generate, determinism and verify_cost with CUDA graphs (--cuda-graphs)
+#   bash bench/gpu_session.sh bf16         determinism with CUDA graphs in bfloat16
 # Stages chain: `bash bench/gpu_session.sh setup tests`. Everything under bench/results and the
 # logs are packed into $OUT/results.tgz at the end of every stage list.
 #
@@ -88,6 +89,12 @@ stage_graphs() {
   echo "determinism graphs: exit $?"; tail -22 "$OUT/determinism-graphs.log"
   timeout 120 python3 -m bench --routine verify_cost --reps 20 --cuda-graphs > "$OUT/verify-cost-graphs.log" 2>&1
   echo "verify_cost graphs: exit $?"; tail -20 "$OUT/verify-cost-graphs.log"
+}
+
+stage_bf16() {
+  timeout 300 python3 -m bench --routine determinism --max-new-tokens 64 --reps 2 --cuda-graphs --dtype bfloat16 \
+    > "$OUT/determinism-bf16.log" 2>&1
+  echo "determinism bf16 graphs: exit $?"; tail -22 "$OUT/determinism-bf16.log"
 }
 
 for stage in "$@"; do
