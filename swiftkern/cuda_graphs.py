@@ -27,11 +27,10 @@ import contextlib
 from collections import OrderedDict
 
 import torch
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import ops
 from .errors import SwiftkernError
+from .graph_capture import CudaGraph, EmulatedGraph  # noqa: F401 (EmulatedGraph: for GraphRunner's callers)
 
 MAX_GRAPH_TOKENS = 256  # B x T at most in a graphed forward: decode, drafts and verify passes
 MIN_SPAN = 64
@@ -54,84 +53,6 @@ def attention_span(longest: int, capacity: int) -> int:
     while span < longest:
         span *= 2
     return min(span, capacity)
-
-
-class CudaGraph:
-    """One ``torch.cuda.CUDAGraph`` in a shared memory pool: ``capture(fn)`` records fn's
-    launches (on ``stream``), ``replay()`` reruns them and returns the output captured."""
-
-    def __init__(self, pool, stream):
-        self.graph, self.pool, self.stream = torch.cuda.CUDAGraph(), pool, stream
-        self.out = None
-
-    def capture(self, fn) -> None:
-        # capture_begin/end on our stream rather than torch.cuda.graph(), whose entry runs a full
-        # gc.collect() and empty_cache() per capture (tens of ms each with a model loaded)
-        torch.cuda.synchronize()
-        with torch.cuda.stream(self.stream):
-            self.graph.capture_begin(pool=self.pool)
-            try:
-                self.out = fn()
-            finally:
-                self.graph.capture_end()
-
-    def replay(self) -> torch.Tensor:
-        self.graph.replay()
-        return self.out
-
-
-_HOST_READS = frozenset(("item", "tolist", "numpy", "cpu", "nonzero", "equal", "__bool__", "__int__", "__float__",
-                         "__index__", "__complex__"))
-
-
-class _NoHostReadCalls(TorchFunctionMode):
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", None) in _HOST_READS:
-            _refuse(func)
-        return func(*args, **(kwargs or {}))
-
-
-class _NoHostReadOps(TorchDispatchMode):
-    READS = frozenset(getattr(torch.ops.aten, name).default for name in
-                      ("_local_scalar_dense", "nonzero", "equal", "is_nonzero", "item"))
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in self.READS:
-            _refuse(func)
-        return func(*args, **(kwargs or {}))
-
-
-def _refuse(func) -> None:
-    raise SwiftkernError(f"a graphed forward read a tensor's value on the host ({getattr(func, '__name__', func)}); "
-                         "a CUDA graph cannot capture that")
-
-
-@contextlib.contextmanager
-def no_host_reads():
-    """Raises SwiftkernError on every read of a tensor's values on the host inside: ``.item()``,
-    ``.tolist()``, ``int(t)``, ``bool(t)``, ``.cpu()``, ``nonzero``, ``torch.equal``, ... (from
-    Python, and the aten ops behind them from C++). On a GPU each is a device sync, which a CUDA
-    graph capture refuses, and its result would be baked into the graph."""
-    with _NoHostReadCalls(), _NoHostReadOps():
-        yield
-
-
-class EmulatedGraph:
-    """A stand-in for ``CudaGraph`` where there is no GPU (tests): ``capture`` keeps fn,
-    ``replay`` calls it again on the same static buffers, under ``no_host_reads()``. With the
-    cache's host lengths hidden while fn runs (``GraphRunner`` does that for both kinds), a
-    body that read host state or tensor values, which a real capture would bake in or refuse,
-    fails here too."""
-
-    def __init__(self, pool=None, stream=None):
-        self.fn = None
-
-    def capture(self, fn) -> None:
-        self.fn = fn
-
-    def replay(self) -> torch.Tensor:
-        with no_host_reads():
-            return self.fn()
 
 
 @contextlib.contextmanager

@@ -15,7 +15,8 @@ import torch
 
 from conftest import hf_greedy, tiny_model
 from swiftkern import Generator, SkipModel, ops
-from swiftkern.cuda_graphs import MIN_SPAN, EmulatedGraph, GraphRunner, attention_span
+from swiftkern.cuda_graphs import MIN_SPAN, GraphRunner, attention_span
+from swiftkern.graph_capture import EmulatedGraph
 from swiftkern.errors import SwiftkernError
 from swiftkern.layer_set import LayerSet
 
