@@ -48,8 +48,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default="smollm2", help="model for end-to-end routines")
     ap.add_argument("--max-new-tokens", type=int, default=128, help="end-to-end routines: tokens per prompt")
     ap.add_argument("--cuda-graphs", action="store_true",
-                    help="end-to-end routines on a GPU: determinism runs every Generator with cuda_graphs=True; "
-                         "generate adds <provider>+graphs next to each swiftkern provider")
+                    help="on a GPU: determinism runs every Generator with cuda_graphs=True; generate adds "
+                         "<provider>+graphs next to each swiftkern provider; verify_cost adds T<t>+graphs")
     return ap
 
 
