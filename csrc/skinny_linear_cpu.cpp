@@ -75,6 +75,24 @@ __attribute__((target("avx512f,avx2"))) static inline float halving_sum_avx512(_
   return halving_sum_8x2(_mm512_castps512_ps256(v), hi);
 }
 
+// reduce_lanes of four accumulators at once, stored as y[0..4): the same additions in the same
+// order (l + 8, l + 4, l + 2, l + 1), done on the four side by side after 128-bit shuffles
+// rather than one horizontal sum each (3.5 instead of ~7 vector ops per output). SmolLM2's
+// projections, six alternating runs of two builds: 128 rows 171.7 -> 164.8 ms, 32 rows ~4 %
+// faster, 1-16 rows (bound by the weight stream) unchanged within the noise
+__attribute__((target("avx512f"))) static inline void halving_sum_4_avx512(const __m512* a, float* y) {
+  // +8: [a0 lanes 0-7 + 8-15 | a1 ...] and [a2 | a3]
+  const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(a[0], a[1], 0x44), _mm512_shuffle_f32x4(a[0], a[1], 0xEE));
+  const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(a[2], a[3], 0x44), _mm512_shuffle_f32x4(a[2], a[3], 0xEE));
+  // +4: one 128-bit quarter per accumulator, lanes 0-3 + 4-7
+  const __m512 r = _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
+  // +2, then +1, within each quarter
+  const __m512 t = _mm512_add_ps(r, _mm512_shuffle_ps(r, r, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 u = _mm512_add_ps(t, _mm512_shuffle_ps(t, t, _MM_SHUFFLE(1, 1, 1, 1)));
+  const __m512 lane0 = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), u);
+  _mm_storeu_ps(y, _mm512_castps512_ps128(lane0));
+}
+
 template <int MR, int NR>
 __attribute__((target("avx512f"))) static void tile_avx512(const float* x, const float* w, float* y, int64_t K,
                                                            int64_t N, const float* pf) {
@@ -101,8 +119,12 @@ __attribute__((target("avx512f"))) static void tile_avx512(const float* x, const
       for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_mask3_fmadd_ps(xv, wv[j], acc[i][j], mask);
     }
   }
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) y[i * N + j] = halving_sum_avx512(acc[i][j]);
+  if constexpr (NR == 4) {
+    for (int i = 0; i < MR; ++i) halving_sum_4_avx512(acc[i], y + i * N);
+  } else {
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) y[i * N + j] = halving_sum_avx512(acc[i][j]);
+  }
 }
 
 // AVX2: lanes 0-7 and 8-15 of an output in two registers; tiles of up to 2 x rows (16 accumulators).
