@@ -14,10 +14,10 @@ to fill the batch (chat template):
     windows     batch 8: ar vs the replay at windows 8, 16, 32, 64 (rollback fraction, speed)
     batch 1     each of the five prompts alone, in turn: ar vs deterministic (replay auto;
                 window 32, verify batch 1) vs self-spec + deterministic (replay auto: on the
-                CPU the speculative loop on the invariant kernels, drafter
-                policy over lookup and the layer set; with replay: prompt lookup and the
-                layer-skipped draft are the fast path, window 8, verify batch 1) vs self-spec+det-replay (the replay forced) vs
-                self-spec alone (layer-skip drafter), layer set LAYER_SET
+                CPU the speculative loop on the invariant kernels, drafter policy over lookup
+                and the layer set; with replay: prompt lookup and the layer-skipped draft are
+                the fast path, window 8, verify batch 1) vs self-spec+det-replay (the replay
+                forced) vs self-spec alone (layer-skip drafter), layer set LAYER_SET
 
 Where the batch-invariant kernels do not run (a GPU), replay "auto" replays too, and the
 providers that would repeat another (det-replay, self-spec+det-replay) are left out.

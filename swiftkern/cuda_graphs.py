@@ -4,10 +4,11 @@ A decode step of a small model on a fast GPU is bound by the host, not the devic
 layer, each a Python call, a dispatch and a kernel launch (SmolLM2-135M on an H100: ~14 ms a
 step, ~300 op calls at 0.02-0.28 ms each from Python, as the kernel benches measured them). A
 CUDA graph records the launches of one forward once and replays them with one call; the
-deterministic verifier's fixed-shape pass is replayed the same way (``Verifier.forward``). What a replay reads must then sit at the addresses captured:
-the tokens are copied into a static buffer, the cache is the same storage (its lengths updated
-in place), and the body (``SkipModel.forward_device``) reads no host-side cache state, so the
-only host values baked into a graph are those in its key.
+deterministic verifier's fixed-shape pass is replayed the same way (``Verifier.forward``).
+What a replay reads must then sit at the addresses captured: the tokens are copied into a
+static buffer, the cache is the same storage (its lengths updated in place), and the body
+(``SkipModel.forward_device``) reads no host-side cache state, so the only host values baked
+into a graph are those in its key.
 
 A graph's key: the batch and token count, the skip plan, the attention span (the longest row +
 T rounded up to a power of two, at most the cache's capacity: the keys the attention kernels
@@ -141,7 +142,7 @@ class GraphRunner:
         key = ("forward", B, T, tuple(skip_attn), tuple(skip_mlp), span,
                None if logits_positions is None else tuple(logits_positions.shape), with_head,
                cache.k.data_ptr(), cache.v.data_ptr(), cache.lengths.data_ptr(), tuple(cache.k.shape),
-               model.invariant, ops._BACKEND, tokens.device)
+               cache.k.stride(), model.invariant, ops._BACKEND, tokens.device)
 
         def body(tok, pos=None):
             hidden = model.forward_device(tok, cache, skip_attn, skip_mlp, span, None, pos)
@@ -154,8 +155,9 @@ class GraphRunner:
         return out if with_head else model.head_logits(out, head)
 
     def run(self, key: tuple, fn, inputs: tuple, restore: tuple = ()) -> torch.Tensor:
-        """fn(*inputs) -> a tensor, where ``key`` (its first item names the kind of call) holds every host value and address fn depends
-        on besides the tensors ``inputs`` (copied into static buffers before a replay).
+        """fn(*inputs) -> a tensor, where ``key`` (its first item names the kind of call) holds
+        every host value and address fn depends on besides the tensors ``inputs`` (copied into
+        static buffers before a replay).
         ``restore``: tensors fn updates in place that a capture's warm-up run must put back.
         The first call for a key runs fn eagerly, the second captures it, later ones replay."""
         entry = self.entries.get(key)

@@ -105,14 +105,15 @@ class Verifier:
         starts = [s.start for s in slots] + [0] * (R - n_real)
         longest = max(s.start + len(s.tokens) for s in slots)
         key_len = -(-longest // KEY_BLOCK) * KEY_BLOCK
-        inputs = (tokens.to(device),) + tuple(torch.tensor(x, dtype=torch.int64, device=device)
-                                              for x in (starts, rows, real, write_rows))  # [R, T], [R], [R], [R*T], [R*T]
+        inputs = (tokens.to(device),) + tuple(  # [R, T], then [R], [R], [R*T], [R*T]
+            torch.tensor(x, dtype=torch.int64, device=device) for x in (starts, rows, real, write_rows))
         runner = m.graphs
         if runner is None or T != self.window:  # prefill passes (widths vary, each seen about once) run eagerly
             hidden = self._pass(cache, key_len, *inputs)
         else:  # extra key blocks change no bit (bi_attention), so the key length is bucketed
             key_len = KEY_BLOCK * attention_span(-(-longest // KEY_BLOCK), -(-cache.max_len // KEY_BLOCK))
-            key = ("verify", R, T, key_len, cache.k.data_ptr(), cache.v.data_ptr(), tuple(cache.k.shape))
+            key = ("verify", R, T, key_len, cache.k.data_ptr(), cache.v.data_ptr(), tuple(cache.k.shape),
+                   cache.k.stride())
             hidden = runner.run(key, lambda *x: self._pass(cache, key_len, *x), inputs)
         wanted = torch.tensor([i * T + j for i, s in enumerate(slots) for j in s.want], dtype=torch.int64,
                               device=device)
