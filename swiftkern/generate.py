@@ -372,6 +372,7 @@ class Generator:
 
         invariant = self.replay_elided()
         graphs = self.model.cuda_graphs(self.graph_runner) if self.graph_runner else contextlib.nullcontext()
+        graph_stats = self.graph_runner.stats() if self.graph_runner else None
         with self.model.batch_invariant() if invariant else contextlib.nullcontext(), graphs:
             _sync(device)
             t0 = time.perf_counter()
@@ -431,8 +432,12 @@ class Generator:
             "tokens_per_s": new / (t2 - t0),
             "decode_tokens_per_s": decoded / (t2 - t1) if t2 > t1 and decoded else 0.0,
         }
-        if self.graph_runner is not None:
-            stats["cuda_graphs"] = self.graph_runner.stats()
+        if self.graph_runner is not None:  # this call's share of the runner's counts
+            now = self.graph_runner.stats()
+            kinds = now["replays_by_kind"]
+            stats["cuda_graphs"] = dict(
+                {k: now[k] - graph_stats[k] for k in ("captures", "replays", "eager")}, graphs=now["graphs"],
+                replays_by_kind={k: n - graph_stats["replays_by_kind"].get(k, 0) for k, n in kinds.items()})
         if self.mode == "self-spec":
             per_row = spec_stats.pop("per_row")
             layer_set = str(self.layer_set) if self.layer_set is not None and self.drafter in ("layer-skip", "auto") else ""

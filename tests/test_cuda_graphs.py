@@ -265,3 +265,16 @@ def test_hf_custom_generate_shares_a_runner_across_calls():
         assert torch.equal(out, expected)
         captures.append(runner.captures)
     assert captures[2] == captures[1] and runner.replays > 0
+
+
+def test_generation_stats_count_this_call_only(tiny):
+    """stats["cuda_graphs"] counts one call; by the third call of a shape everything replays
+    (the prefill's key, seen once per call, is captured in the second)."""
+    runner = GraphRunner(tiny, EmulatedGraph)
+    gen = Generator(tiny, cuda_graphs=runner)
+    outs = [gen.generate([[5, 17, 99, 3]], max_new_tokens=10, eos_token_id=[]) for _ in range(3)]
+    total = runner.stats()
+    for key in ("captures", "replays", "eager"):
+        assert sum(o.stats["cuda_graphs"][key] for o in outs) == total[key]
+    third = outs[2].stats["cuda_graphs"]
+    assert (third["captures"], third["eager"], third["replays"]) == (0, 0, 10)  # prefill + 9 decode steps
