@@ -124,20 +124,15 @@ class GraphRunner:
         return {"graphs": len(self.entries), "captures": self.captures, "replays": self.replays,
                 "eager": self.eager, "replays_by_kind": dict(self.replays_by_kind)}
 
-    def forward(self, tokens, cache, skip_attn, skip_mlp, logits_positions, head) -> torch.Tensor:
-        """``SkipModel.forward`` after its checks: -> logits [B, T or P, V or V']; advances the cache."""
+    def forward(self, tokens, cache, skip_attn, skip_mlp, logits_positions, head) -> torch.Tensor | None:
+        """``SkipModel.forward`` after its checks: -> logits [B, T or P, V or V'] (the cache
+        advanced), or None for a call no graph serves (counted as eager; the caller runs it)."""
         model = self.model
         B, T = tokens.shape
-        plain = all(s is True or s is False for s in skip_attn + skip_mlp)
-        longest = max(cache.host_lengths) + T
-        if not plain or B * T > self.max_tokens:
+        if B * T > self.max_tokens or not all(s is True or s is False for s in skip_attn + skip_mlp):
             self.eager += 1
-            starts = cache.host_lengths
-            uniform = starts[0] if min(starts) == max(starts) else None
-            hidden = model.forward_device(tokens, cache, skip_attn, skip_mlp, longest, uniform, logits_positions)
-            cache.advance_host(T)
-            return model.head_logits(hidden, head)
-        span = attention_span(longest, cache.max_len)
+            return None
+        span = attention_span(max(cache.host_lengths) + T, cache.max_len)
         with_head = head is None
         key = ("forward", B, T, tuple(skip_attn), tuple(skip_mlp), span,
                None if logits_positions is None else tuple(logits_positions.shape), with_head,

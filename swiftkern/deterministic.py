@@ -37,7 +37,7 @@ from .sampling import SamplingParams, select_tokens
 from .batch_invariant import bi_log_softmax, bi_token_logprob
 from .draft_head import DraftHead
 from .drafters import LOOKUP_MIN_NGRAM_UNJUDGED, lookup_match
-from .verifier import Slot, Verifier, set_lengths
+from .verifier import Slot, Verifier
 
 
 @dataclass
@@ -288,7 +288,7 @@ def _verify(verifier, cache, rows, picked, prompts, params, seeds, requests, sta
     for s in slots:
         r = alive[s.row]
         lengths[s.row] = _vlen(prompts, requests, r) - 1 + len(rows[s.row].unverified)
-    set_lengths(cache, lengths)
+    cache.set_lengths(lengths)
 
 
 def _drop_finished(requests: Requests, cache: KVCache, rows: list[_Row]) -> list[_Row]:

@@ -256,7 +256,9 @@ class SkipModel:
         cache.check_room(T)
         skip_attn, skip_mlp = self._skip_plan(layer_set, B, tokens.device)
         if self.graphs is not None:
-            return self.graphs.forward(tokens, cache, skip_attn, skip_mlp, logits_positions, head)
+            logits = self.graphs.forward(tokens, cache, skip_attn, skip_mlp, logits_positions, head)
+            if logits is not None:
+                return logits
         starts = cache.host_lengths
         uniform_start = starts[0] if min(starts) == max(starts) else None
         hidden = self.forward_device(tokens, cache, skip_attn, skip_mlp, max(starts) + T, uniform_start,

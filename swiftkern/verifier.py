@@ -103,15 +103,14 @@ class Verifier:
         real += real[-1:] * (R * T - len(real))
         write_rows += write_rows[-1:] * (R * T - len(write_rows))
         starts = [s.start for s in slots] + [0] * (R - n_real)
-        longest = max(s.start + len(s.tokens) for s in slots)
-        key_len = -(-longest // KEY_BLOCK) * KEY_BLOCK
+        key_blocks = -(-max(s.start + len(s.tokens) for s in slots) // KEY_BLOCK)  # past every slot's last key
         inputs = (tokens.to(device),) + tuple(  # [R, T], then [R], [R], [R*T], [R*T]
             torch.tensor(x, dtype=torch.int64, device=device) for x in (starts, rows, real, write_rows))
         runner = m.graphs
         if runner is None or T != self.window:  # prefill passes (widths vary, each seen about once) run eagerly
-            hidden = self._pass(cache, key_len, *inputs)
+            hidden = self._pass(cache, KEY_BLOCK * key_blocks, *inputs)
         else:  # extra key blocks change no bit (bi_attention), so the key length is bucketed
-            key_len = KEY_BLOCK * attention_span(-(-longest // KEY_BLOCK), -(-cache.max_len // KEY_BLOCK))
+            key_len = KEY_BLOCK * attention_span(key_blocks, -(-cache.max_len // KEY_BLOCK))
             key = ("verify", R, T, key_len, cache.k.data_ptr(), cache.v.data_ptr(), tuple(cache.k.shape),
                    cache.k.stride())
             hidden = runner.run(key, lambda *x: self._pass(cache, key_len, *x), inputs)
@@ -176,7 +175,7 @@ class Verifier:
         lengths = list(cache.host_lengths)
         for b in rows:
             lengths[b] = len(prompts[b])
-        set_lengths(cache, lengths)
+        cache.set_lengths(lengths)
         return torch.stack([last[b] for b in rows])
 
     @torch.inference_mode()
@@ -205,8 +204,3 @@ def prefill_width(longest: int, chunk: int) -> int:
     narrower pass gives the same bits, since every verifier op is invariant to the pass width
     (the decode-vs-prefill tests compare widths 16 and 128 bit for bit)."""
     return min(chunk, -(-longest // PREFILL_WIDTH_STEP) * PREFILL_WIDTH_STEP)
-
-
-def set_lengths(cache: KVCache, lengths: list[int]) -> None:
-    """Set every row's length (may grow a row: a verify pass wrote those positions)."""
-    cache.set_lengths(lengths)
