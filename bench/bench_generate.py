@@ -16,6 +16,8 @@ greedy, exactly ``--max-new-tokens`` new tokens (EOS disabled for every provider
     lookup             swiftkern self-spec with the prompt-lookup drafter
     auto               swiftkern self-spec with the drafter policy (drafter="auto")
     deterministic      swiftkern mode="deterministic"
+    ar-float32, auto-float32   ar and auto reading the float32 weights, where the others read
+                       packed ones (a GGUF model on an AVX-512 CPU; swiftkern/packed_weights.py)
     <name>+graphs      with --cuda-graphs (a GPU): each swiftkern provider again, cuda_graphs=True
 
 A provider swiftkern cannot build yet (SwiftkernError) is skipped with a printed note.
@@ -144,9 +146,15 @@ def providers(hf, tok, smoke: bool, cuda_graphs: bool = False) -> tuple[dict, di
     }
     if cuda_graphs:
         swift.update({f"{name}+graphs": dict(kw, cuda_graphs=True) for name, kw in list(swift.items())})
+    models = {name: hf for name in swift}
+    if swiftkern.SkipModel.from_hf(hf).packed is not None:
+        unpacked = swiftkern.SkipModel.from_hf(hf, pack_weights=False)
+        for name in ("ar", "auto"):
+            swift[f"{name}-float32"] = swift[name]
+            models[f"{name}-float32"] = unpacked
     for name, kw in swift.items():
         try:
-            runs[name] = swift_provider(swiftkern.Generator(hf, tok, **kw))
+            runs[name] = swift_provider(swiftkern.Generator(models[name], tok, **kw))
         except SwiftkernError as e:
             skipped[name] = str(e)
     return runs, skipped

@@ -7,7 +7,9 @@ when verify(T) stays close to verify(1). Providers, timed interleaved on one cac
 200-token context, batch 1:
 
     T<t>             a forward of t tokens with the kernels swiftkern picks (SWIFTKERN_BACKEND
-                     as set; on the CPU the C++ skinny_linear kernel)
+                     as set; on the CPU the C++ skinny_linear kernel, reading packed weights
+                     where the model has them: a GGUF model on an AVX-512 CPU)
+    T<t>-float32     the same reading the float32 weights (only when the model has packed ones)
     T<t>-reference   the same with every op forced to the plain torch reference (MKL matmuls)
     T<t>+graphs      with --cuda-graphs (a GPU): T<t> replayed from a CUDA graph (GraphRunner;
                      the warm-up calls are its first sight and its capture)
@@ -45,6 +47,17 @@ def _forced(backend: str | None, fn):
     return run
 
 
+def _unpacked(model, fn):
+    """fn run with the model reading its float32 weights (``SkipModel.packed`` set aside)."""
+    def run():
+        packed, model.packed = model.packed, None
+        try:
+            fn()
+        finally:
+            model.packed = packed
+    return run
+
+
 def _graphed(runner, fn):
     """fn run with the model's forwards going through ``runner`` (CUDA graphs)."""
     def run():
@@ -78,18 +91,21 @@ def run(args) -> list[dict]:
     for T in TOKENS:
         fns[f"T{T}"] = _forced(None, step(T))
         fns[f"T{T}-reference"] = _forced("reference", step(T))
+        if model.packed is not None:
+            fns[f"T{T}-float32"] = _unpacked(model, step(T))
     if getattr(args, "cuda_graphs", False):
         from swiftkern.cuda_graphs import GraphRunner
 
         runner = GraphRunner(model)
         fns.update({f"T{T}+graphs": _graphed(runner, step(T)) for T in TOKENS})
     if args.providers:
-        fns = {k: v for k, v in fns.items() if k in args.providers or k in ("T1", "T1-reference", "T1+graphs")}
+        fns = {k: v for k, v in fns.items()
+               if k in args.providers or k in ("T1", "T1-reference", "T1-float32", "T1+graphs")}
     times = common.time_fn(fns, args.device, warmup=2, reps=args.reps or (3 if args.smoke else 20))
     rows = []
     for p, t in times.items():
         T = int(p[1:].split("-")[0].split("+")[0])
-        family = p[len(f"T{T}"):]  # "", "-reference" or "+graphs"
+        family = p[len(f"T{T}"):]  # "", "-reference", "-float32" or "+graphs"
         one = times["T1" + family]["median_ms"]
         backend = "reference" if p.endswith("-reference") else ops._backend()
         rows.append(common.row(ROUTINE, p, args.device, model.dtype, f"B=1 T={T} ctx={ctx}", t, model=name,

@@ -42,7 +42,11 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack_cpu(
     at::Tensor hidden, const std::vector<std::optional<at::Tensor>>& weights, const std::vector<int64_t>& skip,
     const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cos, const at::Tensor& sin,
     const at::Tensor& positions, const at::Tensor& cache_lens, int64_t max_len, int64_t num_heads,
-    int64_t num_kv_heads, int64_t head_dim, double eps, double scale, int64_t skinny_max_rows, bool invariant);
+    int64_t num_kv_heads, int64_t head_dim, double eps, double scale, int64_t skinny_max_rows, bool invariant,
+    const std::vector<std::optional<at::Tensor>>& packed, int64_t packed_max_rows);
+at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias);
+at::Tensor packed_linear_isa(const at::Tensor& x, const at::Tensor& packed, const std::string& isa);
+bool packed_linear_fast();
 std::tuple<at::Tensor, at::Tensor> rejection_sample_cpu(const at::Tensor& draft_tokens,
                                                         const std::optional<at::Tensor>& draft_probs,
                                                         const at::Tensor& target_probs,
@@ -82,7 +86,7 @@ void kv_compact_cuda(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& s
 constexpr const char* kCpuKernels[] = {"greedy_accept", "rejection_sample", "skinny_linear", "rms_norm",
                                        "fused_add_rms_norm", "silu_mul",
                                        "rope_kv_append", "verify_attention", "verify_attention_invariant",
-                                       "kv_compact", "bi_exp"};
+                                       "kv_compact", "bi_exp", "packed_linear"};
 #ifdef SWIFTKERN_WITH_CUDA
 constexpr const char* kCudaKernels[] = {"greedy_accept", "rejection_sample", "fused_add_rms_norm", "rope_kv_append",
                                         "kv_compact"};
@@ -106,6 +110,7 @@ TORCH_LIBRARY(swiftkern, m) {
   m.def("kv_compact(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor src_positions, Tensor dst_start, "
         "Tensor counts) -> ()");
   m.def("bi_exp(Tensor x) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(swiftkern, CPU, m) {
@@ -120,6 +125,7 @@ TORCH_LIBRARY_IMPL(swiftkern, CPU, m) {
   m.impl("verify_attention_invariant", &swiftkern::verify_attention_invariant_cpu);
   m.impl("kv_compact", &swiftkern::kv_compact_cpu);
   m.impl("bi_exp", &swiftkern::bi_exp_cpu);
+  m.impl("packed_linear", &swiftkern::packed_linear_cpu);
 }
 
 #ifdef SWIFTKERN_WITH_CUDA
@@ -138,6 +144,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "skinny_linear (no bias) with a named instruction set: avx512, avx2 or portable (tests)");
   m.def("decoder_stack", &swiftkern::decoder_stack_cpu,
         "every kept sub-layer of the decoder on the CPU in one call (csrc/decoder_stack_cpu.cpp)");
+  m.def("packed_linear_isa", &swiftkern::packed_linear_isa,
+        "packed_linear (no bias) with a named instruction set: avx512 or portable (tests)");
+  m.def("packed_linear_fast", &swiftkern::packed_linear_fast,
+        "whether packed_linear has a vector kernel here (AVX-512), i.e. beats skinny_linear");
   m.def("skinny_linear_isas", &swiftkern::skinny_linear_isas, "the instruction sets this CPU runs, widest first");
   m.def("build_info", [] {
     py::dict d;

@@ -16,6 +16,7 @@
 namespace swiftkern {
 
 at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
+at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias);
 at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_cpu(const at::Tensor& x, const at::Tensor& residual,
                                                           const at::Tensor& weight, double eps);
@@ -36,16 +37,27 @@ enum Field { kLnAttn, kQ, kK, kV, kQBias, kKBias, kVBias, kO, kOBias, kLnMlp, kG
 
 struct StackShape {
   int64_t B, T, num_heads, num_kv_heads, head_dim, max_len, skinny_max_rows;  // skinny_max_rows < 0: any
+  int64_t packed_max_rows;
   double eps, scale;
   bool invariant;
 };
 
-// ops.linear's choice: the C++ fixed-order kernel up to skinny_max_rows rows, torch's matmul past
-at::Tensor project(const StackShape& s, const at::Tensor& x, const std::optional<at::Tensor>& w,
-                   const std::optional<at::Tensor>& bias) {
+// One layer's weights: float32 (16, _Layer's fields) and packed (the same slots; undefined where
+// a weight is not packed, or no packed list was given)
+struct LayerWeights {
+  const std::optional<at::Tensor>* w;
+  const std::optional<at::Tensor>* packed;  // nullptr: none
+};
+
+// ops.linear's choice: the C++ fixed-order kernel up to skinny_max_rows rows (from the packed
+// weight up to packed_max_rows, the same bits), torch's matmul past
+at::Tensor project(const StackShape& s, const at::Tensor& x, const LayerWeights& lw, Field weight, Field bias) {
   const int64_t rows = x.numel() / x.size(-1);
-  if (s.skinny_max_rows < 0 || rows <= s.skinny_max_rows) return skinny_linear_cpu(x, *w, bias);
-  return at::linear(x, *w, bias);
+  const std::optional<at::Tensor>* packed = lw.packed ? lw.packed + weight : nullptr;
+  if (packed && packed->has_value() && packed->value().defined() && rows <= s.packed_max_rows)
+    return packed_linear_cpu(x, **packed, lw.w[bias]);
+  if (s.skinny_max_rows < 0 || rows <= s.skinny_max_rows) return skinny_linear_cpu(x, *lw.w[weight], lw.w[bias]);
+  return at::linear(x, *lw.w[weight], lw.w[bias]);
 }
 
 // (rms_norm(hidden + pending), hidden + pending); pending undefined: nothing to add
@@ -55,13 +67,13 @@ std::tuple<at::Tensor, at::Tensor> add_norm(const StackShape& s, const at::Tenso
   return fused_add_rms_norm_cpu(pending, hidden, weight, s.eps);
 }
 
-at::Tensor attention(const StackShape& s, const std::optional<at::Tensor>* w, const at::Tensor& x,
+at::Tensor attention(const StackShape& s, const LayerWeights& w, const at::Tensor& x,
                      at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& cos, const at::Tensor& sin,
                      const at::Tensor& positions, const at::Tensor& cache_lens) {
   const int64_t B = s.B, T = s.T, D = s.head_dim;
-  at::Tensor q = project(s, x, w[kQ], w[kQBias]).view({B, T, s.num_heads, D}).transpose(1, 2);     // [B, Hq, T, D]
-  at::Tensor k = project(s, x, w[kK], w[kKBias]).view({B, T, s.num_kv_heads, D}).transpose(1, 2);  // [B, Hkv, T, D]
-  at::Tensor v = project(s, x, w[kV], w[kVBias]).view({B, T, s.num_kv_heads, D}).transpose(1, 2);
+  at::Tensor q = project(s, x, w, kQ, kQBias).view({B, T, s.num_heads, D}).transpose(1, 2);     // [B, Hq, T, D]
+  at::Tensor k = project(s, x, w, kK, kKBias).view({B, T, s.num_kv_heads, D}).transpose(1, 2);  // [B, Hkv, T, D]
+  at::Tensor v = project(s, x, w, kV, kVBias).view({B, T, s.num_kv_heads, D}).transpose(1, 2);
   q = rope_kv_append_cpu(q, k, v, cos, sin, k_cache, v_cache, positions);
   if (s.max_len < k_cache.size(2)) {  // the keys in use only (ops.keys_in_use)
     k_cache = k_cache.slice(2, 0, s.max_len);
@@ -70,12 +82,12 @@ at::Tensor attention(const StackShape& s, const std::optional<at::Tensor>* w, co
   at::Tensor out = s.invariant ? verify_attention_invariant_cpu(q, k_cache, v_cache, cache_lens, s.scale)
                                : verify_attention_cpu(q, k_cache, v_cache, cache_lens, s.scale);  // [B, Hq, T, D]
   out = out.transpose(1, 2).reshape({B, T, s.num_heads * D});
-  return project(s, out, w[kO], w[kOBias]);
+  return project(s, out, w, kO, kOBias);
 }
 
-at::Tensor mlp(const StackShape& s, const std::optional<at::Tensor>* w, const at::Tensor& x) {
-  const at::Tensor act = silu_mul_cpu(project(s, x, w[kGate], w[kGateBias]), project(s, x, w[kUp], w[kUpBias]));
-  return project(s, act, w[kDown], w[kDownBias]);
+at::Tensor mlp(const StackShape& s, const LayerWeights& w, const at::Tensor& x) {
+  const at::Tensor act = silu_mul_cpu(project(s, x, w, kGate, kGateBias), project(s, x, w, kUp, kUpBias));
+  return project(s, act, w, kDown, kDownBias);
 }
 
 }  // namespace
@@ -85,13 +97,16 @@ at::Tensor mlp(const StackShape& s, const std::optional<at::Tensor>* w, const at
 // v_cache: [L, B, Hkv, S, D]; cos, sin: [B, T, D]; positions: int64 [B, T]; cache_lens: [B]
 // the lengths after this chunk; max_len: keys in use; skinny_max_rows: ops.SKINNY_MAX_ROWS
 // (-1: the fixed-order kernel at any number of rows, the invariant set); invariant: the
-// one-query attention path. -> (hidden, pending): the residual stream and the last kept
+// one-query attention path; packed: empty, or per weight slot the packed weight
+// (packed_weights.pack) or None; packed_max_rows: rows up to which a packed weight is read.
+// -> (hidden, pending): the residual stream and the last kept
 // sub-layer's output not yet added to it (undefined when no sub-layer ran).
 std::tuple<at::Tensor, at::Tensor> decoder_stack_cpu(
     at::Tensor hidden, const std::vector<std::optional<at::Tensor>>& weights, const std::vector<int64_t>& skip,
     const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cos, const at::Tensor& sin,
     const at::Tensor& positions, const at::Tensor& cache_lens, int64_t max_len, int64_t num_heads,
-    int64_t num_kv_heads, int64_t head_dim, double eps, double scale, int64_t skinny_max_rows, bool invariant) {
+    int64_t num_kv_heads, int64_t head_dim, double eps, double scale, int64_t skinny_max_rows, bool invariant,
+    const std::vector<std::optional<at::Tensor>>& packed, int64_t packed_max_rows) {
   const int64_t L = static_cast<int64_t>(skip.size());
   TORCH_CHECK(hidden.device().is_cpu() && hidden.scalar_type() == at::kFloat && hidden.dim() == 3,
               "decoder_stack: hidden must be float32 [B, T, H] on the CPU, got ", hidden.sizes());
@@ -100,18 +115,20 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack_cpu(
   TORCH_CHECK(k_cache.dim() == 5 && k_cache.size(0) == L && v_cache.sizes() == k_cache.sizes(),
               "decoder_stack: caches must be [L=", L, ", B, Hkv, S, D], got ", k_cache.sizes(), " and ",
               v_cache.sizes());
+  TORCH_CHECK(packed.empty() || packed.size() == weights.size(), "decoder_stack: packed must be empty or have ",
+              weights.size(), " slots, got ", packed.size());
   const StackShape s{hidden.size(0), hidden.size(1), num_heads, num_kv_heads, head_dim, max_len, skinny_max_rows,
-                     eps, scale, invariant};
+                     packed_max_rows, eps, scale, invariant};
   at::Tensor pending;  // undefined: nothing to add
   for (int64_t i = 0; i < L; ++i) {
-    const std::optional<at::Tensor>* w = weights.data() + i * kFields;
+    const LayerWeights w{weights.data() + i * kFields, packed.empty() ? nullptr : packed.data() + i * kFields};
     if (!(skip[i] & 1)) {
-      auto [x, h] = add_norm(s, hidden, pending, *w[kLnAttn]);
+      auto [x, h] = add_norm(s, hidden, pending, *w.w[kLnAttn]);
       hidden = h;
       pending = attention(s, w, x, k_cache.select(0, i), v_cache.select(0, i), cos, sin, positions, cache_lens);
     }
     if (!(skip[i] & 2)) {
-      auto [x, h] = add_norm(s, hidden, pending, *w[kLnMlp]);
+      auto [x, h] = add_norm(s, hidden, pending, *w.w[kLnMlp]);
       hidden = h;
       pending = mlp(s, w, x);
     }

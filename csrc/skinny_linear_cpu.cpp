@@ -19,6 +19,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "fixed_order_dot.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -32,7 +34,6 @@
 namespace swiftkern {
 namespace cpu {
 
-constexpr int kLanes = 16;
 constexpr int kMaxTileRows = 6;  // x rows per register tile, at most (24 accumulators)
 constexpr int kTileCols = 4;     // weight rows per register tile
 // x rows per block of a many-row call (L2-resident). 64 KiB made blocks of 6 rows at K = 1536,
@@ -40,12 +41,6 @@ constexpr int kTileCols = 4;     // weight rows per register tile
 // projections at 8 / 12 / 16 rows took 23.2 / 29.2 / 31.5 ms, 21.8 / 28.0 / 30.2 with 256 KiB.
 constexpr int64_t kRowBlockBytes = 256 * 1024;
 constexpr int64_t kPrefetchTiles = 2;  // weight tiles prefetched ahead of the one in use (measured best of 1, 2, 3, 6)
-
-static inline float reduce_lanes(float* lane) {
-  for (int width = kLanes / 2; width >= 1; width /= 2)
-    for (int l = 0; l < width; ++l) lane[l] = lane[l] + lane[l + width];
-  return lane[0];
-}
 
 // One tile: rows x[0..MR) (stride K) against weight rows w[0..NR) (stride K) -> y (stride N).
 template <int MR, int NR>
@@ -62,37 +57,6 @@ static void tile_portable(const float* x, const float* w, float* y, int64_t K, i
 }
 
 #if defined(__x86_64__)
-// reduce_lanes in registers: the same additions in the same order (l + 8, l + 4, l + 2, l + 1)
-__attribute__((target("avx2"))) static inline float halving_sum_8x2(__m256 lo, __m256 hi) {
-  const __m256 h8 = _mm256_add_ps(lo, hi);                                             // l + (l + 8)
-  const __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1));  // + 4
-  const __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));                             // + 2
-  return _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));                     // + 1
-}
-
-__attribute__((target("avx512f,avx2"))) static inline float halving_sum_avx512(__m512 v) {
-  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-  return halving_sum_8x2(_mm512_castps512_ps256(v), hi);
-}
-
-// reduce_lanes of four accumulators at once, stored as y[0..4): the same additions in the same
-// order (l + 8, l + 4, l + 2, l + 1), done on the four side by side after 128-bit shuffles
-// rather than one horizontal sum each (3.5 instead of ~7 vector ops per output). SmolLM2's
-// projections, six alternating runs of two builds: 128 rows 171.7 -> 164.8 ms, 32 rows ~4 %
-// faster, 1-16 rows (bound by the weight stream) unchanged within the noise
-__attribute__((target("avx512f"))) static inline void halving_sum_4_avx512(const __m512* a, float* y) {
-  // +8: [a0 lanes 0-7 + 8-15 | a1 ...] and [a2 | a3]
-  const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(a[0], a[1], 0x44), _mm512_shuffle_f32x4(a[0], a[1], 0xEE));
-  const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(a[2], a[3], 0x44), _mm512_shuffle_f32x4(a[2], a[3], 0xEE));
-  // +4: one 128-bit quarter per accumulator, lanes 0-3 + 4-7
-  const __m512 r = _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
-  // +2, then +1, within each quarter
-  const __m512 t = _mm512_add_ps(r, _mm512_shuffle_ps(r, r, _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 u = _mm512_add_ps(t, _mm512_shuffle_ps(t, t, _MM_SHUFFLE(1, 1, 1, 1)));
-  const __m512 lane0 = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), u);
-  _mm_storeu_ps(y, _mm512_castps512_ps128(lane0));
-}
-
 template <int MR, int NR>
 __attribute__((target("avx512f"))) static void tile_avx512(const float* x, const float* w, float* y, int64_t K,
                                                            int64_t N, const float* pf) {
@@ -163,22 +127,6 @@ __attribute__((target("avx2,fma"))) static void tile_avx2(const float* x, const 
 
 using TileFn = void (*)(const float*, const float*, float*, int64_t, int64_t, const float*);
 
-enum class Isa { kPortable, kAvx2, kAvx512 };
-
-static bool isa_supported(Isa isa) {
-#if defined(__x86_64__)
-  if (isa == Isa::kAvx512) return __builtin_cpu_supports("avx512f");
-  if (isa == Isa::kAvx2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#endif
-  return isa == Isa::kPortable;
-}
-
-static Isa pick_isa() {
-  for (Isa isa : {Isa::kAvx512, Isa::kAvx2})
-    if (isa_supported(isa)) return isa;
-  return Isa::kPortable;
-}
-
 template <int MR, int NR>
 static TileFn tile_for(Isa isa) {
 #if defined(__x86_64__)
@@ -235,10 +183,6 @@ static void fixed_order_linear(const TileTable& table, const float* x, const flo
 
 }  // namespace cpu
 
-static const char* isa_name(cpu::Isa isa) {
-  return isa == cpu::Isa::kAvx512 ? "avx512" : isa == cpu::Isa::kAvx2 ? "avx2" : "portable";
-}
-
 static at::Tensor skinny_linear_with(const cpu::TileTable& table, const at::Tensor& x, const at::Tensor& weight,
                                      const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "skinny_linear_cpu: tensors must be on the CPU");
@@ -290,7 +234,7 @@ at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
 // of them give the same bits; isas: the ones this CPU runs, widest first.
 at::Tensor skinny_linear_isa(const at::Tensor& x, const at::Tensor& weight, const std::string& isa) {
   for (cpu::Isa i : {cpu::Isa::kAvx512, cpu::Isa::kAvx2, cpu::Isa::kPortable}) {
-    if (isa == isa_name(i)) {
+    if (isa == cpu::isa_name(i)) {
       TORCH_CHECK(cpu::isa_supported(i), "skinny_linear_isa: this CPU cannot run ", isa);
       return skinny_linear_with(cpu::TileTable(i), x, weight, std::nullopt);
     }
@@ -301,7 +245,7 @@ at::Tensor skinny_linear_isa(const at::Tensor& x, const at::Tensor& weight, cons
 std::vector<std::string> skinny_linear_isas() {
   std::vector<std::string> out;
   for (cpu::Isa i : {cpu::Isa::kAvx512, cpu::Isa::kAvx2, cpu::Isa::kPortable})
-    if (cpu::isa_supported(i)) out.push_back(isa_name(i));
+    if (cpu::isa_supported(i)) out.push_back(cpu::isa_name(i));
   return out;
 }
 

@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0, help="sampling seed; a token depends only on (seed, position)")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt: prompt, tokens, text, stats")
     gen.add_argument("--device", default=None, help="torch device (default cpu)")
+    gen.add_argument("--no-packed-weights", action="store_true",
+                     help="CPU: read the float32 weights even where a GGUF model's can be read as their 4/8-bit "
+                          "codes (the default there: the same logits bit for bit from a sixth of the bytes)")
     gen.add_argument("--cuda-graphs", action="store_true",
                      help="with --device cuda: replay decode, draft and verify forwards through CUDA graphs, "
                           "each shape captured on its second use (removes the per-op launch cost of small models)")
@@ -179,7 +182,8 @@ def cmd_generate(args) -> int:
     if args.drafter == "self-spec" and (args.mode != "deterministic" or args.layer_set is None):
         raise SwiftkernError("--drafter self-spec goes with --mode deterministic and needs --layer-set "
                              "(e.g. 'attn:10-14|mlp:12')")
-    model, tokenizer = load_model(args.model, device=args.device)
+    model, tokenizer = load_model(args.model, device=args.device,
+                                  pack_weights=False if args.no_packed_weights else None)
     gen = Generator(model, tokenizer, mode=args.mode, layer_set=args.layer_set, k_max=args.k_max,
                     eps=args.eps, adaptive_eps=args.adaptive_eps, drafter=args.drafter,
                     draft_vocab=args.draft_vocab, window=args.window, verify_batch=args.verify_batch,

@@ -41,6 +41,9 @@ def collect_info() -> dict:
     info["cpu_layer_loop"] = ("C++ decoder_stack (float32)" if LayerKernels.for_device("cpu").stack is not None
                               else "Python, op by op")
 
+    # GGUF-quantized float32 weights read as their codes (swiftkern/packed_weights.py)
+    info["packed_weights"] = ("cpu float32 (AVX-512): projections and LM head of a GGUF model read as 4/8-bit codes"
+                              if ops.packed_linear_fast() else "no (needs the C++ kernels and AVX-512)")
     info["cuda_graphs"] = ("available: Generator(cuda_graphs=True) / --cuda-graphs" if torch.cuda.is_available()
                            else "not available (no CUDA device)")
     # where the batch-invariant kernel set runs, mode deterministic needs no replay (replay="auto")

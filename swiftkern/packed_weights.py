@@ -1,0 +1,144 @@
+"""Float32 weights that are exactly integer codes times a scale, stored as those codes.
+
+A GGUF model loaded through transformers is dequantized to float32: SmolLM2's Q4_1 layers hold
+``w = scale * code + offset`` per block of 32 inputs (code 0..15, scale and offset float16), its
+Q8_0 head ``w = scale * code`` (code -128..127). Decoding on the CPU is bound by streaming those
+float32 weights (4 bytes each) from memory; ``pack`` finds the codes again and checks that every
+weight comes back bit for bit, and the C++ ``packed_linear`` reads 0.75 (4-bit) or 1.25 (8-bit)
+bytes per weight and returns ``skinny_linear``'s result on the float32 weight, the same bits.
+Nothing about the model changes: a weight that does not come back exactly is not packed, and
+the runner keeps using its float32 copy.
+
+Layout, uint8 [N, K/32, 24 | 40]: per block of 32 inputs, float32 scale and offset (8 bytes),
+then the codes: 4-bit, 16 bytes, byte i = code[i] | code[i + 16] << 4; 8-bit, 32 signed bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK = 32
+HEADER = 8  # float32 scale, float32 offset
+BLOCK_BYTES = {4: HEADER + BLOCK // 2, 8: HEADER + BLOCK}
+_CODES = {4: (0, 15), 8: (-128, 127)}
+_SCALE_STEPS = (0, 1, -1, 2, -2)  # float16 steps from the estimated scale that are tried, in order
+
+
+def _find_codes(blocks: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """blocks: float32 [N, B, 32] -> (scale [N, B, 1], offset [N, B, 1], codes float32 [N, B, 32])
+    with scale * codes + offset == blocks bit for bit (scale, offset float16 values), or None."""
+    lo_code, hi_code = _CODES[bits]
+    if bits == 4:  # the smallest weight has code 0, the largest 15
+        offset = blocks.amin(-1, keepdim=True)
+        estimate = (blocks.amax(-1, keepdim=True) - offset) / hi_code
+    else:  # symmetric: the largest magnitude has code +-127
+        offset = torch.zeros_like(blocks[..., :1])
+        estimate = blocks.abs().amax(-1, keepdim=True) / hi_code
+    if not torch.equal(offset.half().float(), offset):
+        return None
+    half_bits = estimate.half().view(torch.int16)
+    found = torch.zeros_like(offset, dtype=torch.bool)
+    scale, codes = torch.zeros_like(offset), torch.zeros_like(blocks)
+    for step in _SCALE_STEPS:
+        s = (half_bits + step).view(torch.float16).float()  # [N, B, 1]
+        c = torch.where(s > 0, torch.round((blocks - offset) / s), 0.0).clamp_(lo_code, hi_code)
+        exact = ((s * c + offset).view(torch.int32) == blocks.view(torch.int32)).all(-1, keepdim=True)
+        take = exact & ~found
+        scale = torch.where(take, s, scale)
+        codes = torch.where(take, c, codes)
+        found |= exact
+        if step == 0 and found.float().mean() < 0.5:  # not this format: most blocks fit at once
+            return None
+        if bool(found.all()):
+            return scale, offset, codes
+    return None
+
+
+def _layout(scale: torch.Tensor, offset: torch.Tensor, codes: torch.Tensor, bits: int) -> torch.Tensor:
+    N, B = codes.shape[:2]
+    header = torch.cat([scale, offset], -1).contiguous().view(torch.uint8)  # [N, B, 8]
+    if bits == 4:
+        c = codes.to(torch.uint8)
+        body = c[..., :16] | (c[..., 16:] << 4)  # [N, B, 16]
+    else:
+        body = codes.to(torch.int8).view(torch.uint8)  # [N, B, 32]
+    return torch.cat([header, body], -1).contiguous()
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """weight: float32 [N, K] on the CPU -> packed uint8 [N, K/32, 24 | 40] holding the same
+    values exactly (4-bit codes tried first, then 8-bit), or None when the weight is not such
+    a quantized weight (K not a multiple of 32, or some block not exactly codes times a
+    float16 scale plus a float16 offset)."""
+    if (weight.dtype != torch.float32 or weight.dim() != 2 or weight.device.type != "cpu"
+            or weight.shape[1] % BLOCK or weight.numel() == 0):
+        return None
+    N, K = weight.shape
+    blocks = weight.detach().reshape(N, K // BLOCK, BLOCK)
+    for bits in (4, 8):
+        found = _find_codes(blocks, bits)
+        if found is not None:
+            return _layout(*found, bits)
+    return None
+
+
+def bits_of(packed: torch.Tensor) -> int:
+    """4 or 8: the code width of a packed weight."""
+    for bits, size in BLOCK_BYTES.items():
+        if packed.shape[-1] == size:
+            return bits
+    raise ValueError(f"not a packed weight: last dimension {packed.shape[-1]}, expected 24 or 40")
+
+
+def unpack(packed: torch.Tensor) -> torch.Tensor:
+    """packed uint8 [N, K/32, 24 | 40] -> the float32 weight [N, K] it holds (each weight
+    scale * code + offset, one rounding)."""
+    bits = bits_of(packed)
+    N, B = packed.shape[:2]
+    header = packed[..., :HEADER].contiguous().view(torch.float32)  # [N, B, 2]
+    scale, offset = header[..., :1], header[..., 1:]
+    body = packed[..., HEADER:]
+    if bits == 4:
+        codes = torch.cat([body & 0xF, body >> 4], -1).float()  # [N, B, 32]
+    else:
+        codes = body.contiguous().view(torch.int8).float()
+    return (scale * codes + offset).reshape(N, B * BLOCK)
+
+
+def select_rows(packed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The packed weight of weight[index] (e.g. a pruned LM head): packed [N, B, bytes],
+    index int64 [N'] -> [N', B, bytes]."""
+    return packed.index_select(0, index)
+
+
+class PackedSet:
+    """Packed copies of a list of weights (None where a weight is absent or does not pack),
+    kept current: a weight changed in place since it was packed (its ``_version`` moved) is
+    packed again before the list is handed out, so a stale copy is never read.
+
+    ``PackedSet(weights)``; ``slots()`` -> list aligned with ``weights``; ``count``: how many
+    packed; ``nbytes``: their size."""
+
+    def __init__(self, weights: list):
+        self.weights = weights
+        self._packed = [self._pack(w) for w in weights]
+        self._versions = [w._version if w is not None else None for w in weights]
+
+    @staticmethod
+    def _pack(w):
+        return pack(w) if isinstance(w, torch.Tensor) and w.dim() == 2 else None
+
+    def slots(self) -> list:
+        for i, w in enumerate(self.weights):
+            if w is not None and w._version != self._versions[i]:
+                self._packed[i] = self._pack(w)
+                self._versions[i] = w._version
+        return self._packed
+
+    @property
+    def count(self) -> int:
+        return sum(p is not None for p in self._packed)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.numel() for p in self._packed if p is not None)

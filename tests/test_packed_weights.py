@@ -1,0 +1,176 @@
+"""Packed weights: GGUF-quantized float32 weights stored as their codes (packed_weights.pack)
+and read by the C++ packed_linear. Checked against gguf's own quantizer and dequantizer, against
+skinny_linear on the float32 weight (bit for bit, every instruction set), against the reference
+twin, and through the model runner (the same logits bit for bit, SmolLM2's weights all packed)."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import quants
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from conftest import tiny_model
+from swiftkern import ops, reference
+from swiftkern.errors import SwiftkernError
+from swiftkern.layer_set import LayerSet
+from swiftkern.model import SkipModel
+from swiftkern.packed_weights import PackedSet, bits_of, pack, unpack
+
+BITS = {Q.Q4_1: 4, Q.Q8_0: 8}
+needs_cpp = pytest.mark.skipif(ops.backend_info()["ops"]["packed_linear"]["cpu"] != "cpp",
+                               reason="the C++ packed_linear kernel was not built")
+
+
+def gguf_weight(N: int, K: int, qtype, seed: int) -> torch.Tensor:
+    """A float32 [N, K] weight as transformers loads a GGUF tensor: gguf's quantize, then its
+    dequantize."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((N, K)) / K ** 0.5).astype(np.float32)
+    return torch.from_numpy(np.ascontiguousarray(quants.dequantize(quants.quantize(w, qtype), qtype)))
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(1, 70), st.sampled_from([32, 64, 96, 576]), st.sampled_from([Q.Q4_1, Q.Q8_0]),
+       st.integers(0, 2**31 - 1))
+def test_pack_finds_gguf_codes_exactly(N, K, qtype, seed):
+    w = gguf_weight(N, K, qtype, seed)
+    packed = pack(w)
+    assert packed is not None and packed.dtype == torch.uint8
+    assert bits_of(packed) == BITS[qtype] and packed.shape[:2] == (N, K // 32)
+    assert bitwise_equal(unpack(packed), w)
+
+
+def test_pack_refuses_what_it_cannot_hold_exactly():
+    w = gguf_weight(8, 64, Q.Q4_1, 0)
+    assert pack(torch.randn(8, 64)) is None  # plain float32 weights
+    assert pack(gguf_weight(8, 96, Q.Q4_1, 1)[:, :33].contiguous()) is None  # K not a multiple of 32
+    assert pack(w.double()) is None and pack(w[0]) is None and pack(w[:0]) is None
+    nudged = w.clone()
+    nudged[3, 17] = torch.nextafter(nudged[3, 17], torch.tensor(1.0))  # one weight one ulp off
+    assert pack(nudged) is None
+
+
+def make(lead, K, N, bits, bias, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = gguf_weight(N, K, Q.Q4_1 if bits == 4 else Q.Q8_0, seed)
+    x = torch.randn(*lead, K, generator=g)
+    return x, w, pack(w), (torch.randn(N, generator=g) if bias else None)
+
+
+@needs_cpp
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from([(0,), (1,), (2,), (3,), (5,), (7,), (33,), (2, 3)]), st.sampled_from([32, 96, 576]),
+       st.sampled_from([1, 3, 4, 5, 9, 577]), st.sampled_from([4, 8]), st.booleans(), st.integers(0, 2**31 - 1))
+def test_packed_linear_has_skinny_linears_bits(lead, K, N, bits, bias, seed):
+    x, w, packed, b = make(lead, K, N, bits, bias, seed)
+    want = torch.ops.swiftkern.skinny_linear(x, w, b)
+    assert bitwise_equal(torch.ops.swiftkern.packed_linear(x, packed, b), want)
+    assert bitwise_equal(ops.packed_linear(x, packed, b), want)
+    isas = [i for i in ops._C.skinny_linear_isas() if i in ("avx512", "portable")]
+    for isa in isas:  # every instruction set the kernel has: the same bits
+        assert bitwise_equal(ops._C.packed_linear_isa(x, packed, isa), torch.ops.swiftkern.skinny_linear(x, w, None))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_matches_the_reference_twin(bits):
+    x, w, packed, b = make((5,), 96, 37, bits, True, bits)
+    want = torch.nn.functional.linear(x.double(), w.double(), b.double())
+    for y in (ops.packed_linear(x, packed, b), reference.packed_linear(x, packed, b)):
+        assert torch.allclose(y.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_input_is_refused_with_a_reason():
+    x, w, packed, b = make((2,), 64, 8, 4, True, 0)
+    for args, words in [((x.double(), packed, b), "float32"), ((x, w, b), "uint8"),
+                        ((x[:, :32], packed, b), "K = 32 * packed.shape[1] = 64"),
+                        ((x, packed, b[:3]), "bias must be float32 [N = 8]"),
+                        ((x, packed[..., :20], b), "24 or 40")]:
+        with pytest.raises(SwiftkernError, match=words.replace("[", r"\[").replace("*", r"\*")):
+            ops.packed_linear(*args)
+
+
+@needs_cpp
+@pytest.mark.parametrize("bits", [4, 8])
+def test_opcheck(bits):
+    x, _, packed, b = make((3,), 64, 9, bits, True, 1)
+    torch.library.opcheck(torch.ops.swiftkern.packed_linear, (x, packed, b))
+
+
+def test_packed_set_repacks_a_weight_changed_in_place():
+    a, b = gguf_weight(6, 64, Q.Q4_1, 0), gguf_weight(6, 64, Q.Q4_1, 1)
+    weights = [a.clone(), None, torch.ones(64)]
+    packed = PackedSet(weights)
+    assert packed.count == 1 and packed.slots()[1] is None and packed.slots()[2] is None  # 1-D: never packed
+    weights[0].copy_(b)
+    assert bitwise_equal(unpack(packed.slots()[0]), b)
+    weights[0].add_(torch.randn(6, 64))  # no longer codes times a scale: not read packed
+    assert packed.slots()[0] is None
+
+
+def gguf_like(hf):
+    """Quantize an HF model's projection weights to Q4_1 and its LM head to Q8_0 in place, as a
+    GGUF file would hold them."""
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.dim() == 2 and "embed" not in name:
+                qtype = Q.Q8_0 if "lm_head" in name else Q.Q4_1
+                p.copy_(torch.from_numpy(quants.dequantize(quants.quantize(p.detach().numpy(), qtype), qtype)))
+    return hf
+
+
+@needs_cpp
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_runner_logits_with_packed_weights_are_bit_equal(arch):
+    """Prefill, decode, a 5-token verify pass and a layer-skipped draft, two rows of unequal
+    lengths: the runner reading packed weights gives the float32 runner's logits bit for bit
+    (the packed set is attached by hand, so this runs on any CPU; without AVX-512 the portable
+    kernel reads it)."""
+    hf = gguf_like(tiny_model(arch))
+    plain, packed = SkipModel(hf, pack_weights=False), SkipModel(hf, pack_weights=False)
+    packed.packed = PackedSet(packed._stack_weights + [packed.lm_head])
+    assert packed.packed.count == 4 * 7 + 1  # every projection and the head
+    skip = LayerSet.parse("attn:1|mlp:2", 4)
+    outs = []
+    for model in (plain, packed):
+        g = torch.Generator().manual_seed(0)
+        cache = model.new_cache(2, 64)
+        logits = [model.forward(torch.randint(0, 301, (2, 7), generator=g), cache)]
+        cache.set_lengths(torch.tensor([7, 4], dtype=torch.int32))
+        for T, ls in [(1, None), (5, None), (1, skip), (3, skip)]:
+            logits.append(model.forward(torch.randint(0, 301, (2, T), generator=g), cache, ls))
+        outs.append(logits)
+    for a, b in zip(*outs):
+        assert bitwise_equal(a, b)
+
+
+def test_pack_weights_true_where_it_cannot_run_is_refused(monkeypatch):
+    monkeypatch.setattr(ops, "packed_linear_fast", lambda: False)
+    with pytest.raises(SwiftkernError, match="AVX-512"):
+        SkipModel(tiny_model("llama"), pack_weights=True)
+    assert SkipModel(tiny_model("llama")).packed is None  # auto: not here, silently the same bits
+
+
+@pytest.mark.slow
+def test_smollm2_packs_every_projection_and_keeps_its_logits(smollm2):
+    model, tok = smollm2
+    if not ops.packed_linear_fast():
+        pytest.skip("packed weights are read on CPUs with AVX-512 only (this one has none)")
+    assert model.packed is not None and model.packed.count == 30 * 7 + 1  # Q4_1 layers, Q8_0 head
+    ids = torch.tensor([tok("The capital of France is")["input_ids"]])
+    packed, outs = model.packed, []
+    try:
+        for model.packed in (packed, None):
+            cache = model.new_cache(1, 64)
+            logits = [model.forward(ids, cache)]
+            for _ in range(3):
+                logits.append(model.forward(logits[-1][:, -1:].argmax(-1), cache))
+            outs.append(logits)
+    finally:
+        model.packed = packed
+    for a, b in zip(*outs):
+        assert bitwise_equal(a, b)
