@@ -21,6 +21,7 @@
 #include <cstring>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "fixed_order_dot.h"
 
@@ -31,8 +32,12 @@ constexpr int kBlock = 32;              // inputs per scale
 constexpr int kHeaderBytes = 8;         // scale, offset
 constexpr int kBlockBytes4 = 8 + 16;    // 4-bit codes
 constexpr int kBlockBytes8 = 8 + 32;    // 8-bit codes
-constexpr int kPackedTileRows = 4;      // x rows per register tile (16 accumulators + 4 weights)
+constexpr int kPackedTileRows = 6;      // x rows per register tile (24 accumulators + 4 weights)
 constexpr int kPackedTileCols = 4;      // weight rows per register tile
+// Past this many x rows each weight tile is unpacked once into L1 rather than rebuilt per x tile.
+// SmolLM2's projections, rebuilt per tile / unpacked: 8 rows 14.8 / 16.0 ms, 12 rows 19.8 / 18.0,
+// 16 rows 26.0 / 22.3, 32 rows 50.4 / 39.2 (one row: 7.8)
+constexpr int64_t kUnpackAboveRows = 8;
 
 static inline float load_f32(const uint8_t* p) {
   float v;
@@ -91,6 +96,20 @@ __attribute__((target("avx512f"))) static inline void block_weights_avx512(const
   hi = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(code_hi), offset);
 }
 
+// Half h of a block: its inputs 16h .. 16h + 15
+template <int BITS>
+__attribute__((target("avx512f"))) static inline __m512 block_half_avx512(const uint8_t* block, int h) {
+  const __m512 scale = _mm512_set1_ps(load_f32(block)), offset = _mm512_set1_ps(load_f32(block + 4));
+  __m512i code;
+  if constexpr (BITS == 4) {
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 8)));
+    code = h == 0 ? _mm512_and_si512(bytes, _mm512_set1_epi32(0xF)) : _mm512_srli_epi32(bytes, 4);
+  } else {
+    code = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 8 + 16 * h)));
+  }
+  return _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(code), offset);
+}
+
 template <int BITS, int MR, int NR>
 __attribute__((target("avx512f"))) static void packed_tile_avx512(const float* x, const uint8_t* w,
                                                                   int64_t row_bytes, float* y, int64_t K, int64_t N,
@@ -105,11 +124,15 @@ __attribute__((target("avx512f"))) static void packed_tile_avx512(const float* x
       const char* p = reinterpret_cast<const char*>(pf + b * NR * block_bytes);
       for (int c = 0; c < NR * block_bytes; c += 64) _mm_prefetch(p + c, _MM_HINT_T0);
     }
-    __m512 lo[NR], hi[NR];
-    for (int j = 0; j < NR; ++j) block_weights_avx512<BITS>(w + j * row_bytes + b * block_bytes, lo[j], hi[j]);
-    for (int i = 0; i < MR; ++i) {  // per lane: input 32b + lane, then 32b + 16 + lane (increasing k)
-      const __m512 x_lo = _mm512_loadu_ps(x + i * K + b * kBlock), x_hi = _mm512_loadu_ps(x + i * K + b * kBlock + 16);
-      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(x_hi, hi[j], _mm512_fmadd_ps(x_lo, lo[j], acc[i][j]));
+    // per lane: input 32b + lane, then 32b + 16 + lane (increasing k); one half at a time, so
+    // 6 x rows x 4 weight rows of accumulators and 4 weight vectors fit the 32 registers
+    for (int h = 0; h < 2; ++h) {
+      __m512 wv[NR];
+      for (int j = 0; j < NR; ++j) wv[j] = block_half_avx512<BITS>(w + j * row_bytes + b * block_bytes, h);
+      for (int i = 0; i < MR; ++i) {
+        const __m512 xv = _mm512_loadu_ps(x + i * K + b * kBlock + 16 * h);
+        for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+      }
     }
   }
   if constexpr (NR == 4) {
@@ -118,6 +141,19 @@ __attribute__((target("avx512f"))) static void packed_tile_avx512(const float* x
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < NR; ++j) y[i * N + j] = halving_sum_avx512(acc[i][j]);
   }
+}
+template <int BITS>
+__attribute__((target("avx512f"))) static void unpack_rows_avx512(const uint8_t* w, int64_t row_bytes, int rows,
+                                                                  int64_t K, float* out, const uint8_t* pf) {
+  constexpr int block_bytes = BITS == 4 ? kBlockBytes4 : kBlockBytes8;
+  for (int j = 0; j < rows; ++j)
+    for (int64_t b = 0; b < K / kBlock; ++b) {
+      if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + j * row_bytes + b * block_bytes), _MM_HINT_T0);
+      __m512 lo, hi;
+      block_weights_avx512<BITS>(w + j * row_bytes + b * block_bytes, lo, hi);
+      _mm512_storeu_ps(out + j * K + b * kBlock, lo);
+      _mm512_storeu_ps(out + j * K + b * kBlock + 16, hi);
+    }
 }
 #endif
 
@@ -145,17 +181,54 @@ struct PackedTiles {
   static PackedTiles make(Isa isa) {
     PackedTiles t{};
     t.fill<BITS, 1>(isa); t.fill<BITS, 2>(isa); t.fill<BITS, 3>(isa); t.fill<BITS, 4>(isa);
+    t.fill<BITS, 5>(isa); t.fill<BITS, 6>(isa);
     return t;
   }
 };
 
-// Outputs y[:, n_begin:n_end): each weight tile against every x tile, so a packed weight row is
-// read from memory once per call (x, a few rows, stays in L1/L2)
-static void packed_linear_range(const PackedTiles& tiles, const float* x, const uint8_t* w, int64_t row_bytes,
-                                float* y, int64_t M, int64_t K, int64_t N, int64_t n_begin, int64_t n_end) {
+void fixed_order_rows(Isa isa, const float* x, const float* w_rows, float* y, int64_t M, int64_t K, int64_t N,
+                      int64_t n_begin, int64_t n_end);  // skinny_linear_cpu.cpp
+
+// Weight rows [0, rows) of a packed range (stride row_bytes) -> float32 out [rows, K], exactly; pf:
+// the same rows a few tiles ahead, prefetched (or null)
+template <int BITS>
+static void unpack_rows(Isa isa, const uint8_t* w, int64_t row_bytes, int rows, int64_t K, float* out,
+                        const uint8_t* pf) {
+  constexpr int block_bytes = BITS == 4 ? kBlockBytes4 : kBlockBytes8;
+#if defined(__x86_64__)
+  if (isa == Isa::kAvx512) {
+    unpack_rows_avx512<BITS>(w, row_bytes, rows, K, out, pf);
+    return;
+  }
+#endif
+  (void)isa;
+  (void)pf;
+  for (int j = 0; j < rows; ++j)
+    for (int64_t k = 0; k < K; ++k)
+      out[j * K + k] = block_weight<BITS>(w + j * row_bytes + (k / kBlock) * block_bytes, static_cast<int>(k % kBlock));
+}
+
+// Outputs y[:, n_begin:n_end). Up to kUnpackAboveRows x rows: each packed weight tile against
+// every x tile in registers (its weights rebuilt per x tile of up to 6 rows). More rows: each
+// weight tile is unpacked into an L1 buffer once and skinny_linear's tiles read it. Either way every output is the same fixed-order sum.
+template <int BITS>
+static void packed_linear_range(const PackedTiles& tiles, Isa isa, const float* x, const uint8_t* w,
+                                int64_t row_bytes, float* y, int64_t M, int64_t K, int64_t N, int64_t n_begin,
+                                int64_t n_end) {
   // SmolLM2's projections at one row, 0 / 2 / 4 / 8 / 16 tiles ahead: 12.1 / 7.8 / 7.9 / 8.3 / 8.5 ms
   // (into L2 instead of L1: 7.5 / 7.3 / 7.9 / 7.7 at 2 / 4 / 8 / 16, within the noise)
   constexpr int64_t prefetch_tiles = 2;
+  if (M > kUnpackAboveRows) {
+    std::vector<float> unpacked(kPackedTileCols * K);  // [4, K]: 9-24 KiB at K = 576-1536
+    for (int64_t n = n_begin; n < n_end; n += kPackedTileCols) {
+      const int nr = static_cast<int>(std::min<int64_t>(kPackedTileCols, n_end - n));
+      const int64_t ahead = n + prefetch_tiles * kPackedTileCols;
+      const uint8_t* pf = ahead + kPackedTileCols <= n_end ? w + ahead * row_bytes : nullptr;
+      unpack_rows<BITS>(isa, w + n * row_bytes, row_bytes, nr, K, unpacked.data(), pf);
+      fixed_order_rows(isa, x, unpacked.data(), y, M, K, N, n, n + nr);
+    }
+    return;
+  }
   for (int64_t n = n_begin; n < n_end; n += kPackedTileCols) {
     const int nr = static_cast<int>(std::min<int64_t>(kPackedTileCols, n_end - n));
     const int64_t ahead = n + prefetch_tiles * kPackedTileCols;
@@ -202,6 +275,7 @@ static at::Tensor packed_linear_with(cpu::Isa isa, const at::Tensor& x, const at
   static const cpu::PackedTiles tiles8 = cpu::PackedTiles::make<8>(cpu::pick_isa());
   const cpu::PackedTiles tiles = isa == cpu::pick_isa() ? (bits == 4 ? tiles4 : tiles8)
                                  : bits == 4 ? cpu::PackedTiles::make<4>(isa) : cpu::PackedTiles::make<8>(isa);
+  const auto range = bits == 4 ? cpu::packed_linear_range<4> : cpu::packed_linear_range<8>;
   const float* xp = xc.data_ptr<float>();
   const uint8_t* wp = pc.data_ptr<uint8_t>();
   const int64_t row_bytes = pc.size(1) * pc.size(2);
@@ -210,7 +284,7 @@ static at::Tensor packed_linear_with(cpu::Isa isa, const at::Tensor& x, const at
   const int64_t tiles_n = (N + nr - 1) / nr;
   const int64_t grain = std::max<int64_t>(1, 32768 / (nr * K));  // as skinny_linear: ~K * 4 * 8192 weights a task
   at::parallel_for(0, tiles_n, grain, [&](int64_t t0, int64_t t1) {
-    cpu::packed_linear_range(tiles, xp, wp, row_bytes, yp, M, K, N, t0 * nr, std::min(N, t1 * nr));
+    range(tiles, isa, xp, wp, row_bytes, yp, M, K, N, t0 * nr, std::min(N, t1 * nr));
   });
   if (bias_c.defined()) y.add_(bias_c);
   return y;

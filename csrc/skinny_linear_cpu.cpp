@@ -181,6 +181,18 @@ static void fixed_order_linear(const TileTable& table, const float* x, const flo
   }
 }
 
+static const TileTable& table_for(Isa isa) {
+  static const TileTable avx512(Isa::kAvx512), avx2(Isa::kAvx2), portable(Isa::kPortable);
+  return isa == Isa::kAvx512 ? avx512 : isa == Isa::kAvx2 ? avx2 : portable;
+}
+
+// y[:, n_begin:n_end) (row stride N) from float32 weight rows w_rows [n_end - n_begin, K], with
+// the tiles of `isa`: packed_linear_cpu.cpp runs it on weight tiles it has unpacked into L1
+void fixed_order_rows(Isa isa, const float* x, const float* w_rows, float* y, int64_t M, int64_t K, int64_t N,
+                      int64_t n_begin, int64_t n_end) {
+  fixed_order_linear(table_for(isa), x, w_rows, y + n_begin, M, K, N, 0, n_end - n_begin);
+}
+
 }  // namespace cpu
 
 static at::Tensor skinny_linear_with(const cpu::TileTable& table, const at::Tensor& x, const at::Tensor& weight,

@@ -64,7 +64,7 @@ def make(lead, K, N, bits, bias, seed):
 
 @needs_cpp
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.sampled_from([(0,), (1,), (2,), (3,), (5,), (7,), (33,), (2, 3)]), st.sampled_from([32, 96, 576]),
+@given(st.sampled_from([(0,), (1,), (2,), (3,), (5,), (7,), (8,), (9,), (13,), (33,), (2, 3), (2, 5)]), st.sampled_from([32, 96, 576]),
        st.sampled_from([1, 3, 4, 5, 9, 577]), st.sampled_from([4, 8]), st.booleans(), st.integers(0, 2**31 - 1))
 def test_packed_linear_has_skinny_linears_bits(lead, K, N, bits, bias, seed):
     x, w, packed, b = make(lead, K, N, bits, bias, seed)
