@@ -36,8 +36,7 @@ def run(args) -> list[dict]:
     context = torch.randint(0, model.vocab_size, (1, 200 if not args.smoke else 20), device=model.device)
     cache = model.new_cache(1, context.shape[1] + 2)
     model.forward(context, cache)
-    head = DraftHead(model.lm_head, model.lm_head_bias, min(DEFAULT_DRAFT_VOCAB, model.vocab_size // 2),
-                     context[0].tolist())
+    head = DraftHead.for_model(model, min(DEFAULT_DRAFT_VOCAB, model.vocab_size // 2), context[0].tolist())
     token = context[:, -1:]
     base = list(cache.host_lengths)
 

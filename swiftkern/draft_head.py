@@ -22,18 +22,21 @@ DEFAULT_DRAFT_VOCAB = 8192
 class DraftHead:
     """The rows of the LM head for a growing set of token ids.
 
-    ``DraftHead(lm_head, bias, num_frequent, context_ids)``: lm_head [V, H]; bias [V] or None;
-    the subset starts as ids [0, num_frequent) plus ``context_ids`` and grows with ``add``.
-    ``head`` is the (weight [n, H], bias [n] or None) pair for ``SkipModel.forward(head=...)``;
-    ``ids`` (int64 [n]) maps a column of the pruned logits back to its token id.
+    ``DraftHead(lm_head, bias, num_frequent, context_ids, packed_head)``: lm_head [V, H]; bias
+    [V] or None; the subset starts as ids [0, num_frequent) plus ``context_ids`` and grows with
+    ``add``; packed_head: the LM head packed (``packed_weights``, uint8 [V, H/32, bytes]) or None,
+    whose rows are then kept too. ``head`` is the (weight [n, H], bias [n] or None, packed rows
+    [n, H/32, bytes] or None) triple for ``SkipModel.forward(head=...)``; ``ids`` (int64 [n])
+    maps a column of the pruned logits back to its token id. ``DraftHead.for_model`` takes a
+    SkipModel's head (and its packed copy).
     """
 
     def __init__(self, lm_head: torch.Tensor, bias: torch.Tensor | None, num_frequent: int = DEFAULT_DRAFT_VOCAB,
-                 context_ids=()):
+                 context_ids=(), packed_head: torch.Tensor | None = None):
         V, H = lm_head.shape
         if num_frequent < 1:
             raise SwiftkernError(f"draft vocabulary must keep >= 1 frequent token, got {num_frequent}")
-        self.lm_head, self.bias = lm_head, bias
+        self.lm_head, self.bias, self.packed_head = lm_head, bias, packed_head
         self.vocab_size = V
         first = list(range(min(num_frequent, V)))
         self._member = torch.zeros(V, dtype=torch.bool)  # host-side membership
@@ -42,9 +45,16 @@ class DraftHead:
         self._capacity = 0
         self._weight = None  # [capacity, H]; rows [0, n) are live
         self._bias = None
+        self._packed = None  # [capacity, H/32, bytes] when packed_head is given
         self._grow(len(first) + 1024)
         self._fill(0, first)
         self.add(context_ids)
+
+    @classmethod
+    def for_model(cls, model, num_frequent: int = DEFAULT_DRAFT_VOCAB, context_ids=()) -> "DraftHead":
+        """The pruned head of a SkipModel's LM head (with its packed rows where the model reads
+        packed weights)."""
+        return cls(model.lm_head, model.lm_head_bias, num_frequent, context_ids, model.packed_head)
 
     def __len__(self) -> int:
         return len(self._ids)
@@ -52,18 +62,24 @@ class DraftHead:
     def _grow(self, capacity: int) -> None:
         w = self.lm_head.new_empty((capacity, self.lm_head.shape[1]))
         b = self.bias.new_empty((capacity,)) if self.bias is not None else None
+        p = (self.packed_head.new_empty((capacity, *self.packed_head.shape[1:]))
+             if self.packed_head is not None else None)
         if self._weight is not None:
             n = len(self._ids)
             w[:n] = self._weight[:n]
             if b is not None:
                 b[:n] = self._bias[:n]
-        self._weight, self._bias, self._capacity = w, b, capacity
+            if p is not None:
+                p[:n] = self._packed[:n]
+        self._weight, self._bias, self._packed, self._capacity = w, b, p, capacity
 
     def _fill(self, start: int, ids: list[int]) -> None:
         index = torch.tensor(ids, dtype=torch.int64, device=self.lm_head.device)
         self._weight[start:start + len(ids)] = self.lm_head.index_select(0, index)
         if self._bias is not None:
             self._bias[start:start + len(ids)] = self.bias.index_select(0, index)
+        if self._packed is not None:
+            self._packed[start:start + len(ids)] = self.packed_head.index_select(0, index)
         self._ids_t = None
 
     def add(self, token_ids) -> None:
@@ -85,9 +101,10 @@ class DraftHead:
         self._ids.extend(new)
 
     @property
-    def head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def head(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         n = len(self._ids)
-        return self._weight[:n], (self._bias[:n] if self._bias is not None else None)
+        return (self._weight[:n], self._bias[:n] if self._bias is not None else None,
+                self._packed[:n] if self._packed is not None else None)
 
     @property
     def ids(self) -> torch.Tensor:

@@ -252,7 +252,7 @@ class Generator:
     def _draft_head(self, ids: list[list[int]]) -> DraftHead | None:
         if self.draft_vocab is None or self.draft_vocab >= self.model.vocab_size:
             return None
-        return DraftHead(self.model.lm_head, self.model.lm_head_bias, self.draft_vocab, [t for p in ids for t in p])
+        return DraftHead.for_model(self.model, self.draft_vocab, [t for p in ids for t in p])
 
     def _decode_invariant(self, cache, first_logits, params, seeds, requests, ids) -> dict:
         """Mode deterministic without replay, inside ``batch_invariant()``: ``ar`` decoding, or

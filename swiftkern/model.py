@@ -122,12 +122,19 @@ class SkipModel:
             self.hf_model._swiftkern_packed = shared
         return shared if shared.count else None
 
+    def _reads_packed(self, kern: LayerKernels, rows: int) -> bool:
+        """Whether a pass of ``rows`` rows reads packed weights: a packed set, the C++ kernels,
+        at most ops.PACKED_MAX_ROWS rows."""
+        return self.packed is not None and kern.stack is not None and rows <= ops.PACKED_MAX_ROWS
+
     def _packed_slots(self, kern: LayerKernels, rows: int) -> list:
-        """The packed weights for ``kern.stack`` ([] when none are read: no packed set, not the
-        C++ kernels, or more than ops.PACKED_MAX_ROWS rows); the LM head's slot comes last."""
-        if self.packed is None or kern.stack is None or rows > ops.PACKED_MAX_ROWS:
-            return []
-        return self.packed.slots()
+        """The packed weights for ``kern.stack`` ([] when none are read); the LM head's last."""
+        return self.packed.slots() if self._reads_packed(kern, rows) else []
+
+    @property
+    def packed_head(self) -> torch.Tensor | None:
+        """The LM head packed (uint8 [V, H/32, bytes]) where this model reads packed weights."""
+        return self.packed.slots()[-1] if self.packed is not None else None
 
     @staticmethod
     def _sliding_window(cfg) -> int | None:
@@ -275,8 +282,8 @@ class SkipModel:
         (rows scored together, e.g. candidate layer sets: a sub-layer some rows keep runs for
         all and is masked out of the others' residual); skipped attention writes no KV;
         logits_positions: int64 [B, P] chunk-relative positions whose logits are wanted
-        (None: all T); head: (weight [V', H], bias [V'] or None) replacing the LM head, e.g.
-        the rows of a vocabulary subset (``draft_head.DraftHead``). -> logits [B, T or P, V or
+        (None: all T); head: (weight [V', H], bias [V'] or None[, the weight packed]) replacing
+        the LM head, e.g. the rows of a vocabulary subset (``draft_head.DraftHead``). -> logits [B, T or P, V or
         V'] in the model dtype. Advances the cache by T. Inside ``cuda_graphs(runner)`` the
         runner replays captured CUDA graphs where it can (``cuda_graphs.GraphRunner``).
         """
@@ -349,14 +356,17 @@ class SkipModel:
     def head_logits(self, hidden: torch.Tensor,
                     head: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
         """normed hidden [B, P, H] -> logits [B, P, V] through the LM head, or [B, P, V'] through
-        ``head`` = (weight [V', H], bias [V'] or None), e.g. a pruned draft head."""
+        ``head`` = (weight [V', H], bias [V'] or None[, the weight packed or None]), e.g. a pruned
+        draft head (``DraftHead.head``)."""
         kern = LayerKernels.for_device(hidden.device.type, self.invariant)
-        if head is not None:  # a pruned head: logits over a vocabulary subset only
-            return kern.linear(hidden, *head)
-        packed = self._packed_slots(kern, hidden.numel() // hidden.shape[-1])
-        if packed and packed[-1] is not None:  # skinny_linear's bits from a sixth of the bytes
-            return torch.ops.swiftkern.packed_linear(hidden, packed[-1], self.lm_head_bias)
-        return kern.linear(hidden, self.lm_head, self.lm_head_bias)
+        if head is None:
+            weight, bias, packed = self.lm_head, self.lm_head_bias, self.packed_head
+        else:  # a pruned head: logits over a vocabulary subset only
+            weight, bias, *rest = head
+            packed = rest[0] if rest else None
+        if packed is not None and self._reads_packed(kern, hidden.numel() // hidden.shape[-1]):
+            return torch.ops.swiftkern.packed_linear(hidden, packed, bias)  # the same bits, fewer bytes
+        return kern.linear(hidden, weight, bias)
 
     @contextmanager
     def cuda_graphs(self, runner):

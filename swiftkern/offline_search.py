@@ -46,7 +46,7 @@ def search_layer_set(model, tokenizer, prompts: list[str], skip_ratio="auto", bu
     rows = list(range(len(contexts)))
     head = None  # score the top-1 the draft proposes: over the same pruned head as drafting
     if DEFAULT_DRAFT_VOCAB < model.vocab_size:
-        head = DraftHead(model.lm_head, model.lm_head_bias, DEFAULT_DRAFT_VOCAB, [t for c in contexts for t in c])
+        head = DraftHead.for_model(model, DEFAULT_DRAFT_VOCAB, [t for c in contexts for t in c])
     ratios = AUTO_RATIOS if skip_ratio == "auto" else (float(skip_ratio),)
     base = config or SearchConfig()
     table = []

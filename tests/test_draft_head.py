@@ -18,7 +18,8 @@ def test_subset_grows_without_duplicates_and_maps_back():
     assert head.ids.tolist() == list(range(10)) + [40, 41]
     head.add([41, 7, 49] + list(range(20, 40)))  # 41 and 7 are members already
     assert head.ids.tolist() == list(range(10)) + [40, 41, 49] + list(range(20, 40))
-    weight, bias = head.head
+    weight, bias, packed = head.head
+    assert packed is None  # a plain tensor head has no packed rows
     assert bias is None and torch.equal(weight, w[head.ids])
     full = head.to_full(torch.arange(len(head), dtype=torch.float32))
     assert full[49] == 12 and full[10] == float("-inf") and full[3] == 3
@@ -30,7 +31,8 @@ def test_capacity_growth_keeps_rows_and_bias():
     w, b = torch.randn(3000, 4), torch.randn(3000)
     head = DraftHead(w, b, num_frequent=5)
     head.add(range(100, 2900))  # forces a regrow of the row buffer
-    weight, bias = head.head
+    weight, bias, packed = head.head
+    assert packed is None  # a plain tensor head has no packed rows
     assert torch.equal(weight, w[head.ids]) and torch.equal(bias, b[head.ids])
 
 

@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import tiny_model
 from swiftkern import ops, reference
+from swiftkern.draft_head import DraftHead
 from swiftkern.errors import SwiftkernError
 from swiftkern.layer_set import LayerSet
 from swiftkern.model import SkipModel
@@ -174,3 +175,24 @@ def test_smollm2_packs_every_projection_and_keeps_its_logits(smollm2):
         model.packed = packed
     for a, b in zip(*outs):
         assert bitwise_equal(a, b)
+
+
+def test_pruned_draft_head_keeps_packed_rows_through_regrowth():
+    w = gguf_weight(3000, 64, Q.Q8_0, 2)
+    head = DraftHead(w, None, num_frequent=5, context_ids=[2999], packed_head=pack(w))
+    head.add(range(100, 2900))  # forces a regrow of the row buffers
+    weight, _, packed = head.head
+    assert torch.equal(weight, w[head.ids]) and bitwise_equal(unpack(packed), weight)
+
+
+@needs_cpp
+def test_pruned_draft_head_logits_from_packed_rows_are_bit_equal():
+    hf = gguf_like(tiny_model("llama"))
+    plain, packed = SkipModel(hf, pack_weights=False), SkipModel(hf, pack_weights=False)
+    packed.packed = PackedSet(packed._stack_weights + [packed.lm_head])
+    heads = [DraftHead.for_model(m, 40, [200, 250, 7]) for m in (plain, packed)]
+    assert heads[0].head[2] is None and heads[1].head[2] is not None
+    tokens = torch.tensor([[3, 200, 17, 250, 9]])
+    skip = LayerSet.parse("attn:1|mlp:2", 4)
+    a, b = (m.forward(tokens, m.new_cache(1, 8), skip, head=h.head) for m, h in zip((plain, packed), heads))
+    assert bitwise_equal(a, b)
