@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "fixed_order_dot.h"
+#include "linear_call.h"
 
 namespace swiftkern {
 namespace cpu {
@@ -256,19 +257,9 @@ static at::Tensor packed_linear_with(cpu::Isa isa, const at::Tensor& x, const at
   const int64_t N = packed.size(0), K = packed.size(1) * cpu::kBlock;
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "packed_linear: x [..., K] must match packed [N, K/32, bytes]: got ",
               x.sizes(), " and ", packed.sizes());
-  int64_t M = 1;
-  for (int64_t d = 0; d + 1 < x.dim(); ++d) M *= x.size(d);
-  at::Tensor bias_c;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == N,
-                "packed_linear: bias must be float32 [N=", N, "], got ", bias->sizes());
-    bias_c = bias->contiguous();
-  }
-  auto sizes = x.sizes().vec();
-  sizes.back() = N;
-  at::Tensor y = at::empty(sizes, x.options());
-  if (M == 0 || N == 0) return y;
-  if (K == 0) return bias_c.defined() ? y.copy_(bias_c.expand_as(y)) : y.zero_();
+  LinearCall call = linear_call("packed_linear", x, N, bias);
+  if (call.trivial(K)) return call.y;
+  const int64_t M = call.M;
   const at::Tensor xc = x.contiguous(), pc = packed.contiguous();
   const int bits = cpu::packed_bits(pc.size(2));
   static const cpu::PackedTiles tiles4 = cpu::PackedTiles::make<4>(cpu::pick_isa());
@@ -279,15 +270,14 @@ static at::Tensor packed_linear_with(cpu::Isa isa, const at::Tensor& x, const at
   const float* xp = xc.data_ptr<float>();
   const uint8_t* wp = pc.data_ptr<uint8_t>();
   const int64_t row_bytes = pc.size(1) * pc.size(2);
-  float* yp = y.data_ptr<float>();
+  float* yp = call.y.data_ptr<float>();
   constexpr int nr = cpu::kPackedTileCols;
   const int64_t tiles_n = (N + nr - 1) / nr;
   const int64_t grain = std::max<int64_t>(1, 32768 / (nr * K));  // as skinny_linear: ~K * 4 * 8192 weights a task
   at::parallel_for(0, tiles_n, grain, [&](int64_t t0, int64_t t1) {
     range(tiles, isa, xp, wp, row_bytes, yp, M, K, N, t0 * nr, std::min(N, t1 * nr));
   });
-  if (bias_c.defined()) y.add_(bias_c);
-  return y;
+  return call.finish();
 }
 
 // x: float32 [..., K]; packed: uint8 [N, K/32, 24 | 40] (4- | 8-bit codes); bias: float32 [N] or

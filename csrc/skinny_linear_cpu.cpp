@@ -20,6 +20,7 @@
 #include <ATen/Parallel.h>
 
 #include "fixed_order_dot.h"
+#include "linear_call.h"
 
 #include <algorithm>
 #include <cmath>
@@ -204,25 +205,13 @@ static at::Tensor skinny_linear_with(const cpu::TileTable& table, const at::Tens
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == weight.size(1),
               "skinny_linear: x [..., K] must match weight [N, K]: got ", x.sizes(), " and ", weight.sizes());
   const int64_t K = weight.size(1), N = weight.size(0);
-  int64_t M = 1;  // rows: every dimension of x but the last
-  for (int64_t d = 0; d + 1 < x.dim(); ++d) M *= x.size(d);
-  at::Tensor bias_c;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == N,
-                "skinny_linear: bias must be float32 [N=", N, "], got ", bias->sizes());
-    bias_c = bias->contiguous();
-  }
-  auto sizes = x.sizes().vec();
-  sizes.back() = N;
-  at::Tensor y = at::empty(sizes, x.options());
-  if (M == 0 || N == 0) return y;
-  if (K == 0) {  // an empty reduction: every dot product is 0
-    return bias_c.defined() ? y.copy_(bias_c.expand_as(y)) : y.zero_();
-  }
+  LinearCall call = linear_call("skinny_linear", x, N, bias);
+  if (call.trivial(K)) return call.y;
+  const int64_t M = call.M;
   const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
   const float* xp = xc.data_ptr<float>();
   const float* wp = wc.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+  float* yp = call.y.data_ptr<float>();
   // tasks of whole weight tiles, ~128 KiB of weight each
   constexpr int nr = cpu::kTileCols;
   const int64_t tiles = (N + nr - 1) / nr;
@@ -230,8 +219,7 @@ static at::Tensor skinny_linear_with(const cpu::TileTable& table, const at::Tens
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
     cpu::fixed_order_linear(table, xp, wp, yp, M, K, N, t0 * nr, std::min(N, t1 * nr));
   });
-  if (bias_c.defined()) y.add_(bias_c);
-  return y;
+  return call.finish();
 }
 
 // x: float32 [..., K] (any number of rows); weight: float32 [N, K]; bias: float32 [N] or None
