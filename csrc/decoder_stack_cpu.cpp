@@ -37,7 +37,7 @@ enum Field { kLnAttn, kQ, kK, kV, kQBias, kKBias, kVBias, kO, kOBias, kLnMlp, kG
 
 struct StackShape {
   int64_t B, T, num_heads, num_kv_heads, head_dim, max_len, skinny_max_rows;  // skinny_max_rows < 0: any
-  int64_t packed_max_rows;
+  int64_t packed_max_rows;  // < 0: any
   double eps, scale;
   bool invariant;
 };
@@ -54,7 +54,8 @@ struct LayerWeights {
 at::Tensor project(const StackShape& s, const at::Tensor& x, const LayerWeights& lw, Field weight, Field bias) {
   const int64_t rows = x.numel() / x.size(-1);
   const std::optional<at::Tensor>* packed = lw.packed ? lw.packed + weight : nullptr;
-  if (packed && packed->has_value() && packed->value().defined() && rows <= s.packed_max_rows)
+  if (packed && packed->has_value() && packed->value().defined() &&
+      (s.packed_max_rows < 0 || rows <= s.packed_max_rows))
     return packed_linear_cpu(x, **packed, lw.w[bias]);
   if (s.skinny_max_rows < 0 || rows <= s.skinny_max_rows) return skinny_linear_cpu(x, *lw.w[weight], lw.w[bias]);
   return at::linear(x, *lw.w[weight], lw.w[bias]);
@@ -98,7 +99,7 @@ at::Tensor mlp(const StackShape& s, const LayerWeights& w, const at::Tensor& x) 
 // the lengths after this chunk; max_len: keys in use; skinny_max_rows: ops.SKINNY_MAX_ROWS
 // (-1: the fixed-order kernel at any number of rows, the invariant set); invariant: the
 // one-query attention path; packed: empty, or per weight slot the packed weight
-// (packed_weights.pack) or None; packed_max_rows: rows up to which a packed weight is read.
+// (packed_weights.pack) or None; packed_max_rows: rows up to which a packed weight is read (-1: any).
 // -> (hidden, pending): the residual stream and the last kept
 // sub-layer's output not yet added to it (undefined when no sub-layer ran).
 std::tuple<at::Tensor, at::Tensor> decoder_stack_cpu(

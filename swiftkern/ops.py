@@ -835,8 +835,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 # rows up to which the runner reads packed weights (packed_weights.py) on the CPU: SmolLM2's
-# projections at 1 / 8 / 16 / 32 rows took 7.7 / 14.9 / 26.7 / 51.3 ms packed and 20.3 / 28.9 /
-# 39.0 / 57.3 ms from float32 (the same bits); past SKINNY_MAX_ROWS the float32 path is torch's matmul
+# projections at 1 / 8 / 16 / 32 rows took 7.8 / 14.8 / 22.3 / 39.2 ms packed and 21.0 / 28.1 /
+# 40.2 / 54.8 ms from float32 (the same bits); past SKINNY_MAX_ROWS the regular path is torch's
+# matmul (faster at prefill sizes), the invariant set reads them at any size (64 / 128 rows:
+# 69.8 / 135.1 ms packed, 81.8 / 152.3 ms from float32)
 PACKED_MAX_ROWS = SKINNY_MAX_ROWS
 
 

@@ -14,6 +14,7 @@ from conftest import tiny_model
 from swiftkern import ops, reference
 from swiftkern.draft_head import DraftHead
 from swiftkern.errors import SwiftkernError
+from swiftkern.layer_kernels import LayerKernels
 from swiftkern.layer_set import LayerSet
 from swiftkern.model import SkipModel
 from swiftkern.packed_weights import PackedSet, bits_of, pack, unpack
@@ -196,3 +197,19 @@ def test_pruned_draft_head_logits_from_packed_rows_are_bit_equal():
     skip = LayerSet.parse("attn:1|mlp:2", 4)
     a, b = (m.forward(tokens, m.new_cache(1, 8), skip, head=h.head) for m, h in zip((plain, packed), heads))
     assert bitwise_equal(a, b)
+
+
+@needs_cpp
+def test_invariant_set_reads_packed_weights_at_any_size():
+    """In the batch-invariant set the matmul is skinny_linear's order at any number of rows, so
+    packed weights are read past 32 rows too (a 2 x 20-token prefill) with the same bits."""
+    hf = gguf_like(tiny_model("llama"))
+    plain, packed = SkipModel(hf, pack_weights=False), SkipModel(hf, pack_weights=False)
+    packed.packed = PackedSet(packed._stack_weights + [packed.lm_head])
+    tokens = torch.randint(0, 301, (2, 20), generator=torch.Generator().manual_seed(1))
+    outs = []
+    for model in (plain, packed):
+        with model.batch_invariant():
+            assert model._reads_packed(LayerKernels.for_device("cpu", True), 40) == (model is packed)
+            outs.append(model.forward(tokens, model.new_cache(2, 24)))
+    assert bitwise_equal(*outs)
