@@ -79,7 +79,9 @@ static void packed_tile_portable(const float* x, const uint8_t* w, int64_t row_b
 }
 
 #if defined(__x86_64__)
-// The 32 weights of a block, rebuilt with one fma each: lo = inputs 0-15, hi = inputs 16-31
+// The 32 weights of a block, rebuilt with one fma each: lo = inputs 0-15, hi = inputs 16-31 (the
+// unpack path; one load of the 4-bit codes for both halves: unpacking by halves measured 42-45 ms
+// for SmolLM2's projections at 32 rows, against 39-41 ms for this)
 template <int BITS>
 __attribute__((target("avx512f"))) static inline void block_weights_avx512(const uint8_t* block, __m512& lo,
                                                                          __m512& hi) {
