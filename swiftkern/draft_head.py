@@ -43,9 +43,9 @@ class DraftHead:
         self._member[: len(first)] = True
         self._ids = first
         self._capacity = 0
-        self._weight = None  # [capacity, H]; rows [0, n) are live
-        self._bias = None
-        self._packed = None  # [capacity, H/32, bytes] when packed_head is given
+        # row buffers of (lm_head, bias, packed_head), [capacity, ...] each (None where the source
+        # is None); rows [0, n) are live
+        self._rows: list = [None, None, None]
         self._grow(len(first) + 1024)
         self._fill(0, first)
         self.add(context_ids)
@@ -59,27 +59,24 @@ class DraftHead:
     def __len__(self) -> int:
         return len(self._ids)
 
+    def _sources(self) -> tuple:
+        return self.lm_head, self.bias, self.packed_head
+
     def _grow(self, capacity: int) -> None:
-        w = self.lm_head.new_empty((capacity, self.lm_head.shape[1]))
-        b = self.bias.new_empty((capacity,)) if self.bias is not None else None
-        p = (self.packed_head.new_empty((capacity, *self.packed_head.shape[1:]))
-             if self.packed_head is not None else None)
-        if self._weight is not None:
-            n = len(self._ids)
-            w[:n] = self._weight[:n]
-            if b is not None:
-                b[:n] = self._bias[:n]
-            if p is not None:
-                p[:n] = self._packed[:n]
-        self._weight, self._bias, self._packed, self._capacity = w, b, p, capacity
+        n = len(self._ids) if self._capacity else 0
+        for i, src in enumerate(self._sources()):
+            if src is not None:
+                rows = src.new_empty((capacity, *src.shape[1:]))
+                if n:
+                    rows[:n] = self._rows[i][:n]
+                self._rows[i] = rows
+        self._capacity = capacity
 
     def _fill(self, start: int, ids: list[int]) -> None:
         index = torch.tensor(ids, dtype=torch.int64, device=self.lm_head.device)
-        self._weight[start:start + len(ids)] = self.lm_head.index_select(0, index)
-        if self._bias is not None:
-            self._bias[start:start + len(ids)] = self.bias.index_select(0, index)
-        if self._packed is not None:
-            self._packed[start:start + len(ids)] = self.packed_head.index_select(0, index)
+        for src, rows in zip(self._sources(), self._rows):
+            if src is not None:
+                rows[start:start + len(ids)] = src.index_select(0, index)
         self._ids_t = None
 
     def add(self, token_ids) -> None:
@@ -103,8 +100,7 @@ class DraftHead:
     @property
     def head(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         n = len(self._ids)
-        return (self._weight[:n], self._bias[:n] if self._bias is not None else None,
-                self._packed[:n] if self._packed is not None else None)
+        return tuple(rows[:n] if rows is not None else None for rows in self._rows)
 
     @property
     def ids(self) -> torch.Tensor:

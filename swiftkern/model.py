@@ -136,7 +136,7 @@ class SkipModel:
     @property
     def packed_head(self) -> torch.Tensor | None:
         """The LM head packed (uint8 [V, H/32, bytes]) where this model reads packed weights."""
-        return self.packed.slots()[-1] if self.packed is not None else None
+        return self.packed.slot(-1) if self.packed is not None else None
 
     @staticmethod
     def _sliding_window(cfg) -> int | None:
@@ -362,12 +362,14 @@ class SkipModel:
         draft head (``DraftHead.head``)."""
         kern = LayerKernels.for_device(hidden.device.type, self.invariant)
         if head is None:
-            weight, bias, packed = self.lm_head, self.lm_head_bias, self.packed_head
+            weight, bias, packed = self.lm_head, self.lm_head_bias, None
         else:  # a pruned head: logits over a vocabulary subset only
             weight, bias, *rest = head
             packed = rest[0] if rest else None
-        if packed is not None and self._reads_packed(kern, hidden.numel() // hidden.shape[-1]):
-            return torch.ops.swiftkern.packed_linear(hidden, packed, bias)  # the same bits, fewer bytes
+        if self._reads_packed(kern, hidden.numel() // hidden.shape[-1]):  # the same bits, fewer bytes
+            packed = self.packed_head if head is None else packed
+            if packed is not None:
+                return torch.ops.swiftkern.packed_linear(hidden, packed, bias)
         return kern.linear(hidden, weight, bias)
 
     @contextmanager

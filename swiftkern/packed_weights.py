@@ -105,19 +105,13 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
     return (scale * codes + offset).reshape(N, B * BLOCK)
 
 
-def select_rows(packed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """The packed weight of weight[index] (e.g. a pruned LM head): packed [N, B, bytes],
-    index int64 [N'] -> [N', B, bytes]."""
-    return packed.index_select(0, index)
-
-
 class PackedSet:
     """Packed copies of a list of weights (None where a weight is absent or does not pack),
     kept current: a weight changed in place since it was packed (its ``_version`` moved) is
     packed again before the list is handed out, so a stale copy is never read.
 
-    ``PackedSet(weights)``; ``slots()`` -> list aligned with ``weights``; ``count``: how many
-    packed; ``nbytes``: their size."""
+    ``PackedSet(weights)``; ``slots()`` -> list aligned with ``weights``; ``slot(i)``: one of
+    them (checking that weight alone); ``count``: how many packed."""
 
     def __init__(self, weights: list):
         self.weights = weights
@@ -128,17 +122,18 @@ class PackedSet:
     def _pack(w):
         return pack(w) if isinstance(w, torch.Tensor) and w.dim() == 2 else None
 
+    def slot(self, i: int) -> torch.Tensor | None:
+        w = self.weights[i]
+        if w is not None and w._version != self._versions[i]:
+            self._packed[i] = self._pack(w)
+            self._versions[i] = w._version
+        return self._packed[i]
+
     def slots(self) -> list:
-        for i, w in enumerate(self.weights):
-            if w is not None and w._version != self._versions[i]:
-                self._packed[i] = self._pack(w)
-                self._versions[i] = w._version
+        for i in range(len(self.weights)):
+            self.slot(i)
         return self._packed
 
     @property
     def count(self) -> int:
         return sum(p is not None for p in self._packed)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(p.numel() for p in self._packed if p is not None)
