@@ -33,12 +33,20 @@ constexpr int kBlock = 32;              // inputs per scale
 constexpr int kHeaderBytes = 8;         // scale, offset
 constexpr int kBlockBytes4 = 8 + 16;    // 4-bit codes
 constexpr int kBlockBytes8 = 8 + 32;    // 8-bit codes
-constexpr int kPackedTileRows = 6;      // x rows per register tile (24 accumulators + 4 weights)
-constexpr int kPackedTileCols = 4;      // weight rows per register tile
+constexpr int kPackedTileRows = 8;      // x rows of a register tile: all of them, up to 8
+constexpr int kPackedTileCols = 4;      // weight rows of a register tile, at most
+// Weight rows of the register tile for mr x rows (1 <= mr <= 8): all the x rows in one tile, so
+// each weight is rebuilt once, and as many weight rows as fit the 32 registers with no spill in
+// the loop (6 x 4 spills). SmolLM2's projections, alternating runs, ms at 5 / 6 / 7 / 8 rows:
+// 4 weight rows up to 5 x rows, then 3: 6.7-7.0 / 9.5-9.8 / 10.6-11.0 / 11.7-11.9; up to 4 rows,
+// then 3: 8.2-9.4 / 9.0-10.2 / 9.9-11.4 / 11.1-13.0; 2 at 8 rows: 11.5-12.7
+static int packed_tile_cols(int mr) { return mr <= 5 ? 4 : 3; }
+
 // Past this many x rows each weight tile is unpacked once into L1 rather than rebuilt per x tile.
 // SmolLM2's projections, rebuilt per tile / unpacked: 8 rows 14.8 / 16.0 ms, 12 rows 19.8 / 18.0,
 // 16 rows 26.0 / 22.3, 32 rows 50.4 / 39.2 (one row: 7.8)
 constexpr int64_t kUnpackAboveRows = 8;
+static_assert(kUnpackAboveRows <= kPackedTileRows, "the register path takes all the x rows in one tile");
 
 static inline float load_f32(const uint8_t* p) {
   float v;
@@ -79,39 +87,48 @@ static void packed_tile_portable(const float* x, const uint8_t* w, int64_t row_b
 }
 
 #if defined(__x86_64__)
-// The 32 weights of a block, rebuilt with one fma each: lo = inputs 0-15, hi = inputs 16-31 (the
-// unpack path; one load of the 4-bit codes for both halves: unpacking by halves measured 42-45 ms
-// for SmolLM2's projections at 32 rows, against 39-41 ms for this)
+// The 16 weights a 4-bit block can hold, fma(scale, code, offset) for code 0..15: each weight is
+// then one permute of this table by its code (2 ops a half, not 4: widen, mask, convert, fma)
+__attribute__((target("avx512f"))) static inline __m512 block_table_avx512(const uint8_t* block) {
+  const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  return _mm512_fmadd_ps(_mm512_set1_ps(load_f32(block)), codes, _mm512_set1_ps(load_f32(block + 4)));
+}
+
+// The 32 weights of a block as the dequantizer made them: lo = inputs 0-15, hi = inputs 16-31
 template <int BITS>
 __attribute__((target("avx512f"))) static inline void block_weights_avx512(const uint8_t* block, __m512& lo,
                                                                          __m512& hi) {
-  const __m512 scale = _mm512_set1_ps(load_f32(block)), offset = _mm512_set1_ps(load_f32(block + 4));
-  __m512i code_lo, code_hi;
   if constexpr (BITS == 4) {
+    const __m512 table = block_table_avx512(block);
+    // a permute reads the low 4 bits of each index: byte & 0xF needs no mask
     const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 8)));
-    code_lo = _mm512_and_si512(bytes, _mm512_set1_epi32(0xF));
-    code_hi = _mm512_srli_epi32(bytes, 4);
+    lo = _mm512_permutexvar_ps(bytes, table);
+    hi = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
   } else {
-    code_lo = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 8)));
-    code_hi = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 24)));
+    const __m512 scale = _mm512_set1_ps(load_f32(block)), offset = _mm512_set1_ps(load_f32(block + 4));
+    const __m512i code_lo = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 8)));
+    const __m512i code_hi = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 24)));
+    lo = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(code_lo), offset);
+    hi = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(code_hi), offset);
   }
-  lo = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(code_lo), offset);
-  hi = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(code_hi), offset);
 }
 
 // Half h of a block: its inputs 16h .. 16h + 15
 template <int BITS>
 __attribute__((target("avx512f"))) static inline __m512 block_half_avx512(const uint8_t* block, int h) {
-  const __m512 scale = _mm512_set1_ps(load_f32(block)), offset = _mm512_set1_ps(load_f32(block + 4));
-  __m512i code;
   if constexpr (BITS == 4) {
     const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 8)));
-    code = h == 0 ? _mm512_and_si512(bytes, _mm512_set1_epi32(0xF)) : _mm512_srli_epi32(bytes, 4);
+    return _mm512_permutexvar_ps(h == 0 ? bytes : _mm512_srli_epi32(bytes, 4), block_table_avx512(block));
   } else {
-    code = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 8 + 16 * h)));
+    const __m512i code = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 8 + 16 * h)));
+    return _mm512_fmadd_ps(_mm512_set1_ps(load_f32(block)), _mm512_cvtepi32_ps(code),
+                           _mm512_set1_ps(load_f32(block + 4)));
   }
-  return _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(code), offset);
 }
+
+// Whether a tile of MR x rows by NR weight rows keeps a whole block's weights (2 * NR vectors)
+// in registers beside its MR * NR accumulators, or works one half of the block at a time
+constexpr bool whole_blocks_fit(int MR, int NR) { return MR * NR + 2 * NR + 2 <= 32; }
 
 template <int BITS, int MR, int NR>
 __attribute__((target("avx512f"))) static void packed_tile_avx512(const float* x, const uint8_t* w,
@@ -127,22 +144,36 @@ __attribute__((target("avx512f"))) static void packed_tile_avx512(const float* x
       const char* p = reinterpret_cast<const char*>(pf + b * NR * block_bytes);
       for (int c = 0; c < NR * block_bytes; c += 64) _mm_prefetch(p + c, _MM_HINT_T0);
     }
-    // per lane: input 32b + lane, then 32b + 16 + lane (increasing k); one half at a time, so
-    // 6 x rows x 4 weight rows of accumulators and 4 weight vectors fit the 32 registers
-    for (int h = 0; h < 2; ++h) {
-      __m512 wv[NR];
-      for (int j = 0; j < NR; ++j) wv[j] = block_half_avx512<BITS>(w + j * row_bytes + b * block_bytes, h);
-      for (int i = 0; i < MR; ++i) {
-        const __m512 xv = _mm512_loadu_ps(x + i * K + b * kBlock + 16 * h);
-        for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+    // per lane: input 32b + lane, then 32b + 16 + lane (increasing k)
+    if constexpr (whole_blocks_fit(MR, NR)) {
+      __m512 wv[2][NR];
+      for (int j = 0; j < NR; ++j) block_weights_avx512<BITS>(w + j * row_bytes + b * block_bytes, wv[0][j], wv[1][j]);
+      for (int h = 0; h < 2; ++h)
+        for (int i = 0; i < MR; ++i) {
+          const __m512 xv = _mm512_loadu_ps(x + i * K + b * kBlock + 16 * h);
+          for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[h][j], acc[i][j]);
+        }
+    } else {
+      for (int h = 0; h < 2; ++h) {
+        __m512 wv[NR];
+        for (int j = 0; j < NR; ++j) wv[j] = block_half_avx512<BITS>(w + j * row_bytes + b * block_bytes, h);
+        for (int i = 0; i < MR; ++i) {
+          const __m512 xv = _mm512_loadu_ps(x + i * K + b * kBlock + 16 * h);
+          for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+        }
       }
     }
   }
-  if constexpr (NR == 4) {
-    for (int i = 0; i < MR; ++i) halving_sum_4_avx512(acc[i], y + i * N);
-  } else {
-    for (int i = 0; i < MR; ++i)
-      for (int j = 0; j < NR; ++j) y[i * N + j] = halving_sum_avx512(acc[i][j]);
+  for (int i = 0; i < MR; ++i) {
+    if constexpr (NR == 4) {
+      halving_sum_4_avx512(acc[i], y + i * N);
+    } else {  // the four-wide sum on a padded copy: the same additions for the real accumulators
+      __m512 four[4];
+      float out[4];
+      for (int j = 0; j < 4; ++j) four[j] = acc[i][std::min(j, NR - 1)];
+      halving_sum_4_avx512(four, out);
+      for (int j = 0; j < NR; ++j) y[i * N + j] = out[j];
+    }
   }
 }
 template <int BITS>
@@ -184,7 +215,7 @@ struct PackedTiles {
   static PackedTiles make(Isa isa) {
     PackedTiles t{};
     t.fill<BITS, 1>(isa); t.fill<BITS, 2>(isa); t.fill<BITS, 3>(isa); t.fill<BITS, 4>(isa);
-    t.fill<BITS, 5>(isa); t.fill<BITS, 6>(isa);
+    t.fill<BITS, 5>(isa); t.fill<BITS, 6>(isa); t.fill<BITS, 7>(isa); t.fill<BITS, 8>(isa);
     return t;
   }
 };
@@ -211,9 +242,10 @@ static void unpack_rows(Isa isa, const uint8_t* w, int64_t row_bytes, int rows, 
       out[j * K + k] = block_weight<BITS>(w + j * row_bytes + (k / kBlock) * block_bytes, static_cast<int>(k % kBlock));
 }
 
-// Outputs y[:, n_begin:n_end). Up to kUnpackAboveRows x rows: each packed weight tile against
-// every x tile in registers (its weights rebuilt per x tile of up to 6 rows). More rows: each
-// weight tile is unpacked into an L1 buffer once and skinny_linear's tiles read it. Either way every output is the same fixed-order sum.
+// Outputs y[:, n_begin:n_end). Up to kUnpackAboveRows x rows: one register tile of all the x rows
+// per packed weight tile, each weight rebuilt once. More rows: each weight tile is unpacked into
+// an L1 buffer once and skinny_linear's tiles read it. Either way every output is the same
+// fixed-order sum.
 template <int BITS>
 static void packed_linear_range(const PackedTiles& tiles, Isa isa, const float* x, const uint8_t* w,
                                 int64_t row_bytes, float* y, int64_t M, int64_t K, int64_t N, int64_t n_begin,
@@ -232,14 +264,13 @@ static void packed_linear_range(const PackedTiles& tiles, Isa isa, const float* 
     }
     return;
   }
-  for (int64_t n = n_begin; n < n_end; n += kPackedTileCols) {
-    const int nr = static_cast<int>(std::min<int64_t>(kPackedTileCols, n_end - n));
-    const int64_t ahead = n + prefetch_tiles * kPackedTileCols;
-    for (int64_t m = 0; m < M; m += kPackedTileRows) {
-      const int mr = static_cast<int>(std::min<int64_t>(kPackedTileRows, M - m));
-      const uint8_t* pf = (m == 0 && ahead + kPackedTileCols <= n_end) ? w + ahead * row_bytes : nullptr;
-      tiles.fn[mr - 1][nr - 1](x + m * K, w + n * row_bytes, row_bytes, y + m * N + n, K, N, pf);
-    }
+  const int mr = static_cast<int>(M);
+  const int cols = packed_tile_cols(mr);
+  for (int64_t n = n_begin; n < n_end; n += cols) {
+    const int nr = static_cast<int>(std::min<int64_t>(cols, n_end - n));
+    const int64_t ahead = n + prefetch_tiles * cols;
+    const uint8_t* pf = ahead + cols <= n_end ? w + ahead * row_bytes : nullptr;
+    tiles.fn[mr - 1][nr - 1](x, w + n * row_bytes, row_bytes, y + n, K, N, pf);
   }
 }
 
