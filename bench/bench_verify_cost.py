@@ -3,8 +3,8 @@
     python -m bench --routine verify_cost [--model smollm2] [--reps 20] [--smoke] [--cuda-graphs]
 
 What every drafter pays per step is k draft costs + verify(k + 1); speculation pays only
-when verify(T) stays close to verify(1). Providers, timed interleaved on one cache holding a
-200-token context, batch 1:
+when verify(T) stays close to verify(1). Providers, on one cache holding a 200-token context,
+batch 1, timed interleaved within their family (one weight format), one family after another:
 
     T<t>             a forward of t tokens with the kernels swiftkern picks (SWIFTKERN_BACKEND
                      as set; on the CPU the C++ skinny_linear kernel, reading packed weights
@@ -83,6 +83,15 @@ def forward_steps(model, context_len: int, max_T: int):
     return step
 
 
+def _tokens(provider: str) -> int:
+    return int(provider[1:].split("-")[0].split("+")[0])
+
+
+def _family(provider: str) -> str:
+    """"", "-reference", "-float32" or "+graphs": the provider's name after T<t>."""
+    return provider[len(f"T{_tokens(provider)}"):]
+
+
 def run(args) -> list[dict]:
     model, name = skip_model(args)
     ctx = 20 if args.smoke else 200
@@ -101,12 +110,18 @@ def run(args) -> list[dict]:
     if args.providers:
         fns = {k: v for k, v in fns.items()
                if k in args.providers or k in ("T1", "T1-reference", "T1-float32", "T1+graphs")}
-    times = common.time_fn(fns, args.device, warmup=2, reps=args.reps or (3 if args.smoke else 20))
+    # one family at a time (interleaved within it): a family reading the 538 MB of float32
+    # weights would evict the packed family's 115 MB from a large L3 (480 MiB on the CPU
+    # machine), where a generation reading only packed weights keeps them
+    times = {}
+    for family in ("", "-float32", "-reference", "+graphs"):
+        group = {p: fn for p, fn in fns.items() if _family(p) == family}
+        if group:
+            times.update(common.time_fn(group, args.device, warmup=2, reps=args.reps or (3 if args.smoke else 20)))
     rows = []
     for p, t in times.items():
-        T = int(p[1:].split("-")[0].split("+")[0])
-        family = p[len(f"T{T}"):]  # "", "-reference", "-float32" or "+graphs"
-        one = times["T1" + family]["median_ms"]
+        T = _tokens(p)
+        one = times["T1" + _family(p)]["median_ms"]
         backend = "reference" if p.endswith("-reference") else ops._backend()
         rows.append(common.row(ROUTINE, p, args.device, model.dtype, f"B=1 T={T} ctx={ctx}", t, model=name,
                                backend=backend, ratio_vs_T1=round(t["median_ms"] / one, 3)))
