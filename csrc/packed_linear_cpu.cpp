@@ -5,7 +5,8 @@
 // and a 4- or 8-bit code. swiftkern/packed_weights.py finds those codes (and checks that every
 // weight comes back bit for bit); this kernel streams them at 0.75 / 1.25 bytes per weight
 // instead of 4, rebuilds each weight with one fma (exact: scale * code has at most 19
-// significant bits, so the fma rounds once, where the dequantizer's multiply-then-add did) and
+// significant bits, so the fma rounds once, where the dequantizer's multiply-then-add did; a
+// 4-bit block makes its 16 possible weights so and permutes them by code) and
 // sums in skinny_linear's fixed order (fixed_order_dot.h). The output is therefore
 // skinny_linear's on the float32 weight, bit for bit: a decode step reads a sixth of the bytes
 // and computes the same logits.
@@ -37,7 +38,8 @@ constexpr int kPackedTileRows = 8;      // x rows of a register tile: all of the
 constexpr int kPackedTileCols = 4;      // weight rows of a register tile, at most
 // Weight rows of the register tile for mr x rows (1 <= mr <= 8): all the x rows in one tile, so
 // each weight is rebuilt once, and as many weight rows as fit the 32 registers with no spill in
-// the loop (6 x 4 spills). SmolLM2's projections, alternating runs, ms at 5 / 6 / 7 / 8 rows:
+// the loop (6 x 4 spills). SmolLM2's projections (one layer's weights over and over, from
+// cache), alternating runs, ms at 5 / 6 / 7 / 8 rows:
 // 4 weight rows up to 5 x rows, then 3: 6.7-7.0 / 9.5-9.8 / 10.6-11.0 / 11.7-11.9; up to 4 rows,
 // then 3: 8.2-9.4 / 9.0-10.2 / 9.9-11.4 / 11.1-13.0; 2 at 8 rows: 11.5-12.7
 static int packed_tile_cols(int mr) { return mr <= 5 ? 4 : 3; }
