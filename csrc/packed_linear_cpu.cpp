@@ -36,13 +36,23 @@ constexpr int kBlockBytes4 = 8 + 16;    // 4-bit codes
 constexpr int kBlockBytes8 = 8 + 32;    // 8-bit codes
 constexpr int kPackedTileRows = 8;      // x rows of a register tile: all of them, up to 8
 constexpr int kPackedTileCols = 4;      // weight rows of a register tile, at most
+// Whether a tile of MR x rows by NR weight rows keeps its MR * NR accumulators, a whole block's
+// weights (2 * NR vectors), an x vector and a temporary in the 32 vector registers
+constexpr bool whole_blocks_fit(int MR, int NR) { return MR * NR + 2 * NR + 2 <= 32; }
+
 // Weight rows of the register tile for mr x rows (1 <= mr <= 8): all the x rows in one tile, so
-// each weight is rebuilt once, and as many weight rows as fit the 32 registers with no spill in
-// the loop (6 x 4 spills). SmolLM2's projections (one layer's weights over and over, from
-// cache), alternating runs, ms at 5 / 6 / 7 / 8 rows:
-// 4 weight rows up to 5 x rows, then 3: 6.7-7.0 / 9.5-9.8 / 10.6-11.0 / 11.7-11.9; up to 4 rows,
-// then 3: 8.2-9.4 / 9.0-10.2 / 9.9-11.4 / 11.1-13.0; 2 at 8 rows: 11.5-12.7
-static int packed_tile_cols(int mr) { return mr <= 5 ? 4 : 3; }
+// each weight is rebuilt once, and as many weight rows (up to 4) as fit: 4 up to 5 x rows, then 3
+// (the compiler spills nothing in those loops; 6 x 4, a block at a time by halves, spilled 20
+// times). SmolLM2's projections (one layer's weights over and over, from cache), alternating
+// runs, ms at 5 / 6 / 7 / 8 rows: 4 weight rows up to 5 x rows, then 3: 6.7-7.0 / 9.5-9.8 /
+// 10.6-11.0 / 11.7-11.9; 4 up to 4 rows, then 3: 8.2-9.4 / 9.0-10.2 / 9.9-11.4 / 11.1-13.0; 2 at
+// 8 rows: 11.5-12.7
+constexpr int packed_tile_cols(int mr) {
+  int nr = kPackedTileCols;
+  while (nr > 1 && !whole_blocks_fit(mr, nr)) --nr;
+  return nr;
+}
+static_assert(packed_tile_cols(5) == 4 && packed_tile_cols(6) == 3 && packed_tile_cols(8) == 3);
 
 // Past this many x rows each weight tile is unpacked once into L1 rather than rebuilt per x tile.
 // SmolLM2's projections, rebuilt per tile / unpacked: 8 rows 14.8 / 16.0 ms, 12 rows 19.8 / 18.0,
@@ -115,27 +125,11 @@ __attribute__((target("avx512f"))) static inline void block_weights_avx512(const
   }
 }
 
-// Half h of a block: its inputs 16h .. 16h + 15
-template <int BITS>
-__attribute__((target("avx512f"))) static inline __m512 block_half_avx512(const uint8_t* block, int h) {
-  if constexpr (BITS == 4) {
-    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 8)));
-    return _mm512_permutexvar_ps(h == 0 ? bytes : _mm512_srli_epi32(bytes, 4), block_table_avx512(block));
-  } else {
-    const __m512i code = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 8 + 16 * h)));
-    return _mm512_fmadd_ps(_mm512_set1_ps(load_f32(block)), _mm512_cvtepi32_ps(code),
-                           _mm512_set1_ps(load_f32(block + 4)));
-  }
-}
-
-// Whether a tile of MR x rows by NR weight rows keeps a whole block's weights (2 * NR vectors)
-// in registers beside its MR * NR accumulators, or works one half of the block at a time
-constexpr bool whole_blocks_fit(int MR, int NR) { return MR * NR + 2 * NR + 2 <= 32; }
-
 template <int BITS, int MR, int NR>
 __attribute__((target("avx512f"))) static void packed_tile_avx512(const float* x, const uint8_t* w,
                                                                   int64_t row_bytes, float* y, int64_t K, int64_t N,
                                                                   const uint8_t* pf) {
+  static_assert(whole_blocks_fit(MR, NR), "a tile the registers cannot hold");
   constexpr int block_bytes = BITS == 4 ? kBlockBytes4 : kBlockBytes8;
   __m512 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
@@ -147,24 +141,13 @@ __attribute__((target("avx512f"))) static void packed_tile_avx512(const float* x
       for (int c = 0; c < NR * block_bytes; c += 64) _mm_prefetch(p + c, _MM_HINT_T0);
     }
     // per lane: input 32b + lane, then 32b + 16 + lane (increasing k)
-    if constexpr (whole_blocks_fit(MR, NR)) {
-      __m512 wv[2][NR];
-      for (int j = 0; j < NR; ++j) block_weights_avx512<BITS>(w + j * row_bytes + b * block_bytes, wv[0][j], wv[1][j]);
-      for (int h = 0; h < 2; ++h)
-        for (int i = 0; i < MR; ++i) {
-          const __m512 xv = _mm512_loadu_ps(x + i * K + b * kBlock + 16 * h);
-          for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[h][j], acc[i][j]);
-        }
-    } else {
-      for (int h = 0; h < 2; ++h) {
-        __m512 wv[NR];
-        for (int j = 0; j < NR; ++j) wv[j] = block_half_avx512<BITS>(w + j * row_bytes + b * block_bytes, h);
-        for (int i = 0; i < MR; ++i) {
-          const __m512 xv = _mm512_loadu_ps(x + i * K + b * kBlock + 16 * h);
-          for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
-        }
+    __m512 wv[2][NR];
+    for (int j = 0; j < NR; ++j) block_weights_avx512<BITS>(w + j * row_bytes + b * block_bytes, wv[0][j], wv[1][j]);
+    for (int h = 0; h < 2; ++h)
+      for (int i = 0; i < MR; ++i) {
+        const __m512 xv = _mm512_loadu_ps(x + i * K + b * kBlock + 16 * h);
+        for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[h][j], acc[i][j]);
       }
-    }
   }
   for (int i = 0; i < MR; ++i) {
     if constexpr (NR == 4) {
@@ -200,11 +183,15 @@ struct PackedTiles {
 
   template <int BITS, int MR, int NR>
   static PackedTileFn pick(Isa isa) {
-#if defined(__x86_64__)
-    if (isa == Isa::kAvx512) return packed_tile_avx512<BITS, MR, NR>;
-#endif
     (void)isa;
-    return packed_tile_portable<BITS, MR, NR>;
+    if constexpr (NR > packed_tile_cols(MR)) {
+      return nullptr;  // wider than the registers hold: never called
+    } else {
+#if defined(__x86_64__)
+      if (isa == Isa::kAvx512) return packed_tile_avx512<BITS, MR, NR>;
+#endif
+      return packed_tile_portable<BITS, MR, NR>;
+    }
   }
 
   template <int BITS, int MR>
