@@ -41,7 +41,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the routine's)")
     ap.add_argument("--refcheck", action="store_true",
                     help="check every provider's output against the reference before timing")
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes and few repetitions (seconds; for CI)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny sizes and few repetitions (seconds; for CI); its numbers are not measurements, "
+                         "so nothing is appended to bench/results")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions per provider")
     ap.add_argument("--no-csv", action="store_true", help="print only, do not append to bench/results")
     ap.add_argument("--plot", action="store_true", help="also write bench/results/<routine>.png (matplotlib)")
@@ -78,7 +80,8 @@ def main(argv=None) -> int:
         rows = found[name].run(args)
         keys = getattr(found[name], "PRINT_KEYS", None)  # a routine may name the columns worth printing
         common.print_rows(rows, **({"keys": keys} if keys else {}))
-        where = f", appended to {os.path.relpath(common.append_csv(name, rows))}" if rows and not args.no_csv else ""
+        keep = rows and not args.no_csv and not args.smoke
+        where = f", appended to {os.path.relpath(common.append_csv(name, rows))}" if keep else ""
         print(f"== {name}: {len(rows)} rows{where}", flush=True)
         if args.plot and rows:
             from bench import plot

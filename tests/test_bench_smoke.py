@@ -28,6 +28,15 @@ def test_every_routine_prints_rows_in_smoke_mode():
     assert not missing, f"routines without rows: {missing}\n{run.stdout[-3000:]}"
 
 
+def test_smoke_rows_are_not_appended_to_the_results():
+    results = os.path.join(ROOT, "bench", "results", "kv_compact.csv")
+    before = open(results).read()
+    run = _bench("--routine", "kv_compact", "--smoke", timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert re.search(r"^== kv_compact: [1-9]\d* rows$", run.stdout, flags=re.M), run.stdout[-2000:]
+    assert open(results).read() == before
+
+
 def test_unknown_routine_exits_2():
     run = _bench("--routine", "no-such-routine", timeout=120)
     assert run.returncode == 2 and "unknown routine" in run.stderr
