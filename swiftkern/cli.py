@@ -60,8 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="swiftkern",
         description="Lossless fast LLM decoding. 'generate' writes text with a LLaMA-family "
-                    "model; 'info' shows versions, device and kernel backends.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,info}")
+                    "model; 'info' shows versions, device and kernel backends; 'search' finds a "
+                    "model's draft layer set offline and stores it.")
+    sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text from prompts",
                          description="Generate text for one prompt or a JSONL file of prompts. "

@@ -44,6 +44,13 @@ def test_help_explains_itself():
         assert flag in r.stdout
 
 
+def test_top_level_help_names_every_command():
+    r = run("--help")
+    assert r.returncode == 0, r.stderr
+    usage = r.stdout.splitlines()[0]
+    assert all(c in usage for c in ("generate", "info", "search")), r.stdout
+
+
 def test_info_names_backends():
     r = run("info")
     assert r.returncode == 0, r.stderr
