@@ -58,13 +58,18 @@ def test_gpu_machine_has_the_cuda_build():
 @given(B=st.integers(0, 6), K=st.integers(0, 9), V=st.sampled_from([1, 3, 8, 33, 1001, 49152]),
        dtype=st.sampled_from(DTYPES), offset=st.integers(0, 7), data=st.data())
 def test_greedy_accept_matches_reference(B, K, V, dtype, offset, data):
-    """Odd V and a storage offset put rows at every 16-byte misalignment (head, vectors, tail)."""
+    """Odd V and a storage offset put rows at every 16-byte misalignment (head, vectors, tail);
+    V = 49152 with few positions takes the vocabulary-split kernel (ties, NaN and signed zeros
+    then meet across chunks)."""
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 999)))
     flat = torch.randn(offset + B * (K + 1) * V, generator=g)
     logits = flat[offset:].view(B, K + 1, V).to(dtype)
-    special = data.draw(st.sampled_from(["none", "tie", "nan", "-inf"]))
+    special = data.draw(st.sampled_from(["none", "tie", "nan", "-inf", "signed-zero"]))
     if B and special == "tie":
         logits[..., V // 2] = logits[..., 0] = 50
+    elif B and special == "signed-zero" and V > 2:  # -0.0 == 0.0: the lower index wins
+        logits[0, 0] = -1
+        logits[0, 0, 1], logits[0, 0, V - 1] = -0.0, 0.0
     elif B and special == "nan":
         logits[0, 0, V - 1] = float("nan")
     elif B and special == "-inf":
