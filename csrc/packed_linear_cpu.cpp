@@ -54,9 +54,10 @@ constexpr int packed_tile_cols(int mr) {
 }
 static_assert(packed_tile_cols(5) == 4 && packed_tile_cols(6) == 3 && packed_tile_cols(8) == 3);
 
-// Past this many x rows each weight tile is unpacked once into L1 rather than rebuilt per x tile.
-// SmolLM2's projections, rebuilt per tile / unpacked: 8 rows 14.8 / 16.0 ms, 12 rows 19.8 / 18.0,
-// 16 rows 26.0 / 22.3, 32 rows 50.4 / 39.2 (one row: 7.8)
+// Past this many x rows (more than one register tile holds) each weight tile is unpacked once
+// into L1 rather than rebuilt for every tile of x rows. SmolLM2's projections when tiles were 6
+// x rows, rebuilt per tile / unpacked: 8 rows 14.8 / 16.0 ms, 12 rows 19.8 / 18.0, 16 rows
+// 26.0 / 22.3, 32 rows 50.4 / 39.2 (one row: 7.8)
 constexpr int64_t kUnpackAboveRows = 8;
 static_assert(kUnpackAboveRows <= kPackedTileRows, "the register path takes all the x rows in one tile");
 
