@@ -2,10 +2,6 @@
 // torch.argmax's rules), then one thread per row walks its drafts. No [B, K+1, V] temporary:
 // the target token of position j is written straight into out[b, j], which the walk turns into
 // the final row (accepted drafts equal their targets, so only the tail changes to -1).
-// With few positions (small batches: B = 1, K = 8 is 9 blocks for 132 SMs) the vocabulary is
-// split too: a block per (position, chunk) folds its chunk's argmax into out[b, j] with one
-// 64-bit atomicMax of a key that orders as the argmax rules do (argmax_key), and the walk
-// decodes the keys first.
 //
 // Argmax rules (as torch.argmax): the first NaN wins over everything; otherwise the largest
 // value, ties to the lowest index; a row of -inf gives 0.
@@ -100,51 +96,16 @@ greedy_argmax_kernel(const typename Ty::Storage* __restrict__ logits, int64_t l_
   if (threadIdx.x == 0) out[b * (K + 1) + j] = best.index;
 }
 
-// A 64-bit key that orders (value, index) pairs as `better` does, for atomicMax: the value's bits
-// made monotone (every NaN above everything, -0.0 as +0.0), then the index inverted (ties: the
-// lower index has the larger key). Indices are below 2^31; every key of a real element is > 0.
-__device__ __forceinline__ unsigned long long argmax_key(float v, int64_t i) {
-  uint32_t u = __float_as_uint(v == 0.0f ? 0.0f : v);
-  u = v != v ? 0xffffffffu : (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-  return (static_cast<unsigned long long>(u) << 32) | (0xffffffffu - static_cast<uint32_t>(i));
-}
-
-__device__ __forceinline__ int64_t argmax_key_index(unsigned long long key) {
-  return static_cast<int64_t>(0xffffffffu - static_cast<uint32_t>(key & 0xffffffffu));
-}
-
-// grid: (B * (K+1), splits); block (r, s) folds the argmax of row r's elements [s * chunk,
-// (s + 1) * chunk) into out[r] (zeroed before) as an argmax_key.
-template <class Ty, int kThreads>
-__global__ void __launch_bounds__(kThreads)
-greedy_argmax_split_kernel(const typename Ty::Storage* __restrict__ logits, int64_t l_sb, int64_t l_sk,
-                           const int32_t* __restrict__ num_draft, int64_t n_s, int64_t* __restrict__ out,
-                           int64_t K, int64_t V, int64_t chunk) {
-  const int64_t b = blockIdx.x / (K + 1), j = blockIdx.x % (K + 1);
-  const int32_t nd = num_draft[b * n_s];
-  SWIFTKERN_DEVICE_REQUIRE(nd >= 0 && nd <= K, "greedy_accept: num_draft[%lld] = %d is outside [0, K = %lld]\n",
-                           static_cast<long long>(b), nd, static_cast<long long>(K));
-  const int64_t lo = static_cast<int64_t>(blockIdx.y) * chunk;
-  if (j > nd || lo >= V) return;
-  const int64_t n = V - lo < chunk ? V - lo : chunk;
-  const ArgBest best = row_argmax<Ty, kThreads>(logits + b * l_sb + j * l_sk + lo, n);
-  if (threadIdx.x == 0 && best.index >= 0)
-    atomicMax(reinterpret_cast<unsigned long long*>(out + b * (K + 1) + j), argmax_key(best.value, lo + best.index));
-}
-
-// One thread per row: out[b, :] holds the targets of positions 0..num_draft[b] (as argmax_keys
-// when `keys`); keep the drafts that match (they equal their targets), the target at the first
-// mismatch, then -1.
+// One thread per row: out[b, :] holds the targets of positions 0..num_draft[b]; keep the drafts
+// that match (they equal their targets), the target at the first mismatch, then -1.
 __global__ void greedy_finalize_kernel(const int64_t* __restrict__ draft, int64_t d_sb, int64_t d_sk,
                                        const int32_t* __restrict__ num_draft, int64_t n_s,
                                        int64_t* __restrict__ out, int32_t* __restrict__ num_accepted,
-                                       int64_t B, int64_t K, bool keys) {
+                                       int64_t B, int64_t K) {
   const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (b >= B) return;
   const int64_t nd = num_draft[b * n_s];
   int64_t* o = out + b * (K + 1);
-  if (keys)
-    for (int64_t i = 0; i <= nd; ++i) o[i] = argmax_key_index(static_cast<unsigned long long>(o[i]));
   int64_t a = 0;
   while (a < nd && draft[b * d_sb + a * d_sk] == o[a]) ++a;
   for (int64_t i = a + 1; i <= K; ++i) o[i] = -1;
