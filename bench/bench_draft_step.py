@@ -1,6 +1,6 @@
 """Cost of one draft step (a T = 1 forward) vs a full decode step: layer skip x pruned head.
 
-    python -m bench --routine draft_step [--model smollm2] [--reps 30] [--smoke]
+    python -m bench --routine draft_step [--model smollm2] [--reps 30] [--interleave-verify] [--smoke]
 
 Providers, timed interleaved on one cache of a 200-token context, batch 1:
 
@@ -8,6 +8,12 @@ Providers, timed interleaved on one cache of a 200-token context, batch 1:
     skip-<r>             a layer set skipping round(r * 2L) sub-layers, full LM head
     skip-<r>+head        the same with the pruned draft head (DEFAULT_DRAFT_VOCAB frequent
                          tokens + the context's), what --drafter layer-skip runs
+    skip-<r>+head+int8   the same in int8 arithmetic (--draft-arithmetic int8: the projections
+                         over int8-quantized inputs and the weight codes), where the model has
+                         it (SkipModel.int8_available: a GGUF model on a CPU with AVX-512 VNNI)
+    <p>~verify           with --interleave-verify: provider p, each of its calls followed by an
+                         untimed forward of 4 tokens (a verify pass), as in the speculative loop,
+                         where the verify pass's weights and the draft's share the cache
 
 Column ratio_vs_full: median time / the full step's median, same run.
 """
@@ -40,11 +46,18 @@ def run(args) -> list[dict]:
     token = context[:, -1:]
     base = list(cache.host_lengths)
 
-    def step(layer_set, pruned):
+    verify_tokens = context[:, -4:]
+
+    def step(layer_set, pruned, arithmetic="exact"):
         def fn():
-            model.forward(token, cache, layer_set=layer_set, head=head.head if pruned else None).argmax(-1)
+            model.forward(token, cache, layer_set=layer_set, head=head.head if pruned else None,
+                          arithmetic=arithmetic).argmax(-1)
             cache.rollback(base)
         return fn
+
+    def verify():
+        model.forward(verify_tokens, cache)
+        cache.rollback(base)
 
     fns = {"full": step(None, False)}
     for r in RATIOS:
@@ -52,13 +65,18 @@ def run(args) -> list[dict]:
         if r > 0:
             fns[f"skip-{r}"] = step(ls, False)
         fns[f"skip-{r}+head"] = step(ls, True)
+        if model.int8_available:
+            fns[f"skip-{r}+head+int8"] = step(ls, True, "int8")
     if args.providers:
         fns = {k: v for k, v in fns.items() if k in args.providers or k == "full"}
-    times = common.time_fn(fns, args.device, warmup=2, reps=args.reps or (3 if args.smoke else 30))
-    full = times["full"]["median_ms"]
+    reps = args.reps or (3 if args.smoke else 30)
+    times = common.time_fn(fns, args.device, warmup=2, reps=reps)
+    if args.interleave_verify:
+        times.update(common.time_fn({f"{p}~verify": fn for p, fn in fns.items()}, args.device, warmup=2, reps=reps,
+                                    between=verify))
     return [common.row(ROUTINE, p, args.device, model.dtype, f"B=1 T=1 ctx={context.shape[1]}", t, model=name,
-                       ratio_vs_full=round(t["median_ms"] / full, 3),
-                       head_rows=len(head) if p.endswith("+head") else model.vocab_size)
+                       ratio_vs_full=round(t["median_ms"] / times["full~verify" if "~" in p else "full"]["median_ms"], 3),
+                       head_rows=len(head) if "+head" in p else model.vocab_size)
             for p, t in times.items()]
 
 

@@ -83,7 +83,7 @@ def cuda_graphed(fn, calls: int):
 
 
 def time_fn(fns: dict, device: str = "cpu", warmup: int = 3, reps: int = 20, min_time_s: float = 0.0,
-            graph_calls: int = 0, graph_only: bool = False) -> dict:
+            graph_calls: int = 0, graph_only: bool = False, between=None) -> dict:
     """Time each callable of {name: fn} interleaved -> {name: {"median_ms", "p20_ms", "p80_ms",
     "mode"}}.
 
@@ -93,7 +93,9 @@ def time_fn(fns: dict, device: str = "cpu", warmup: int = 3, reps: int = 20, min
     graph_calls > 0 on CUDA, a fn that can be captured is timed as replays of a CUDA graph of
     graph_calls calls, divided by graph_calls: the device time of its kernels without the host's
     launch overhead ("mode": "graph"); the others are timed eagerly ("mode": "eager"), or left
-    out of the result with graph_only (when the caller has their eager times already)."""
+    out of the result with graph_only (when the caller has their eager times already).
+    ``between``: a callable run untimed after every timed call (what the loop does in between,
+    e.g. a verify pass after a draft step)."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -123,6 +125,8 @@ def time_fn(fns: dict, device: str = "cpu", warmup: int = 3, reps: int = 20, min
                 t = time.perf_counter()
                 fn()
                 times[name].append((time.perf_counter() - t) * 1e3)
+            if between is not None:
+                between()
         r += 1
     out = {}
     for name, ts in times.items():
