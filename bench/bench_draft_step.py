@@ -11,7 +11,7 @@ Providers, timed interleaved on one cache of a 200-token context, batch 1:
     skip-<r>+head+int8   the same in int8 arithmetic (--draft-arithmetic int8: the projections
                          over int8-quantized inputs and the weight codes), where the model has
                          it (SkipModel.int8_available: a GGUF model on a CPU with AVX-512 VNNI)
-    <p>~verify           with --interleave-verify: provider p, each of its calls followed by an
+    <p>~verify           with --interleave-verify (and --smoke): provider p, each of its calls followed by an
                          untimed forward of 4 tokens (a verify pass), as in the speculative loop,
                          where the verify pass's weights and the draft's share the cache
 
@@ -40,7 +40,7 @@ RATIOS = (0.0, 0.2, 0.45)
 def run(args) -> list[dict]:
     model, name = skip_model(args)
     context = torch.randint(0, model.vocab_size, (1, 200 if not args.smoke else 20), device=model.device)
-    cache = model.new_cache(1, context.shape[1] + 2)
+    cache = model.new_cache(1, context.shape[1] + 4)  # room for the interleaved verify pass
     model.forward(context, cache)
     head = DraftHead.for_model(model, min(DEFAULT_DRAFT_VOCAB, model.vocab_size // 2), context[0].tolist())
     token = context[:, -1:]
@@ -71,7 +71,7 @@ def run(args) -> list[dict]:
         fns = {k: v for k, v in fns.items() if k in args.providers or k == "full"}
     reps = args.reps or (3 if args.smoke else 30)
     times = common.time_fn(fns, args.device, warmup=2, reps=reps)
-    if args.interleave_verify:
+    if args.interleave_verify or args.smoke:
         times.update(common.time_fn({f"{p}~verify": fn for p, fn in fns.items()}, args.device, warmup=2, reps=reps,
                                     between=verify))
     return [common.row(ROUTINE, p, args.device, model.dtype, f"B=1 T=1 ctx={context.shape[1]}", t, model=name,
