@@ -8,9 +8,6 @@ Providers, timed interleaved on one cache of a 200-token context, batch 1:
     skip-<r>             a layer set skipping round(r * 2L) sub-layers, full LM head
     skip-<r>+head        the same with the pruned draft head (DEFAULT_DRAFT_VOCAB frequent
                          tokens + the context's), what --drafter layer-skip runs
-    skip-<r>+head+int8   the same in int8 arithmetic (--draft-arithmetic int8: the projections
-                         over int8-quantized inputs and the weight codes), where the model has
-                         it (SkipModel.int8_available: a GGUF model on a CPU with AVX-512 VNNI)
     <p>~verify           with --interleave-verify (and --smoke): provider p, each of its calls followed by an
                          untimed forward of 4 tokens (a verify pass), as in the speculative loop,
                          where the verify pass's weights and the draft's share the cache
@@ -48,10 +45,9 @@ def run(args) -> list[dict]:
 
     verify_tokens = context[:, -4:]
 
-    def step(layer_set, pruned, arithmetic="exact"):
+    def step(layer_set, pruned):
         def fn():
-            model.forward(token, cache, layer_set=layer_set, head=head.head if pruned else None,
-                          arithmetic=arithmetic).argmax(-1)
+            model.forward(token, cache, layer_set=layer_set, head=head.head if pruned else None).argmax(-1)
             cache.rollback(base)
         return fn
 
@@ -65,8 +61,6 @@ def run(args) -> list[dict]:
         if r > 0:
             fns[f"skip-{r}"] = step(ls, False)
         fns[f"skip-{r}+head"] = step(ls, True)
-        if model.int8_available:
-            fns[f"skip-{r}+head+int8"] = step(ls, True, "int8")
     if args.providers:
         fns = {k: v for k, v in fns.items() if k in args.providers or k == "full"}
     reps = args.reps or (3 if args.smoke else 30)

@@ -47,10 +47,6 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack_cpu(
 at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias);
 at::Tensor packed_linear_isa(const at::Tensor& x, const at::Tensor& packed, const std::string& isa);
 bool packed_linear_fast();
-at::Tensor int8_linear_cpu(const at::Tensor& x, const at::Tensor& weights, const std::optional<at::Tensor>& bias,
-                           int64_t n);
-at::Tensor int8_linear_isa(const at::Tensor& x, const at::Tensor& weights, int64_t n, const std::string& isa);
-bool int8_linear_fast();
 std::tuple<at::Tensor, at::Tensor> rejection_sample_cpu(const at::Tensor& draft_tokens,
                                                         const std::optional<at::Tensor>& draft_probs,
                                                         const at::Tensor& target_probs,
@@ -90,7 +86,7 @@ void kv_compact_cuda(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& s
 constexpr const char* kCpuKernels[] = {"greedy_accept", "rejection_sample", "skinny_linear", "rms_norm",
                                        "fused_add_rms_norm", "silu_mul",
                                        "rope_kv_append", "verify_attention", "verify_attention_invariant",
-                                       "kv_compact", "bi_exp", "packed_linear", "int8_linear"};
+                                       "kv_compact", "bi_exp", "packed_linear"};
 #ifdef SWIFTKERN_WITH_CUDA
 constexpr const char* kCudaKernels[] = {"greedy_accept", "rejection_sample", "fused_add_rms_norm", "rope_kv_append",
                                         "kv_compact"};
@@ -115,7 +111,6 @@ TORCH_LIBRARY(swiftkern, m) {
         "Tensor counts) -> ()");
   m.def("bi_exp(Tensor x) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
-  m.def("int8_linear(Tensor x, Tensor weights, Tensor? bias, int n) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(swiftkern, CPU, m) {
@@ -131,7 +126,6 @@ TORCH_LIBRARY_IMPL(swiftkern, CPU, m) {
   m.impl("kv_compact", &swiftkern::kv_compact_cpu);
   m.impl("bi_exp", &swiftkern::bi_exp_cpu);
   m.impl("packed_linear", &swiftkern::packed_linear_cpu);
-  m.impl("int8_linear", &swiftkern::int8_linear_cpu);
 }
 
 #ifdef SWIFTKERN_WITH_CUDA
@@ -154,10 +148,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "packed_linear (no bias) with a named instruction set: avx512 or portable (tests)");
   m.def("packed_linear_fast", &swiftkern::packed_linear_fast,
         "whether packed_linear has a vector kernel here (AVX-512), i.e. beats skinny_linear");
-  m.def("int8_linear_isa", &swiftkern::int8_linear_isa,
-        "int8_linear (no bias) with a named instruction set: vnni or portable (tests)");
-  m.def("int8_linear_fast", &swiftkern::int8_linear_fast,
-        "whether int8_linear has its VNNI kernel here, i.e. int8 drafts beat exact ones");
   m.def("skinny_linear_isas", &swiftkern::skinny_linear_isas, "the instruction sets this CPU runs, widest first");
   m.def("build_info", [] {
     py::dict d;

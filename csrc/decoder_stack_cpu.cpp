@@ -17,8 +17,6 @@ namespace swiftkern {
 
 at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
 at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias);
-at::Tensor int8_linear_cpu(const at::Tensor& x, const at::Tensor& weights, const std::optional<at::Tensor>& bias,
-                           int64_t n);
 at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_cpu(const at::Tensor& x, const at::Tensor& residual,
                                                           const at::Tensor& weight, double eps);
@@ -51,21 +49,14 @@ struct LayerWeights {
   const std::optional<at::Tensor>* packed;  // nullptr: none
 };
 
-// Whether a packed slot holds int8_weights' layout (uint8 [G, K/32, 384 | 640]): a draft pass's
-// approximate int8 arithmetic, not packed_weights' exact one ([N, K/32, 24 | 40])
-bool int8_layout(const at::Tensor& p) { return p.size(2) == 384 || p.size(2) == 640; }
-
 // ops.linear's choice: the C++ fixed-order kernel up to skinny_max_rows rows (from the packed
-// weight up to packed_max_rows, the same bits), torch's matmul past; a packed slot in
-// int8_weights' layout: int8_linear (drafts only)
+// weight up to packed_max_rows, the same bits), torch's matmul past
 at::Tensor project(const StackShape& s, const at::Tensor& x, const LayerWeights& lw, Field weight, Field bias) {
   const int64_t rows = x.numel() / x.size(-1);
   const std::optional<at::Tensor>* packed = lw.packed ? lw.packed + weight : nullptr;
   if (packed && packed->has_value() && packed->value().defined() &&
-      (s.packed_max_rows < 0 || rows <= s.packed_max_rows)) {
-    if (int8_layout(**packed)) return int8_linear_cpu(x, **packed, lw.w[bias], lw.w[weight]->size(0));
+      (s.packed_max_rows < 0 || rows <= s.packed_max_rows))
     return packed_linear_cpu(x, **packed, lw.w[bias]);
-  }
   if (s.skinny_max_rows < 0 || rows <= s.skinny_max_rows) return skinny_linear_cpu(x, *lw.w[weight], lw.w[bias]);
   return at::linear(x, *lw.w[weight], lw.w[bias]);
 }
@@ -108,8 +99,7 @@ at::Tensor mlp(const StackShape& s, const LayerWeights& w, const at::Tensor& x) 
 // the lengths after this chunk; max_len: keys in use; skinny_max_rows: ops.SKINNY_MAX_ROWS
 // (-1: the fixed-order kernel at any number of rows, the invariant set); invariant: the
 // one-query attention path; packed: empty, or per weight slot the packed weight
-// (packed_weights.pack, or int8_weights.from_packed's layout for a draft pass) or None;
-// packed_max_rows: rows up to which a packed weight is read (-1: any).
+// (packed_weights.pack) or None; packed_max_rows: rows up to which a packed weight is read (-1: any).
 // -> (hidden, pending): the residual stream and the last kept
 // sub-layer's output not yet added to it (undefined when no sub-layer ran).
 std::tuple<at::Tensor, at::Tensor> decoder_stack_cpu(

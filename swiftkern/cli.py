@@ -94,10 +94,6 @@ def build_parser() -> argparse.ArgumentParser:
                           "prompt + output (no model call), as many tokens as measured costs say pay; none "
                           "drafts nothing. deterministic: self-spec "
                           "makes the --layer-set draft the fast path (auto/none: regular batched decoding)")
-    gen.add_argument("--draft-arithmetic", default="exact", choices=["exact", "int8"],
-                     help="the layer-skipped draft's arithmetic: exact (default, the model's) or int8 "
-                          "(projections over int8-quantized inputs and the weight codes: a GGUF model on a "
-                          "CPU with AVX-512 VNNI). Only drafts use it: the output is the same either way")
     gen.add_argument("--layer-set", default=None,
                      help="self-spec: sub-layers the draft skips, 'attn:3,5-7|mlp:4,9', JSON, 'none', or "
                           "'auto' (default for self-spec: searched while generating, starting from the set "
@@ -192,8 +188,7 @@ def cmd_generate(args) -> int:
     gen = Generator(model, tokenizer, mode=args.mode, layer_set=args.layer_set, k_max=args.k_max,
                     eps=args.eps, adaptive_eps=args.adaptive_eps, drafter=args.drafter,
                     draft_vocab=args.draft_vocab, window=args.window, verify_batch=args.verify_batch,
-                    skip_ratio=args.skip_ratio, replay=args.replay, cuda_graphs=args.cuda_graphs,
-                    draft_arithmetic=args.draft_arithmetic)
+                    skip_ratio=args.skip_ratio, replay=args.replay, cuda_graphs=args.cuda_graphs)
     out = gen.generate(prompts, max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0,
                        temperature=args.temperature or 1.0, top_k=args.top_k, top_p=args.top_p,
                        seed=args.seed, chat=args.chat)

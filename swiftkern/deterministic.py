@@ -57,17 +57,15 @@ class FastPath:
     ``lookup`` (with a layer set): before the draft forward, a row whose context ends in an
     n-gram (of at least LOOKUP_MIN_NGRAM_UNJUDGED tokens) seen earlier takes that n-gram's
     continuation as its unverified tokens at no model cost and is verified next; the verifier
-    commits what matches, as it does for the draft's tokens. ``arithmetic`` (with a layer set):
-    the draft forward's, "exact" or "int8" (``SkipModel.forward``).
+    commits what matches, as it does for the draft's tokens.
     """
 
     def __init__(self, layer_set: LayerSet | None = None, eps: float = 0.0, head: DraftHead | None = None,
-                 lookup: bool = False, arithmetic: str = "exact"):
+                 lookup: bool = False):
         self.layer_set = layer_set
         self.eps = eps if layer_set is not None else 0.0
         self.head = head if layer_set is not None else None
         self.lookup = lookup and layer_set is not None
-        self.arithmetic = arithmetic if layer_set is not None else "exact"
 
     def committed(self, tokens: list[int]) -> None:
         """Tokens that became part of the output (the pruned head keeps them proposable)."""
@@ -80,8 +78,7 @@ class FastPath:
         -> next token per row, whether the draft was confident enough to keep it, logits [B, V]."""
         positions = [n + 1 for n in cache.host_lengths]  # position of the token chosen now
         head = self.head.head if self.head is not None else None
-        logits = model.forward(last.unsqueeze(1), cache, layer_set=self.layer_set, head=head,
-                               arithmetic=self.arithmetic)[:, -1]  # [B, V']
+        logits = model.forward(last.unsqueeze(1), cache, layer_set=self.layer_set, head=head)[:, -1]  # [B, V']
         chosen = select_tokens(logits, params, seeds, positions)
         tokens = (self.head.ids[chosen] if self.head is not None else chosen).tolist()
         if self.eps <= 0.0:

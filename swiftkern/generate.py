@@ -31,7 +31,6 @@ from .cuda_graphs import GraphRunner
 REPLAY = ("auto", "always")
 MODES = ("ar", "self-spec", "deterministic")
 DRAFTERS = ("auto", "layer-skip", "lookup", "none", "self-spec")
-DRAFT_ARITHMETIC = ("exact", "int8")
 
 
 @dataclass
@@ -148,13 +147,6 @@ class Generator:
     rows decode as in ``ar`` (``drafter="self-spec"``: as in self-spec, the drafter policy over
     lookup, the layer-skipped draft and no draft, whose verify passes are the invariant model)
     and ``logprobs`` are those of the model itself; ``replay="always"`` keeps the LLM-42 replay.
-    ``draft_arithmetic``: the layer-skipped draft's arithmetic, "exact" (default, the model's)
-    or "int8" (projections over int8-quantized inputs and the weights' codes, where
-    ``SkipModel.int8_available``): only drafts use it and verification stays exact, so the
-    output is the same either way (greedy: token for token; sampling: in distribution). On the
-    2-core CPU machine an int8 draft step of SmolLM2 is ~15 % cheaper alone, but in the loop
-    its second copy of the weights crowds the verify pass's out of the cache and the gain is
-    gone at batch 1 (README, Speed), hence not the default.
     ``cuda_graphs=True`` (a model on a CUDA device) replays the forwards of decode, draft and
     verify steps through CUDA graphs captured on a shape's second use (``cuda_graphs.GraphRunner``,
     kept across calls; or pass a ``GraphRunner`` to share its graphs between Generators of its
@@ -167,7 +159,7 @@ class Generator:
                  eps: float = 0.8, adaptive_eps: bool = False, drafter: str = "auto",
                  draft_vocab: int | None = DEFAULT_DRAFT_VOCAB, window: int = 32, verify_batch: int = 4,
                  skip_ratio="auto", search_options: dict | None = None, replay: str = "auto",
-                 cuda_graphs=False, draft_arithmetic: str = "exact"):
+                 cuda_graphs=False):
         if mode not in MODES:
             raise SwiftkernError(f"unknown mode {mode!r}; available: {', '.join(MODES)}")
         if isinstance(cuda_graphs, GraphRunner) and cuda_graphs.model.hf_model is model:
@@ -216,7 +208,6 @@ class Generator:
                                  f"{self.model.num_layers}")
         self.layer_set = layer_set
         self.k_max, self.eps, self.adaptive_eps = k_max, eps, adaptive_eps
-        self.draft_arithmetic = self._resolve_arithmetic(draft_arithmetic)
         if isinstance(cuda_graphs, GraphRunner):
             self.graph_runner = cuda_graphs
         elif cuda_graphs is True:
@@ -227,15 +218,6 @@ class Generator:
             raise SwiftkernError(f"cuda_graphs must be True, False or a GraphRunner, got {cuda_graphs!r}")
         if self.graph_runner is not None and self.graph_runner.model is not self.model:
             raise SwiftkernError("cuda_graphs: the GraphRunner was made for another model")
-
-    def _resolve_arithmetic(self, draft_arithmetic: str) -> str:
-        if draft_arithmetic not in DRAFT_ARITHMETIC:
-            raise SwiftkernError(f"draft_arithmetic must be one of {', '.join(DRAFT_ARITHMETIC)}, "
-                                 f"got {draft_arithmetic!r}")
-        if draft_arithmetic == "int8" and not self.model.int8_available:
-            raise SwiftkernError("draft_arithmetic 'int8' needs packed weights (a GGUF model in float32 on the "
-                                 "CPU) and the C++ extension with AVX-512 VNNI; draft with 'exact'")
-        return draft_arithmetic
 
     def _tuner(self, chooser) -> OnTheFlyTuner:
         """SWIFT's on-the-fly search. The first call starts it from the set ``swiftkern search``
@@ -284,7 +266,7 @@ class Generator:
             seeded = params.do_sample
             chooser = DrafterPolicy(("lookup", "layer-skip", "none"), self.k_max, measure=not seeded)
             head = None if seeded else self._draft_head(ids)  # a pruned head grows with every row's tokens
-            policy = DraftPolicy(k_max=self.k_max, eps=self.eps, arithmetic=self.draft_arithmetic)
+            policy = DraftPolicy(k_max=self.k_max, eps=self.eps)
             stats = decode_self_spec(self.model, cache, first_logits, params, seeds,
                                      requests, self.layer_set, policy, "auto", ids, chooser, head, None, logprobs)
             stats.pop("per_row")
@@ -409,14 +391,12 @@ class Generator:
             elif self.mode == "deterministic":
                 fast = FastPath()
                 if self.drafter == "self-spec":
-                    fast = FastPath(self.layer_set, self.eps, self._draft_head(ids), lookup=True,
-                                    arithmetic=self.draft_arithmetic)
+                    fast = FastPath(self.layer_set, self.eps, self._draft_head(ids), lookup=True)
                 spec_stats = decode_deterministic(self.model, cache, ids, params, seeds, requests, self.window,
                                                   self.verify_batch, fast, verified)
                 steps = spec_stats["fast_steps"] + spec_stats["verify_passes"]
             else:
-                policy = DraftPolicy(k_max=self.k_max, eps=self.eps, adaptive=self.adaptive_eps,
-                                     arithmetic=self.draft_arithmetic)
+                policy = DraftPolicy(k_max=self.k_max, eps=self.eps, adaptive=self.adaptive_eps)
                 uses_skip = self.drafter == "layer-skip" or (self.drafter == "auto" and (
                     self.layer_set is not None or self.auto_layer_set))
                 chooser = None
@@ -462,7 +442,6 @@ class Generator:
             per_row = spec_stats.pop("per_row")
             layer_set = str(self.layer_set) if self.layer_set is not None and self.drafter in ("layer-skip", "auto") else ""
             stats.update(spec_stats, drafter=self.drafter, layer_set=layer_set,
-                         draft_arithmetic=self.draft_arithmetic if layer_set else "",
                          **acceptance_stats(spec_stats, spec_stats["row_verifies"]))
             for req, row in zip(request_stats, per_row):
                 req.update(row, **acceptance_stats(row, row["verifies"]))
@@ -470,8 +449,7 @@ class Generator:
         if self.mode == "deterministic":
             per_row, logprobs = spec_stats.pop("per_row"), spec_stats.pop("logprobs")
             stats.update(spec_stats, window=self.window, verify_batch=self.verify_batch,
-                         fast_path="self-spec " + str(self.layer_set) if self.drafter == "self-spec" else "ar",
-                         draft_arithmetic=self.draft_arithmetic if self.drafter == "self-spec" else "")
+                         fast_path="self-spec " + str(self.layer_set) if self.drafter == "self-spec" else "ar")
             for req, row in zip(request_stats, per_row):
                 req.update(row)
         return GenerationOutput(tokens, texts, ids, stats, request_stats, logprobs)

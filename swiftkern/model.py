@@ -14,7 +14,6 @@ from .errors import SwiftkernError
 from .kv_cache import KVCache
 from .layer_set import LayerSet
 from .packed_weights import PackedSet
-from .int8_weights import Int8Set
 from .rope_table import RopeTable
 
 SUPPORTED_MODEL_TYPES = {
@@ -90,7 +89,6 @@ class SkipModel:
         # the same weights flat, 16 per layer in _Layer's field order, for LayerKernels.stack
         self._stack_weights = [getattr(w, f.name) for w in self.layers for f in fields(_Layer)]
         self.packed = self._pack(pack_weights)
-        self._int8: Int8Set | None = None  # the packed weights in int8_linear's layout, made on first use
         self.invariant = False  # True inside batch_invariant(): the invariant kernel set
         self._rope_table: RopeTable | None = None
         self.graphs = None  # a cuda_graphs.GraphRunner inside cuda_graphs(), else None
@@ -134,27 +132,6 @@ class SkipModel:
     def _packed_slots(self, kern: LayerKernels, rows: int) -> list:
         """The packed weights for ``kern.stack`` ([] when none are read); the LM head's last."""
         return self.packed.slots() if self._reads_packed(kern, rows) else []
-
-    @property
-    def int8_available(self) -> bool:
-        """Whether ``forward(arithmetic="int8")`` runs here: packed weights (a GGUF model in
-        float32 on the CPU) and the C++ ``int8_linear`` with its VNNI kernel."""
-        return self.packed is not None and ops.int8_linear_fast()
-
-    def _stack_slots(self, kern: LayerKernels, rows: int, arithmetic: str) -> list:
-        """The packed slots ``kern.stack`` reads for the decoder layers: exact (``packed_weights``)
-        or, for ``arithmetic="int8"``, their int8_linear layout (``int8_weights``); [] for none."""
-        if arithmetic == "exact":
-            return self._packed_slots(kern, rows)[:len(self._stack_weights)]
-        if arithmetic != "int8":
-            raise SwiftkernError(f"forward: arithmetic must be 'exact' or 'int8', got {arithmetic!r}")
-        if not self.int8_available or kern.stack is None:
-            raise SwiftkernError("forward: arithmetic 'int8' (drafts) needs packed weights (a GGUF model in "
-                                 "float32 on the CPU) and the C++ extension with AVX-512 VNNI; check "
-                                 "SkipModel.int8_available, or draft with arithmetic 'exact'")
-        if self._int8 is None:
-            self._int8 = Int8Set(self.packed)
-        return self._int8.slots()[:len(self._stack_weights)]
 
     @property
     def packed_head(self) -> torch.Tensor | None:
@@ -299,7 +276,6 @@ class SkipModel:
         layer_set: LayerSet | None = None,
         logits_positions: torch.Tensor | None = None,
         head: tuple[torch.Tensor, torch.Tensor | None] | None = None,
-        arithmetic: str = "exact",
     ) -> torch.Tensor:
         """Append T tokens to every row of the cache and return their logits.
 
@@ -309,11 +285,8 @@ class SkipModel:
         all and is masked out of the others' residual); skipped attention writes no KV;
         logits_positions: int64 [B, P] chunk-relative positions whose logits are wanted
         (None: all T); head: (weight [V', H], bias [V'] or None[, the weight packed]) replacing
-        the LM head, e.g. the rows of a vocabulary subset (``draft_head.DraftHead``); arithmetic:
-        "exact" (the model's own) or "int8" for draft passes (the decoder's projections quantize
-        their input to int8 per block of 32 and take integer dot products with the weight codes,
-        ``int8_linear``: ~3x cheaper per weight on the CPU, not the model's logits; see
-        ``int8_available``). -> logits [B, T or P, V or V'] in the model dtype. Advances the cache by T. Inside ``cuda_graphs(runner)`` the
+        the LM head, e.g. the rows of a vocabulary subset (``draft_head.DraftHead``). -> logits [B, T or P, V or
+        V'] in the model dtype. Advances the cache by T. Inside ``cuda_graphs(runner)`` the
         runner replays captured CUDA graphs where it can (``cuda_graphs.GraphRunner``).
         """
         if tokens.dim() != 2 or tokens.shape[0] != cache.batch:
@@ -323,31 +296,29 @@ class SkipModel:
         B, T = tokens.shape
         cache.check_room(T)
         skip_attn, skip_mlp = self._skip_plan(layer_set, B, tokens.device)
-        if self.graphs is not None and arithmetic == "exact":
+        if self.graphs is not None:
             logits = self.graphs.forward(tokens, cache, skip_attn, skip_mlp, logits_positions, head)
             if logits is not None:
                 return logits
         starts = cache.host_lengths
         uniform_start = starts[0] if min(starts) == max(starts) else None
         hidden = self.forward_device(tokens, cache, skip_attn, skip_mlp, max(starts) + T, uniform_start,
-                                     logits_positions, arithmetic)
+                                     logits_positions)
         cache.advance_host(T)
         return self.head_logits(hidden, head)
 
     def forward_device(self, tokens: torch.Tensor, cache: KVCache, skip_attn: list, skip_mlp: list, max_len: int,
-                       uniform_start: int | None, logits_positions: torch.Tensor | None,
-                       arithmetic: str = "exact") -> torch.Tensor:
+                       uniform_start: int | None, logits_positions: torch.Tensor | None) -> torch.Tensor:
         """``forward`` up to the final norm, reading no host-side cache state (what a CUDA graph
         captures): tokens int64 [B, T]; skip_attn, skip_mlp from ``_skip_plan``; ``max_len``
         >= every row's length + T (the keys attention is planned for; past a row's length they
         are masked); ``uniform_start``: every row's length when all are equal (a hint, None
-        always works); ``arithmetic`` as in ``forward``. Advances ``cache.lengths`` (the device
-        side) by T. -> normed hidden [B, T or P, H]."""
+        always works). Advances ``cache.lengths`` (the device side) by T.
+        -> normed hidden [B, T or P, H]."""
         B, T = tokens.shape
         positions = cache.lengths.unsqueeze(1) + torch.arange(T, device=cache.lengths.device)  # [B, T]
         new_lengths = cache.lengths + T  # [B]
         kern = LayerKernels.for_device(tokens.device.type, self.invariant)  # the layer ops, bound once, unchecked
-        packed = self._stack_slots(kern, B * T, arithmetic)
         if kern.backends["verify_attention"] != "reference":
             mask = None  # the kernels mask by cache length themselves
         elif T == 1 and uniform_start is not None and uniform_start + T == max_len:
@@ -367,10 +338,9 @@ class SkipModel:
         else:
             cos, sin = self.rotary(hidden, positions)  # [B, T, D] each
         plain = all(s is True or s is False for s in skip_attn + skip_mlp)  # no per-row masks
-        if arithmetic != "exact" and not plain:
-            raise SwiftkernError("forward: arithmetic 'int8' takes one layer set for all rows (the C++ decoder stack)")
         if kern.stack is not None and plain and hidden.dtype == torch.float32:  # _layer_loop in one C++ call
             skip = [int(a) | 2 * int(m) for a, m in zip(skip_attn, skip_mlp)]
+            packed = self._packed_slots(kern, B * T)[:len(self._stack_weights)]
             hidden, pending = kern.stack(hidden, self._stack_weights, skip, cache.k, cache.v, cos, sin, positions,
                                          new_lengths, max_len, self.num_heads, self.num_kv_heads, self.head_dim,
                                          self.eps, self.scale, packed)

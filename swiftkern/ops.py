@@ -52,7 +52,6 @@ _SCHEMAS = {
                    "Tensor counts) -> ()"),
     "bi_exp": "(Tensor x) -> Tensor",
     "packed_linear": "(Tensor x, Tensor packed, Tensor? bias) -> Tensor",
-    "int8_linear": "(Tensor x, Tensor weights, Tensor? bias, int n) -> Tensor",
 }
 _BACKENDS = ("auto", "reference", "cpp", "triton", "cuda")
 _LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -153,10 +152,6 @@ def _bi_exp_fake(x):
 
 def _packed_linear_fake(x, packed, bias):
     return x.new_empty((*x.shape[:-1], packed.shape[0]))
-
-
-def _int8_linear_fake(x, weights, bias, n):
-    return x.new_empty((*x.shape[:-1], n))
 
 
 # op -> {"cpu": "cpp" | "reference", "cuda": "cuda" | "reference"}: what torch.ops.swiftkern runs
@@ -880,42 +875,6 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return _run(op, device, x, packed, bias)
 
 
-def int8_linear_fast() -> bool:
-    """Whether the C++ ``int8_linear`` runs here with its VNNI kernel (allowed by
-    SWIFTKERN_BACKEND auto or cpp): then a draft pass is cheaper in int8 than in exact arithmetic."""
-    return (_cpu_kernel("int8_linear", "cpu") and hasattr(_C, "int8_linear_fast")
-            and bool(_C.int8_linear_fast()))
-
-
-def int8_linear(x: torch.Tensor, weights: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
-    """An approximate x @ weight.T + bias for draft passes: x quantized to int8 per block of 32
-    inputs, integer dot products with the weight's codes (csrc/int8_linear_cpu.cpp).
-
-    x: float32 [..., K] on the CPU; weights: uint8 [ceil(n/16), K/32, 384 | 640]
-    (``int8_weights.from_packed``); bias: float32 [n] or None; n: the weight's rows -> float32
-    [..., n]. Not the model's arithmetic: only drafts, which an exact pass verifies, use it.
-    """
-    op = "int8_linear"
-    _is_tensor(op, x=x, weights=weights)
-    if (x.dtype != torch.float32 or weights.dtype != torch.uint8 or weights.dim() != 3
-            or weights.shape[2] not in (384, 640)):
-        raise SwiftkernError(f"{op}: x must be float32 [..., K] and weights uint8 [ceil(n/16), K/32, 384 or 640] "
-                             f"(int8_weights.from_packed), got {x.dtype} {tuple(x.shape)} and {weights.dtype} "
-                             f"{tuple(weights.shape)}")
-    if x.dim() < 1 or x.shape[-1] != weights.shape[1] * 32:
-        raise SwiftkernError(f"{op}: x [..., K] must have K = 32 * weights.shape[1] = {weights.shape[1] * 32}, "
-                             f"got {tuple(x.shape)}")
-    if not (weights.shape[0] - 1) * 16 < n <= weights.shape[0] * 16:
-        raise SwiftkernError(f"{op}: n = {n} rows do not fill {weights.shape[0]} groups of 16; pass the weight's "
-                             f"own row count")
-    if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (n,)):
-        raise SwiftkernError(f"{op}: bias must be float32 [n = {n}], got {bias.dtype} {tuple(bias.shape)}")
-    device = _one_device(op, x=x, weights=weights, **({} if bias is None else {"bias": bias}))
-    if device.type != "cpu":
-        raise SwiftkernError(f"{op}: int8 drafts run on the CPU, got {device}")
-    return _run(op, device, x, weights, bias, n)
-
-
 def bi_exp(x: torch.Tensor) -> torch.Tensor:
     """exp(x) for the deterministic verifier, the same bits for an element whatever the tensor
     around it (size, offset, SIMD body or tail, threads). x: float tensor [...] -> float32 [...].
@@ -959,5 +918,5 @@ def bi_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 __all__ = ["bi_exp", "bi_matmul", "greedy_accept", "linear", "rejection_sample", "rms_norm", "fused_add_rms_norm",
            "silu_mul", "apply_rope", "rope_kv_append", "attention_mask", "verify_attention",
-           "verify_attention_invariant", "kv_compact", "packed_linear", "int8_linear", "backend_info",
+           "verify_attention_invariant", "kv_compact", "packed_linear", "backend_info",
            "backend_for", "info", "set_backend", "unchecked"]

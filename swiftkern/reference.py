@@ -47,24 +47,6 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.nn.functional.linear(x, unpack(packed), bias)
 
 
-def int8_linear(x: torch.Tensor, weights: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
-    """The draft passes' approximate x @ weight.T + bias (csrc/int8_linear_cpu.cpp): x quantized
-    to int8 per block of 32 (``int8_weights.quantize_blocks``), exact integer dot products with
-    the codes, scaled per block. x: float32 [..., K]; weights: uint8 [ceil(n/16), K/32, 384 |
-    640] (``int8_weights.from_packed``); bias: [n] or None -> float32 [..., n]. Computed in
-    float64 here (the kernel rounds to float32 per block)."""
-    from .int8_weights import quantize_blocks, unpack_int8
-
-    scale, offset, codes = unpack_int8(weights, n)  # [n, B], [n, B], [n, B, 32]
-    q, s = quantize_blocks(x.float())  # [..., B, 32], [..., B]
-    dots = torch.einsum("...bi,nbi->...nb", q.double(), codes.double())  # exact: small integers
-    qsum = q.sum(-1).double().unsqueeze(-2)  # [..., 1, B]
-    y = ((dots * scale.double() + offset.double() * qsum) * s.double().unsqueeze(-2)).sum(-1)
-    if bias is not None:
-        y = y + bias.double()
-    return y.float()
-
-
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """SwiGLU activation: silu(gate) * up.  gate, up: [..., I] -> [..., I]"""
     return torch.nn.functional.silu(gate) * up

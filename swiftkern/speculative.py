@@ -36,8 +36,7 @@ class DraftPolicy:
     """When a row stops drafting: after k_max drafts, or when the draft's top-1 probability is
     below eps. adaptive=True moves eps toward a target acceptance rate (Self-SD): after every
     verify eps += step if the acceptance rate is below target, else -= step, smoothed with
-    momentum, clamped to [eps_min, eps_max]. arithmetic: the draft forwards' ("exact" or
-    "int8", ``SkipModel.forward``); the verify pass is always exact."""
+    momentum, clamped to [eps_min, eps_max]."""
 
     k_max: int = 25
     eps: float = 0.8
@@ -47,7 +46,6 @@ class DraftPolicy:
     momentum: float = 0.9
     eps_min: float = 0.0
     eps_max: float = 0.99
-    arithmetic: str = "exact"
     _velocity: float = field(default=0.0, repr=False)
 
     def update(self, accepted: int, drafted: int) -> None:
@@ -78,8 +76,7 @@ def draft_tokens(model: SkipModel, cache: KVCache, pending: torch.Tensor, layer_
     while any(active):
         forwards += 1
         positions = [n + 1 for n in cache.host_lengths]  # position of the token being drafted
-        logits = model.forward(token.unsqueeze(1), cache, layer_set=layer_set, head=head_weights,
-                               arithmetic=policy.arithmetic)[:, -1]  # [B, V']
+        logits = model.forward(token.unsqueeze(1), cache, layer_set=layer_set, head=head_weights)[:, -1]  # [B, V']
         q = probs_from_logits(logits, params) if params.do_sample else logits.float().softmax(-1)
         if params.do_sample:
             token = sample_from_weights(q, keyed_uniforms(seeds, positions, STREAM_DRAFT, q.device))
