@@ -36,6 +36,7 @@ std::tuple<at::Tensor, at::Tensor> greedy_accept_cpu(const at::Tensor& draft_tok
 at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
                              const std::optional<at::Tensor>& bias);
 at::Tensor bi_exp_cpu(const at::Tensor& x);
+at::Tensor bi_exp_sum_cpu(const at::Tensor& x);
 at::Tensor skinny_linear_isa(const at::Tensor& x, const at::Tensor& weight, const std::string& isa);
 std::vector<std::string> skinny_linear_isas();
 std::tuple<at::Tensor, at::Tensor> decoder_stack_cpu(
@@ -86,7 +87,7 @@ void kv_compact_cuda(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& s
 constexpr const char* kCpuKernels[] = {"greedy_accept", "rejection_sample", "skinny_linear", "rms_norm",
                                        "fused_add_rms_norm", "silu_mul",
                                        "rope_kv_append", "verify_attention", "verify_attention_invariant",
-                                       "kv_compact", "bi_exp", "packed_linear"};
+                                       "kv_compact", "bi_exp", "bi_exp_sum", "packed_linear"};
 #ifdef SWIFTKERN_WITH_CUDA
 constexpr const char* kCudaKernels[] = {"greedy_accept", "rejection_sample", "fused_add_rms_norm", "rope_kv_append",
                                         "kv_compact"};
@@ -110,6 +111,7 @@ TORCH_LIBRARY(swiftkern, m) {
   m.def("kv_compact(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor src_positions, Tensor dst_start, "
         "Tensor counts) -> ()");
   m.def("bi_exp(Tensor x) -> Tensor");
+  m.def("bi_exp_sum(Tensor x) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
 }
 
@@ -125,6 +127,7 @@ TORCH_LIBRARY_IMPL(swiftkern, CPU, m) {
   m.impl("verify_attention_invariant", &swiftkern::verify_attention_invariant_cpu);
   m.impl("kv_compact", &swiftkern::kv_compact_cpu);
   m.impl("bi_exp", &swiftkern::bi_exp_cpu);
+  m.impl("bi_exp_sum", &swiftkern::bi_exp_sum_cpu);
   m.impl("packed_linear", &swiftkern::packed_linear_cpu);
 }
 

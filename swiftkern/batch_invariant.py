@@ -26,33 +26,12 @@ All ops compute in float32 and return the input dtype where the model expects it
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from . import ops
 from .errors import SwiftkernError
+from .reference import tree_sum
 
 KEY_BLOCK = 64  # keys per attention block
-
-
-def tree_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum over the last axis in an order fixed by its length alone: [..., N] -> float32 [..., 1].
-
-    The axis is zero-padded to a multiple of 64, halved with elementwise adds while its length
-    is even, and the odd rest (at most a few columns) is added column after column. Every step
-    is elementwise, so the order of additions depends on N only, never on the other rows or on
-    the tensor's layout.
-    """
-    x = x.to(torch.float32)
-    n = x.shape[-1]
-    if n % 64:
-        x = F.pad(x, (0, 64 - n % 64))
-    while x.shape[-1] % 2 == 0:
-        half = x.shape[-1] // 2
-        x = x[..., :half] + x[..., half:]
-    total = x[..., :1]
-    for j in range(1, x.shape[-1]):
-        total = total + x[..., j:j + 1]
-    return total
 
 
 def bi_exp(x: torch.Tensor) -> torch.Tensor:
@@ -92,13 +71,17 @@ def bi_log_softmax(logits: torch.Tensor) -> torch.Tensor:
     """Row-wise log-softmax with a fixed-order sum. logits: [..., V] -> float32 [..., V]"""
     z = logits.to(torch.float32)
     z = z - z.amax(dim=-1, keepdim=True)
-    return z - torch.log(tree_sum(bi_exp(z)))
+    return z - torch.log(ops.bi_exp_sum(z))
 
 
 def bi_token_logprob(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """log-softmax of each row at its token, batch-invariant. logits: [N, V]; tokens: int64 [N]
-    -> float32 [N]"""
-    return bi_log_softmax(logits).gather(1, tokens.unsqueeze(1)).squeeze(1)
+    """log-softmax of each row at its token, batch-invariant: ``bi_log_softmax(logits)`` at the
+    tokens, the same bits, without the [N, V] result. logits: [N, V]; tokens: int64 [N] ->
+    float32 [N]"""
+    z = logits.to(torch.float32)
+    top = z.amax(dim=-1, keepdim=True)  # [N, 1]
+    picked = z.gather(1, tokens.unsqueeze(1)) - top  # [N, 1]
+    return (picked - torch.log(ops.bi_exp_sum(z - top))).squeeze(1)
 
 
 def bi_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_start: torch.Tensor,

@@ -333,3 +333,30 @@ def bi_exp(x: torch.Tensor) -> torch.Tensor:
         p = torch.add(torch.mul(p, r), c)
     scale = torch.bitwise_left_shift(n.to(torch.int32) + 127, 23).view(torch.float32)  # 2^n
     return torch.mul(p, scale).masked_fill(tiny, 0.0)
+def tree_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last axis in an order fixed by its length alone: [..., N] -> float32 [..., 1].
+
+    The axis is zero-padded to a multiple of 64, halved with elementwise adds while its length
+    is even, and the odd rest (at most a few columns) is added column after column. Every step
+    is elementwise, so the order of additions depends on N only, never on the other rows or on
+    the tensor's layout.
+    """
+    x = x.to(torch.float32)
+    n = x.shape[-1]
+    if n % 64:
+        x = torch.nn.functional.pad(x, (0, 64 - n % 64))
+    while x.shape[-1] % 2 == 0:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    total = x[..., :1]
+    for j in range(1, x.shape[-1]):
+        total = total + x[..., j:j + 1]
+    return total
+
+
+def bi_exp_sum(x: torch.Tensor) -> torch.Tensor:
+    """tree_sum(bi_exp(x)): the softmax denominator of the deterministic verifier, in an order
+    fixed by the row length alone. x: float32 [..., V], V >= 1 -> float32 [..., 1]"""
+    return tree_sum(bi_exp(x))
+
+

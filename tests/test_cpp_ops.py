@@ -340,6 +340,42 @@ def test_bi_exp_opcheck_and_bad_input():
         ops.bi_exp(torch.arange(5))
 
 
+@needs_cpp
+@settings(max_examples=30, deadline=None)
+@given(lead=st.sampled_from([(1,), (2,), (5,), (2, 3)]), vocab=st.sampled_from([1, 2, 63, 64, 65, 191, 1000, 4097, 49152]),
+       scale=st.sampled_from([1.0, 30.0]), seed=st.integers(0, 2**31 - 1))
+def test_bi_exp_sum_kernel_equals_the_reference_bitwise(lead, vocab, scale, seed):
+    """The C++ kernel makes reference.tree_sum(reference.bi_exp(x))'s additions, row by row."""
+    x = torch.randn(*lead, vocab, generator=torch.Generator().manual_seed(seed)) * scale
+    x = x - x.amax(-1, keepdim=True)  # as the verifier's softmax calls it
+    got = torch.ops.swiftkern.bi_exp_sum(x)
+    assert got.shape == (*lead, 1)
+    assert torch.equal(got, reference.tree_sum(reference.bi_exp(x)))
+    rows = x.reshape(-1, vocab)
+    assert torch.equal(torch.ops.swiftkern.bi_exp_sum(rows[-1:].clone()), got.reshape(-1, 1)[-1:])  # alone
+
+
+@needs_cpp
+def test_bi_exp_sum_opcheck_and_bad_input():
+    torch.library.opcheck(torch.ops.swiftkern.bi_exp_sum, (torch.randn(3, 37),))
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.swiftkern.bi_exp_sum(torch.randn(5).double())
+    for bad in (torch.arange(5), torch.randn(3, 0), torch.tensor(1.0)):
+        with pytest.raises(SwiftkernError, match=r"float tensor \[..., V\] with V >= 1"):
+            ops.bi_exp_sum(bad)
+
+
+def test_bi_token_logprob_is_bi_log_softmax_at_the_tokens():
+    """The gathered shortcut gives the full log-softmax's bits at the tokens (either backend)."""
+    from swiftkern.batch_invariant import bi_log_softmax, bi_token_logprob
+
+    x = torch.randn(6, 1001, generator=torch.Generator().manual_seed(0)) * 8
+    tokens = torch.tensor([0, 1000, 5, 77, 500, 3])
+    full = bi_log_softmax(x).gather(1, tokens.unsqueeze(1)).squeeze(1)
+    assert torch.equal(bi_token_logprob(x, tokens), full)
+    assert torch.allclose(full, torch.log_softmax(x, -1).gather(1, tokens.unsqueeze(1)).squeeze(1), atol=1e-5)
+
+
 # --------------------------------------------------------------------------- rms_norm, silu_mul
 
 @needs_cpp
