@@ -75,11 +75,7 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_cpu(const at::Tensor& x, c
   auto normed = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
   auto new_residual = at::empty_like(normed);
   if (x.numel() == 0) return {normed, new_residual};
-  // rows of H with their own stride: reshape only copies when the leading dims cannot merge
-  const at::Tensor x2 = x.reshape({-1, H}), r2 = residual.reshape({-1, H});
-  const at::Tensor xs = x2.stride(1) == 1 ? x2 : x2.contiguous();
-  const at::Tensor rs = r2.stride(1) == 1 ? r2 : r2.contiguous();
-  const at::Tensor ws = weight.contiguous();
+  const at::Tensor xs = unit_stride_rows(x), rs = unit_stride_rows(residual), ws = weight.contiguous();
   const int64_t N = xs.size(0);
   const float e = static_cast<float>(eps);
   switch (x.scalar_type()) {
@@ -109,9 +105,7 @@ at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double ep
   const int64_t H = x.size(-1);
   auto normed = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
   if (x.numel() == 0) return normed;
-  const at::Tensor x2 = x.reshape({-1, H});
-  const at::Tensor xs = x2.stride(1) == 1 ? x2 : x2.contiguous();
-  const at::Tensor ws = weight.contiguous();
+  const at::Tensor xs = unit_stride_rows(x), ws = weight.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm_cpu", [&] {
     cpu::fused_add_rms_norm_rows<scalar_t>(xs.data_ptr<scalar_t>(), xs.stride(0), nullptr, 0,
                                            ws.data_ptr<scalar_t>(), normed.data_ptr<scalar_t>(), nullptr,

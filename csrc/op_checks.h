@@ -134,4 +134,12 @@ inline void verify_attention(const at::Tensor& q, const at::Tensor& k_cache, con
 }
 
 }  // namespace checks
+
+// x [..., H] as rows of H with a unit inner stride, for the row kernels (the norms): reshape
+// copies only when the leading dims cannot merge, and the rows are copied only when strided inside
+inline at::Tensor unit_stride_rows(const at::Tensor& x) {
+  const at::Tensor rows = x.reshape({-1, x.size(-1)});
+  return rows.stride(1) == 1 ? rows : rows.contiguous();
+}
+
 }  // namespace swiftkern

@@ -133,10 +133,7 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_cuda(const at::Tensor& x, 
   auto normed = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
   auto new_residual = at::empty_like(normed);
   if (x.numel() == 0) return {normed, new_residual};
-  const at::Tensor x2 = x.reshape({-1, H}), r2 = residual.reshape({-1, H});
-  const at::Tensor xs = x2.stride(1) == 1 ? x2 : x2.contiguous();
-  const at::Tensor rs = r2.stride(1) == 1 ? r2 : r2.contiguous();
-  const at::Tensor ws = weight.contiguous();
+  const at::Tensor xs = unit_stride_rows(x), rs = unit_stride_rows(residual), ws = weight.contiguous();
   const cuda::FusedAddRmsNormArgs a{xs.data_ptr(), xs.stride(0), rs.data_ptr(), rs.stride(0), ws.data_ptr(),
                                     normed.data_ptr(), H, new_residual.data_ptr(), H, dt, xs.size(0), H,
                                     static_cast<float>(eps)};
