@@ -8,9 +8,10 @@ Providers, timed interleaved on one cache of a 200-token context, batch 1:
     skip-<r>             a layer set skipping round(r * 2L) sub-layers, full LM head
     skip-<r>+head        the same with the pruned draft head (DEFAULT_DRAFT_VOCAB frequent
                          tokens + the context's), what --drafter layer-skip runs
-    <p>~verify           with --interleave-verify (and --smoke): provider p, each of its calls followed by an
-                         untimed forward of 4 tokens (a verify pass), as in the speculative loop,
-                         where the verify pass's weights and the draft's share the cache
+    <p>~verify           with --interleave-verify (and --smoke): provider p, each of its calls
+                         followed by an untimed forward of 4 tokens (a verify pass), as in the
+                         speculative loop, where the verify pass's weights and the draft's share
+                         the cache
 
 Column ratio_vs_full: median time / the full step's median, same run.
 """
@@ -40,10 +41,8 @@ def run(args) -> list[dict]:
     cache = model.new_cache(1, context.shape[1] + 4)  # room for the interleaved verify pass
     model.forward(context, cache)
     head = DraftHead.for_model(model, min(DEFAULT_DRAFT_VOCAB, model.vocab_size // 2), context[0].tolist())
-    token = context[:, -1:]
+    token, verify_tokens = context[:, -1:], context[:, -4:]
     base = list(cache.host_lengths)
-
-    verify_tokens = context[:, -4:]
 
     def step(layer_set, pruned):
         def fn():
@@ -68,8 +67,12 @@ def run(args) -> list[dict]:
     if args.interleave_verify or args.smoke:
         times.update(common.time_fn({f"{p}~verify": fn for p, fn in fns.items()}, args.device, warmup=2, reps=reps,
                                     between=verify))
+
+    def full(p):  # the baseline timed the same way as p
+        return times["full~verify" if p.endswith("~verify") else "full"]["median_ms"]
+
     return [common.row(ROUTINE, p, args.device, model.dtype, f"B=1 T=1 ctx={context.shape[1]}", t, model=name,
-                       ratio_vs_full=round(t["median_ms"] / times["full~verify" if "~" in p else "full"]["median_ms"], 3),
+                       ratio_vs_full=round(t["median_ms"] / full(p), 3),
                        head_rows=len(head) if "+head" in p else model.vocab_size)
             for p, t in times.items()]
 

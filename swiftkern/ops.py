@@ -941,7 +941,7 @@ def bi_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return _run(op, a.device, a, b)
 
 
-__all__ = ["bi_exp", "bi_exp_sum", "bi_matmul", "greedy_accept", "linear", "rejection_sample", "rms_norm", "fused_add_rms_norm",
-           "silu_mul", "apply_rope", "rope_kv_append", "attention_mask", "verify_attention",
+__all__ = ["bi_exp", "bi_exp_sum", "bi_matmul", "greedy_accept", "linear", "rejection_sample", "rms_norm",
+           "fused_add_rms_norm", "silu_mul", "apply_rope", "rope_kv_append", "attention_mask", "verify_attention",
            "verify_attention_invariant", "kv_compact", "packed_linear", "backend_info",
            "backend_for", "info", "set_backend", "unchecked"]

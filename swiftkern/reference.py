@@ -333,6 +333,8 @@ def bi_exp(x: torch.Tensor) -> torch.Tensor:
         p = torch.add(torch.mul(p, r), c)
     scale = torch.bitwise_left_shift(n.to(torch.int32) + 127, 23).view(torch.float32)  # 2^n
     return torch.mul(p, scale).masked_fill(tiny, 0.0)
+
+
 def tree_sum(x: torch.Tensor) -> torch.Tensor:
     """Sum over the last axis in an order fixed by its length alone: [..., N] -> float32 [..., 1].
 
@@ -358,5 +360,3 @@ def bi_exp_sum(x: torch.Tensor) -> torch.Tensor:
     """tree_sum(bi_exp(x)): the softmax denominator of the deterministic verifier, in an order
     fixed by the row length alone. x: float32 [..., V], V >= 1 -> float32 [..., 1]"""
     return tree_sum(bi_exp(x))
-
-

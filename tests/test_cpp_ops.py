@@ -342,8 +342,8 @@ def test_bi_exp_opcheck_and_bad_input():
 
 @needs_cpp
 @settings(max_examples=30, deadline=None)
-@given(lead=st.sampled_from([(1,), (2,), (5,), (2, 3)]), vocab=st.sampled_from([1, 2, 63, 64, 65, 191, 1000, 4097, 49152]),
-       scale=st.sampled_from([1.0, 30.0]), seed=st.integers(0, 2**31 - 1))
+@given(lead=st.sampled_from([(1,), (2,), (5,), (2, 3)]),
+       vocab=st.sampled_from([1, 2, 63, 64, 65, 191, 1000, 4097, 49152]), scale=st.sampled_from([1.0, 30.0]), seed=st.integers(0, 2**31 - 1))
 def test_bi_exp_sum_kernel_equals_the_reference_bitwise(lead, vocab, scale, seed):
     """The C++ kernel makes reference.tree_sum(reference.bi_exp(x))'s additions, row by row."""
     x = torch.randn(*lead, vocab, generator=torch.Generator().manual_seed(seed)) * scale
