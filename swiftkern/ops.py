@@ -748,13 +748,12 @@ def verify_attention_invariant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     """``verify_attention`` (same arguments and result) with every query in one fixed order of
     operations, whatever T, the GQA group and the other rows: a query's bits depend on its own
     q and keys alone, so decoding token by token, verifying k + 1 tokens and prefilling a whole
-    prompt give the same bits. The C++ CPU kernel (``invariant_kernels_available``); elsewhere
-    torch's SDPA, which has no such guarantee."""
+    prompt give the same bits. The C++ CPU kernel (``invariant_kernels_available``); on CUDA
+    the Triton kernel in its fixed launch plan (``triton_kernels/verify_attention.py``); the
+    reference (torch's SDPA) has no such guarantee."""
     op = "verify_attention_invariant"
     _check_attention(op, q, k_cache, v_cache, cache_lens, None)
-    if _cpu_kernel(op, q.device.type):
-        return torch.ops.swiftkern.verify_attention_invariant(q, k_cache, v_cache, cache_lens, float(scale))
-    return reference.verify_attention_invariant(q, k_cache, v_cache, cache_lens, scale)
+    return _run(op, q.device, q, k_cache, v_cache, cache_lens, float(scale))
 
 
 def kv_compact(k_cache: torch.Tensor, v_cache: torch.Tensor, src_positions: torch.Tensor,

@@ -15,6 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from attention_invariance import attention_case, chunk_vs_one_by_one, rows_alone_vs_together
 from conftest import tiny_model
 from swiftkern import SkipModel, ops
 from swiftkern.errors import SwiftkernError
@@ -28,14 +29,6 @@ OPS = torch.ops.swiftkern
 DRAWN = settings(max_examples=40, deadline=None, derandomize=True,
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 HEADS = [(1, 1), (3, 3), (2, 4), (1, 8), (3, 6), (1, 16)]  # (kv heads, GQA group)
-
-
-def attention_case(B, Hkv, group, T, D, S, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, T, Hkv * group, D, generator=g).to(dtype).transpose(1, 2)  # [B, Hq, T, D] view
-    k = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
-    v = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
-    return q, k, v
 
 
 @needs_cpp
@@ -53,19 +46,6 @@ def test_invariant_attention_matches_the_definition(B, heads, T, D, dtype, data)
     assert_close("verify_attention", got, want)
 
 
-def chunk_vs_one_by_one(op, Hkv, group, T, D, L, seed=0):
-    """How many of T queries get other bits from a T-token call than from T calls of one token
-    (query i alone sees keys < L - T + i + 1, as in the chunk), rows of two lengths."""
-    q, k, v = attention_case(2, Hkv, group, T, D, L, torch.float32, seed)
-    lens = torch.tensor([L, L - 3])
-    chunk = op(q, k, v, lens, D ** -0.5)
-    differ = 0
-    for i in range(T):
-        one = op(q[:, :, i:i + 1].contiguous(), k, v, lens - (T - 1 - i), D ** -0.5)
-        differ += not torch.equal(one[:, :, 0], chunk[:, :, i])
-    return differ
-
-
 @needs_cpp
 @pytest.mark.parametrize("heads", HEADS)
 @pytest.mark.parametrize("T", [2, 5, 9])
@@ -75,12 +55,7 @@ def test_a_query_has_the_same_bits_in_any_chunk(heads, T):
 
 @needs_cpp
 def test_a_query_has_the_same_bits_in_any_batch():
-    q, k, v = attention_case(5, 3, 3, 4, 64, 200, torch.float32, seed=1)
-    lens = torch.tensor([200, 4, 77, 130, 9])
-    together = OPS.verify_attention_invariant(q, k, v, lens, 0.125)
-    for b in range(5):
-        alone = OPS.verify_attention_invariant(q[b:b + 1], k[b:b + 1], v[b:b + 1], lens[b:b + 1], 0.125)
-        assert torch.equal(alone, together[b:b + 1]), b
+    assert rows_alone_vs_together(OPS.verify_attention_invariant, [200, 4, 77, 130, 9]) == []
 
 
 @needs_cpp

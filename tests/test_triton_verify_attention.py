@@ -1,4 +1,6 @@
-"""Triton verify_attention against reference.py (interpreter on CPU, native on GPU).
+"""Triton verify_attention against reference.py (interpreter on CPU, native on GPU), and its
+fixed launch plan (``verify_attention_invariant``): the same attention, a query's bits
+independent of the chunk it comes in and of the rows beside it.
 
 Each row has its own length; cache slots past a row's length hold NaN for the kernel (which
 must never read them) and zeros for the reference (whose masked SDPA would turn 0 * NaN into
@@ -13,6 +15,8 @@ from hypothesis import strategies as st
 from swiftkern import ops, reference
 from swiftkern.errors import SwiftkernError
 from swiftkern.triton_kernels.verify_attention import verify_attention as launch
+from swiftkern.triton_kernels.verify_attention import verify_attention_invariant as launch_invariant
+from attention_invariance import chunk_vs_one_by_one, rows_alone_vs_together
 from triton_cases import DEVICE, FEW, assert_close, backend, opcheck, poisoned, triton_op
 
 
@@ -46,6 +50,44 @@ def test_matches_reference(heads, T, D, splits, dtype, data):
         got = launch(q, k, v, cache_lens, scale, num_splits=splits)
     assert got.shape == q.shape
     assert_close("verify_attention", got, want(q, k, v, cache_lens, stale, scale))
+
+
+@FEW
+@given(heads=st.sampled_from([(9, 3), (4, 4), (6, 1)]), T=st.sampled_from([1, 3, 7]),
+       D=st.sampled_from([64, 40]), dtype=st.sampled_from([torch.float32, torch.bfloat16]), data=st.data())
+def test_invariant_plan_matches_reference(heads, T, D, dtype, data):
+    S = 150
+    lens = data.draw(st.lists(st.one_of(st.just(T), st.integers(T, S)), min_size=1, max_size=3))
+    q, k, v, cache_lens, stale = case(lens, *heads, T, D, S, dtype, data.draw(st.integers(0, 99)))
+    with poisoned():
+        got = launch_invariant(q, k, v, cache_lens, D ** -0.5)
+    assert_close("verify_attention", got, want(q, k, v, cache_lens, stale, D ** -0.5))
+
+
+@pytest.mark.parametrize("heads", [(3, 3), (1, 8), (2, 1)])
+def test_invariant_plan_a_query_has_the_same_bits_in_any_chunk(heads):
+    assert chunk_vs_one_by_one(launch_invariant, *heads, 5, 64, 100, device=DEVICE) == 0
+
+
+def test_invariant_plan_a_row_has_the_same_bits_in_any_batch():
+    assert rows_alone_vs_together(launch_invariant, [130, 4, 77, 9], device=DEVICE) == []
+
+
+def test_negative_control_a_plan_that_follows_the_batch_is_not_invariant():
+    """The split plan the regular launch takes follows the batch on a GPU; a plan that splits
+    the keys only when rows come together changes a row's bits (so the check above can fail)."""
+    def by_batch(q, k, v, lens, scale):
+        return launch(q, k, v, lens, scale, num_splits=1 if q.shape[0] == 1 else 3)
+    assert rows_alone_vs_together(by_batch, [130, 4, 77, 9], device=DEVICE) != []
+
+
+def test_invariant_op_runs_the_triton_plan():
+    q, k, v, cache_lens, stale = case([9, 20], 9, 3, 3, 64, 24, torch.float32, 5)
+    k, v = k.masked_fill(stale, 0.0), v.masked_fill(stale, 0.0)
+    with backend("triton"):
+        got = ops.verify_attention_invariant(q, k, v, cache_lens, 0.125)
+    assert torch.equal(got, launch_invariant(q, k, v, cache_lens, 0.125))
+    opcheck(triton_op("verify_attention_invariant"), (q, k, v, cache_lens, 0.125))
 
 
 def test_prefill_tiles_and_registered_op():

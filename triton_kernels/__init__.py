@@ -8,8 +8,8 @@ that is how the tests check the kernels without a GPU. ``swiftkern.ops`` imports
 lazily, only when a Triton kernel may be needed, and picks the backend per op and device.
 
 Modules: launch (launch sizes and input checks), registry (the registration), and per op
-fused_add_rms_norm (with rms_norm), silu_mul, rope_kv_append, verify_attention, greedy_accept,
-rejection_sample, kv_compact; bi_matmul (the deterministic verifier's matmul, not in
+fused_add_rms_norm (with rms_norm), silu_mul, rope_kv_append, verify_attention (with
+verify_attention_invariant), greedy_accept, rejection_sample, kv_compact; bi_matmul (the deterministic verifier's matmul, not in
 ``_SCHEMAS``) registers its own op through ``registry.register`` when imported here.
 """
 
@@ -33,6 +33,7 @@ KERNELS = {
     "silu_mul": (_silu.silu_mul, _silu.silu_mul_fake),
     "rope_kv_append": (_rope.rope_kv_append, _rope.rope_kv_append_fake),
     "verify_attention": (_attention.verify_attention, _attention.verify_attention_fake),
+    "verify_attention_invariant": (_attention.verify_attention_invariant, _attention.verify_attention_fake),
     "greedy_accept": (_greedy.greedy_accept, _greedy.greedy_accept_fake),
     "rejection_sample": (_rejection.rejection_sample, _rejection.rejection_sample_fake),
     "kv_compact": (_compact.kv_compact, _compact.kv_compact_fake),

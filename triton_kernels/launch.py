@@ -170,27 +170,36 @@ class AttentionPlan:
     num_stages: int
 
 
+INVARIANT_BLOCK_M = 16  # query rows per program of the invariant plan, whatever the shapes
+
+
 def attention_plan(batch: int, kv_heads: int, group: int, q_len: int, max_keys: int, head_dim: int,
-                   device: torch.device, splits: int | None = None) -> AttentionPlan:
+                   device: torch.device, splits: int | None = None, invariant: bool = False) -> AttentionPlan:
     """Queries of one kv head are ``group * q_len`` rows (token-major), tiled by up to 64;
     keys up to ``max_keys`` are split so that all programs together fill the GPU, each split at
-    least two key blocks long. ``splits`` forces a split count (tests)."""
+    least two key blocks long. ``splits`` forces a split count (tests).
+
+    ``invariant``: one plan whatever the batch, q_len and key count (query tiles of
+    INVARIANT_BLOCK_M rows, one split, fixed warps; the key block follows the head dim alone),
+    so a query runs the same operations in the same order in any call."""
     rows = group * q_len
-    block_m = max(16, min(64, next_pow2(rows)))
+    block_m = INVARIANT_BLOCK_M if invariant else max(16, min(64, next_pow2(rows)))
     block_d = max(16, next_pow2(head_dim))
     block_n = 64 if block_d <= 64 else 32
     if interpreting():
         block_n = 32
     m_blocks = cdiv(rows, block_m)
     key_blocks = max(1, cdiv(max_keys, block_n))
-    if splits is None:
+    if invariant:
+        splits = 1
+    elif splits is None:
         want = cdiv(2 * _sms(device), batch * kv_heads * m_blocks)
         splits = min(want, max(1, key_blocks // 2))
     splits = max(1, min(int(splits), key_blocks))
     chunk = cdiv(key_blocks, splits) * block_n
     splits = cdiv(max(max_keys, 1), chunk)
     return AttentionPlan(block_m, block_n, block_d, m_blocks, splits, chunk,
-                         num_warps=4 if block_m * block_d <= 4096 else 8, num_stages=2)
+                         num_warps=4 if invariant or block_m * block_d <= 4096 else 8, num_stages=2)
 
 
 @dataclass(frozen=True)

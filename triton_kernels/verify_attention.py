@@ -124,12 +124,13 @@ def _combine_kernel(
 
 
 def verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_lens: torch.Tensor,
-                     scale: float, num_splits: int | None = None) -> torch.Tensor:
+                     scale: float, num_splits: int | None = None, invariant: bool = False) -> torch.Tensor:
     """q: [B, Hq, T, D]; k_cache, v_cache: [B, Hkv, S, D] (any strides, e.g. a [:, :, :max_len]
     view); cache_lens: int64 [B], each in [T, S]; Hq a multiple of Hkv. -> [B, Hq, T, D] in q's
     dtype, a transposed view of a [B, T, Hq, D] buffer (so merging the heads costs no copy).
-    ``num_splits`` forces the number of key splits (tests); by default it follows the shapes."""
-    op = "verify_attention"
+    ``num_splits`` forces the number of key splits (tests); by default it follows the shapes.
+    ``invariant``: the fixed plan of ``verify_attention_invariant``."""
+    op = "verify_attention_invariant" if invariant else "verify_attention"
     check_device(op, q=q, k_cache=k_cache, v_cache=v_cache, cache_lens=cache_lens)
     check_float(op, q=q, k_cache=k_cache, v_cache=v_cache)
     require(q.dim() == 4 and k_cache.dim() == 4, op,
@@ -148,7 +149,7 @@ def verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if out.numel() == 0:
         return out
     group = Hq // Hkv
-    plan = attention_plan(B, Hkv, group, T, S, D, q.device, num_splits)
+    plan = attention_plan(B, Hkv, group, T, S, D, q.device, num_splits, invariant)
     fp32_dot = q.dtype == torch.float32 or interpreting()
     split = plan.splits > 1
     if split:
@@ -168,6 +169,18 @@ def verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             mid_o, mid_lse, out, *out.stride(), Hq, T, D, plan.splits,
             BLOCK_S=max(2, triton.next_power_of_2(plan.splits)), BLOCK_D=plan.block_d, num_warps=1)
     return out
+
+
+def verify_attention_invariant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               cache_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """``verify_attention`` (same arguments and result) in one fixed launch plan: query tiles of
+    INVARIANT_BLOCK_M rows, no key splits, key blocks and warps fixed by the head dim. Each
+    query row of a tile is computed on its own (its own running max and sum; a fixed-order dot
+    over D per score and over the block's keys per output), key blocks are visited from key 0
+    in order, and a block past a query's last key leaves its state unchanged (scale 1, weights
+    0), so a query's bits depend on its q and its keys alone: not on T, the GQA tile it lands
+    in, or the other rows. The deterministic verifier's attention on a GPU."""
+    return verify_attention(q, k_cache, v_cache, cache_lens, scale, invariant=True)
 
 
 def verify_attention_fake(q, k_cache, v_cache, cache_lens, scale):
