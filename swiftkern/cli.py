@@ -87,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "(CPU, float32, C++ kernels: every kernel is batch- and length-invariant, so rows "
                           "decode directly; --drafter self-spec then speculates with lookup and the "
                           "--layer-set draft); always: the LLM-42 replay everywhere")
+    gen.add_argument("--verifier-kernels", default="auto", choices=["auto", "portable", "fused"],
+                     help="deterministic replay: the verifier's per-row ops. portable: torch compositions, "
+                          "any device, many small ops; fused: one kernel per op (C++ on the CPU, Triton on "
+                          "CUDA); auto (default): fused on the CPU, portable on CUDA until the fused set "
+                          "has passed the GPU tests")
     gen.add_argument("--drafter", default="auto", choices=["auto", "layer-skip", "lookup", "none", "self-spec"],
                      help="self-spec: auto (default) picks per step among lookup, layer-skip (with "
                           "--layer-set) and none by measured cost and acceptance; layer-skip drafts with "
@@ -188,7 +193,8 @@ def cmd_generate(args) -> int:
     gen = Generator(model, tokenizer, mode=args.mode, layer_set=args.layer_set, k_max=args.k_max,
                     eps=args.eps, adaptive_eps=args.adaptive_eps, drafter=args.drafter,
                     draft_vocab=args.draft_vocab, window=args.window, verify_batch=args.verify_batch,
-                    skip_ratio=args.skip_ratio, replay=args.replay, cuda_graphs=args.cuda_graphs)
+                    skip_ratio=args.skip_ratio, replay=args.replay, cuda_graphs=args.cuda_graphs,
+                    verifier_kernels=args.verifier_kernels)
     out = gen.generate(prompts, max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0,
                        temperature=args.temperature or 1.0, top_k=args.top_k, top_p=args.top_p,
                        seed=args.seed, chat=args.chat)
@@ -220,7 +226,8 @@ def cmd_generate(args) -> int:
             print(f"[deterministic] no replay ({s['replay']}) | fast path {s['fast_path']} | "
                   f"{s['fast_steps']} forwards")
         elif s["mode"] == "deterministic":
-            print(f"[deterministic] fast path {s['fast_path']} | window {s['window']} x verify batch "
+            print(f"[deterministic] fast path {s['fast_path']} | verifier {s['verifier_kernels']} | "
+                  f"window {s['window']} x verify batch "
                   f"{s['verify_batch']} | {s['fast_steps']} fast steps + {s['verify_passes']} verify passes | "
                   f"{s['rolled_back']}/{s['fast_tokens']} fast tokens rolled back ({s['rollback_fraction']:.1%})"
                   + (f" | {s['lookup_tokens']} from prompt lookup" if s.get("lookup_tokens") else ""))

@@ -90,16 +90,20 @@ class FastPath:
 @torch.inference_mode()
 def decode_deterministic(model: SkipModel, cache: KVCache, prompts: list[list[int]], params: SamplingParams,
                          seeds: list[int], requests: Requests, window: int = 32, verify_batch: int = 4,
-                         fast_path: FastPath | None = None, verified: list[bool] | None = None) -> dict:
+                         fast_path: FastPath | None = None, verified: list[bool] | None = None,
+                         verifier_kernels: str = "auto") -> dict:
     """Prefill, then fast-decode / verify / commit into ``requests`` until every request stops.
 
     cache: a fresh cache with one row per prompt and room for the longest prompt +
     max_new_tokens + window positions. Finished rows leave the batch. verified[r] False: request
     r does not need determinism and keeps its fast-path tokens unverified (regular decoding at
     regular cost; its logprobs are the fast path's); only with the regular fast path.
+    verifier_kernels: the verifier's per-row ops ("auto" | "portable" | "fused", see
+    ``verifier_kernels``).
     -> stats: prefill_passes and verify_passes (fixed-shape passes), dummy_rows (filler slots),
        fast_steps (batched fast forwards), fast_tokens (unverified tokens proposed), rolled_back
        (of those, discarded after a mismatch), rollback_fraction, corrected (mismatches),
+       verifier_kernels (the set's name),
        logprobs (per request, float32 [new tokens]: the verifier's log-probability of each
        returned token), per_row [{verifies, fast_tokens, rolled_back}] per request
     """
@@ -110,7 +114,7 @@ def decode_deterministic(model: SkipModel, cache: KVCache, prompts: list[list[in
     if fast_path.layer_set is not None and not all(verified):
         raise SwiftkernError("every request must be verified with the layer-skipped fast path (its unverified "
                              "tokens are the draft's, not the model's)")
-    verifier = Verifier(model, window, verify_batch)
+    verifier = Verifier(model, window, verify_batch, kernels=verifier_kernels)
     stats = {"fast_steps": 0, "fast_tokens": 0, "lookup_tokens": 0, "rolled_back": 0, "corrected": 0}
     per_row = [{"verifies": 0, "fast_tokens": 0, "rolled_back": 0} for _ in prompts]
     logprobs: list[list[torch.Tensor]] = [[] for _ in prompts]
@@ -157,6 +161,7 @@ def decode_deterministic(model: SkipModel, cache: KVCache, prompts: list[list[in
         rows = _drop_finished(requests, cache, rows)  # unverified requests finish here
 
     stats["verify_passes"] = verifier.passes - stats["prefill_passes"]
+    stats["verifier_kernels"] = verifier.kernels.name
     stats["dummy_rows"] = verifier.dummy_rows
     stats["rollback_fraction"] = stats["rolled_back"] / stats["fast_tokens"] if stats["fast_tokens"] else 0.0
     stats["logprobs"] = [torch.cat(lp) for lp in logprobs]

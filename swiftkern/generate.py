@@ -27,6 +27,7 @@ from .speculative import DraftPolicy, decode_self_spec
 from .tuner import OnTheFlyTuner
 from .deterministic import FastPath, decode_deterministic
 from .cuda_graphs import GraphRunner
+from .verifier_kernels import CHOICES as VERIFIER_KERNELS, verifier_kernels as verifier_kernels_for
 
 REPLAY = ("auto", "always")
 MODES = ("ar", "self-spec", "deterministic")
@@ -147,6 +148,9 @@ class Generator:
     rows decode as in ``ar`` (``drafter="self-spec"``: as in self-spec, the drafter policy over
     lookup, the layer-skipped draft and no draft, whose verify passes are the invariant model)
     and ``logprobs`` are those of the model itself; ``replay="always"`` keeps the LLM-42 replay.
+    ``verifier_kernels``: the replay's per-row ops, "auto" | "portable" | "fused"
+    (``verifier_kernels.verifier_kernels``: auto is fused with the C++ kernels on the CPU,
+    portable on CUDA until the fused Triton set has passed the GPU tests).
     ``cuda_graphs=True`` (a model on a CUDA device) replays the forwards of decode, draft and
     verify steps through CUDA graphs captured on a shape's second use (``cuda_graphs.GraphRunner``,
     kept across calls; or pass a ``GraphRunner`` to share its graphs between Generators of its
@@ -159,7 +163,7 @@ class Generator:
                  eps: float = 0.8, adaptive_eps: bool = False, drafter: str = "auto",
                  draft_vocab: int | None = DEFAULT_DRAFT_VOCAB, window: int = 32, verify_batch: int = 4,
                  skip_ratio="auto", search_options: dict | None = None, replay: str = "auto",
-                 cuda_graphs=False):
+                 cuda_graphs=False, verifier_kernels: str = "auto"):
         if mode not in MODES:
             raise SwiftkernError(f"unknown mode {mode!r}; available: {', '.join(MODES)}")
         if isinstance(cuda_graphs, GraphRunner) and cuda_graphs.model.hf_model is model:
@@ -183,6 +187,9 @@ class Generator:
         if replay not in REPLAY:
             raise SwiftkernError(f"replay must be one of {', '.join(REPLAY)}, got {replay!r}")
         self.replay = replay
+        if verifier_kernels not in VERIFIER_KERNELS or mode == "deterministic":  # refuse a bad choice now
+            verifier_kernels_for(verifier_kernels, self.model.device.type, self.model.dtype)
+        self.verifier_kernels = verifier_kernels
         if drafter == "self-spec" and layer_set is None:
             raise SwiftkernError("drafter self-spec needs a layer set (e.g. 'attn:3,5|mlp:4')")
         self.auto_layer_set = isinstance(layer_set, str) and layer_set.strip() == "auto"
@@ -393,7 +400,7 @@ class Generator:
                 if self.drafter == "self-spec":
                     fast = FastPath(self.layer_set, self.eps, self._draft_head(ids), lookup=True)
                 spec_stats = decode_deterministic(self.model, cache, ids, params, seeds, requests, self.window,
-                                                  self.verify_batch, fast, verified)
+                                                  self.verify_batch, fast, verified, self.verifier_kernels)
                 steps = spec_stats["fast_steps"] + spec_stats["verify_passes"]
             else:
                 policy = DraftPolicy(k_max=self.k_max, eps=self.eps, adaptive=self.adaptive_eps)

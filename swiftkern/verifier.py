@@ -4,7 +4,8 @@ Every verify pass has exactly the shape ``verify_batch x window`` tokens (prefil
 ``verify_batch x w``, w the longest slot rounded up to 16, at most ``prefill_chunk``): up to
 ``verify_batch`` slots (a cache row, the absolute
 position of its first token, its tokens), short slots padded, missing slots filled with dummy
-rows. The layers run the ops of ``batch_invariant``, so what a slot gets back depends on its
+rows. The layers run ``batch_invariant.bi_linear`` and a ``verifier_kernels`` set (portable
+torch compositions, or one fused kernel per op), so what a slot gets back depends on its
 own tokens and its row's cache alone (and, the kernels being row- and chunk-invariant too, not
 on the pass width or on where a chunk starts). The pass writes each slot's keys and values
 into its cache row (the cache of record) and returns logits only at the positions asked for
@@ -19,12 +20,12 @@ import torch
 import torch.nn.functional as F
 
 from . import reference
-from .batch_invariant import (KEY_BLOCK, bi_attention, bi_linear, bi_log_softmax, bi_rms_norm,
-                              bi_silu_mul)
+from .batch_invariant import KEY_BLOCK, bi_linear, bi_log_softmax
 from .cuda_graphs import attention_span
 from .errors import SwiftkernError
 from .kv_cache import KVCache
 from .model import SkipModel
+from .verifier_kernels import verifier_kernels
 
 # RoPE variants whose frequencies depend on the longest sequence in the batch
 _BATCH_DEPENDENT_ROPE = ("dynamic", "longrope")
@@ -46,13 +47,16 @@ class Slot:
 class Verifier:
     """Fixed-shape batch-invariant passes over a SkipModel's weights (shared, no copies).
 
-    ``Verifier(model, window, verify_batch, prefill_chunk=PREFILL_CHUNK)``: a verify pass is
-    ``verify_batch x window`` tokens, a prefill pass ``verify_batch x prefill_chunk`` (wider:
-    a prompt needs fewer passes and each matmul more rows). ``forward`` runs one pass,
-    ``prefill`` writes whole prompts, ``token_logprobs`` scores a sequence from scratch.
+    ``Verifier(model, window, verify_batch, prefill_chunk=PREFILL_CHUNK, kernels="auto")``: a
+    verify pass is ``verify_batch x window`` tokens, a prefill pass ``verify_batch x
+    prefill_chunk`` (wider: a prompt needs fewer passes and each matmul more rows). ``kernels``:
+    the per-row ops' set, "auto" | "portable" | "fused" (``verifier_kernels``; the bits depend
+    on the set, the invariance does not). ``forward`` runs one pass, ``prefill`` writes whole
+    prompts, ``token_logprobs`` scores a sequence from scratch.
     """
 
-    def __init__(self, model: SkipModel, window: int, verify_batch: int, prefill_chunk: int = PREFILL_CHUNK):
+    def __init__(self, model: SkipModel, window: int, verify_batch: int, prefill_chunk: int = PREFILL_CHUNK,
+                 kernels: str = "auto"):
         if window < 1 or verify_batch < 1 or prefill_chunk < 1:
             raise SwiftkernError(f"window, verify_batch and prefill_chunk must be >= 1, got {window}, "
                                  f"{verify_batch} and {prefill_chunk}")
@@ -61,6 +65,7 @@ class Verifier:
             raise SwiftkernError(f"deterministic mode does not support rope_type {rope_type!r}: its "
                                  "frequencies depend on the longest sequence in the batch")
         self.model = model
+        self.kernels = verifier_kernels(kernels, model.device.type, model.dtype)
         self.window = window
         self.verify_batch = verify_batch
         self.prefill_chunk = prefill_chunk
@@ -103,14 +108,14 @@ class Verifier:
         real += real[-1:] * (R * T - len(real))
         write_rows += write_rows[-1:] * (R * T - len(write_rows))
         starts = [s.start for s in slots] + [0] * (R - n_real)
-        key_blocks = -(-max(s.start + len(s.tokens) for s in slots) // KEY_BLOCK)  # past every slot's last key
+        key_blocks = -(-(max(s.start for s in slots) + T) // KEY_BLOCK)  # past every slot's last (padded) token
         inputs = (tokens.to(device),) + tuple(  # [R, T], then [R], [R], [R*T], [R*T]
             torch.tensor(x, dtype=torch.int64, device=device) for x in (starts, rows, real, write_rows))
         runner = m.graphs
         if runner is None or T != self.window:  # prefill passes (widths vary, each seen about once) run eagerly
             hidden = self._pass(cache, KEY_BLOCK * key_blocks, *inputs)
         else:  # extra key blocks change no bit (bi_attention), so the key length is bucketed
-            key_len = KEY_BLOCK * attention_span(key_blocks, -(-cache.max_len // KEY_BLOCK))
+            key_len = KEY_BLOCK * attention_span(key_blocks, -(-(cache.max_len + T) // KEY_BLOCK))
             key = ("verify", R, T, key_len, cache.k.data_ptr(), cache.v.data_ptr(), tuple(cache.k.shape),
                    cache.k.stride())
             hidden = runner.run(key, lambda *x: self._pass(cache, key_len, *x), inputs)
@@ -123,9 +128,9 @@ class Verifier:
         """The pass itself, from device tensors alone (a CUDA graph's body): tokens [R, T];
         starts, rows [R]: each slot's first position and cache row; real, write_rows [R * T]:
         flat indices of the tokens whose keys and values are written, and their cache rows;
-        key_len: a multiple of KEY_BLOCK past every slot's last position.
+        key_len: a multiple of KEY_BLOCK, at least every slot's start + T.
         -> normed hidden [R * T, H] (the final norm is per row: picking rows later is the same)."""
-        m = self.model
+        m, kern = self.model, self.kernels
         R, T = tokens.shape
         Hkv, D = m.num_kv_heads, m.head_dim
         cached = min(key_len, cache.max_len)
@@ -134,7 +139,7 @@ class Verifier:
         hidden = F.embedding(tokens, m.embed)  # [R, T, H]
         cos, sin = m.rotary(hidden, positions)  # [R, T, D]
         for i, w in enumerate(m.layers):
-            x = bi_rms_norm(hidden, w.ln_attn, m.eps)
+            x = kern.rms_norm(hidden, w.ln_attn, m.eps)
             q = bi_linear(x, w.q, w.q_bias).view(R, T, m.num_heads, D).transpose(1, 2)
             k = bi_linear(x, w.k, w.k_bias).view(R, T, Hkv, D).transpose(1, 2)
             v = bi_linear(x, w.v, w.v_bias).view(R, T, Hkv, D).transpose(1, 2)
@@ -147,13 +152,13 @@ class Verifier:
             values = torch.zeros_like(keys)
             keys[:, :, :cached] = cache.k[i][:, :, :cached].index_select(0, rows)
             values[:, :, :cached] = cache.v[i][:, :, :cached].index_select(0, rows)
-            attn = bi_attention(q, keys, values, starts, m.scale)  # [R, Hq, T, D]
+            attn = kern.attention(q, keys, values, starts, m.scale)  # [R, Hq, T, D]
             attn = attn.transpose(1, 2).reshape(R, T, m.num_heads * D)
             hidden = hidden + bi_linear(attn, w.o, w.o_bias)
-            x = bi_rms_norm(hidden, w.ln_mlp, m.eps)
-            act = bi_silu_mul(bi_linear(x, w.gate, w.gate_bias), bi_linear(x, w.up, w.up_bias))
+            x = kern.rms_norm(hidden, w.ln_mlp, m.eps)
+            act = kern.silu_mul(bi_linear(x, w.gate, w.gate_bias), bi_linear(x, w.up, w.up_bias))
             hidden = hidden + bi_linear(act, w.down, w.down_bias)
-        return bi_rms_norm(hidden.reshape(R * T, -1), m.final_norm, m.eps)
+        return kern.rms_norm(hidden.reshape(R * T, -1), m.final_norm, m.eps)
 
     def prefill(self, cache: KVCache, prompts: list[list[int]], rows: list[int] | None = None) -> torch.Tensor:
         """Write prompts into their cache rows (row b = prompt b; only ``rows`` when given)

@@ -28,6 +28,10 @@ SOME = settings(max_examples=15, deadline=None, derandomize=True)
 needs_invariant = pytest.mark.skipif(not invariant_kernels_available("cpu", torch.float32),
                                      reason="swiftkern._C is not built with the CPU kernels of the invariant set")
 REPLAYS = ["always", pytest.param("auto", marks=needs_invariant)]
+KERNEL_SETS = ["portable", pytest.param("fused", marks=needs_invariant)]  # the verifier's, on the CPU
+# (replay, verifier kernels): the replay with each set, and no replay
+DECODINGS = [("always", "portable"), pytest.param("always", "fused", marks=needs_invariant),
+             pytest.param("auto", "auto", marks=needs_invariant)]
 EOS = 2  # the tiny models' eos_token_id
 
 
@@ -132,11 +136,13 @@ def test_bi_attention_query_depends_on_its_own_keys_only():
 
 # --------------------------------------------------------------------------- the verifier
 
-def test_verifier_computes_the_model(tiny):
+@pytest.mark.parametrize("kernels", KERNEL_SETS)
+def test_verifier_computes_the_model(tiny, kernels):
     prompt = [5, 9, 33, 7, 81, 120, 4, 250, 17, 3, 99]
     cache = tiny.new_cache(1, 64)
     want = tiny.forward(torch.tensor([prompt]), cache)[0]  # [T, V]
-    verifier = Verifier(tiny, window=8, verify_batch=3)
+    verifier = Verifier(tiny, window=8, verify_batch=3, kernels=kernels)
+    assert verifier.kernels.name == {"portable": "portable", "fused": "fused (cpp)"}[kernels]
     cache = tiny.new_cache(2, 64)
     first = verifier.forward(cache, [Slot(1, 0, prompt[:8], list(range(8)))])
     second = verifier.forward(cache, [Slot(1, 8, prompt[8:], [0, 1, 2])])
@@ -155,6 +161,11 @@ def test_verifier_rejects_bad_slots(tiny):
         verifier.forward(cache, [Slot(0, 0, [1], [])] * 3)
     with pytest.raises(SwiftkernError, match="window"):
         Verifier(tiny, window=0, verify_batch=1)
+    with pytest.raises(SwiftkernError, match="verifier kernels must be one of"):
+        Verifier(tiny, window=4, verify_batch=1, kernels="fast")
+    with pytest.raises(SwiftkernError, match="the fused verifier kernels run on CUDA"):
+        Verifier(SkipModel(tiny_model("llama").to(torch.bfloat16)), window=4, verify_batch=1, kernels="fused")
+    assert Verifier(SkipModel(tiny_model("llama").to(torch.bfloat16)), 4, 1).kernels.name == "portable"
 
 
 # --------------------------------------------------------------------------- the needle
@@ -187,10 +198,10 @@ def needle_tiny(model, sample, seed, trials, replay="always", **gen_kw):
     assert len(alone.tokens[0]) == 24 and alone.logprobs[0].shape == (24,)
 
 
-@pytest.mark.parametrize("replay", REPLAYS)
+@pytest.mark.parametrize("replay,kernels", DECODINGS)
 @pytest.mark.parametrize("sample", [False, True])
-def test_needle_tiny(tiny, sample, replay):
-    needle_tiny(tiny, sample, seed=7, trials=4, replay=replay)
+def test_needle_tiny(tiny, sample, replay, kernels):
+    needle_tiny(tiny, sample, seed=7, trials=4, replay=replay, verifier_kernels=kernels)
 
 
 @needs_invariant
@@ -269,17 +280,20 @@ def ar_needle_differences(model, trials, max_batch, vocab=301):
 
 # --------------------------------------------------------------------------- decode vs prefill
 
-def test_decode_equals_prefill_and_windows_agree(tiny):
+@pytest.mark.parametrize("kernels", KERNEL_SETS)
+def test_decode_equals_prefill_and_windows_agree(tiny, kernels):
     prompts = [[4, 77, 31], list(range(10, 60)), [200]]
     runs = {}
     for window, vb in [(8, 2), (4, 3), (16, 1)]:
-        gen = Generator(tiny, mode="deterministic", window=window, verify_batch=vb, replay="always")
+        gen = Generator(tiny, mode="deterministic", window=window, verify_batch=vb, replay="always",
+                        verifier_kernels=kernels)
         runs[window] = gen.generate(prompts, max_new_tokens=20, eos_token_id=[])
     base = runs[8]
+    assert base.stats["verifier_kernels"].startswith(kernels)
     for window, out in runs.items():  # the verifier's output does not depend on how it was chunked
         assert out.tokens == base.tokens, window
         assert all(torch.equal(a, b) for a, b in zip(out.logprobs, base.logprobs)), window
-    verifier = Verifier(tiny, window=8, verify_batch=2)
+    verifier = Verifier(tiny, window=8, verify_batch=2, kernels=kernels)
     for p, toks, lp in zip(prompts, base.tokens, base.logprobs):
         assert torch.equal(verifier.token_logprobs(p + toks, len(p)), lp)
 
@@ -421,11 +435,12 @@ def test_generator_stats_and_errors(tiny):
 
 # --------------------------------------------------------------------------- SmolLM2
 
-def smollm2_needle(model, tok, max_new_tokens, batch_ranges, replay="always"):
+def smollm2_needle(model, tok, max_new_tokens, batch_ranges, replay="always", verifier_kernels="auto"):
     """The needle on SmolLM2 (window 16, verify batch 4), greedy and sampled: alone, then in
     one batch of random other prompts per (lo, hi) in batch_ranges, at a random place.
     -> (needle ids, {sample: its output alone})."""
-    gen = Generator(model, tok, mode="deterministic", window=16, verify_batch=4, replay=replay)
+    gen = Generator(model, tok, mode="deterministic", window=16, verify_batch=4, replay=replay,
+                    verifier_kernels=verifier_kernels)
     needle = tok("The three primary colors are")["input_ids"]
     rng = random.Random(5)
     others = ["def fib(n):", "Paris is", "Once upon a time, in a small village", "1, 2, 3,",

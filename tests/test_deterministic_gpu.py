@@ -1,7 +1,9 @@
 """Deterministic mode on a GPU (skipped without one): the needle check with the model on CUDA,
 where the fast path runs the GPU kernels (batch-variant allowed) and the verifier runs the
-Triton ``bi_matmul`` and the batch-invariant ops; and the negative control, plain batched
-``ar`` on the GPU, whose logprobs change with the batch around a request."""
+Triton ``bi_matmul`` and either verifier kernel set (portable: the batch-invariant torch
+ops; fused: the Triton norms, SwiGLU and ``verify_attention_invariant``, which ``auto`` takes
+on CUDA once these pass there); and the negative control, plain batched ``ar`` on the GPU,
+whose logprobs change with the batch around a request."""
 
 from __future__ import annotations
 
@@ -25,16 +27,22 @@ def test_bi_matmul_runs_the_triton_kernel_on_cuda():
     assert ops.backend_for("bi_matmul", "cuda") == "triton"
 
 
+KERNEL_SETS = ["portable", "fused"]
+
+
+@pytest.mark.parametrize("kernels", KERNEL_SETS)
 @pytest.mark.parametrize("sample", [False, True])
-def test_needle_tiny_on_gpu(tiny_gpu, sample):
-    needle_tiny(tiny_gpu, sample, seed=17, trials=5)
+def test_needle_tiny_on_gpu(tiny_gpu, sample, kernels):
+    needle_tiny(tiny_gpu, sample, seed=17, trials=5, verifier_kernels=kernels)
 
 
-def test_decode_equals_prefill_on_gpu(tiny_gpu):
+@pytest.mark.parametrize("kernels", KERNEL_SETS)
+def test_decode_equals_prefill_on_gpu(tiny_gpu, kernels):
     prompts = [[4, 77, 31], list(range(10, 60)), [200]]
-    out = Generator(tiny_gpu, mode="deterministic", window=8, verify_batch=2).generate(
+    out = Generator(tiny_gpu, mode="deterministic", window=8, verify_batch=2, verifier_kernels=kernels).generate(
         prompts, max_new_tokens=20, eos_token_id=[])
-    verifier = Verifier(tiny_gpu, window=8, verify_batch=2)
+    assert out.stats["verifier_kernels"] == {"portable": "portable", "fused": "fused (triton)"}[kernels]
+    verifier = Verifier(tiny_gpu, window=8, verify_batch=2, kernels=kernels)
     for p, toks, lp in zip(prompts, out.tokens, out.logprobs):
         assert torch.equal(verifier.token_logprobs(p + toks, len(p)).cpu(), lp.cpu())
 
@@ -49,8 +57,9 @@ def test_negative_control_plain_batched_ar_on_gpu_is_batch_variant():
 
 
 @pytest.mark.slow
-def test_needle_smollm2_on_gpu():
+@pytest.mark.parametrize("kernels", KERNEL_SETS)
+def test_needle_smollm2_on_gpu(kernels):
     import swiftkern
 
     model, tok = swiftkern.load_model("smollm2", device="cuda")
-    smollm2_needle(model, tok, 24, [(2, 6), (7, 16)])
+    smollm2_needle(model, tok, 24, [(2, 6), (7, 16)], verifier_kernels=kernels)

@@ -1,0 +1,93 @@
+"""The per-row ops of the deterministic verifier's pass, in two sets with one contract: a row's
+(a token's) result depends on that row alone, whatever the pass's other rows, its width or
+where a chunk starts. The matmuls are ``batch_invariant.bi_linear`` in both.
+
+  portable  ``batch_invariant``'s torch compositions (``tree_sum`` norms, ``bi_exp`` SwiGLU,
+            attention in fixed key blocks): any device, invariant op by op, and many small
+            ops: ~155 kernel launches a layer on a GPU (counted by ``bench --routine
+            verifier_ops``), which bound a verify pass by the host there;
+  fused     one kernel per op: on the CPU the C++ kernels of ``SkipModel.batch_invariant``
+            (per-row norms, per-element SwiGLU from bi_exp, ``verify_attention_invariant``);
+            on CUDA the Triton norms and SwiGLU (launch plans fixed by the row width) and
+            ``verify_attention_invariant`` (one fixed plan).
+``auto`` is fused where its invariance is tested on that device, portable elsewhere: the CPU
+with the C++ kernels in float32 takes fused; CUDA takes portable until the GPU tests
+(``tests/test_deterministic_gpu.py``, both sets) have passed on a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from . import ops
+from .batch_invariant import KEY_BLOCK, bi_attention, bi_rms_norm, bi_silu_mul
+from .errors import SwiftkernError
+from .layer_kernels import invariant_kernels_available
+
+CHOICES = ("auto", "portable", "fused")
+
+
+@dataclass(frozen=True)
+class VerifierKernels:
+    """name: "portable" or "fused (cpp)" / "fused (triton)"; the callables:
+
+    rms_norm(x [..., H], weight [H], eps) -> [..., H]
+    silu_mul(gate [..., I], up [..., I]) -> [..., I]
+    attention(q [R, Hq, T, D], keys, values [R, Hkv, S, D], starts int64 [R], scale) -> [R, Hq, T, D]:
+        causal, query t of row r at absolute position starts[r] + t sees keys 0..starts[r] + t;
+        S a multiple of KEY_BLOCK and >= starts[r] + T for every row.
+    """
+
+    name: str
+    rms_norm: Callable
+    silu_mul: Callable
+    attention: Callable
+
+
+PORTABLE = VerifierKernels("portable", bi_rms_norm, bi_silu_mul, bi_attention)
+
+
+def _fused_backend(device_type: str, dtype: torch.dtype) -> str | None:
+    """'cpp' or 'triton' where the fused set runs, else None. Triton runs on CUDA, and on CPU
+    tensors when SWIFTKERN_BACKEND=triton under TRITON_INTERPRET=1 (the tests)."""
+    if device_type == "cuda" or (device_type == "cpu" and ops._backend() == "triton"):
+        from .triton_kernels import KERNELS  # noqa: F401  (imports triton: fails without it)
+        return "triton" if "verify_attention_invariant" in ops._triton_ops(device_type) else None
+    return "cpp" if invariant_kernels_available(device_type, dtype) else None
+
+
+def _attention_from(kernel: Callable) -> Callable:
+    """A ``verify_attention``-style kernel (cache_lens counting the T new tokens) in the
+    verifier's terms (each row's first position)."""
+    def attention(q, keys, values, starts, scale):
+        return kernel(q, keys, values, starts + q.shape[2], float(scale))
+    return attention
+
+
+def verifier_kernels(choice: str, device_type: str, dtype: torch.dtype) -> VerifierKernels:
+    """The set ``choice`` ("auto" | "portable" | "fused") names for a model on ``device_type``
+    in ``dtype``. Raises SwiftkernError for an unknown choice, or "fused" where it cannot run."""
+    if choice not in CHOICES:
+        raise SwiftkernError(f"verifier kernels must be one of {', '.join(CHOICES)}, got {choice!r}")
+    if choice == "portable":
+        return PORTABLE
+    backend = _fused_backend(device_type, dtype) if choice == "fused" or device_type == "cpu" else None
+    if backend is None:
+        if choice == "auto":
+            return PORTABLE
+        raise SwiftkernError(f"the fused verifier kernels run on CUDA (Triton) or on the CPU with swiftkern's "
+                             f"C++ kernels in float32 (here: {device_type}, {dtype}); use verifier kernels "
+                             "'portable' (or 'auto')")
+    if backend == "cpp":
+        cpp = torch.ops.swiftkern
+        return VerifierKernels("fused (cpp)", cpp.rms_norm, cpp.silu_mul,
+                               _attention_from(cpp.verify_attention_invariant))
+    from .triton_kernels import KERNELS
+    return VerifierKernels("fused (triton)", KERNELS["rms_norm"][0], KERNELS["silu_mul"][0],
+                           _attention_from(KERNELS["verify_attention_invariant"][0]))
+
+
+__all__ = ["CHOICES", "KEY_BLOCK", "PORTABLE", "VerifierKernels", "verifier_kernels"]

@@ -1,0 +1,56 @@
+"""The deterministic verifier with its fused set on the Triton kernels (``SWIFTKERN_BACKEND=triton``:
+the interpreter on CPU, natively on a GPU): a slot's logits are the same bits alone and beside
+other slots, and the loop's logprobs equal scoring prompt + output from scratch (decode =
+prefill), as with the portable set; and close to the portable set's logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from swiftkern import Generator, SkipModel
+from swiftkern.verifier import Slot, Verifier
+from triton_cases import DEVICE, backend
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return SkipModel(tiny_model("llama", num_attention_heads=6, num_key_value_heads=2, hidden_size=96,
+                                seed=3).to(DEVICE))
+
+
+# each cache row's prompt, prefilled first: the slot beside row 2's makes the pass's key length
+# longer than the slot's alone (so a plan that followed the key length would change its bits)
+HISTORY = [list(range(3, 40)), [9] * 70, [5, 6] * 65]
+
+
+def _slot_logits(verifier, model, slots, row):
+    cache = model.new_cache(3, 160)
+    verifier.prefill(cache, HISTORY)
+    logits = verifier.forward(cache, slots)
+    n = sum(len(s.want) for s in slots[:row])
+    return logits[n:n + len(slots[row].want)]
+
+
+def test_a_slot_has_the_same_bits_alone_and_beside_others(tiny):
+    with backend("triton"):
+        verifier = Verifier(tiny, window=8, verify_batch=3, kernels="fused")
+        assert verifier.kernels.name == "fused (triton)"
+        mine = Slot(1, 70, [5, 9, 33, 7, 81, 120], list(range(6)))
+        alone = _slot_logits(verifier, tiny, [mine], 0)
+        others = [Slot(0, 37, [7, 7, 200, 3, 1, 5, 6, 8], [2, 7]), mine, Slot(2, 130, [44], [0])]
+        assert torch.equal(_slot_logits(verifier, tiny, others, 1), alone)
+        portable = _slot_logits(Verifier(tiny, window=8, verify_batch=3, kernels="portable"), tiny, [mine], 0)
+    torch.testing.assert_close(alone, portable, atol=1e-4, rtol=1e-4)
+
+
+def test_decode_equals_prefill(tiny):
+    prompts = [[4, 77, 31], list(range(10, 40))]
+    with backend("triton"):
+        out = Generator(tiny, mode="deterministic", window=4, verify_batch=2, replay="always",
+                        verifier_kernels="fused").generate(prompts, max_new_tokens=9, eos_token_id=[])
+        assert out.stats["verifier_kernels"] == "fused (triton)"
+        verifier = Verifier(tiny, window=8, verify_batch=2, kernels="fused")
+        for p, toks, lp in zip(prompts, out.tokens, out.logprobs):
+            assert torch.equal(verifier.token_logprobs(p + toks, len(p)), lp)
