@@ -9,8 +9,10 @@ to fill the batch (chat template):
 
     throughput  batch 8 and 32: ar vs deterministic (replay auto: none where the batch-invariant
                 kernels run, the CPU; else window 32, verify batch 4, 16 on a GPU) vs det-replay
-                (the LLM-42 replay forced) vs det-replay-1/8 (one request in eight needs
-                determinism, the others skip verification: LLM-42's case)
+                (the LLM-42 replay forced; verifier kernels auto: fused on the CPU) vs
+                det-replay-portable / det-replay-fused (the replay with the other kernel set:
+                portable on the CPU, fused on a GPU) vs det-replay-1/8 (one request in eight
+                needs determinism, the others skip verification: LLM-42's case)
     windows     batch 8: ar vs the replay at windows 8, 16, 32, 64 (rollback fraction, speed)
     batch 1     each of the five prompts alone, in turn: ar vs deterministic (replay auto;
                 window 32, verify batch 1) vs self-spec + deterministic (replay auto: on the
@@ -66,6 +68,8 @@ def _setups(smoke: bool, layer_set: str, verify_batch: int = 4, replay_differs: 
     replay = dict(det, replay="always")
     groups = [("throughput", b, {"ar": dict(mode="ar"), "deterministic": dict(det, window=w32),
                                  "det-replay": dict(replay, window=w32),
+                                 "det-replay-portable": dict(replay, window=w32, verifier_kernels="portable"),
+                                 "det-replay-fused": dict(replay, window=w32, verifier_kernels="fused"),
                                  "det-replay-1/8": dict(replay, window=w32, share=1 / 8)}) for b in batches]
     groups.append(("windows", batches[0], {"ar": dict(mode="ar"),
                                            **{f"det-w{w}": dict(replay, window=w) for w in windows}}))
@@ -78,8 +82,11 @@ def _setups(smoke: bool, layer_set: str, verify_batch: int = 4, replay_differs: 
         "self-spec+det-replay": dict(spec_det, replay="always"),
         "self-spec": dict(mode="self-spec", drafter="layer-skip", **spec),
     }))
-    if not replay_differs:
-        for _, _, configs in groups:
+    for _, _, configs in groups:
+        # det-replay takes verifier kernels "auto": fused where the invariant kernels run (the
+        # CPU), portable elsewhere; the provider that repeats it is left out
+        configs.pop("det-replay-fused" if replay_differs else "det-replay-portable", None)
+        if not replay_differs:
             configs.pop("det-replay", None)
             configs.pop("self-spec+det-replay", None)
     return groups
@@ -148,6 +155,7 @@ def run(args) -> list[dict]:
                 batch=batch, new_tokens=n, reps=reps, window=kw.get("window", ""),
                 deterministic_share=kw.get("share", 1.0 if kw["mode"] == "deterministic" else 0.0),
                 verify_batch=kw.get("verify_batch", ""), fast_path=s.get("fast_path", ""),
+                verifier_kernels=s.get("verifier_kernels", ""),
                 replay=("elided" if "replay" in s else "replayed") if kw["mode"] == "deterministic" else "",
                 layer_set=kw.get("layer_set", ""), tok_s=round(tok_s, 2),
                 ratio_vs_ar=round(tok_s / ar_tok_s, 3) if ar_tok_s else "",
