@@ -5,7 +5,7 @@
 #   bash bench/gpu_session.sh slow         SmolLM2 GPU tests (needs both halves of the model file)
 #   bash bench/gpu_session.sh sanitizer    tests/test_cuda_ops.py under compute-sanitizer memcheck
 #   bash bench/gpu_session.sh kernels      per-op kernel benchmarks (reference / triton / cuda)
-#   bash bench/gpu_session.sh e2e          generate, determinism, verify_cost, drafters on SmolLM2
+#   bash bench/gpu_session.sh e2e          generate, determinism (with det-replay-fused), verifier_pass on SmolLM2
 #   bash bench/gpu_session.sh graphs       generate, determinism and verify_cost with CUDA graphs (--cuda-graphs)
 #   bash bench/gpu_session.sh bf16         determinism with CUDA graphs in bfloat16
 # Stages chain: `bash bench/gpu_session.sh setup tests`. Everything under bench/results and the
@@ -78,6 +78,8 @@ stage_e2e() {
   echo "generate: exit $?"; tail -12 "$OUT/generate.log"
   timeout 240 python3 -m bench --routine determinism --max-new-tokens 64 --reps 2 --plot > "$OUT/determinism.log" 2>&1
   echo "determinism: exit $?"; tail -22 "$OUT/determinism.log"
+  timeout 90 python3 -m bench --routine verifier_pass --reps 10 > "$OUT/verifier-pass.log" 2>&1
+  echo "verifier_pass: exit $?"; tail -4 "$OUT/verifier-pass.log"
 }
 
 stage_graphs() {
