@@ -59,7 +59,7 @@ def _fused_backend(device_type: str, dtype: torch.dtype) -> str | None:
     return "cpp" if invariant_kernels_available(device_type, dtype) else None
 
 
-def _attention_from(kernel: Callable) -> Callable:
+def attention_from_cache_lens(kernel: Callable) -> Callable:
     """A ``verify_attention``-style kernel (cache_lens counting the T new tokens) in the
     verifier's terms (each row's first position)."""
     def attention(q, keys, values, starts, scale):
@@ -84,10 +84,10 @@ def verifier_kernels(choice: str, device_type: str, dtype: torch.dtype) -> Verif
     if backend == "cpp":
         cpp = torch.ops.swiftkern
         return VerifierKernels("fused (cpp)", cpp.rms_norm, cpp.silu_mul,
-                               _attention_from(cpp.verify_attention_invariant))
+                               attention_from_cache_lens(cpp.verify_attention_invariant))
     from .triton_kernels import KERNELS
     return VerifierKernels("fused (triton)", KERNELS["rms_norm"][0], KERNELS["silu_mul"][0],
-                           _attention_from(KERNELS["verify_attention_invariant"][0]))
+                           attention_from_cache_lens(KERNELS["verify_attention_invariant"][0]))
 
 
-__all__ = ["CHOICES", "KEY_BLOCK", "PORTABLE", "VerifierKernels", "verifier_kernels"]
+__all__ = ["CHOICES", "KEY_BLOCK", "PORTABLE", "VerifierKernels", "attention_from_cache_lens", "verifier_kernels"]

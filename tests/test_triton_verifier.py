@@ -1,16 +1,21 @@
 """The deterministic verifier with its fused set on the Triton kernels (``SWIFTKERN_BACKEND=triton``:
 the interpreter on CPU, natively on a GPU): a slot's logits are the same bits alone and beside
-other slots, and the loop's logprobs equal scoring prompt + output from scratch (decode =
+other slots (and not with a launch plan that follows the pass's key length: the negative
+control), and the loop's logprobs equal scoring prompt + output from scratch (decode =
 prefill), as with the portable set; and close to the portable set's logits."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
 from conftest import tiny_model
 from swiftkern import Generator, SkipModel
+from swiftkern.triton_kernels.verify_attention import verify_attention as launch
 from swiftkern.verifier import Slot, Verifier
+from swiftkern.verifier_kernels import attention_from_cache_lens
 from triton_cases import DEVICE, backend
 
 
@@ -20,14 +25,23 @@ def tiny():
                                 seed=3).to(DEVICE))
 
 
-# each cache row's prompt, prefilled first: the slot beside row 2's makes the pass's key length
-# longer than the slot's alone (so a plan that followed the key length would change its bits)
-HISTORY = [list(range(3, 40)), [9] * 70, [5, 6] * 65]
+# the cache rows' lengths before the pass (random keys and values): the slot beside row 2's
+# makes the pass's key length longer than the slot's alone (so a plan that followed the key
+# length would change its bits)
+LENGTHS = [37, 70, 130]
+
+
+def _history(model):
+    cache = model.new_cache(3, 160)
+    g = torch.Generator().manual_seed(0)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    cache.set_lengths(LENGTHS)
+    return cache
 
 
 def _slot_logits(verifier, model, slots, row):
-    cache = model.new_cache(3, 160)
-    verifier.prefill(cache, HISTORY)
+    cache = _history(model)
     logits = verifier.forward(cache, slots)
     n = sum(len(s.want) for s in slots[:row])
     return logits[n:n + len(slots[row].want)]
@@ -41,8 +55,24 @@ def test_a_slot_has_the_same_bits_alone_and_beside_others(tiny):
         alone = _slot_logits(verifier, tiny, [mine], 0)
         others = [Slot(0, 37, [7, 7, 200, 3, 1, 5, 6, 8], [2, 7]), mine, Slot(2, 130, [44], [0])]
         assert torch.equal(_slot_logits(verifier, tiny, others, 1), alone)
-        portable = _slot_logits(Verifier(tiny, window=8, verify_batch=3, kernels="portable"), tiny, [mine], 0)
-    torch.testing.assert_close(alone, portable, atol=1e-4, rtol=1e-4)
+        portable = Verifier(tiny, window=8, verify_batch=3, kernels="portable")
+        close = _slot_logits(portable, tiny, [mine], 0)
+    torch.testing.assert_close(alone, close, atol=1e-4, rtol=1e-4)
+
+
+def test_negative_control_a_plan_that_follows_the_key_length_changes_the_bits(tiny):
+    """The check above with the attention's key splits chosen by the pass's key length (as the
+    regular launch plan does): the slot's bits beside the longer row differ from alone."""
+    def by_key_length(q, k, v, lens, scale):
+        return launch(q, k, v, lens, scale, num_splits=1 if k.shape[2] <= 128 else 3)
+
+    with backend("triton"):
+        verifier = Verifier(tiny, window=8, verify_batch=3, kernels="fused")
+        verifier.kernels = dataclasses.replace(verifier.kernels, attention=attention_from_cache_lens(by_key_length))
+        mine = Slot(1, 70, [5, 9, 33, 7, 81, 120], list(range(6)))
+        alone = _slot_logits(verifier, tiny, [mine], 0)
+        others = [Slot(0, 37, [7, 7, 200, 3, 1, 5, 6, 8], [2, 7]), mine, Slot(2, 130, [44], [0])]
+        assert not torch.equal(_slot_logits(verifier, tiny, others, 1), alone)
 
 
 def test_decode_equals_prefill(tiny):
