@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import reference
 from .batch_invariant import KEY_BLOCK, bi_linear, bi_log_softmax
 from .cuda_graphs import attention_span
 from .errors import SwiftkernError
@@ -143,15 +142,18 @@ class Verifier:
             q = bi_linear(x, w.q, w.q_bias).view(R, T, m.num_heads, D).transpose(1, 2)
             k = bi_linear(x, w.k, w.k_bias).view(R, T, Hkv, D).transpose(1, 2)
             v = bi_linear(x, w.v, w.v_bias).view(R, T, Hkv, D).transpose(1, 2)
-            q = reference.apply_rope(q, cos, sin)
-            k = reference.apply_rope(k, cos, sin)
+            q, k, v = kern.rope(q, k, v, cos, sin)
             for new, store in ((k, cache.k[i]), (v, cache.v[i])):  # store: [B, Hkv, S, D]
                 flat = new.transpose(1, 2).reshape(R * T, Hkv, D).index_select(0, real)
                 store[write_rows, :, write_pos] = flat.to(store.dtype)
-            keys = hidden.new_zeros((R, Hkv, key_len, D), dtype=cache.k.dtype)
-            values = torch.zeros_like(keys)
-            keys[:, :, :cached] = cache.k[i][:, :, :cached].index_select(0, rows)
-            values[:, :, :cached] = cache.v[i][:, :, :cached].index_select(0, rows)
+            if cached == key_len:  # every key inside the cache: one gather
+                keys = cache.k[i][:, :, :key_len].index_select(0, rows)  # [R, Hkv, key_len, D]
+                values = cache.v[i][:, :, :key_len].index_select(0, rows)
+            else:  # the last block reaches past the cache's end: zeros there
+                keys = hidden.new_zeros((R, Hkv, key_len, D), dtype=cache.k.dtype)
+                values = torch.zeros_like(keys)
+                keys[:, :, :cached] = cache.k[i][:, :, :cached].index_select(0, rows)
+                values[:, :, :cached] = cache.v[i][:, :, :cached].index_select(0, rows)
             attn = kern.attention(q, keys, values, starts, m.scale)  # [R, Hq, T, D]
             attn = attn.transpose(1, 2).reshape(R, T, m.num_heads * D)
             hidden = hidden + bi_linear(attn, w.o, w.o_bias)

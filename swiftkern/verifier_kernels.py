@@ -3,13 +3,13 @@
 where a chunk starts. The matmuls are ``batch_invariant.bi_linear`` in both.
 
   portable  ``batch_invariant``'s torch compositions (``tree_sum`` norms, ``bi_exp`` SwiGLU,
-            attention in fixed key blocks): any device, invariant op by op, and many small
+            attention in fixed key blocks, RoPE): any device, invariant op by op, and many small
             ops: ~155 kernel launches a layer on a GPU (counted by ``bench --routine
             verifier_ops``), which bound a verify pass by the host there;
   fused     one kernel per op: on the CPU the C++ kernels of ``SkipModel.batch_invariant``
-            (per-row norms, per-element SwiGLU from bi_exp, ``verify_attention_invariant``);
-            on CUDA the Triton norms and SwiGLU (launch plans fixed by the row width) and
-            ``verify_attention_invariant`` (one fixed plan).
+            (per-row norms, per-element SwiGLU from bi_exp and RoPE, ``verify_attention_invariant``);
+            on CUDA the Triton norms, SwiGLU and RoPE (launch plans fixed by the row width or
+            elementwise) and ``verify_attention_invariant`` (one fixed plan).
 ``auto`` is fused where its invariance is tested on that device, portable elsewhere: the CPU
 with the C++ kernels in float32 takes fused; CUDA takes portable until the GPU tests
 (``tests/test_deterministic_gpu.py``, both sets) have passed on a GPU.
@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from . import ops
+from . import ops, reference
 from .batch_invariant import KEY_BLOCK, bi_attention, bi_rms_norm, bi_silu_mul
 from .errors import SwiftkernError
 from .layer_kernels import invariant_kernels_available
@@ -36,6 +36,7 @@ class VerifierKernels:
 
     rms_norm(x [..., H], weight [H], eps) -> [..., H]
     silu_mul(gate [..., I], up [..., I]) -> [..., I]
+    rope(q [R, Hq, T, D], k, v [R, Hkv, T, D], cos, sin [R, T, D]) -> (q, k) rotated, v (or a copy)
     attention(q [R, Hq, T, D], keys, values [R, Hkv, S, D], starts int64 [R], scale) -> [R, Hq, T, D]:
         causal, query t of row r at absolute position starts[r] + t sees keys 0..starts[r] + t;
         S a multiple of KEY_BLOCK and >= starts[r] + T for every row.
@@ -44,10 +45,32 @@ class VerifierKernels:
     name: str
     rms_norm: Callable
     silu_mul: Callable
+    rope: Callable
     attention: Callable
 
 
-PORTABLE = VerifierKernels("portable", bi_rms_norm, bi_silu_mul, bi_attention)
+def _rope_portable(q, k, v, cos, sin):
+    return reference.apply_rope(q, cos, sin), reference.apply_rope(k, cos, sin), v
+
+
+PORTABLE = VerifierKernels("portable", bi_rms_norm, bi_silu_mul, _rope_portable, bi_attention)
+
+
+def rope_from_append(kernel: Callable) -> Callable:
+    """A ``rope_kv_append`` kernel as the verifier's rope: one launch that rotates q and writes
+    the rotated k (and v) into [R, Hkv, T, D] buffers at positions 0..T-1 of each row, instead
+    of ~12 elementwise ops (each element's arithmetic is the same wherever it sits)."""
+    positions: dict = {}
+
+    def rope(q, k, v, cos, sin):
+        R, Hkv, T, D = k.shape
+        key = (R, T, k.device)
+        if key not in positions:  # kept: a CUDA graph of the pass reads the same tensor every replay
+            positions[key] = torch.arange(T, device=k.device).repeat(R, 1)  # [R, T]
+        k_out = torch.empty((R, Hkv, T, D), dtype=k.dtype, device=k.device)
+        v_out = torch.empty_like(k_out)
+        return kernel(q, k, v, cos, sin, k_out, v_out, positions[key]), k_out, v_out
+    return rope
 
 
 def _fused_backend(device_type: str, dtype: torch.dtype) -> str | None:
@@ -83,10 +106,11 @@ def verifier_kernels(choice: str, device_type: str, dtype: torch.dtype) -> Verif
                              "'portable' (or 'auto')")
     if backend == "cpp":
         cpp = torch.ops.swiftkern
-        return VerifierKernels("fused (cpp)", cpp.rms_norm, cpp.silu_mul,
+        return VerifierKernels("fused (cpp)", cpp.rms_norm, cpp.silu_mul, rope_from_append(cpp.rope_kv_append),
                                attention_from_cache_lens(cpp.verify_attention_invariant))
     from .triton_kernels import KERNELS
     return VerifierKernels("fused (triton)", KERNELS["rms_norm"][0], KERNELS["silu_mul"][0],
+                           rope_from_append(KERNELS["rope_kv_append"][0]),
                            attention_from_cache_lens(KERNELS["verify_attention_invariant"][0]))
 
 
