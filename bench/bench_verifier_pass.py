@@ -3,7 +3,7 @@
     python -m bench --routine verifier_pass [--model smollm2] [--reps 10] [--smoke]
 
 Providers (``verifier_kernels``), timed interleaved on one cache holding a 200-token context
-per row, verify batch 4, window 32:
+per row (with room past the pass, as in the middle of a generation), verify batch 4, window 32:
 
     portable   the batch_invariant torch compositions (tree_sum norms, bi_exp SwiGLU, blocked
                attention) around the bi_linear matmuls
@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench import common  # noqa: E402
 from bench.bench_generate import skip_model  # noqa: E402
 from swiftkern import ops, reference  # noqa: E402
-from swiftkern.verifier import Slot, Verifier  # noqa: E402
+from swiftkern.verifier import KEY_BLOCK, Slot, Verifier  # noqa: E402
 
 ROUTINE = "verifier_pass"
 PRINT_KEYS = ("provider", "median_ms", "p20_ms", "p80_ms", "ops_per_pass", "ops_as_on_cuda", "ratio_vs_portable")
@@ -65,7 +65,7 @@ def verify_pass(verifier: Verifier, model, context: int):
     """-> a callable running one full verify pass over verify_batch rows of ``context`` cached
     tokens each (the cache is reset after it: every call does the same work)."""
     R, W = verifier.verify_batch, verifier.window
-    cache = model.new_cache(R, context + W)
+    cache = model.new_cache(R, context + W + KEY_BLOCK)  # room past the pass, as mid-generation
     verifier.prefill(cache, [[(7 * r + 3 * j) % (model.vocab_size - 3) + 3 for j in range(context)] for r in range(R)])
     base = list(cache.host_lengths)
     slots = [Slot(r, context, [(11 * r + j) % (model.vocab_size - 3) + 3 for j in range(W)], list(range(W)))
