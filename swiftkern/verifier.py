@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import ops
 from .batch_invariant import KEY_BLOCK, bi_linear, bi_log_softmax
 from .cuda_graphs import attention_span
 from .errors import SwiftkernError
@@ -65,6 +66,7 @@ class Verifier:
                                  "frequencies depend on the longest sequence in the batch")
         self.model = model
         self.kernels = verifier_kernels(kernels, model.device.type, model.dtype)
+        self._packed_index = _packed_index(model)
         self.window = window
         self.verify_batch = verify_batch
         self.prefill_chunk = prefill_chunk
@@ -120,7 +122,19 @@ class Verifier:
             hidden = runner.run(key, lambda *x: self._pass(cache, key_len, *x), inputs)
         wanted = torch.tensor([i * T + j for i, s in enumerate(slots) for j in s.want], dtype=torch.int64,
                               device=device)
-        return bi_linear(hidden.index_select(0, wanted), m.lm_head, m.lm_head_bias)  # [N, V]
+        return self._linear(hidden.index_select(0, wanted), m.lm_head, m.lm_head_bias)  # [N, V]
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``bi_linear``; where the model keeps ``weight`` packed (``SkipModel.packed``: a GGUF
+        model on an AVX-512 CPU) the C++ ``packed_linear`` reads its codes instead, which gives
+        ``skinny_linear``'s bits (``bi_matmul`` on the CPU) at any number of rows from a sixth
+        of the bytes (tested bit for bit against the float32 weight)."""
+        slot = self._packed_index.get(id(weight))
+        packed = self.model.packed.slot(slot) if slot is not None else None
+        if packed is None:
+            return bi_linear(x, weight, bias)
+        out = torch.ops.swiftkern.packed_linear(x, packed, None)
+        return out + bias.to(out.dtype) if bias is not None else out
 
     def _pass(self, cache: KVCache, key_len: int, tokens: torch.Tensor, starts: torch.Tensor, rows: torch.Tensor,
               real: torch.Tensor, write_rows: torch.Tensor) -> torch.Tensor:
@@ -139,9 +153,9 @@ class Verifier:
         cos, sin = m.rotary(hidden, positions)  # [R, T, D]
         for i, w in enumerate(m.layers):
             x = kern.rms_norm(hidden, w.ln_attn, m.eps)
-            q = bi_linear(x, w.q, w.q_bias).view(R, T, m.num_heads, D).transpose(1, 2)
-            k = bi_linear(x, w.k, w.k_bias).view(R, T, Hkv, D).transpose(1, 2)
-            v = bi_linear(x, w.v, w.v_bias).view(R, T, Hkv, D).transpose(1, 2)
+            q = self._linear(x, w.q, w.q_bias).view(R, T, m.num_heads, D).transpose(1, 2)
+            k = self._linear(x, w.k, w.k_bias).view(R, T, Hkv, D).transpose(1, 2)
+            v = self._linear(x, w.v, w.v_bias).view(R, T, Hkv, D).transpose(1, 2)
             q, k, v = kern.rope(q, k, v, cos, sin)
             for new, store in ((k, cache.k[i]), (v, cache.v[i])):  # store: [B, Hkv, S, D]
                 flat = new.transpose(1, 2).reshape(R * T, Hkv, D).index_select(0, real)
@@ -156,10 +170,10 @@ class Verifier:
                 values[:, :, :cached] = cache.v[i][:, :, :cached].index_select(0, rows)
             attn = kern.attention(q, keys, values, starts, m.scale)  # [R, Hq, T, D]
             attn = attn.transpose(1, 2).reshape(R, T, m.num_heads * D)
-            hidden = hidden + bi_linear(attn, w.o, w.o_bias)
+            hidden = hidden + self._linear(attn, w.o, w.o_bias)
             x = kern.rms_norm(hidden, w.ln_mlp, m.eps)
-            act = kern.silu_mul(bi_linear(x, w.gate, w.gate_bias), bi_linear(x, w.up, w.up_bias))
-            hidden = hidden + bi_linear(act, w.down, w.down_bias)
+            act = kern.silu_mul(self._linear(x, w.gate, w.gate_bias), self._linear(x, w.up, w.up_bias))
+            hidden = hidden + self._linear(act, w.down, w.down_bias)
         return kern.rms_norm(hidden.reshape(R * T, -1), m.final_norm, m.eps)
 
     def prefill(self, cache: KVCache, prompts: list[list[int]], rows: list[int] | None = None) -> torch.Tensor:
@@ -202,6 +216,13 @@ class Verifier:
                 targets = torch.tensor([tokens[c * C + j + 1] for j in want], device=logits.device)
                 out.append(bi_log_softmax(logits).gather(1, targets.unsqueeze(1)).squeeze(1))
         return torch.cat(out)
+
+
+def _packed_index(model: SkipModel) -> dict:
+    """{id(weight): its slot in model.packed} where the C++ packed_linear runs, else {}."""
+    if model.packed is None or not ops._cpu_kernel("packed_linear", model.device.type):
+        return {}
+    return {id(w): i for i, w in enumerate(model.packed.weights) if w is not None}
 
 
 def prefill_width(longest: int, chunk: int) -> int:

@@ -461,6 +461,28 @@ def smollm2_needle(model, tok, max_new_tokens, batch_ranges, replay="always", ve
 
 
 @pytest.mark.slow
+def test_verifier_reads_packed_weights_with_the_same_bits(smollm2):
+    """Where SmolLM2 keeps packed weights (an AVX-512 CPU), the verifier's matmuls read them:
+    the logits of a pass equal those of the same pass on the float32 weights, bit for bit."""
+    model, tok = smollm2
+    if model.packed is None:
+        pytest.skip("SmolLM2 is not packed here (packed weights need the C++ kernels on an AVX-512 CPU)")
+    ids = tok("The three primary colors are red, yellow and")["input_ids"]
+    slots = [Slot(0, 0, ids[:8], list(range(8))), Slot(1, 3, ids[3:9], [0, 5])]
+    logits = {}
+    for packed in (True, False):
+        saved = model.packed
+        model.packed = saved if packed else None
+        try:
+            verifier = Verifier(model, window=8, verify_batch=3)
+            assert bool(verifier._packed_index) == packed
+            logits[packed] = verifier.forward(model.new_cache(2, 32), slots)
+        finally:
+            model.packed = saved
+    assert torch.equal(logits[True], logits[False])
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("replay", REPLAYS)
 def test_needle_smollm2(smollm2, replay):
     model, tok = smollm2
