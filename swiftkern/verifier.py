@@ -151,8 +151,9 @@ class Verifier:
         write_pos = positions.reshape(-1).index_select(0, real)  # [R * T]
         hidden = F.embedding(tokens, m.embed)  # [R, T, H]
         cos, sin = m.rotary(hidden, positions)  # [R, T, D]
+        delta = None  # the last sub-layer's output, added to the residual stream by the next norm
         for i, w in enumerate(m.layers):
-            x = kern.rms_norm(hidden, w.ln_attn, m.eps)
+            x, hidden = _add_norm(kern, hidden, delta, w.ln_attn, m.eps)
             q = self._linear(x, w.q, w.q_bias).view(R, T, m.num_heads, D).transpose(1, 2)
             k = self._linear(x, w.k, w.k_bias).view(R, T, Hkv, D).transpose(1, 2)
             v = self._linear(x, w.v, w.v_bias).view(R, T, Hkv, D).transpose(1, 2)
@@ -170,11 +171,11 @@ class Verifier:
                 values[:, :, :cached] = cache.v[i][:, :, :cached].index_select(0, rows)
             attn = kern.attention(q, keys, values, starts, m.scale)  # [R, Hq, T, D]
             attn = attn.transpose(1, 2).reshape(R, T, m.num_heads * D)
-            hidden = hidden + self._linear(attn, w.o, w.o_bias)
-            x = kern.rms_norm(hidden, w.ln_mlp, m.eps)
+            x, hidden = _add_norm(kern, hidden, self._linear(attn, w.o, w.o_bias), w.ln_mlp, m.eps)
             act = kern.silu_mul(self._linear(x, w.gate, w.gate_bias), self._linear(x, w.up, w.up_bias))
-            hidden = hidden + self._linear(act, w.down, w.down_bias)
-        return kern.rms_norm(hidden.reshape(R * T, -1), m.final_norm, m.eps)
+            delta = self._linear(act, w.down, w.down_bias)
+        flat = (lambda t: None if t is None else t.reshape(R * T, -1))
+        return _add_norm(kern, flat(hidden), flat(delta), m.final_norm, m.eps)[0]
 
     def prefill(self, cache: KVCache, prompts: list[list[int]], rows: list[int] | None = None) -> torch.Tensor:
         """Write prompts into their cache rows (row b = prompt b; only ``rows`` when given)
@@ -216,6 +217,14 @@ class Verifier:
                 targets = torch.tensor([tokens[c * C + j + 1] for j in want], device=logits.device)
                 out.append(bi_log_softmax(logits).gather(1, targets.unsqueeze(1)).squeeze(1))
         return torch.cat(out)
+
+
+def _add_norm(kern, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """(norm(hidden + delta), hidden + delta) in one kernel, or (norm(hidden), hidden) with no
+    delta. hidden, delta: [..., H]; weight: [H]."""
+    if delta is None:
+        return kern.rms_norm(hidden, weight, eps), hidden
+    return kern.add_rms_norm(delta, hidden, weight, eps)
 
 
 def _packed_index(model: SkipModel) -> dict:

@@ -4,12 +4,13 @@ where a chunk starts. The matmuls are ``batch_invariant.bi_linear`` in both.
 
   portable  ``batch_invariant``'s torch compositions (``tree_sum`` norms, ``bi_exp`` SwiGLU,
             attention in fixed key blocks, RoPE): any device, invariant op by op, and many small
-            ops: ~155 kernel launches a layer on a GPU (counted by ``bench --routine
-            verifier_ops``), which bound a verify pass by the host there;
+            ops: ~150 kernel launches a layer on a GPU (counted by ``python -m bench --routine
+            verifier_pass``), which bound a verify pass by the host there;
   fused     one kernel per op: on the CPU the C++ kernels of ``SkipModel.batch_invariant``
-            (per-row norms, per-element SwiGLU from bi_exp and RoPE, ``verify_attention_invariant``);
-            on CUDA the Triton norms, SwiGLU and RoPE (launch plans fixed by the row width or
-            elementwise) and ``verify_attention_invariant`` (one fixed plan).
+            (per-row norms with the residual add, per-element SwiGLU from bi_exp and RoPE,
+            ``verify_attention_invariant``); on CUDA the Triton norms, SwiGLU and RoPE (launch
+            plans fixed by the row width, or elementwise) and ``verify_attention_invariant``
+            (one fixed plan): ~20 launches a layer.
 ``auto`` is fused where its invariance is tested on that device, portable elsewhere: the CPU
 with the C++ kernels in float32 takes fused; CUDA takes portable until the GPU tests
 (``tests/test_deterministic_gpu.py``, both sets) have passed on a GPU.
@@ -35,6 +36,7 @@ class VerifierKernels:
     """name: "portable" or "fused (cpp)" / "fused (triton)"; the callables:
 
     rms_norm(x [..., H], weight [H], eps) -> [..., H]
+    add_rms_norm(x [..., H], residual [..., H], weight [H], eps) -> (rms_norm(residual + x), residual + x)
     silu_mul(gate [..., I], up [..., I]) -> [..., I]
     rope(q [R, Hq, T, D], k, v [R, Hkv, T, D], cos, sin [R, T, D]) -> (q, k) rotated, v (or a copy)
     attention(q [R, Hq, T, D], keys, values [R, Hkv, S, D], starts int64 [R], scale) -> [R, Hq, T, D]:
@@ -44,6 +46,7 @@ class VerifierKernels:
 
     name: str
     rms_norm: Callable
+    add_rms_norm: Callable
     silu_mul: Callable
     rope: Callable
     attention: Callable
@@ -53,7 +56,12 @@ def _rope_portable(q, k, v, cos, sin):
     return reference.apply_rope(q, cos, sin), reference.apply_rope(k, cos, sin), v
 
 
-PORTABLE = VerifierKernels("portable", bi_rms_norm, bi_silu_mul, _rope_portable, bi_attention)
+def _add_rms_norm_portable(x, residual, weight, eps):
+    new_residual = residual + x
+    return bi_rms_norm(new_residual, weight, eps), new_residual
+
+
+PORTABLE = VerifierKernels("portable", bi_rms_norm, _add_rms_norm_portable, bi_silu_mul, _rope_portable, bi_attention)
 
 
 def rope_from_append(kernel: Callable) -> Callable:
@@ -106,10 +114,12 @@ def verifier_kernels(choice: str, device_type: str, dtype: torch.dtype) -> Verif
                              "'portable' (or 'auto')")
     if backend == "cpp":
         cpp = torch.ops.swiftkern
-        return VerifierKernels("fused (cpp)", cpp.rms_norm, cpp.silu_mul, rope_from_append(cpp.rope_kv_append),
+        return VerifierKernels("fused (cpp)", cpp.rms_norm, cpp.fused_add_rms_norm, cpp.silu_mul,
+                               rope_from_append(cpp.rope_kv_append),
                                attention_from_cache_lens(cpp.verify_attention_invariant))
     from .triton_kernels import KERNELS
-    return VerifierKernels("fused (triton)", KERNELS["rms_norm"][0], KERNELS["silu_mul"][0],
+    return VerifierKernels("fused (triton)", KERNELS["rms_norm"][0], KERNELS["fused_add_rms_norm"][0],
+                           KERNELS["silu_mul"][0],
                            rope_from_append(KERNELS["rope_kv_append"][0]),
                            attention_from_cache_lens(KERNELS["verify_attention_invariant"][0]))
 
