@@ -174,8 +174,8 @@ class Verifier:
             x, hidden = _add_norm(kern, hidden, self._linear(attn, w.o, w.o_bias), w.ln_mlp, m.eps)
             act = kern.silu_mul(self._linear(x, w.gate, w.gate_bias), self._linear(x, w.up, w.up_bias))
             delta = self._linear(act, w.down, w.down_bias)
-        flat = (lambda t: None if t is None else t.reshape(R * T, -1))
-        return _add_norm(kern, flat(hidden), flat(delta), m.final_norm, m.eps)[0]
+        delta = None if delta is None else delta.reshape(R * T, -1)
+        return _add_norm(kern, hidden.reshape(R * T, -1), delta, m.final_norm, m.eps)[0]
 
     def prefill(self, cache: KVCache, prompts: list[list[int]], rows: list[int] | None = None) -> torch.Tensor:
         """Write prompts into their cache rows (row b = prompt b; only ``rows`` when given)

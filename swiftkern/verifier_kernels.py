@@ -85,7 +85,7 @@ def _fused_backend(device_type: str, dtype: torch.dtype) -> str | None:
     """'cpp' or 'triton' where the fused set runs, else None. Triton runs on CUDA, and on CPU
     tensors when SWIFTKERN_BACKEND=triton under TRITON_INTERPRET=1 (the tests)."""
     if device_type == "cuda" or (device_type == "cpu" and ops._backend() == "triton"):
-        from .triton_kernels import KERNELS  # noqa: F401  (imports triton: fails without it)
+        # the Triton ops registered for this device ({} when triton cannot be imported)
         return "triton" if "verify_attention_invariant" in ops._triton_ops(device_type) else None
     return "cpp" if invariant_kernels_available(device_type, dtype) else None
 
