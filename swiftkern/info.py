@@ -49,4 +49,7 @@ def collect_info() -> dict:
     # where the batch-invariant kernel set runs, mode deterministic needs no replay (replay="auto")
     info["deterministic_without_replay"] = ("cpu float32" if invariant_kernels_available("cpu", torch.float32)
                                             else "no (the LLM-42 replay runs)")
+    # what the replay's verifier runs per row with verifier_kernels="auto" (swiftkern/verifier_kernels.py)
+    from .verifier_kernels import verifier_kernels
+    info["verifier_kernels_auto"] = {dev: verifier_kernels("auto", dev, torch.float32).name for dev in ("cpu", "cuda")}
     return info
