@@ -1,14 +1,14 @@
-"""Regenerate the README's results (tables, and plots when matplotlib is installed) from the CSVs.
+"""Regenerate bench/RESULTS.md (tables, and plots when matplotlib is installed) from the CSVs.
 
-    python bench/report.py [--readme README.md] [--no-plot] [--check]
+    python bench/report.py [--page bench/RESULTS.md] [--no-plot] [--check]
 
 For every bench/results/<routine>.csv it takes each machine's latest run (the rows of the
 last commit recorded for that device; the newest row per provider and prompt/shape) and
 writes one table per (routine, machine) between ``<!-- bench:begin -->`` and
-``<!-- bench:end -->`` in the README, each headed by the machine, commit, date and versions
+``<!-- bench:end -->`` in the page, each headed by the machine, commit, date and versions
 its numbers come from. With matplotlib (``pip install swiftkern[bench]``) it also redraws
 bench/results/<routine>.png; without it the plots already there are linked and a note says
-they were not redrawn. ``--check`` writes nothing and exits 1 when the README is out of date.
+they were not redrawn. ``--check`` writes nothing and exits 1 when the page is out of date.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench.common import RESULTS_DIR  # noqa: E402
 
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
-README = os.path.join(os.path.dirname(__file__), "..", "README.md")
+PAGE = os.path.join(os.path.dirname(__file__), "RESULTS.md")
 
 
 def read_csv(path: str) -> list[dict]:
@@ -159,7 +159,7 @@ def render(results_dir: str = RESULTS_DIR, plot: bool = True, repo_root: str | N
 
 def replace_between_markers(text: str, body: str) -> str:
     if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
-        raise SystemExit(f"report: the README needs exactly one {BEGIN} ... {END} pair")
+        raise SystemExit(f"report: the page needs exactly one {BEGIN} ... {END} pair")
     head, rest = text.split(BEGIN)
     _, tail = rest.split(END)
     return f"{head}{BEGIN}\n{body}{END}{tail}"
@@ -167,25 +167,26 @@ def replace_between_markers(text: str, body: str) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--readme", default=README)
+    ap.add_argument("--page", "--readme", dest="page", default=PAGE,
+                    help="the Markdown file whose bench:begin/end block is rewritten (default bench/RESULTS.md)")
     ap.add_argument("--results", default=RESULTS_DIR)
     ap.add_argument("--no-plot", action="store_true", help="do not redraw the PNG plots")
-    ap.add_argument("--check", action="store_true", help="exit 1 if the README is out of date; write nothing")
+    ap.add_argument("--check", action="store_true", help="exit 1 if the page is out of date; write nothing")
     args = ap.parse_args(argv)
     body, notes = render(args.results, plot=not (args.no_plot or args.check),
-                         repo_root=os.path.dirname(os.path.abspath(args.readme)))
-    with open(args.readme) as f:
+                         repo_root=os.path.dirname(os.path.abspath(args.page)))
+    with open(args.page) as f:
         old = f.read()
     new = replace_between_markers(old, body)
     for note in notes:
         print(note)
     if args.check:
-        print("README results are " + ("up to date" if new == old else "out of date: run python bench/report.py"))
+        print(f"{os.path.relpath(args.page)} is " + ("up to date" if new == old else "out of date: run python bench/report.py"))
         return int(new != old)
     if new != old:
-        with open(args.readme, "w") as f:
+        with open(args.page, "w") as f:
             f.write(new)
-    print(f"{'updated' if new != old else 'unchanged'}: {os.path.relpath(args.readme)}")
+    print(f"{'updated' if new != old else 'unchanged'}: {os.path.relpath(args.page)}")
     return 0
 
 

@@ -82,9 +82,9 @@ def test_report_tables_take_each_machines_latest_run(tmp_path):
     assert "| cpp | float32 | 4x576 | 0.0123 |" in body and "**rms_norm** on **cpu: A**" in body
     assert len(notes) == 2
 
-    readme = tmp_path / "README.md"
+    readme = tmp_path / "RESULTS.md"
     readme.write_text(f"# title\n\n{report.BEGIN}\nstale\n{report.END}\n\nafter\n")
-    args = ["--readme", str(readme), "--results", str(results)]
+    args = ["--page", str(readme), "--results", str(results)]
     assert report.main([*args, "--check"]) == 1
     assert report.main([*args, "--no-plot"]) == 0
     text = readme.read_text()
