@@ -11,9 +11,10 @@ where a chunk starts. The matmuls are ``batch_invariant.bi_linear`` in both.
             ``verify_attention_invariant``); on CUDA the Triton norms, SwiGLU and RoPE (launch
             plans fixed by the row width, or elementwise) and ``verify_attention_invariant``
             (one fixed plan): ~20 launches a layer.
-``auto`` is fused where its invariance is tested on that device, portable elsewhere: the CPU
-with the C++ kernels in float32 takes fused; CUDA takes portable until the GPU tests
-(``tests/test_deterministic_gpu.py``, both sets) have passed on a GPU.
+``auto`` is fused on the device types of FUSED_BY_DEFAULT (where its invariance is tested) when
+it runs there, portable elsewhere: the CPU with the C++ kernels in float32 takes fused; CUDA
+takes portable until the GPU tests (``tests/test_deterministic_gpu.py``, both sets) have
+passed on a GPU.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ from .errors import SwiftkernError
 from .layer_kernels import invariant_kernels_available
 
 CHOICES = ("auto", "portable", "fused")
+# the device types where "auto" takes the fused set: those where its invariance has been tested
+# (CUDA joins once tests/test_deterministic_gpu.py passes with "fused" on a GPU)
+FUSED_BY_DEFAULT = ("cpu",)
 
 
 @dataclass(frozen=True)
@@ -105,7 +109,7 @@ def verifier_kernels(choice: str, device_type: str, dtype: torch.dtype) -> Verif
         raise SwiftkernError(f"verifier kernels must be one of {', '.join(CHOICES)}, got {choice!r}")
     if choice == "portable":
         return PORTABLE
-    backend = _fused_backend(device_type, dtype) if choice == "fused" or device_type == "cpu" else None
+    backend = _fused_backend(device_type, dtype) if choice == "fused" or device_type in FUSED_BY_DEFAULT else None
     if backend is None:
         if choice == "auto":
             return PORTABLE
@@ -124,4 +128,4 @@ def verifier_kernels(choice: str, device_type: str, dtype: torch.dtype) -> Verif
                            attention_from_cache_lens(KERNELS["verify_attention_invariant"][0]))
 
 
-__all__ = ["CHOICES", "KEY_BLOCK", "PORTABLE", "VerifierKernels", "attention_from_cache_lens", "verifier_kernels"]
+__all__ = ["CHOICES", "FUSED_BY_DEFAULT", "KEY_BLOCK", "PORTABLE", "VerifierKernels", "attention_from_cache_lens", "verifier_kernels"]
