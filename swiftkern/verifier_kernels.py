@@ -128,4 +128,5 @@ def verifier_kernels(choice: str, device_type: str, dtype: torch.dtype) -> Verif
                            attention_from_cache_lens(KERNELS["verify_attention_invariant"][0]))
 
 
-__all__ = ["CHOICES", "FUSED_BY_DEFAULT", "KEY_BLOCK", "PORTABLE", "VerifierKernels", "attention_from_cache_lens", "verifier_kernels"]
+__all__ = ["CHOICES", "FUSED_BY_DEFAULT", "KEY_BLOCK", "PORTABLE", "VerifierKernels", "attention_from_cache_lens",
+           "verifier_kernels"]
