@@ -86,9 +86,12 @@ def rope_from_append(kernel: Callable) -> Callable:
 
 
 def _fused_backend(device_type: str, dtype: torch.dtype) -> str | None:
-    """'cpp' or 'triton' where the fused set runs, else None. Triton runs on CUDA, and on CPU
-    tensors when SWIFTKERN_BACKEND=triton under TRITON_INTERPRET=1 (the tests)."""
-    if device_type == "cuda" or (device_type == "cpu" and ops._backend() == "triton"):
+    """'cpp' or 'triton' where the fused set runs, else None. Triton runs on CUDA (SWIFTKERN_BACKEND
+    auto or triton), and on CPU tensors when SWIFTKERN_BACKEND=triton under TRITON_INTERPRET=1
+    (the tests); the C++ kernels on the CPU with SWIFTKERN_BACKEND auto or cpp. A backend forced
+    to anything else (reference, or cuda: no CUDA kernel for the attention) runs no fused set."""
+    if (device_type == "cuda" and ops._backend() in ("auto", "triton")) or (
+            device_type == "cpu" and ops._backend() == "triton"):
         # the Triton ops registered for this device ({} when triton cannot be imported)
         return "triton" if "verify_attention_invariant" in ops._triton_ops(device_type) else None
     return "cpp" if invariant_kernels_available(device_type, dtype) else None
@@ -114,8 +117,8 @@ def verifier_kernels(choice: str, device_type: str, dtype: torch.dtype) -> Verif
         if choice == "auto":
             return PORTABLE
         raise SwiftkernError(f"the fused verifier kernels run on CUDA (Triton) or on the CPU with swiftkern's "
-                             f"C++ kernels in float32 (here: {device_type}, {dtype}); use verifier kernels "
-                             "'portable' (or 'auto')")
+                             f"C++ kernels in float32, with SWIFTKERN_BACKEND auto (here: {device_type}, {dtype}, "
+                             f"SWIFTKERN_BACKEND={ops._backend()}); use verifier kernels 'portable' (or 'auto')")
     if backend == "cpp":
         cpp = torch.ops.swiftkern
         return VerifierKernels("fused (cpp)", cpp.rms_norm, cpp.fused_add_rms_norm, cpp.silu_mul,
