@@ -19,7 +19,8 @@ to fill the batch (chat template):
                 CPU the speculative loop on the invariant kernels, drafter policy over lookup
                 and the layer set; with replay: prompt lookup and the layer-skipped draft are
                 the fast path, window 8, verify batch 1) vs self-spec+det-replay (the replay
-                forced) vs self-spec alone (layer-skip drafter), layer set LAYER_SET
+                forced) vs self-spec+det-fused (a GPU: the replay with the fused verifier set)
+                vs self-spec alone (layer-skip drafter), layer set LAYER_SET
 
 Where the batch-invariant kernels do not run (a GPU), replay "auto" replays too, and the
 providers that would repeat another (det-replay, self-spec+det-replay) are left out.
@@ -79,6 +80,7 @@ def _setups(smoke: bool, layer_set: str, verify_batch: int = 4, replay_differs: 
         "ar": dict(mode="ar"),
         "deterministic": dict(mode="deterministic", window=32, verify_batch=1),
         "self-spec+det": spec_det,
+        "self-spec+det-fused": dict(spec_det, verifier_kernels="fused"),
         "self-spec+det-replay": dict(spec_det, replay="always"),
         "self-spec": dict(mode="self-spec", drafter="layer-skip", **spec),
     }))
@@ -86,6 +88,8 @@ def _setups(smoke: bool, layer_set: str, verify_batch: int = 4, replay_differs: 
         # det-replay takes verifier kernels "auto": fused where the invariant kernels run (the
         # CPU), portable elsewhere; the provider that repeats it is left out
         configs.pop("det-replay-fused" if replay_differs else "det-replay-portable", None)
+        if replay_differs:  # no replay there: the verifier's kernel set does not run
+            configs.pop("self-spec+det-fused", None)
         if not replay_differs:
             configs.pop("det-replay", None)
             configs.pop("self-spec+det-replay", None)
