@@ -1,8 +1,8 @@
 """The deterministic verifier with its fused set on the Triton kernels (``SWIFTKERN_BACKEND=triton``:
 the interpreter on CPU, natively on a GPU): a slot's logits are the same bits alone and beside
-other slots (and not with a launch plan that follows the pass's key length: the negative
-control), and the loop's logprobs equal scoring prompt + output from scratch (decode =
-prefill), as with the portable set; and close to the portable set's logits."""
+other slots, in float32 and bfloat16 (and not with a launch plan that follows the pass's key
+length: the negative control), and the loop's logprobs equal scoring prompt + output from
+scratch (decode = prefill), as with the portable set; and close to the portable set's logits."""
 
 from __future__ import annotations
 
