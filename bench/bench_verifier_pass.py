@@ -87,11 +87,13 @@ def _count(fn) -> int:
 def run(args) -> list[dict]:
     model, name = skip_model(args)
     context, R, W = (20, 2, 8) if args.smoke else (200, 4, 32)
-    fns, counts = {}, {}
+    fns, counts, names = {}, {}, {}
     for kernels in KERNEL_SETS:
         if args.providers and kernels not in args.providers:
             continue
-        fn = verify_pass(Verifier(model, W, R, kernels=kernels), model, context)
+        verifier = Verifier(model, W, R, kernels=kernels)
+        names[kernels] = verifier.kernels.name
+        fn = verify_pass(verifier, model, context)
         fn()
         here = _count(fn)
         cuda_like = here
@@ -101,7 +103,6 @@ def run(args) -> list[dict]:
         fns[kernels], counts[kernels] = fn, (here, cuda_like)
     times = common.time_fn(fns, args.device, warmup=1, reps=args.reps or (2 if args.smoke else 10))
     base = times.get("portable", {}).get("median_ms")
-    names = {k: Verifier(model, W, R, kernels=k).kernels.name for k in fns}
     return [common.row(ROUTINE, p, args.device, model.dtype, f"R={R} W={W} ctx={context}", t, model=name,
                        kernel_set=names[p], ops_per_pass=counts[p][0], ops_as_on_cuda=counts[p][1],
                        ratio_vs_portable=round(t["median_ms"] / base, 3) if base else "")

@@ -148,6 +148,7 @@ class Verifier:
         Hkv, D = m.num_kv_heads, m.head_dim
         cached = min(key_len, cache.max_len)
         positions = starts.unsqueeze(1) + torch.arange(T, device=tokens.device)  # [R, T]
+        ends = starts + T  # [R]: past each slot's last (padded) token
         write_pos = positions.reshape(-1).index_select(0, real)  # [R * T]
         hidden = F.embedding(tokens, m.embed)  # [R, T, H]
         cos, sin = m.rotary(hidden, positions)  # [R, T, D]
@@ -169,7 +170,7 @@ class Verifier:
                 values = torch.zeros_like(keys)
                 keys[:, :, :cached] = cache.k[i][:, :, :cached].index_select(0, rows)
                 values[:, :, :cached] = cache.v[i][:, :, :cached].index_select(0, rows)
-            attn = kern.attention(q, keys, values, starts, m.scale)  # [R, Hq, T, D]
+            attn = kern.attention(q, keys, values, starts, ends, m.scale)  # [R, Hq, T, D]
             attn = attn.transpose(1, 2).reshape(R, T, m.num_heads * D)
             x, hidden = _add_norm(kern, hidden, self._linear(attn, w.o, w.o_bias), w.ln_mlp, m.eps)
             act = kern.silu_mul(self._linear(x, w.gate, w.gate_bias), self._linear(x, w.up, w.up_bias))

@@ -43,9 +43,10 @@ class VerifierKernels:
     add_rms_norm(x [..., H], residual [..., H], weight [H], eps) -> (rms_norm(residual + x), residual + x)
     silu_mul(gate [..., I], up [..., I]) -> [..., I]
     rope(q [R, Hq, T, D], k, v [R, Hkv, T, D], cos, sin [R, T, D]) -> (q, k) rotated, v (or a copy)
-    attention(q [R, Hq, T, D], keys, values [R, Hkv, S, D], starts int64 [R], scale) -> [R, Hq, T, D]:
+    attention(q [R, Hq, T, D], keys, values [R, Hkv, S, D], starts, ends int64 [R], scale) -> [R, Hq, T, D]:
         causal, query t of row r at absolute position starts[r] + t sees keys 0..starts[r] + t;
-        S a multiple of KEY_BLOCK and >= starts[r] + T for every row.
+        ends = starts + T (given too, computed once a pass: the fused kernel takes it);
+        S a multiple of KEY_BLOCK and >= ends[r] for every row.
     """
 
     name: str
@@ -65,7 +66,12 @@ def _add_rms_norm_portable(x, residual, weight, eps):
     return bi_rms_norm(new_residual, weight, eps), new_residual
 
 
-PORTABLE = VerifierKernels("portable", bi_rms_norm, _add_rms_norm_portable, bi_silu_mul, _rope_portable, bi_attention)
+def _attention_portable(q, keys, values, starts, ends, scale):
+    return bi_attention(q, keys, values, starts, scale)
+
+
+PORTABLE = VerifierKernels("portable", bi_rms_norm, _add_rms_norm_portable, bi_silu_mul, _rope_portable,
+                           _attention_portable)
 
 
 def rope_from_append(kernel: Callable) -> Callable:
@@ -98,10 +104,10 @@ def _fused_backend(device_type: str, dtype: torch.dtype) -> str | None:
 
 
 def attention_from_cache_lens(kernel: Callable) -> Callable:
-    """A ``verify_attention``-style kernel (cache_lens counting the T new tokens) in the
-    verifier's terms (each row's first position)."""
-    def attention(q, keys, values, starts, scale):
-        return kernel(q, keys, values, starts + q.shape[2], float(scale))
+    """A ``verify_attention``-style kernel (cache_lens counting the T new tokens: the pass's
+    ``ends``) in the verifier's signature."""
+    def attention(q, keys, values, starts, ends, scale):
+        return kernel(q, keys, values, ends, float(scale))
     return attention
 
 
