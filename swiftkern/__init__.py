@@ -1,7 +1,7 @@
 """swiftkern: lossless faster LLM decoding (self-speculative, deterministic) with fused kernels.
 
 Public API: ``load_model``, ``SkipModel``, ``KVCache``, ``LayerSet``, ``Generator``,
-``SwiftkernError``; the kernels are in ``swiftkern.ops`` and their twins in
+``SwiftkernError``, ``TextStream`` (text as it is generated); the kernels are in ``swiftkern.ops`` and their twins in
 ``swiftkern.reference``.
 """
 
@@ -13,7 +13,8 @@ from .kv_cache import KVCache
 from .model import SkipModel
 from .generate import Generator, GenerationOutput
 from .loading import load_model
+from .streaming import TextStream
 from .patching import apply_swiftkern_to_llama, apply_swiftkern_to_mistral, apply_swiftkern_to_qwen2
 
 __all__ = ["SwiftkernError", "LayerSet", "KVCache", "SkipModel", "Generator", "GenerationOutput",
-           "load_model", "__version__"]
+           "TextStream", "load_model", "__version__"]

@@ -120,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=_float_in(0.0, 1.0, True), default=1.0, help="nucleus sampling mass (default 1.0 = off)")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed; a token depends only on (seed, position)")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt: prompt, tokens, text, stats")
+    gen.add_argument("--stream", action="store_true",
+                     help="print the text as it is generated (one prompt, not with --json); only final tokens "
+                          "are printed: verified ones in --mode deterministic, accepted ones in self-spec")
     gen.add_argument("--device", default=None, help="torch device (default cpu)")
     gen.add_argument("--no-packed-weights", action="store_true",
                      help="CPU: read the float32 weights even where a GGUF model's can be read as their 4/8-bit "
@@ -180,6 +183,9 @@ def cmd_generate(args) -> int:
             raise SwiftkernError(f"prompt {i} is empty")
     if args.top_k < 0:
         raise SwiftkernError(f"--top-k must be >= 0, got {args.top_k}")
+    if args.stream and (len(prompts) > 1 or args.json):
+        raise SwiftkernError("--stream prints one prompt's text as it comes: give one prompt and no --json "
+                             "(or drop --stream)")
     from .generate import Generator
     from .loading import load_model
 
@@ -195,10 +201,19 @@ def cmd_generate(args) -> int:
                     draft_vocab=args.draft_vocab, window=args.window, verify_batch=args.verify_batch,
                     skip_ratio=args.skip_ratio, replay=args.replay, cuda_graphs=args.cuda_graphs,
                     verifier_kernels=args.verifier_kernels)
+    stream = None
+    if args.stream:
+        from .streaming import TextStream
+
+        stream = TextStream(tokenizer)
+        print(f"### {prompts[0]}", flush=True)
     out = gen.generate(prompts, max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0,
                        temperature=args.temperature or 1.0, top_k=args.top_k, top_p=args.top_p,
-                       seed=args.seed, chat=args.chat)
-    for i, prompt in enumerate(prompts):
+                       seed=args.seed, chat=args.chat, streamer=stream)
+    if stream is not None:
+        stream.finish()
+        print("\n")
+    for i, prompt in enumerate(prompts if stream is None else []):
         stats = dict(out.stats, **out.request_stats[i])
         if args.json:
             print(json.dumps({"prompt": prompt, "tokens": out.tokens[i], "text": out.texts[i], "stats": stats}))

@@ -341,7 +341,7 @@ class Generator:
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | list[int] = 0,
                  eos_token_id: int | list[int] | None = None, stop_token_ids: list[int] | None = None,
                  stop: list[str] | None = None, chat: bool = False,
-                 deterministic: bool | list[bool] = True) -> GenerationOutput:
+                 deterministic: bool | list[bool] = True, streamer=None) -> GenerationOutput:
         """Generate up to ``max_new_tokens`` for each prompt (a batch of any lengths).
 
         Greedy when ``do_sample`` is False; otherwise temperature → top-k → top-p, drawing
@@ -351,11 +351,15 @@ class Generator:
         ``stop`` string in its text, or ``max_new_tokens``. Mode deterministic: ``deterministic``
         (one bool or one per prompt) False lets a request skip verification (regular decoding);
         where no replay runs (``replay_elided()``) every request is deterministic at no cost and
-        the flags change nothing.
+        the flags change nothing. ``streamer(request, tokens)``: called with each request's
+        tokens as they become final (only verified ones in mode deterministic), in order, while
+        decoding runs (``streaming.TextStream`` makes text of them); its time counts in the stats.
         Returns ``GenerationOutput``.
         """
         if max_new_tokens < 1:
             raise SwiftkernError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if streamer is not None and not callable(streamer):
+            raise SwiftkernError(f"streamer must be a callable streamer(request, tokens), got {type(streamer).__name__}")
         params = SamplingParams(do_sample, temperature, top_k, top_p)
         ids = self.encode(prompts, chat)
         seeds = list(seed) if isinstance(seed, (list, tuple)) else [int(seed)] * len(ids)
@@ -388,7 +392,7 @@ class Generator:
             first_logits = prefill(self.model, cache, ids, per_row=invariant) if not replayed else None
             _sync(device)
             t1 = time.perf_counter()
-            requests = Requests(len(ids), max_new_tokens, stop_ids, self._stop_check(stop))
+            requests = Requests(len(ids), max_new_tokens, stop_ids, self._stop_check(stop), streamer)
             spec_stats = {}
             if self.mode == "ar":
                 steps = decode_ar(self.model, cache, first_logits, params, seeds, requests)

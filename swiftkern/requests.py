@@ -13,26 +13,33 @@ class Requests:
     A request stops right after a stop token, when ``stop_check(r, tokens)`` says so, or at
     ``max_new_tokens``, even in the middle of a run of tokens committed at once. Batch row i of
     the cache holds request ``alive[i]``; ``drop_finished`` removes finished rows so they cost
-    no further work.
+    no further work. ``on_commit(r, tokens)``, when given, is called with the tokens each
+    commit appended (never empty): committed tokens are final in every mode, so this is what a
+    stream shows.
     """
 
-    def __init__(self, num: int, max_new_tokens: int, stop_ids: frozenset[int], stop_check=None):
+    def __init__(self, num: int, max_new_tokens: int, stop_ids: frozenset[int], stop_check=None,
+                 on_commit=None):
         self.out: list[list[int]] = [[] for _ in range(num)]
         self.done = [False] * num
         self.alive = list(range(num))
         self.max_new_tokens = max_new_tokens
         self.stop_ids = stop_ids
         self.stop_check = stop_check
+        self.on_commit = on_commit
 
     def commit(self, r: int, tokens: list[int]) -> None:
         """Append tokens to request r up to (and including) the one that stops it."""
         out = self.out[r]
+        before = len(out)
         for t in tokens:
             out.append(t)
             if t in self.stop_ids or len(out) >= self.max_new_tokens or (
                     self.stop_check is not None and self.stop_check(r, out)):
                 self.done[r] = True
-                return
+                break
+        if self.on_commit is not None and len(out) > before:
+            self.on_commit(r, out[before:])
 
     def remaining(self, r: int) -> int:
         return self.max_new_tokens - len(self.out[r])

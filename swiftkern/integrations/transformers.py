@@ -36,30 +36,6 @@ _MUST_BE_NEUTRAL = {  # field: (neutral value, what it asks for)
 }
 
 
-class _StreamingGenerator(Generator):
-    """A Generator that hands each committed token of its single request to ``on_token``.
-
-    Committed tokens are final (self-spec commits only verified tokens), so they can be
-    streamed as they come; the request's last token is flushed by the caller."""
-
-    on_token = None
-
-    def _stop_check(self, stop):
-        if stop:
-            raise SwiftkernError("stop strings are not supported by the transformers backend")
-        on_token = self.on_token
-        sent = [0]
-
-        def stream(row: int, tokens: list[int]) -> bool:
-            for t in tokens[sent[0]:]:
-                on_token(t)
-            sent[0] = len(tokens)
-            return False
-
-        self._stream_sent = sent
-        return stream
-
-
 def _refusals(generation_config, logits_processor, stopping_criteria, model_kwargs, hf_args) -> list[str]:
     problems = []
     for name, (neutral, what) in _MUST_BE_NEUTRAL.items():
@@ -201,14 +177,16 @@ def generate(model, input_ids: torch.Tensor | None = None, logits_processor=None
     options = dict(layer_set=layer_set, drafter=drafter, k_max=k_max, eps=eps)
     options = {k: v for k, v in options.items() if v is not None}
     options.update(swift_kwargs or {})
-    gen = (_StreamingGenerator if streamer is not None else Generator)(model, mode=swift_mode, **options)
-    if streamer is not None:
-        gen.on_token = lambda t: streamer.put(torch.tensor([t]))
-    out = gen.generate(prompts, max_new_tokens=max_new_tokens, do_sample=do_sample, seed=[seed + b for b in
-                       range(len(prompts))], eos_token_id=eos, **warp)
-    if streamer is not None:
-        for t in out.tokens[0][gen._stream_sent[0]:]:  # what the stop rule ended on
+    gen = Generator(model, mode=swift_mode, **options)
+
+    def put(request: int, tokens: list[int]) -> None:  # one put a token, as HF's own loop
+        for t in tokens:
             streamer.put(torch.tensor([t]))
+
+    out = gen.generate(prompts, max_new_tokens=max_new_tokens, do_sample=do_sample, seed=[seed + b for b in
+                       range(len(prompts))], eos_token_id=eos, streamer=put if streamer is not None else None,
+                       **warp)
+    if streamer is not None:
         streamer.end()
     sequences = _sequences(input_ids, out.tokens, pad)
     if compat.config_value(generation_config, "return_dict_in_generate"):
