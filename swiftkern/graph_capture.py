@@ -43,12 +43,19 @@ class CudaGraph:
 
 _HOST_READS = frozenset(("item", "tolist", "numpy", "cpu", "nonzero", "equal", "__bool__", "__int__", "__float__",
                          "__index__", "__complex__"))
+# a tensor made from host data: on a GPU a copy from pageable memory, which a capture refuses (and
+# whose values a graph would bake in)
+_HOST_DATA = frozenset(("tensor", "as_tensor"))
 
 
 class _NoHostReadCalls(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", None) in _HOST_READS:
+        name = getattr(func, "__name__", None)
+        if name in _HOST_READS:
             _refuse(func)
+        if name in _HOST_DATA:
+            raise SwiftkernError(f"a graphed forward made a tensor from host data (torch.{name}); a CUDA graph "
+                                 "would bake its values in: pass it as an input")
         return func(*args, **(kwargs or {}))
 
 
@@ -72,7 +79,8 @@ def no_host_reads():
     """Raises SwiftkernError on every read of a tensor's values on the host inside: ``.item()``,
     ``.tolist()``, ``int(t)``, ``bool(t)``, ``.cpu()``, ``nonzero``, ``torch.equal``, ... (from
     Python, and the aten ops behind them from C++). On a GPU each is a device sync, which a CUDA
-    graph capture refuses, and its result would be baked into the graph."""
+    graph capture refuses, and its result would be baked into the graph. The same for a tensor
+    made from host data (``torch.tensor``, ``torch.as_tensor``)."""
     with _NoHostReadCalls(), _NoHostReadOps():
         yield
 

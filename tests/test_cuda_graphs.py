@@ -278,3 +278,18 @@ def test_generation_stats_count_this_call_only(tiny):
         assert sum(o.stats["cuda_graphs"][key] for o in outs) == total[key]
     third = outs[2].stats["cuda_graphs"]
     assert (third["captures"], third["eager"], third["replays"]) == (0, 0, 10)  # prefill + 9 decode steps
+
+
+@pytest.mark.parametrize("make", [lambda t: torch.tensor([1, 2]), lambda t: torch.as_tensor([3])])
+def test_emulated_replay_refuses_tensors_made_from_host_data(tiny, monkeypatch, make):
+    """A replayed body that makes a tensor from host data (on a GPU a copy from pageable memory,
+    refused by a capture, and baked into the graph) fails under the emulated graph."""
+    original = SkipModel.forward_device
+
+    def copies_in(self, tokens, cache, *args):
+        make(cache.lengths)
+        return original(self, tokens, cache, *args)
+
+    monkeypatch.setattr(SkipModel, "forward_device", copies_in)
+    with pytest.raises(SwiftkernError, match="made a tensor from host data"):
+        _steps(tiny, GraphRunner(tiny, EmulatedGraph), [1, 1, 1])
