@@ -29,8 +29,8 @@ def routines() -> dict:
     return out
 
 
-def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0],
+def parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--routine", default=None,
                     help="comma-separated routine names (see --list), or 'all'")
@@ -57,10 +57,10 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv=None) -> int:
+def main(argv=None, prog: str = "python -m bench") -> int:
     import torch
 
-    args = parser().parse_args(argv)
+    args = parser(prog).parse_args(argv)
     found = routines()
     if args.list or not args.routine:
         for name, mod in sorted(found.items()):
@@ -69,13 +69,13 @@ def main(argv=None) -> int:
     names = sorted(found) if args.routine == "all" else args.routine.split(",")
     unknown = [n for n in names if n not in found]
     if unknown:
-        print(f"python -m bench: unknown routine(s) {', '.join(unknown)}; known: {', '.join(sorted(found))}",
+        print(f"{prog}: unknown routine(s) {', '.join(unknown)}; known: {', '.join(sorted(found))}",
               file=sys.stderr)
         return 2
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.providers = args.providers.split(",") if args.providers else None
     if args.cuda_graphs and not args.device.startswith("cuda"):
-        print("python -m bench: --cuda-graphs needs a CUDA device (--device cuda)", file=sys.stderr)
+        print(f"{prog}: --cuda-graphs needs a CUDA device (--device cuda)", file=sys.stderr)
         return 2
     for name in names:
         print(f"== {name} on {common.device_name(args.device)}", flush=True)

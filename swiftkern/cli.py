@@ -1,4 +1,4 @@
-"""``swiftkern generate | info``: the command line.
+"""``swiftkern generate | search | bench | info``: the command line.
 
 Bad input exits with status 2 and one line on stderr (no traceback).
 """
@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="swiftkern",
         description="Lossless fast LLM decoding. 'generate' writes text with a LLaMA-family "
                     "model; 'info' shows versions, device and kernel backends; 'search' finds a "
-                    "model's draft layer set offline and stores it.")
+                    "model's draft layer set offline and stores it; 'bench' runs the kernel and "
+                    "end-to-end benchmarks of a source checkout.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text from prompts",
@@ -132,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "each shape captured on its second use (removes the per-op launch cost of small models)")
 
     sub.add_parser("info", help="versions, device, and which kernel backends are built and in use")
+    sub.add_parser("bench", add_help=False,
+                   help="kernel and end-to-end benchmarks: python -m bench of the source checkout "
+                        "(swiftkern bench --list, swiftkern bench --routine silu_mul; --help for the flags)")
 
     se = sub.add_parser("search", help="find the best draft layer set for a model offline and store it",
                         description="Offline layer-set search: generate greedy continuations of the prompts, "
@@ -269,6 +273,27 @@ def cmd_search(args) -> int:
     return 0
 
 
+def bench_checkout() -> str | None:
+    """The source checkout this swiftkern runs from (an editable install: bench/ beside
+    swiftkern/), or None."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return root if os.path.isfile(os.path.join(root, "bench", "__main__.py")) else None
+
+
+def cmd_bench(argv: list[str]) -> int:
+    """``swiftkern bench ...``: the benchmark driver (``python -m bench``) of the source checkout."""
+    root = bench_checkout()
+    if root is None:
+        raise SwiftkernError("swiftkern bench runs the benchmarks of a source checkout (bench/ beside swiftkern/), "
+                             "and this swiftkern is installed without one: clone the repository, "
+                             "`pip install --no-build-isolation -e .` there, then run swiftkern bench")
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from bench.__main__ import main as bench_main
+
+    return bench_main(argv, prog="swiftkern bench")
+
+
 def cmd_info(args) -> int:
     from .info import collect_info
 
@@ -278,6 +303,13 @@ def cmd_info(args) -> int:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # its own flags (python -m bench's), passed on as they are
+        try:
+            return cmd_bench(argv[1:])
+        except SwiftkernError as e:
+            print(f"swiftkern: error: {e}", file=sys.stderr)
+            return 2
     args = build_parser().parse_args(argv)
     try:
         return {"generate": cmd_generate, "info": cmd_info, "search": cmd_search}[args.command](args)

@@ -48,7 +48,7 @@ def test_top_level_help_names_every_command():
     r = run("--help")
     assert r.returncode == 0, r.stderr
     usage = r.stdout.splitlines()[0]
-    assert all(c in usage for c in ("generate", "info", "search")), r.stdout
+    assert all(c in usage for c in ("generate", "info", "search", "bench")), r.stdout
 
 
 def test_info_names_backends():
@@ -78,3 +78,23 @@ def test_info_names_backends():
 def test_search_and_skip_ratio_input_errors(args, msg):
     r = run(*args)
     assert r.returncode == 2 and msg in r.stderr, r.stderr
+
+
+def test_bench_runs_the_checkouts_driver(capsys):
+    """swiftkern bench is python -m bench: the same routines, and a smoke run of one."""
+    import bench.__main__ as driver
+
+    assert cli.main(["bench", "--list"]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert listed == sorted(driver.routines())
+    assert cli.main(["bench", "--routine", "silu_mul", "--smoke", "--providers", "reference", "--device", "cpu"]) == 0
+    assert "== silu_mul" in capsys.readouterr().out
+    assert cli.main(["bench", "--routine", "no_such_routine"]) == 2
+    assert "swiftkern bench: unknown routine" in capsys.readouterr().err
+
+
+def test_bench_without_a_checkout_says_what_to_do(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "bench_checkout", lambda: None)
+    assert cli.main(["bench", "--list"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "source checkout" in err[0] and "pip install" in err[0]
