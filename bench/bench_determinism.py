@@ -20,7 +20,9 @@ to fill the batch (chat template):
                 and the layer set; with replay: prompt lookup and the layer-skipped draft are
                 the fast path, window 8, verify batch 1) vs self-spec+det-replay (the replay
                 forced) vs self-spec+det-fused (a GPU: the replay with the fused verifier set)
-                vs self-spec alone (layer-skip drafter), layer set LAYER_SET
+                vs det-replay-w8 (the replay with the regular fast path at the same window 8:
+                what the self-spec fast path's policy must beat) vs self-spec alone (layer-skip
+                drafter), layer set LAYER_SET
 
 Where the batch-invariant kernels do not run (a GPU), replay "auto" replays too, and the
 providers that would repeat another (det-replay, self-spec+det-replay) are left out.
@@ -82,6 +84,7 @@ def _setups(smoke: bool, layer_set: str, verify_batch: int = 4, replay_differs: 
         "self-spec+det": spec_det,
         "self-spec+det-fused": dict(spec_det, verifier_kernels="fused"),
         "self-spec+det-replay": dict(spec_det, replay="always"),
+        "det-replay-w8": dict(mode="deterministic", window=8, verify_batch=1, replay="always"),
         "self-spec": dict(mode="self-spec", drafter="layer-skip", **spec),
     }))
     for _, _, configs in groups:

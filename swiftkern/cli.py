@@ -99,7 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "the skipped model; lookup drafts the continuation of an earlier match in "
                           "prompt + output (no model call), as many tokens as measured costs say pay; none "
                           "drafts nothing. deterministic: self-spec "
-                          "makes the --layer-set draft the fast path (auto/none: regular batched decoding)")
+                          "speculates with the --layer-set draft and prompt lookup (with the replay: each step "
+                          "the draft or the full model proposes, and lookup matches are taken, by measured cost "
+                          "and agreement; auto/none: regular batched decoding)")
     gen.add_argument("--layer-set", default=None,
                      help="self-spec: sub-layers the draft skips, 'attn:3,5-7|mlp:4,9', JSON, 'none', or "
                           "'auto' (default for self-spec: searched while generating, starting from the set "

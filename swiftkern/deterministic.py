@@ -5,7 +5,9 @@ whatever else is in the batch:
   prefill  every prompt through the verifier (``verifier.Verifier.prefill``): the prompt's KV
            is the cache of record, and the first token is the verifier's;
   fast     all rows decode together with the regular model runner (any kernels, batch-variant
-           allowed) or with the layer-skipped draft; their tokens are *unverified*;
+           allowed), or, with a layer set, with the layer-skipped draft or the full model and
+           prompt-lookup matches as ``replay_policy.FastPathPolicy`` picks them per step from
+           measured costs and agreement; their tokens are *unverified*;
   verify   when a row has ``window`` unverified tokens or its fast path stopped (stop token,
            length, stop string, or a low-confidence draft), replay its last verified token +
            up to window-1 unverified tokens in a fixed-shape ``verify_batch x window`` pass;
@@ -24,6 +26,7 @@ re-scores an output.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -35,8 +38,10 @@ from .model import SkipModel
 from .requests import Requests
 from .sampling import SamplingParams, select_tokens
 from .batch_invariant import bi_log_softmax, bi_token_logprob
+from .cuda_graphs import unsteady_calls
 from .draft_head import DraftHead
 from .drafters import LOOKUP_MIN_NGRAM_UNJUDGED, lookup_match
+from .replay_policy import FastPathPolicy
 from .verifier import Slot, Verifier
 
 
@@ -46,6 +51,9 @@ class _Row:
     verified: bool = True  # False: a request that does not need determinism keeps fast tokens at once
     unverified: list[int] = field(default_factory=list)
     stopped: bool = False  # the fast path stopped; the row waits for its verify pass
+    kind: str | None = None  # the forward ("full" | "draft") that made its unverified fast tokens
+    lookup_from: int | None = None  # unverified[lookup_from:] came from a prompt-lookup match
+    lookup_ngram: int = 0  # the length of the context match it came from
 
 
 class FastPath:
@@ -54,18 +62,22 @@ class FastPath:
     layer_set None: the full model (regular decoding). A layer set: the layer-skipped draft,
     which also stops a row when its top-1 probability is below ``eps``, and may score only the
     vocabulary of a pruned ``head`` (``draft_head.DraftHead``, grown with every committed token).
-    ``lookup`` (with a layer set): before the draft forward, a row whose context ends in an
-    n-gram (of at least LOOKUP_MIN_NGRAM_UNJUDGED tokens) seen earlier takes that n-gram's
-    continuation as its unverified tokens at no model cost and is verified next; the verifier
-    commits what matches, as it does for the draft's tokens.
+    ``lookup`` (with a layer set): before the forward, a row whose context ends in an n-gram
+    seen earlier may take that n-gram's continuation as its unverified tokens at no model cost
+    and is verified next; the verifier commits what matches, as it does for the draft's tokens.
+    ``adaptive`` (with a layer set; default True): a ``replay_policy.FastPathPolicy`` picks each
+    step's forward (the full model or the draft) and which lookup matches to take from the
+    costs and agreement measured while decoding; False: always the draft, and every lookup
+    match of at least LOOKUP_MIN_NGRAM_UNJUDGED tokens.
     """
 
     def __init__(self, layer_set: LayerSet | None = None, eps: float = 0.0, head: DraftHead | None = None,
-                 lookup: bool = False):
+                 lookup: bool = False, adaptive: bool = True):
         self.layer_set = layer_set
         self.eps = eps if layer_set is not None else 0.0
         self.head = head if layer_set is not None else None
         self.lookup = lookup and layer_set is not None
+        self.adaptive = adaptive and layer_set is not None
 
     def committed(self, tokens: list[int]) -> None:
         """Tokens that became part of the output (the pruned head keeps them proposable)."""
@@ -73,15 +85,18 @@ class FastPath:
             self.head.add(tokens)
 
     def propose(self, model: SkipModel, cache: KVCache, last: torch.Tensor, params: SamplingParams,
-                seeds: list[int]) -> tuple[list[int], list[bool], torch.Tensor]:
-        """last: int64 [B], each row's newest token (appended to the cache).
-        -> next token per row, whether the draft was confident enough to keep it, logits [B, V]."""
+                seeds: list[int], draft: bool = True) -> tuple[list[int], list[bool], torch.Tensor]:
+        """last: int64 [B], each row's newest token (appended to the cache). draft False: the full
+        model proposes (where there is a layer set). -> next token per row, whether the draft
+        was confident enough to keep it, logits [B, V]."""
         positions = [n + 1 for n in cache.host_lengths]  # position of the token chosen now
-        head = self.head.head if self.head is not None else None
-        logits = model.forward(last.unsqueeze(1), cache, layer_set=self.layer_set, head=head)[:, -1]  # [B, V']
+        draft = draft and self.layer_set is not None
+        head = self.head.head if self.head is not None and draft else None
+        logits = model.forward(last.unsqueeze(1), cache, layer_set=self.layer_set if draft else None,
+                               head=head)[:, -1]  # [B, V']
         chosen = select_tokens(logits, params, seeds, positions)
-        tokens = (self.head.ids[chosen] if self.head is not None else chosen).tolist()
-        if self.eps <= 0.0:
+        tokens = (self.head.ids[chosen] if head is not None else chosen).tolist()
+        if self.eps <= 0.0 or not draft:
             return tokens, [True] * len(tokens), logits
         confidence = logits.float().softmax(-1).max(-1).values
         return tokens, (confidence >= self.eps).tolist(), logits
@@ -103,7 +118,9 @@ def decode_deterministic(model: SkipModel, cache: KVCache, prompts: list[list[in
     -> stats: prefill_passes and verify_passes (fixed-shape passes), dummy_rows (filler slots),
        fast_steps (batched fast forwards), fast_tokens (unverified tokens proposed), rolled_back
        (of those, discarded after a mismatch), rollback_fraction, corrected (mismatches),
-       verifier_kernels (the set's name),
+       verifier_kernels (the set's name), lookup_tokens (fast tokens from prompt lookup),
+       with an adaptive fast path: fast_kinds ({"full", "draft": fast steps}), lookup_taken /
+       lookup_declined (matches taken or declined),
        logprobs (per request, float32 [new tokens]: the verifier's log-probability of each
        returned token), per_row [{verifies, fast_tokens, rolled_back}] per request
     """
@@ -115,6 +132,7 @@ def decode_deterministic(model: SkipModel, cache: KVCache, prompts: list[list[in
         raise SwiftkernError("every request must be verified with the layer-skipped fast path (its unverified "
                              "tokens are the draft's, not the model's)")
     verifier = Verifier(model, window, verify_batch, kernels=verifier_kernels)
+    policy = FastPathPolicy(window, verify_batch) if fast_path.adaptive else None
     stats = {"fast_steps": 0, "fast_tokens": 0, "lookup_tokens": 0, "rolled_back": 0, "corrected": 0}
     per_row = [{"verifies": 0, "fast_tokens": 0, "rolled_back": 0} for _ in prompts]
     logprobs: list[list[torch.Tensor]] = [[] for _ in prompts]
@@ -150,20 +168,22 @@ def decode_deterministic(model: SkipModel, cache: KVCache, prompts: list[list[in
                 break
             due.sort(key=lambda i: -len(rows[i].unverified))
             _verify(verifier, cache, rows, due[:verify_batch], prompts, params, seeds, requests, stats,
-                    per_row, logprobs, fast_path)
+                    per_row, logprobs, fast_path, policy)
             rows = _drop_finished(requests, cache, rows)
             if not rows:
                 break
         if not rows:
             break
         _fast_step(model, cache, rows, fast_path, prompts, params, seeds, requests, window, stats, per_row,
-                   logprobs)
+                   logprobs, policy)
         rows = _drop_finished(requests, cache, rows)  # unverified requests finish here
 
     stats["verify_passes"] = verifier.passes - stats["prefill_passes"]
     stats["verifier_kernels"] = verifier.kernels.name
     stats["dummy_rows"] = verifier.dummy_rows
     stats["rollback_fraction"] = stats["rolled_back"] / stats["fast_tokens"] if stats["fast_tokens"] else 0.0
+    if policy is not None:
+        stats.update(fast_kinds=dict(policy.steps), lookup_taken=policy.taken, lookup_declined=policy.declined)
     stats["logprobs"] = [torch.cat(lp) for lp in logprobs]
     stats["per_row"] = per_row
     return stats
@@ -190,16 +210,21 @@ def _vlen(prompts, requests, r: int) -> int:
     return len(prompts[r]) + len(requests.out[r])
 
 
-def _lookup_drafts(rows, prompts, requests, window, stats, per_row) -> None:
+def _lookup_drafts(rows, prompts, requests, window, stats, per_row, policy: FastPathPolicy | None,
+                   kind: str) -> None:
     """Prompt-lookup tokens as unverified tokens for every row that is still drafting and has a
-    match (up to the window and the request's remaining tokens); such a row is verified next."""
+    match (up to the window and the request's remaining tokens) that the policy takes (with no
+    policy: of at least LOOKUP_MIN_NGRAM_UNJUDGED tokens); such a row is verified next. kind: the
+    forward the step would run."""
     for row, r in zip(rows, requests.alive):
         if not row.verified or row.stopped:
             continue
         room = min(window - 1, requests.remaining(r)) - len(row.unverified)
         context = prompts[r] + requests.out[r] + row.unverified
-        match = lookup_match(context, room, min_ngram=LOOKUP_MIN_NGRAM_UNJUDGED)
-        if match.tokens:
+        match = lookup_match(context, room, min_ngram=1 if policy is not None else LOOKUP_MIN_NGRAM_UNJUDGED)
+        if match.tokens and (policy is None or policy.take(r, row.kind or kind, len(row.unverified),
+                                                           len(match.tokens), match.ngram)):
+            row.lookup_from, row.lookup_ngram = len(row.unverified), match.ngram
             row.unverified.extend(match.tokens)
             row.stopped = True
             stats["fast_tokens"] += len(match.tokens)
@@ -208,18 +233,32 @@ def _lookup_drafts(rows, prompts, requests, window, stats, per_row) -> None:
 
 
 def _fast_step(model, cache, rows, fast_path, prompts, params, seeds, requests, window, stats, per_row,
-               logprobs):
-    """One batched fast forward for every row; rows that are waiting discard theirs. With
-    lookup, rows with a match take its tokens first, and when every row is then waiting for its
+               logprobs, policy: FastPathPolicy | None):
+    """One batched fast forward for every row; rows that are waiting discard theirs. With a
+    policy, it picks the forward (full or draft) first; before a full one, rows holding draft
+    tokens are sent to their verify pass (the draft wrote no KV in its skipped layers). With
+    lookup, rows with a match take its tokens, and when every row is then waiting for its
     verify pass no forward runs."""
     alive = requests.alive
+    kind = "draft"
+    if policy is not None:
+        drafting = [r for row, r in zip(rows, alive) if row.verified and not row.stopped]
+        kind = policy.kind(drafting) if drafting else "draft"
+        if kind == "full":
+            for row in rows:
+                if row.kind == "draft" and row.unverified and not row.stopped:
+                    row.stopped = True
     if fast_path.lookup:
-        _lookup_drafts(rows, prompts, requests, window, stats, per_row)
-        if all(row.stopped for row in rows):
-            return
+        _lookup_drafts(rows, prompts, requests, window, stats, per_row, policy, kind)
+    if all(row.stopped for row in rows):
+        return
     last = torch.tensor([row.unverified[-1] if row.unverified else row.pending for row in rows],
                         dtype=torch.int64, device=model.device)
-    tokens, confident, logits = fast_path.propose(model, cache, last, params, [seeds[r] for r in alive])
+    t0, mark = time.perf_counter(), unsteady_calls(model)
+    tokens, confident, logits = fast_path.propose(model, cache, last, params, [seeds[r] for r in alive],
+                                                  draft=kind == "draft")
+    if policy is not None and unsteady_calls(model) == mark:  # a replayed (or eager) forward, no capture
+        policy.record_fast(kind, time.perf_counter() - t0, len(rows))
     stats["fast_steps"] += 1
     for i, row in enumerate(rows):
         r = alive[i]
@@ -234,6 +273,7 @@ def _fast_step(model, cache, rows, fast_path, prompts, params, seeds, requests, 
             row.stopped = True
             continue
         row.unverified.append(tokens[i])
+        row.kind = row.kind or kind
         stats["fast_tokens"] += 1
         per_row[r]["fast_tokens"] += 1
         seen = requests.out[r] + row.unverified
@@ -247,8 +287,10 @@ def _fast_step(model, cache, rows, fast_path, prompts, params, seeds, requests, 
                     for r, row, n in zip(alive, rows, cache.host_lengths)])
 
 
-def _verify(verifier, cache, rows, picked, prompts, params, seeds, requests, stats, per_row, logprobs, fast_path):
-    """One fixed-shape pass over the rows ``picked``; commit, correct and roll back each."""
+def _verify(verifier, cache, rows, picked, prompts, params, seeds, requests, stats, per_row, logprobs, fast_path,
+            policy: FastPathPolicy | None = None):
+    """One fixed-shape pass over the rows ``picked``; commit, correct and roll back each (and
+    tell the policy how far each row's fast and lookup tokens agreed)."""
     T = verifier.window
     alive = requests.alive
     slots = []
@@ -256,21 +298,28 @@ def _verify(verifier, cache, rows, picked, prompts, params, seeds, requests, sta
         row, r = rows[i], alive[i]
         fed = row.unverified[:T - 1]  # the replay: pending + up to window-1 unverified tokens
         slots.append(Slot(i, _vlen(prompts, requests, r) - 1, [row.pending] + fed, list(range(len(fed) + 1))))
+    t0, mark = time.perf_counter(), unsteady_calls(verifier.model)
     logits = verifier.forward(cache, slots)  # [N, V]
     row_seeds = [seeds[alive[s.row]] for s in slots for _ in s.want]
     positions = [s.start + 1 + j for s in slots for j in s.want]  # position of each predicted token
     chosen = select_tokens(logits, params, row_seeds, positions)  # [N]
+    chosen_host = chosen.tolist()
+    if policy is not None and unsteady_calls(verifier.model) == mark:
+        policy.record_verify(time.perf_counter() - t0, len(slots))
     chosen_lp = bi_token_logprob(logits, chosen)
     n = 0
     for s in slots:
         row, r = rows[s.row], alive[s.row]
-        preds = chosen[n:n + len(s.want)].tolist()
+        preds = chosen_host[n:n + len(s.want)]
         lps = chosen_lp[n:n + len(s.want)]
         n += len(s.want)
         compared = min(len(row.unverified), T)
         match = 0
         while match < compared and row.unverified[match] == preds[match]:
             match += 1
+        fast = compared if row.lookup_from is None else min(row.lookup_from, compared)
+        if policy is not None:
+            policy.observe(r, row.kind, fast, compared - fast, match, row.lookup_ngram)
         if match < compared:  # mismatch: the verifier's token replaces the rest
             commit, rest = row.unverified[:match] + [preds[match]], []
             stats["rolled_back"] += len(row.unverified) - match
@@ -289,6 +338,8 @@ def _verify(verifier, cache, rows, picked, prompts, params, seeds, requests, sta
         logprobs[r].append(lps[:len(requests.out[r]) - before])
         per_row[r]["verifies"] += 1
         row.pending, row.unverified = commit[-1], rest
+        row.lookup_from = max(0, row.lookup_from - T) if rest and row.lookup_from is not None else None
+        row.kind = row.kind if rest else None
     lengths = list(cache.host_lengths)
     for s in slots:
         r = alive[s.row]

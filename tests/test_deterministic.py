@@ -213,6 +213,15 @@ def test_needle_tiny_self_spec_without_replay(tiny, sample):
                 eps=0.0)
 
 
+@pytest.mark.parametrize("sample", [False, True])
+def test_needle_tiny_self_spec_with_replay(tiny, sample):
+    """The replay with the self-spec fast path: its policy picks full or draft forwards and
+    lookup matches by timings and by the batch's rows, so the needle is shown other proposals
+    in every batch; the verifier's tokens and logprobs stay its own."""
+    needle_tiny(tiny, sample, seed=13, trials=4, replay="always", drafter="self-spec", layer_set="attn:1|mlp:2",
+                eps=0.0)
+
+
 def test_needle_tiny_qwen2_with_biases():
     model = SkipModel(tiny_model("qwen2", seed=3))
     for replay in ("always", "auto") if invariant_kernels_available("cpu", torch.float32) else ("always",):
@@ -333,8 +342,8 @@ class WrongAt(FastPath):
         super().__init__(**kw)
         self.wrong, self.calls = wrong, 0
 
-    def propose(self, model, cache, last, params, seeds):
-        tokens, ok, logits = super().propose(model, cache, last, params, seeds)
+    def propose(self, model, cache, last, params, seeds, **kw):
+        tokens, ok, logits = super().propose(model, cache, last, params, seeds, **kw)
         self.calls += 1
         for row, token in self.wrong.get(self.calls, {}).items():
             if row < len(tokens):

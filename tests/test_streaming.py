@@ -91,8 +91,8 @@ class WrongFastPath(FastPath):
         super().__init__()
         self.calls = 0
 
-    def propose(self, model, cache, last, params, seeds):
-        tokens, ok, logits = super().propose(model, cache, last, params, seeds)
+    def propose(self, model, cache, last, params, seeds, **kw):
+        tokens, ok, logits = super().propose(model, cache, last, params, seeds, **kw)
         self.calls += 1
         if self.calls % 3 == 0:
             tokens = [(t + 1) % model.vocab_size for t in tokens]
