@@ -31,6 +31,9 @@ CONFIGS = {  # name: (Generator options, generate options)
     "deterministic-some-unverified": (dict(mode="deterministic", replay="always", window=4, verify_batch=2),
                                       dict(deterministic=[True, False, True])),
     "deterministic-no-replay": pytest.param((dict(mode="deterministic", replay="auto"), {}), marks=needs_invariant),
+    "deterministic-no-replay-self-spec": pytest.param(
+        (dict(mode="deterministic", replay="auto", drafter="self-spec", layer_set=SKIP, eps=0.0), {}),
+        marks=needs_invariant),
 }
 
 
