@@ -73,6 +73,14 @@ def main(argv=None, prog: str = "python -m bench") -> int:
               file=sys.stderr)
         return 2
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    from swiftkern.errors import SwiftkernError
+    from swiftkern.loading import check_device
+
+    try:
+        check_device(args.device)
+    except SwiftkernError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 2
     args.providers = args.providers.split(",") if args.providers else None
     if args.cuda_graphs and not args.device.startswith("cuda"):
         print(f"{prog}: --cuda-graphs needs a CUDA device (--device cuda)", file=sys.stderr)

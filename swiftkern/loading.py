@@ -47,6 +47,27 @@ def _from_pretrained(path: str, dtype):
     return model, tokenizer
 
 
+def check_device(device) -> "torch.device":
+    """``device`` (a string or torch.device) as a torch.device this machine has; raises
+    SwiftkernError naming what to use otherwise (before any weights are loaded)."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise SwiftkernError(f"device {device!r} is not a torch device; use 'cpu' or 'cuda'") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch is built without CUDA" if torch.version.cuda is None else "it sees no GPU"
+            raise SwiftkernError(f"device {device!r}: no CUDA device here ({why}); use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise SwiftkernError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA "
+                                 f"device(s), cuda:0..cuda:{torch.cuda.device_count() - 1}")
+    elif dev.type != "cpu":
+        raise SwiftkernError(f"device {device!r}: swiftkern runs on 'cpu' or 'cuda'")
+    return dev
+
+
 def load_model(model="smollm2", dtype=None, device: str | None = None, pack_weights: bool | None = None):
     """Return ``(SkipModel, tokenizer)``.
 
@@ -58,6 +79,8 @@ def load_model(model="smollm2", dtype=None, device: str | None = None, pack_weig
     """
     import torch
 
+    if device is not None:
+        device = check_device(device)
     tokenizer = None
     if isinstance(model, str):
         path = smollm2_path() if model == "smollm2" else model

@@ -98,3 +98,13 @@ def test_bench_without_a_checkout_says_what_to_do(monkeypatch, capsys):
     assert cli.main(["bench", "--list"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "source checkout" in err[0] and "pip install" in err[0]
+
+
+@pytest.mark.parametrize("device,msg", [("mps", "runs on 'cpu' or 'cuda'"), ("gpu", "not a torch device"),
+                                        pytest.param("cuda", "no CUDA device here", marks=pytest.mark.skipif(
+                                            torch.cuda.is_available(), reason="this machine has a GPU"))])
+def test_a_device_this_machine_lacks_is_refused_before_loading(device, msg, capsys):
+    for command in (["generate", "--prompt", "hi"], ["search", "--prompt", "hi"]):
+        assert cli.main([*command, "--device", device]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and msg in err[0], err
