@@ -14,6 +14,9 @@ to fill the batch (chat template):
                 portable on the CPU, fused on a GPU) vs det-replay-1/8 (one request in eight
                 needs determinism, the others skip verification: LLM-42's case)
     windows     batch 8: ar vs the replay at windows 8, 16, 32, 64 (rollback fraction, speed)
+    arrivals    batch 8 arriving while others decode (two at the start, then one every
+                ARRIVAL_GAP steps: dynamic batching, LLM-42's setting): ar vs deterministic vs
+                det-replay, each with the same arrivals
     batch 1     each of the five prompts alone, in turn: ar vs deterministic (replay auto;
                 window 32, verify batch 1) vs self-spec + deterministic (replay auto: on the
                 CPU the speculative loop on the invariant kernels, drafter policy over lookup
@@ -54,6 +57,7 @@ from bench.bench_generate import encode, load_prompts, tiny_model  # noqa: E402
 
 ROUTINE = "determinism"
 VERIFY_BATCH_GPU = 16
+ARRIVAL_GAP = 4  # the arrivals group: a request joins every 4 decoding steps
 LAYER_SET = "attn:9,13,17,21|mlp:11,15,19"  # the README's example set for SmolLM2 (7 of 60 sub-layers)
 PRINT_KEYS = ("group", "provider", "batch", "window", "tok_s", "ratio_vs_ar", "rollback_fraction", "verify_passes",
               "dummy_rows", "tokens_equal_ar", "median_ms")
@@ -76,6 +80,11 @@ def _setups(smoke: bool, layer_set: str, verify_batch: int = 4, replay_differs: 
                                  "det-replay-1/8": dict(replay, window=w32, share=1 / 8)}) for b in batches]
     groups.append(("windows", batches[0], {"ar": dict(mode="ar"),
                                            **{f"det-w{w}": dict(replay, window=w) for w in windows}}))
+    # requests arriving while others decode: one every ARRIVAL_GAP steps after the first two
+    arrive = [0, 0] + [ARRIVAL_GAP * i for i in range(1, batches[0] - 1)]
+    groups.append(("arrivals", batches[0], {"ar": dict(mode="ar", arrive=arrive),
+                                            "deterministic": dict(det, window=w32, arrive=arrive),
+                                            "det-replay": dict(replay, window=w32, arrive=arrive)}))
     spec = dict(layer_set=layer_set, eps=0.8)
     spec_det = dict(mode="deterministic", window=8, verify_batch=1, drafter="self-spec", **spec)
     groups.append(("batch1", 1, {
@@ -135,7 +144,7 @@ def run(args) -> list[dict]:
         calls = [[t] for t in texts] if batch == 1 else [[texts[i % len(texts)] for i in range(batch)]]
         graphs = getattr(args, "cuda_graphs", False)
         gens = {name: swiftkern.Generator(model, tok, cuda_graphs=graphs,
-                                          **{k: v for k, v in kw.items() if k != "share"})
+                                          **{k: v for k, v in kw.items() if k not in ("share", "arrive")})
                 for name, kw in configs.items()}
         flags = {name: [i % round(1 / kw["share"]) == 0 for i in range(batch)] if "share" in kw else True
                  for name, kw in configs.items()}
@@ -144,7 +153,8 @@ def run(args) -> list[dict]:
         def timed(name):
             def fn():
                 last[name] = [gens[name].generate(prompts, max_new_tokens=n, eos_token_id=[],
-                                                  deterministic=flags[name]) for prompts in calls]
+                                                  deterministic=flags[name], arrive_at=configs[name].get("arrive"))
+                               for prompts in calls]
             return fn
 
         for name in gens:  # warm-up at the timed batch: kernel compiles for its shapes stay out of the timing

@@ -109,8 +109,11 @@ def decode_deterministic(model: SkipModel, cache: KVCache, prompts: list[list[in
                          verifier_kernels: str = "auto") -> dict:
     """Prefill, then fast-decode / verify / commit into ``requests`` until every request stops.
 
-    cache: a fresh cache with one row per prompt and room for the longest prompt +
-    max_new_tokens + window positions. Finished rows leave the batch. verified[r] False: request
+    cache: a fresh cache with one row per request alive at the start (``requests.alive``, in
+    order) and room for the longest prompt + max_new_tokens + window positions. Finished rows
+    leave the batch; requests that arrive later (``Requests.arrive_at``) join it at their step
+    (a fast step, or a step of verify passes alone), prefilled through the verifier on their
+    own, as a server's dynamic batching adds requests while others decode. verified[r] False: request
     r does not need determinism and keeps its fast-path tokens unverified (regular decoding at
     regular cost; its logprobs are the fast path's); only with the regular fast path.
     verifier_kernels: the verifier's per-row ops ("auto" | "portable" | "fused", see
@@ -137,32 +140,27 @@ def decode_deterministic(model: SkipModel, cache: KVCache, prompts: list[list[in
     per_row = [{"verifies": 0, "fast_tokens": 0, "rolled_back": 0} for _ in prompts]
     logprobs: list[list[torch.Tensor]] = [[] for _ in prompts]
 
-    replayed = [r for r in range(len(prompts)) if verified[r]]
-    if len(replayed) < len(prompts):  # the others: regular batched prefill (then overwritten below)
-        from .generate import prefill as batched_prefill
-        logits = batched_prefill(model, cache, prompts).float()  # [B, V]
-        first_lp = torch.log_softmax(logits, -1)
-    else:
-        logits = torch.empty((len(prompts), model.vocab_size), device=model.device)
-        first_lp = torch.empty_like(logits)
-    if replayed:
-        index = torch.tensor(replayed, device=model.device)
-        mine = verifier.prefill(cache, prompts, replayed).float()  # [len(replayed), V]
-        logits[index] = mine
-        first_lp[index] = bi_log_softmax(mine)
-    first = select_tokens(logits, params, seeds, [len(p) for p in prompts])  # [B]
-    first_lp = first_lp.gather(1, first.unsqueeze(1)).squeeze(1)
-    rows = []
-    for r, t in enumerate(first.tolist()):
-        requests.commit(r, [t])
-        fast_path.committed([t])
-        logprobs[r].append(first_lp[r:r + 1])
-        rows.append(_Row(pending=t, verified=verified[r]))
-    stats["prefill_passes"] = verifier.passes
+    stats["prefill_passes"] = 0
+    start = list(requests.alive)
+    rows = _prefill_rows(model, verifier, cache, start, list(range(len(start))), prompts, params, seeds, verified,
+                         requests, logprobs, fast_path, stats, batched=True)
     rows = _drop_finished(requests, cache, rows)
-
-    while rows:
-        while True:  # verify passes: a full group of due rows, or every verified row due
+    clock = 0
+    while True:
+        if requests.waiting:  # arrivals: new rows after the alive ones (in place of all when none is)
+            empty = not requests.alive
+            due = requests.arrivals(clock)
+            if due:
+                new_rows = cache.add_rows(len(due), replace=empty)
+                rows = rows + _prefill_rows(model, verifier, cache, due, new_rows, prompts, params, seeds,
+                                            verified, requests, logprobs, fast_path, stats, batched=False)
+                rows = _drop_finished(requests, cache, rows)
+        if not rows:
+            if not requests.waiting:
+                break
+            clock = max(clock, requests.next_arrival())  # an empty batch waits for the next request
+            continue
+        while rows:  # verify passes: a full group of due rows, or every verified row due
             due = [i for i, row in enumerate(rows) if row.stopped or len(row.unverified) >= window]
             if not due or (len(due) < verify_batch and len(due) < sum(row.verified for row in rows)):
                 break
@@ -170,13 +168,11 @@ def decode_deterministic(model: SkipModel, cache: KVCache, prompts: list[list[in
             _verify(verifier, cache, rows, due[:verify_batch], prompts, params, seeds, requests, stats,
                     per_row, logprobs, fast_path, policy)
             rows = _drop_finished(requests, cache, rows)
-            if not rows:
-                break
-        if not rows:
-            break
-        _fast_step(model, cache, rows, fast_path, prompts, params, seeds, requests, window, stats, per_row,
-                   logprobs, policy)
-        rows = _drop_finished(requests, cache, rows)  # unverified requests finish here
+        if rows:
+            _fast_step(model, cache, rows, fast_path, prompts, params, seeds, requests, window, stats, per_row,
+                       logprobs, policy)
+            rows = _drop_finished(requests, cache, rows)  # unverified requests finish here
+        clock += 1
 
     stats["verify_passes"] = verifier.passes - stats["prefill_passes"]
     stats["verifier_kernels"] = verifier.kernels.name
@@ -203,6 +199,44 @@ def invariant_token_logprobs(model: SkipModel, tokens: list[int], prompt_len: in
         logits = model.forward(torch.tensor([tokens], device=model.device), cache)[0]  # [L, V]
         targets = torch.tensor(tokens[prompt_len:], device=model.device)
         return bi_token_logprob(logits[prompt_len - 1:-1], targets)
+
+
+def _prefill_rows(model, verifier, cache, reqs, cache_rows, prompts, params, seeds, verified, requests, logprobs,
+                  fast_path, stats, batched: bool) -> list[_Row]:
+    """Prefill requests ``reqs`` into cache rows ``cache_rows``: through the verifier where
+    verified (its KV is the cache of record), else with the regular runner (``batched``: one
+    padded forward over the whole cache, which holds exactly ``reqs``; else one forward a
+    prompt); draw and commit each one's first token. -> their rows."""
+    from .generate import prefill
+
+    n, before = len(reqs), verifier.passes
+    replayed = [i for i, r in enumerate(reqs) if verified[r]]
+    regular = [i for i, r in enumerate(reqs) if not verified[r]]
+    logits = torch.empty((n, model.vocab_size), device=model.device)  # [n, V]
+    if regular and batched:  # then overwritten for the replayed rows
+        logits = prefill(model, cache, [prompts[r] for r in reqs]).float()
+    elif regular:
+        logits[regular] = prefill(model, cache, [prompts[reqs[i]] for i in regular], per_row=True,
+                                  rows=[cache_rows[i] for i in regular]).float()
+    first_lp = torch.log_softmax(logits, -1)
+    if replayed:
+        by_row: list = [None] * cache.batch  # the verifier reads prompt b for cache row b
+        for i in replayed:
+            by_row[cache_rows[i]] = prompts[reqs[i]]
+        mine = verifier.prefill(cache, by_row, [cache_rows[i] for i in replayed]).float()  # [len(replayed), V]
+        index = torch.tensor(replayed, device=model.device)
+        logits[index] = mine
+        first_lp[index] = bi_log_softmax(mine)
+    stats["prefill_passes"] += verifier.passes - before
+    first = select_tokens(logits, params, [seeds[r] for r in reqs], [len(prompts[r]) for r in reqs])  # [n]
+    first_lp = first_lp.gather(1, first.unsqueeze(1)).squeeze(1)
+    rows = []
+    for i, (r, t) in enumerate(zip(reqs, first.tolist())):
+        requests.commit(r, [t])
+        fast_path.committed([t])
+        logprobs[r].append(first_lp[i:i + 1])
+        rows.append(_Row(pending=t, verified=verified[r]))
+    return rows
 
 
 def _vlen(prompts, requests, r: int) -> int:

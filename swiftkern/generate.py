@@ -52,10 +52,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def prefill(model: SkipModel, cache: KVCache, prompts: list[list[int]], per_row: bool = False) -> torch.Tensor:
+def prefill(model: SkipModel, cache: KVCache, prompts: list[list[int]], per_row: bool = False,
+            rows: list[int] | None = None) -> torch.Tensor:
     """Run all prompts through the model: one right-padded forward, or (``per_row``) one
     forward per prompt at its own length, no padding computed (the batch-invariant kernels are
-    compute-bound at prefill sizes, so padding costs its full share there).
+    compute-bound at prefill sizes, so padding costs its full share there). ``rows`` (per_row
+    only): the cache row of each prompt (default: prompt b in row b).
 
     Padding sits after each row's real tokens, so causal attention keeps it out of the real
     positions; the cache is then rolled back to the real lengths. -> last logits [B, V]
@@ -63,7 +65,7 @@ def prefill(model: SkipModel, cache: KVCache, prompts: list[list[int]], per_row:
     lengths = [len(p) for p in prompts]
     if per_row:
         last = []
-        for b, p in enumerate(prompts):
+        for b, p in zip(rows if rows is not None else range(len(prompts)), prompts):
             view = cache.row_view(b)
             logits = model.forward(torch.tensor([p], dtype=torch.int64, device=model.device), view,
                                    logits_positions=torch.tensor([[len(p) - 1]], device=model.device))
@@ -79,16 +81,35 @@ def prefill(model: SkipModel, cache: KVCache, prompts: list[list[int]], per_row:
     return logits[:, 0]
 
 
+def admit_arrivals(model: SkipModel, cache: KVCache, requests: Requests, step: int, prompts: list[list[int]],
+                   per_row: bool) -> torch.Tensor | None:
+    """Requests due by ``step`` (``Requests.arrivals``) join the batch: new cache rows after the
+    alive ones (in place of every row when none is alive), each prompt prefilled on its own into
+    its row (the invariant kernels in per-row passes where ``per_row``, else one forward a
+    prompt: the prefill a server gives a new request). -> their last logits [n, V], or None."""
+    empty = not requests.alive
+    due = requests.arrivals(step)
+    if not due:
+        return None
+    rows = cache.add_rows(len(due), replace=empty)
+    return prefill(model, cache, [prompts[r] for r in due], per_row=True, rows=rows)
+
+
 def decode_ar(model: SkipModel, cache: KVCache, first_logits: torch.Tensor, params: SamplingParams,
-              seeds: list[int], requests: Requests, logprobs: list[list[torch.Tensor]] | None = None) -> int:
+              seeds: list[int], requests: Requests, logprobs: list[list[torch.Tensor]] | None = None,
+              prompts: list[list[int]] | None = None, per_row: bool = False) -> int:
     """Plain autoregressive decoding into ``requests``. first_logits: [B, V] from prefill.
 
-    One token per unfinished row per step; finished rows leave the batch. logprobs: per
-    request, a list that gets each new token's log-probability (``bi_token_logprob``, float32
-    [1] each). -> decode steps
+    One token per unfinished row per step; finished rows leave the batch, and requests that
+    arrive later (``Requests.arrive_at``; their ``prompts`` given) join it at their step,
+    prefilled on their own (``admit_arrivals``). logprobs: per request, a list that gets each
+    new token's log-probability (``bi_token_logprob``, float32 [1] each). -> decode steps
     """
-    logits, steps = first_logits, 0
+    logits, steps, clock = first_logits, 0, 0
     while True:
+        new = admit_arrivals(model, cache, requests, clock, prompts, per_row) if requests.waiting else None
+        if new is not None:
+            logits = new if logits is None else torch.cat([logits, new.to(logits.dtype)])
         positions = list(cache.host_lengths)  # absolute position of the token chosen now
         row_seeds = [seeds[r] for r in requests.alive]
         next_tokens = select_tokens(logits, params, row_seeds, positions)  # [B]
@@ -99,8 +120,12 @@ def decode_ar(model: SkipModel, cache: KVCache, first_logits: torch.Tensor, para
         for r, t in zip(requests.alive, next_tokens.tolist()):
             requests.commit(r, [t])
         next_tokens = requests.drop_finished(cache, next_tokens)
+        clock += 1
         if next_tokens is None:
-            return steps
+            if not requests.waiting:
+                return steps
+            logits, clock = None, max(clock, requests.next_arrival())  # an empty batch waits for the next
+            continue
         logits = model.forward(next_tokens.unsqueeze(1), cache)[:, -1]  # [B, V]
         steps += 1
 
@@ -279,7 +304,8 @@ class Generator:
             stats.pop("per_row")
             fast_steps = stats["draft_steps"] + stats["verify_steps"]
         else:
-            fast_steps = decode_ar(self.model, cache, first_logits, params, seeds, requests, logprobs)
+            fast_steps = decode_ar(self.model, cache, first_logits, params, seeds, requests, logprobs, ids,
+                                   per_row=True)
         new = [len(t) for t in requests.out]
         stats.update(replay="elided: batch-invariant kernels", fast_steps=fast_steps, fast_tokens=sum(new),
                      prefill_passes=0, verify_passes=0, dummy_rows=0, rolled_back=0, corrected=0,
@@ -321,6 +347,17 @@ class Generator:
             ids.append(p_ids)
         return ids
 
+    def _check_arrivals(self, arrive_at, n: int) -> list[int] | None:
+        if arrive_at is None:
+            return None
+        arrive_at = list(arrive_at)
+        if len(arrive_at) != n or not all(isinstance(s, int) and s >= 0 for s in arrive_at) or 0 not in arrive_at:
+            raise SwiftkernError(f"arrive_at: one step >= 0 per prompt ({n}), at least one 0; got {arrive_at}")
+        if self.mode == "self-spec" or self.drafter == "self-spec" and self.mode == "deterministic":
+            raise SwiftkernError("arrive_at (requests joining while others decode) runs in modes ar and deterministic "
+                                 "with the regular fast path, not with speculative decoding")
+        return arrive_at
+
     def _stop_ids(self, eos_token_id, stop_token_ids) -> frozenset[int]:
         if eos_token_id is None:
             eos_token_id = getattr(self.model.hf_model.generation_config, "eos_token_id", None)
@@ -341,7 +378,8 @@ class Generator:
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | list[int] = 0,
                  eos_token_id: int | list[int] | None = None, stop_token_ids: list[int] | None = None,
                  stop: list[str] | None = None, chat: bool = False,
-                 deterministic: bool | list[bool] = True, streamer=None) -> GenerationOutput:
+                 deterministic: bool | list[bool] = True, streamer=None,
+                 arrive_at: list[int] | None = None) -> GenerationOutput:
         """Generate up to ``max_new_tokens`` for each prompt (a batch of any lengths).
 
         Greedy when ``do_sample`` is False; otherwise temperature → top-k → top-p, drawing
@@ -354,6 +392,10 @@ class Generator:
         the flags change nothing. ``streamer(request, tokens)``: called with each request's
         tokens as they become final (only verified ones in mode deterministic), in order, while
         decoding runs (``streaming.TextStream`` makes text of them); its time counts in the stats.
+        ``arrive_at`` (one int per prompt, at least one 0): the decoding step at which each
+        request joins the batch, as requests arrive at a server while others decode (dynamic
+        batching; a step is a decode step, or a fast step of mode deterministic); modes ``ar``
+        and ``deterministic`` with the regular fast path.
         Returns ``GenerationOutput``.
         """
         if max_new_tokens < 1:
@@ -365,6 +407,7 @@ class Generator:
         seeds = list(seed) if isinstance(seed, (list, tuple)) else [int(seed)] * len(ids)
         if len(seeds) != len(ids):
             raise SwiftkernError(f"got {len(seeds)} seeds for {len(ids)} prompts")
+        arrive_at = self._check_arrivals(arrive_at, len(ids))
         verified = list(deterministic) if isinstance(deterministic, (list, tuple)) else [deterministic] * len(ids)
         if not all(verified) and self.mode != "deterministic":
             raise SwiftkernError("deterministic=False for some prompts needs mode='deterministic'")
@@ -379,7 +422,8 @@ class Generator:
         slack = self.k_max + 1 if self.mode == "self-spec" else 0  # a verify pass may overshoot by K+1
         if self.mode == "deterministic":  # a window-wide replay, or (no replay, self-spec) a verify pass
             slack = max(self.window, self.k_max + 1)
-        cache = self._new_cache(len(ids), longest + max_new_tokens + slack)
+        start = [r for r in range(len(ids)) if arrive_at is None or arrive_at[r] == 0]  # the first batch
+        cache = self._new_cache(len(start), longest + max_new_tokens + slack)
 
         invariant = self.replay_elided()
         graphs = self.model.cuda_graphs(self.graph_runner) if self.graph_runner else contextlib.nullcontext()
@@ -389,13 +433,13 @@ class Generator:
             t0 = time.perf_counter()
             # deterministic mode with replay prefills through its verifier
             replayed = self.mode == "deterministic" and not invariant
-            first_logits = prefill(self.model, cache, ids, per_row=invariant) if not replayed else None
+            first_logits = prefill(self.model, cache, [ids[r] for r in start], per_row=invariant) if not replayed else None
             _sync(device)
             t1 = time.perf_counter()
-            requests = Requests(len(ids), max_new_tokens, stop_ids, self._stop_check(stop), streamer)
+            requests = Requests(len(ids), max_new_tokens, stop_ids, self._stop_check(stop), streamer, arrive_at)
             spec_stats = {}
             if self.mode == "ar":
-                steps = decode_ar(self.model, cache, first_logits, params, seeds, requests)
+                steps = decode_ar(self.model, cache, first_logits, params, seeds, requests, prompts=ids)
             elif invariant:
                 spec_stats = self._decode_invariant(cache, first_logits, params, seeds, requests, ids)
                 steps = spec_stats["fast_steps"]

@@ -95,6 +95,24 @@ class KVCache:
         self.host_lengths[b] = length
         self.lengths[b] = length
 
+    def add_rows(self, n: int, replace: bool = False) -> list[int]:
+        """Append ``n`` empty rows (length 0) for requests that join the batch (``replace``: in
+        place of every row, when none is in use any more) -> their indices. Copies the cache,
+        as ``select_rows`` does."""
+        if n < 1:
+            raise SwiftkernError(f"add_rows: n must be >= 1, got {n}")
+        L, B, H, S, D = self.k.shape
+        empty = torch.zeros((L, n, H, S, D), dtype=self.k.dtype, device=self.k.device)
+        if replace:
+            self.k, self.v, self.host_lengths = empty, empty.clone(), [0] * n
+            self.lengths = self.lengths.new_zeros(n)
+            return list(range(n))
+        self.k = torch.cat([self.k, empty], dim=1)
+        self.v = torch.cat([self.v, empty], dim=1)
+        self.host_lengths = self.host_lengths + [0] * n
+        self.lengths = torch.cat([self.lengths, self.lengths.new_zeros(n)])
+        return list(range(B, B + n))
+
     def select_rows(self, rows: list[int]) -> None:
         """Keep only these rows, in this order (drops finished requests; copies the kept rows)."""
         if not rows or any(not 0 <= r < self.batch for r in rows):

@@ -15,14 +15,18 @@ class Requests:
     the cache holds request ``alive[i]``; ``drop_finished`` removes finished rows so they cost
     no further work. ``on_commit(r, tokens)``, when given, is called with the tokens each
     commit appended (never empty): committed tokens are final in every mode, so this is what a
-    stream shows.
+    stream shows. ``arrive_at[r]``: the decoding step at which request r joins the batch (0:
+    from the start; default all 0), as requests arrive at a server while others decode;
+    ``arrivals(step)`` hands the loop those due, and it appends them as new rows.
     """
 
     def __init__(self, num: int, max_new_tokens: int, stop_ids: frozenset[int], stop_check=None,
-                 on_commit=None):
+                 on_commit=None, arrive_at: list[int] | None = None):
         self.out: list[list[int]] = [[] for _ in range(num)]
         self.done = [False] * num
-        self.alive = list(range(num))
+        self.arrive_at = [0] * num if arrive_at is None else [int(s) for s in arrive_at]
+        self.alive = [r for r in range(num) if self.arrive_at[r] == 0]
+        self.waiting = sorted((r for r in range(num) if self.arrive_at[r] > 0), key=lambda r: (self.arrive_at[r], r))
         self.max_new_tokens = max_new_tokens
         self.stop_ids = stop_ids
         self.stop_check = stop_check
@@ -41,6 +45,19 @@ class Requests:
         if self.on_commit is not None and len(out) > before:
             self.on_commit(r, out[before:])
 
+    def arrivals(self, step: int) -> list[int]:
+        """The waiting requests due by ``step`` (in arrival order), now alive: the caller adds
+        their rows to the cache after the existing ones, in this order."""
+        due = [r for r in self.waiting if self.arrive_at[r] <= step]
+        if due:
+            self.waiting = self.waiting[len(due):]
+            self.alive = self.alive + due
+        return due
+
+    def next_arrival(self) -> int | None:
+        """The step of the next waiting request, or None."""
+        return self.arrive_at[self.waiting[0]] if self.waiting else None
+
     def remaining(self, r: int) -> int:
         return self.max_new_tokens - len(self.out[r])
 
@@ -49,6 +66,7 @@ class Requests:
         cache). -> the kept part of ``rows``, or None when every request is done."""
         keep = [i for i, r in enumerate(self.alive) if not self.done[r]]
         if not keep:
+            self.alive = []
             return None
         if len(keep) < len(self.alive):
             cache.select_rows(keep)

@@ -1,0 +1,111 @@
+"""Requests that arrive while others decode (``generate(arrive_at=...)``: dynamic batching, as in
+LLM-42's server setting): each joins the batch at its step as new cache rows, and still gets the
+tokens it gets alone; in mode deterministic also the same logprobs, bit for bit, wherever in the
+stream of arrivals it comes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from conftest import hf_greedy, tiny_model
+from swiftkern import Generator, KVCache, SkipModel, SwiftkernError
+from swiftkern.layer_kernels import invariant_kernels_available
+from swiftkern.requests import Requests
+
+needs_invariant = pytest.mark.skipif(not invariant_kernels_available("cpu", torch.float32),
+                                     reason="swiftkern._C is not built with the CPU kernels of the invariant set")
+PROMPTS = [[4, 77, 31], list(range(10, 40)), [200, 3, 9, 9], [5, 6, 7, 8, 9, 10], [250, 251]]
+ARRIVE = [0, 3, 3, 7, 30]  # the last comes after every other request has finished: an empty batch waits
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return SkipModel(tiny_model("llama"))
+
+
+def test_add_rows_keeps_the_rows_in_use():
+    cache = KVCache(2, 2, 1, 8, 4, torch.float32, "cpu")
+    cache.k.normal_()
+    cache.set_lengths([3, 5])
+    before = cache.k.clone()
+    assert cache.add_rows(2) == [2, 3]
+    assert cache.batch == 4 and cache.host_lengths == [3, 5, 0, 0] and cache.lengths.tolist() == [3, 5, 0, 0]
+    assert torch.equal(cache.k[:, :2], before) and not cache.k[:, 2:].any()
+    assert cache.add_rows(1, replace=True) == [0] and cache.batch == 1 and cache.k.shape[1] == 1
+    with pytest.raises(SwiftkernError, match="n must be >= 1"):
+        cache.add_rows(0)
+
+
+def test_requests_hand_over_arrivals_in_order():
+    req = Requests(4, 5, frozenset(), arrive_at=[2, 0, 2, 1])
+    assert req.alive == [1] and req.next_arrival() == 1
+    assert req.arrivals(0) == [] and req.arrivals(1) == [3] and req.alive == [1, 3]
+    assert req.arrivals(5) == [0, 2] and req.alive == [1, 3, 0, 2] and req.next_arrival() is None
+
+
+class Order:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, request, tokens):
+        self.calls.append(request)
+
+
+@pytest.mark.parametrize("mode", [
+    dict(mode="ar"),
+    dict(mode="deterministic", replay="always", window=4, verify_batch=2),
+    pytest.param(dict(mode="deterministic", replay="auto"), marks=needs_invariant),
+], ids=["ar", "deterministic-replay", "deterministic-no-replay"])
+def test_each_request_gets_its_tokens_alone(tiny, mode):
+    gen = Generator(tiny, **mode)
+    order = Order()
+    out = gen.generate(PROMPTS, max_new_tokens=12, eos_token_id=[], arrive_at=ARRIVE, streamer=order)
+    for p, tokens in zip(PROMPTS, out.tokens):
+        assert tokens == gen.generate([p], max_new_tokens=12, eos_token_id=[]).tokens[0]
+    assert out.tokens[0] == hf_greedy(tiny.hf_model, PROMPTS[0], 12)
+    # they decoded side by side: request 3 streamed before request 0 was done, request 4 after
+    # everyone else was
+    assert order.calls.index(3) < len(order.calls) - 1 - order.calls[::-1].index(0)
+    assert order.calls.index(4) > max(i for i, r in enumerate(order.calls) if r != 4)
+
+
+def _needle_with_arrivals(gen, rng, trials, **kw):
+    needle = [17, 250, 9, 3, 44, 61]
+    alone = gen.generate([needle], **kw)
+    for _ in range(trials):
+        B = rng.randint(2, 10)
+        idx = rng.randrange(B)
+        prompts = [[rng.randrange(3, 301) for _ in range(rng.randint(1, 30))] for _ in range(B)]
+        prompts[idx] = needle
+        arrive = [0] + [rng.randrange(0, 20) for _ in range(B - 1)]
+        rng.shuffle(arrive)
+        seeds = [rng.randrange(1000) for _ in range(B)]
+        seeds[idx] = kw.get("seed", 0)
+        out = gen.generate(prompts, arrive_at=arrive, **dict(kw, seed=seeds))
+        assert out.tokens[idx] == alone.tokens[0], (B, idx, arrive)
+        assert torch.equal(out.logprobs[idx], alone.logprobs[0]), (B, idx, arrive)
+
+
+@pytest.mark.parametrize("replay,kernels", [("always", "portable"), pytest.param("always", "fused", marks=needs_invariant),
+                                            pytest.param("auto", "auto", marks=needs_invariant)])
+@pytest.mark.parametrize("sample", [False, True])
+def test_needle_joining_a_stream_of_arrivals(tiny, replay, kernels, sample):
+    """The needle arrives at a random step among requests arriving at random steps (batches
+    that grow and shrink as requests come and finish): its tokens and logprobs are its own."""
+    gen = Generator(tiny, mode="deterministic", window=8, verify_batch=4, replay=replay, verifier_kernels=kernels)
+    _needle_with_arrivals(gen, random.Random(21 + sample), trials=3, max_new_tokens=20, eos_token_id=[],
+                          do_sample=sample, temperature=1.3, seed=11)
+
+
+def test_bad_arrivals_are_refused(tiny):
+    gen = Generator(tiny, mode="ar")
+    for bad, msg in (([0], "one step >= 0 per prompt"), ([1, 2], "at least one 0"), ([0, -1], "one step >= 0")):
+        with pytest.raises(SwiftkernError, match=msg):
+            gen.generate(PROMPTS[:2], max_new_tokens=2, arrive_at=bad)
+    for spec in (Generator(tiny, mode="self-spec", drafter="lookup"),
+                 Generator(tiny, mode="deterministic", drafter="self-spec", layer_set="attn:1")):
+        with pytest.raises(SwiftkernError, match="not with speculative decoding"):
+            spec.generate(PROMPTS[:2], max_new_tokens=2, arrive_at=[0, 1])
