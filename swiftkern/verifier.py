@@ -74,13 +74,16 @@ class Verifier:
         self.dummy_rows = 0
 
     @torch.inference_mode()
-    def forward(self, cache: KVCache, slots: list[Slot], width: int | None = None) -> torch.Tensor:
-        """One pass of shape [verify_batch, width] (width: the window by default)
-        -> float logits [sum(len(s.want)), V], slot by slot in ``want`` order.
+    def forward(self, cache: KVCache, slots: list[Slot], width: int | None = None,
+                rows: int | None = None) -> torch.Tensor:
+        """One pass of shape [rows, width] (by default [verify_batch, window]: every verify
+        pass) -> float logits [sum(len(s.want)), V], slot by slot in ``want`` order.
 
         Writes the keys and values of every slot's tokens into its cache row; padding (after a
-        short slot's tokens, and the dummy rows) is computed and thrown away."""
-        m, R = self.model, self.verify_batch
+        short slot's tokens, and the dummy rows) is computed and thrown away. A row's bits do
+        not depend on the pass's shape (every op is per row, in fixed plans; tested across
+        windows and verify batches), so prefill passes take only the rows and width they fill."""
+        m, R = self.model, rows or self.verify_batch
         T = width or self.window
         if not 1 <= len(slots) <= R:
             raise SwiftkernError(f"a verify pass takes 1..{R} slots, got {len(slots)}")
@@ -180,8 +183,10 @@ class Verifier:
 
     def prefill(self, cache: KVCache, prompts: list[list[int]], rows: list[int] | None = None) -> torch.Tensor:
         """Write prompts into their cache rows (row b = prompt b; only ``rows`` when given)
-        through passes of ``prefill_chunk``-token chunks from position 0, and set those rows'
-        lengths to the prompt lengths. -> float logits [len(rows), V] at each last prompt token."""
+        through passes of ``prefill_chunk``-token chunks from position 0 (up to verify_batch
+        prompts a pass, no dummy rows: a request arriving alone is prefilled alone), and set
+        those rows' lengths to the prompt lengths. -> float logits [len(rows), V] at each last
+        prompt token."""
         C, R = self.prefill_chunk, self.verify_batch
         rows = list(range(len(prompts))) if rows is None else list(rows)
         chunks = {b: -(-len(prompts[b]) // C) for b in rows}
@@ -191,7 +196,8 @@ class Verifier:
             for g in range(0, len(todo), R):
                 slots = [Slot(b, c * C, prompts[b][c * C:(c + 1) * C],
                               [len(prompts[b]) - 1 - c * C] if chunks[b] == c + 1 else []) for b in todo[g:g + R]]
-                logits = self.forward(cache, slots, prefill_width(max(len(s.tokens) for s in slots), C))
+                logits = self.forward(cache, slots, prefill_width(max(len(s.tokens) for s in slots), C),
+                                      rows=len(slots))
                 wanted = [s.row for s in slots if s.want]
                 for n, b in enumerate(wanted):
                     last[b] = logits[n]
@@ -213,7 +219,7 @@ class Verifier:
         for c in range(-(-len(tokens) // C)):
             chunk = tokens[c * C:(c + 1) * C]
             want = [j for j in range(len(chunk)) if prompt_len - 1 <= c * C + j < len(tokens) - 1]
-            logits = self.forward(cache, [Slot(0, c * C, chunk, want)], prefill_width(len(chunk), C))
+            logits = self.forward(cache, [Slot(0, c * C, chunk, want)], prefill_width(len(chunk), C), rows=1)
             if want:
                 targets = torch.tensor([tokens[c * C + j + 1] for j in want], device=logits.device)
                 out.append(bi_log_softmax(logits).gather(1, targets.unsqueeze(1)).squeeze(1))
