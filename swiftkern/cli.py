@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--window", type=_positive_int, default=32,
                      help="deterministic: unverified tokens per row before a verify pass (default 32)")
     gen.add_argument("--verify-batch", type=_positive_int, default=4,
-                     help="deterministic: rows of every (fixed-shape) verify pass (default 4)")
+                     help="deterministic: rows of every (fixed-shape) verify pass (default 4; fewer when "
+                          "fewer prompts are verified)")
     gen.add_argument("--replay", default="auto", choices=["auto", "always"],
                      help="deterministic: auto (default) skips the replay where it cannot change a bit "
                           "(CPU, float32, C++ kernels: every kernel is batch- and length-invariant, so rows "

@@ -121,6 +121,7 @@ def decode_deterministic(model: SkipModel, cache: KVCache, prompts: list[list[in
     -> stats: prefill_passes and verify_passes (fixed-shape passes), dummy_rows (filler slots),
        fast_steps (batched fast forwards), fast_tokens (unverified tokens proposed), rolled_back
        (of those, discarded after a mismatch), rollback_fraction, corrected (mismatches),
+       verify_batch (the pass's rows: verify_batch, or fewer when fewer requests are verified),
        verifier_kernels (the set's name), lookup_tokens (fast tokens from prompt lookup),
        with an adaptive fast path: fast_kinds ({"full", "draft": fast steps}), lookup_taken /
        lookup_declined (matches taken or declined),
@@ -134,6 +135,10 @@ def decode_deterministic(model: SkipModel, cache: KVCache, prompts: list[list[in
     if fast_path.layer_set is not None and not all(verified):
         raise SwiftkernError("every request must be verified with the layer-skipped fast path (its unverified "
                              "tokens are the draft's, not the model's)")
+    # the pass's rows: never more than the requests to verify (a row's bits do not depend on the
+    # pass's shape, which stays fixed for the whole call; a single request would otherwise carry
+    # verify_batch - 1 dummy rows through every pass)
+    verify_batch = max(1, min(verify_batch, sum(verified)))
     verifier = Verifier(model, window, verify_batch, kernels=verifier_kernels)
     policy = FastPathPolicy(window, verify_batch) if fast_path.adaptive else None
     stats = {"fast_steps": 0, "fast_tokens": 0, "lookup_tokens": 0, "rolled_back": 0, "corrected": 0}
@@ -176,6 +181,7 @@ def decode_deterministic(model: SkipModel, cache: KVCache, prompts: list[list[in
 
     stats["verify_passes"] = verifier.passes - stats["prefill_passes"]
     stats["verifier_kernels"] = verifier.kernels.name
+    stats["verify_batch"] = verify_batch
     stats["dummy_rows"] = verifier.dummy_rows
     stats["rollback_fraction"] = stats["rolled_back"] / stats["fast_tokens"] if stats["fast_tokens"] else 0.0
     if policy is not None:

@@ -503,7 +503,7 @@ class Generator:
         logprobs = None
         if self.mode == "deterministic":
             per_row, logprobs = spec_stats.pop("per_row"), spec_stats.pop("logprobs")
-            stats.update(spec_stats, window=self.window, verify_batch=self.verify_batch,
+            stats.update(spec_stats, window=self.window, verify_batch=spec_stats.get("verify_batch", self.verify_batch),
                          fast_path="self-spec " + str(self.layer_set) if self.drafter == "self-spec" else "ar")
             for req, row in zip(request_stats, per_row):
                 req.update(row)

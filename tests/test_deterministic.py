@@ -531,7 +531,8 @@ def test_cli_deterministic_json(smollm2, capsys, monkeypatch):
                      "--json"]) == 0
     rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     s = rec["stats"]
-    assert s["mode"] == "deterministic" and s["window"] == 8 and s["verify_batch"] == 2
+    assert s["mode"] == "deterministic" and s["window"] == 8
+    assert s["verify_batch"] == 1 and s["dummy_rows"] == 0  # one request: passes of one row, no dummies
     assert len(rec["tokens"]) == 10 and s["verify_passes"] >= 1 and 0.0 <= s["rollback_fraction"] <= 1.0
     if invariant_kernels_available("cpu", torch.float32):  # the default, no replay: the same tokens
         assert cli.main(["generate", "--prompt", "The capital of France is", "--mode", "deterministic",
