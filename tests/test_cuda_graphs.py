@@ -293,3 +293,17 @@ def test_emulated_replay_refuses_tensors_made_from_host_data(tiny, monkeypatch, 
     monkeypatch.setattr(SkipModel, "forward_device", copies_in)
     with pytest.raises(SwiftkernError, match="made a tensor from host data"):
         _steps(tiny, GraphRunner(tiny, EmulatedGraph), [1, 1, 1])
+
+
+@pytest.mark.parametrize("kw", [dict(mode="ar"), dict(mode="deterministic", replay="always", window=8, verify_batch=2)],
+                         ids=["ar", "det"])
+def test_arrivals_through_the_runner_give_the_same_tokens(tiny, kw):
+    """Requests joining mid-way reallocate the cache (new rows): the runner keys graphs on its
+    storage, so replays after an arrival read the new cache, never a stale one."""
+    prompts = [[5, 17, 99, 3, 42, 8], [7, 7, 21], list(range(30, 50)), [9, 9]]
+    arrive = [0, 2, 2, 9]
+    plain = Generator(tiny, **kw).generate(prompts, max_new_tokens=16, eos_token_id=[], arrive_at=arrive)
+    runner = GraphRunner(tiny, EmulatedGraph)
+    graphed = Generator(tiny, cuda_graphs=runner, **kw).generate(prompts, max_new_tokens=16, eos_token_id=[],
+                                                                 arrive_at=arrive)
+    assert graphed.tokens == plain.tokens and graphed.stats["cuda_graphs"]["replays"] > 0
