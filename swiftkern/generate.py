@@ -81,12 +81,12 @@ def prefill(model: SkipModel, cache: KVCache, prompts: list[list[int]], per_row:
     return logits[:, 0]
 
 
-def admit_arrivals(model: SkipModel, cache: KVCache, requests: Requests, step: int, prompts: list[list[int]],
-                   per_row: bool) -> torch.Tensor | None:
+def admit_arrivals(model: SkipModel, cache: KVCache, requests: Requests, step: int,
+                   prompts: list[list[int]]) -> torch.Tensor | None:
     """Requests due by ``step`` (``Requests.arrivals``) join the batch: new cache rows after the
     alive ones (in place of every row when none is alive), each prompt prefilled on its own into
-    its row (the invariant kernels in per-row passes where ``per_row``, else one forward a
-    prompt: the prefill a server gives a new request). -> their last logits [n, V], or None."""
+    its row (one forward a prompt: the prefill a server gives a new request, and what the
+    batch-invariant kernels need). -> their last logits [n, V], or None."""
     empty = not requests.alive
     due = requests.arrivals(step)
     if not due:
@@ -97,7 +97,7 @@ def admit_arrivals(model: SkipModel, cache: KVCache, requests: Requests, step: i
 
 def decode_ar(model: SkipModel, cache: KVCache, first_logits: torch.Tensor, params: SamplingParams,
               seeds: list[int], requests: Requests, logprobs: list[list[torch.Tensor]] | None = None,
-              prompts: list[list[int]] | None = None, per_row: bool = False) -> int:
+              prompts: list[list[int]] | None = None) -> int:
     """Plain autoregressive decoding into ``requests``. first_logits: [B, V] from prefill.
 
     One token per unfinished row per step; finished rows leave the batch, and requests that
@@ -107,7 +107,7 @@ def decode_ar(model: SkipModel, cache: KVCache, first_logits: torch.Tensor, para
     """
     logits, steps, clock = first_logits, 0, 0
     while True:
-        new = admit_arrivals(model, cache, requests, clock, prompts, per_row) if requests.waiting else None
+        new = admit_arrivals(model, cache, requests, clock, prompts) if requests.waiting else None
         if new is not None:
             logits = new if logits is None else torch.cat([logits, new.to(logits.dtype)])
         positions = list(cache.host_lengths)  # absolute position of the token chosen now
@@ -304,8 +304,7 @@ class Generator:
             stats.pop("per_row")
             fast_steps = stats["draft_steps"] + stats["verify_steps"]
         else:
-            fast_steps = decode_ar(self.model, cache, first_logits, params, seeds, requests, logprobs, ids,
-                                   per_row=True)
+            fast_steps = decode_ar(self.model, cache, first_logits, params, seeds, requests, logprobs, ids)
         new = [len(t) for t in requests.out]
         stats.update(replay="elided: batch-invariant kernels", fast_steps=fast_steps, fast_tokens=sum(new),
                      prefill_passes=0, verify_passes=0, dummy_rows=0, rolled_back=0, corrected=0,
@@ -353,9 +352,9 @@ class Generator:
         arrive_at = list(arrive_at)
         if len(arrive_at) != n or not all(isinstance(s, int) and s >= 0 for s in arrive_at) or 0 not in arrive_at:
             raise SwiftkernError(f"arrive_at: one step >= 0 per prompt ({n}), at least one 0; got {arrive_at}")
-        if self.mode == "self-spec" or self.drafter == "self-spec" and self.mode == "deterministic":
-            raise SwiftkernError("arrive_at (requests joining while others decode) runs in modes ar and deterministic "
-                                 "with the regular fast path, not with speculative decoding")
+        if self.auto_layer_set and self.mode == "self-spec":
+            raise SwiftkernError("arrive_at (requests joining while others decode) does not run with the layer-set "
+                                 "search (layer_set='auto'); give a layer set, or use drafter 'lookup' or 'none'")
         return arrive_at
 
     def _stop_ids(self, eos_token_id, stop_token_ids) -> frozenset[int]:
@@ -394,8 +393,8 @@ class Generator:
         decoding runs (``streaming.TextStream`` makes text of them); its time counts in the stats.
         ``arrive_at`` (one int per prompt, at least one 0): the decoding step at which each
         request joins the batch, as requests arrive at a server while others decode (dynamic
-        batching; a step is a decode step, or a fast step of mode deterministic); modes ``ar``
-        and ``deterministic`` with the regular fast path.
+        batching; a step is a decode step, a draft-and-verify step of self-spec, or a fast step
+        of mode deterministic's replay); every mode, not with ``layer_set="auto"``.
         Returns ``GenerationOutput``.
         """
         if max_new_tokens < 1:

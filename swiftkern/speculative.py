@@ -160,6 +160,23 @@ def _assemble(B: int, choices, lookups, skip, params: SamplingParams, vocab: int
     return drafts, probs, num_draft
 
 
+def _first_tokens(logits, reqs, cache, params, seeds, requests, logprobs, draft_head) -> torch.Tensor:
+    """The first token of requests ``reqs`` (the last rows of the cache) from their prefill
+    logits [n, V], committed -> int64 [n]."""
+    n = len(reqs)
+    positions = list(cache.host_lengths)[cache.batch - n:]
+    tokens = select_tokens(logits, params, [seeds[r] for r in reqs], positions)  # [n]
+    if logprobs is not None:
+        lps = bi_token_logprob(logits, tokens)  # [n]
+        for i, r in enumerate(reqs):
+            logprobs[r].append(lps[i:i + 1])
+    for r, t in zip(reqs, tokens.tolist()):
+        requests.commit(r, [t])
+    if draft_head is not None:
+        draft_head.add(tokens.tolist())
+    return tokens
+
+
 def _fixed_choice(drafter: str, lookup_len: int, budget: int) -> Choice:
     if drafter == "lookup":
         return Choice("lookup", min(lookup_len, budget), 0.0)
@@ -184,7 +201,8 @@ def decode_self_spec(model: SkipModel, cache: KVCache, first_logits: torch.Tenso
     finds the layer set while generating and replaces ``layer_set`` as it goes.
 
     The cache needs room for max_new_tokens + policy.k_max + 1 positions past the longest
-    prompt (a verify pass writes K+1 positions for every row). Finished rows leave the batch.
+    prompt (a verify pass writes K+1 positions for every row). Finished rows leave the batch;
+    requests that arrive later (``Requests.arrive_at``) join it at their step as new rows.
     -> stats: draft_steps and verify_steps (batched forwards), row_verifies (rows verified,
        summed over steps), drafted, accepted (draft tokens, summed over rows), drafter_steps
        ({drafter: row steps}), per_row: [{verifies, drafted, accepted}] per request
@@ -195,19 +213,25 @@ def decode_self_spec(model: SkipModel, cache: KVCache, first_logits: torch.Tenso
              "drafter_steps": {"layer-skip": 0, "lookup": 0, "none": 0}}
     per_row = [{"verifies": 0, "drafted": 0, "accepted": 0} for _ in requests.out]
     stats["per_row"] = per_row
-    pending = select_tokens(first_logits, params, seeds, list(cache.host_lengths))  # [B]
-    if logprobs is not None:
-        first_lp = bi_token_logprob(first_logits, pending)  # [B]
-        for r in range(len(pending)):
-            logprobs[r].append(first_lp[r:r + 1])
-    for r, t in enumerate(pending.tolist()):
-        requests.commit(r, [t])
-    if draft_head is not None:
-        draft_head.add(pending.tolist())
+    pending = _first_tokens(first_logits, requests.alive, cache, params, seeds, requests, logprobs, draft_head)
+    clock = 0
     while True:
         pending = requests.drop_finished(cache, pending)
+        if requests.waiting:  # arrivals join as new rows, each with its first token committed
+            from .generate import admit_arrivals
+
+            new = admit_arrivals(model, cache, requests, clock, prompts)
+            if new is not None:
+                due = requests.alive[len(requests.alive) - new.shape[0]:]
+                first = _first_tokens(new, due, cache, params, seeds, requests, logprobs, draft_head)
+                pending = first if pending is None else torch.cat([pending, first])
+                pending = requests.drop_finished(cache, pending)
         if pending is None:
-            return stats
+            if not requests.waiting:
+                return stats
+            clock = max(clock, requests.next_arrival())  # an empty batch waits for the next request
+            continue
+        clock += 1
         alive = requests.alive
         B = len(alive)
         row_seeds = [seeds[r] for r in alive]

@@ -54,11 +54,20 @@ class Order:
         self.calls.append(request)
 
 
+SKIP = "attn:1|mlp:2"
+
+
 @pytest.mark.parametrize("mode", [
     dict(mode="ar"),
+    dict(mode="self-spec", drafter="lookup"),
+    dict(mode="self-spec", drafter="layer-skip", layer_set=SKIP, eps=0.0, k_max=4),
     dict(mode="deterministic", replay="always", window=4, verify_batch=2),
+    dict(mode="deterministic", replay="always", window=4, verify_batch=2, drafter="self-spec", layer_set=SKIP, eps=0.0),
     pytest.param(dict(mode="deterministic", replay="auto"), marks=needs_invariant),
-], ids=["ar", "deterministic-replay", "deterministic-no-replay"])
+    pytest.param(dict(mode="deterministic", replay="auto", drafter="self-spec", layer_set=SKIP, eps=0.0),
+                 marks=needs_invariant),
+], ids=["ar", "self-spec-lookup", "self-spec-layer-skip", "deterministic-replay", "deterministic-replay-self-spec",
+        "deterministic-no-replay", "deterministic-no-replay-self-spec"])
 def test_each_request_gets_its_tokens_alone(tiny, mode):
     gen = Generator(tiny, **mode)
     order = Order()
@@ -100,12 +109,19 @@ def test_needle_joining_a_stream_of_arrivals(tiny, replay, kernels, sample):
                           do_sample=sample, temperature=1.3, seed=11)
 
 
+@pytest.mark.parametrize("replay", ["always", pytest.param("auto", marks=needs_invariant)])
+def test_needle_joining_a_stream_of_arrivals_with_the_self_spec_drafter(tiny, replay):
+    """The same with self-speculation: the replay's fast path (draft, full or lookup, chosen per
+    batch), or without replay the speculative loop on the invariant kernels."""
+    gen = Generator(tiny, mode="deterministic", window=8, verify_batch=4, replay=replay, drafter="self-spec",
+                    layer_set=SKIP, eps=0.0)
+    _needle_with_arrivals(gen, random.Random(5), trials=3, max_new_tokens=20, eos_token_id=[], seed=11)
+
+
 def test_bad_arrivals_are_refused(tiny):
     gen = Generator(tiny, mode="ar")
     for bad, msg in (([0], "one step >= 0 per prompt"), ([1, 2], "at least one 0"), ([0, -1], "one step >= 0")):
         with pytest.raises(SwiftkernError, match=msg):
             gen.generate(PROMPTS[:2], max_new_tokens=2, arrive_at=bad)
-    for spec in (Generator(tiny, mode="self-spec", drafter="lookup"),
-                 Generator(tiny, mode="deterministic", drafter="self-spec", layer_set="attn:1")):
-        with pytest.raises(SwiftkernError, match="not with speculative decoding"):
-            spec.generate(PROMPTS[:2], max_new_tokens=2, arrive_at=[0, 1])
+    with pytest.raises(SwiftkernError, match="does not run with the layer-set search"):
+        Generator(tiny, mode="self-spec", layer_set="auto").generate(PROMPTS[:2], max_new_tokens=2, arrive_at=[0, 1])
