@@ -45,13 +45,17 @@ class FastPathPolicy:
 
     window, verify_batch: the verifier's fixed shape. explore_every: a choice left out this many
     times on a row (a kind, or a lookup class) goes back to its prior, so a stale low estimate is
-    tested again.
+    tested again. measure False: a fixed cost model instead of timings (a full forward 1, a
+    draft PRIOR_DRAFT_COST, a verify pass from PRIOR_VERIFY_SLOPE), so the choices follow the
+    agreement alone (tests on a loaded machine).
     """
 
-    def __init__(self, window: int, verify_batch: int, explore_every: int = 32, decay: float = 0.8):
+    def __init__(self, window: int, verify_batch: int, explore_every: int = 32, decay: float = 0.8,
+                 measure: bool = True):
         self.window, self.verify_batch = window, verify_batch
-        self.explore_every, self.decay = explore_every, decay
-        self.fast_cost: dict[str, float] = {}  # kind -> seconds of a forward per row in it
+        self.explore_every, self.decay, self.measure = explore_every, decay, measure
+        # kind -> seconds of a forward per row in it
+        self.fast_cost: dict[str, float] = {} if measure else {"full": 1.0, "draft": PRIOR_DRAFT_COST}
         self.verify_cost: float | None = None  # seconds of a verify pass per real row in it
         self._agree: dict[tuple[int, str], list] = {}  # (request, kind | ("lookup", bucket)) -> [Acceptance, idle]
         self._run: dict[tuple[int, str], float] = {}  # (request, kind) -> fast tokens a cycle (mean)
@@ -63,10 +67,12 @@ class FastPathPolicy:
         return new if old is None else self.decay * old + (1 - self.decay) * new
 
     def record_fast(self, kind: str, seconds: float, rows: int) -> None:
-        self.fast_cost[kind] = self._mix(self.fast_cost.get(kind), seconds / rows)
+        if self.measure:
+            self.fast_cost[kind] = self._mix(self.fast_cost.get(kind), seconds / rows)
 
     def record_verify(self, seconds: float, rows: int) -> None:
-        self.verify_cost = self._mix(self.verify_cost, seconds / rows)
+        if self.measure:
+            self.verify_cost = self._mix(self.verify_cost, seconds / rows)
 
     def observe(self, request: int, kind: str | None, fast: int, lookup: int, matched: int, ngram: int) -> None:
         """A verify pass compared ``fast`` fast tokens of ``kind`` then ``lookup`` lookup tokens
