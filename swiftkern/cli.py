@@ -71,7 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", default="smollm2", help=f"model: {MODEL_HELP} (default: smollm2)")
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt text")
-    src.add_argument("--prompt-file", help='a JSONL file, one {"prompt": "..."} per line; all are run as one batch')
+    src.add_argument("--prompt-file", help='a JSONL file, one {"prompt": "..."} per line; all are run as one batch, '
+                                           'a line with "arrive_at": N joining it at decoding step N (requests arriving '
+                                           'while others decode)')
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
     gen.add_argument("--max-new-tokens", type=_positive_int, default=64, help="tokens to generate per prompt (default 64)")
     gen.add_argument("--mode", default="ar", choices=["ar", "self-spec", "deterministic"],
@@ -163,9 +165,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def read_prompt_file(path: str) -> list[str]:
     """Prompts from a JSONL file: one {"prompt": "..."} (or {"text": "..."}) object per non-empty line."""
+    return read_prompt_records(path)[0]
+
+
+def read_prompt_records(path: str) -> tuple[list[str], list[int] | None]:
+    """(prompts, arrive_at) from a JSONL file of {"prompt": "..."} objects (or "text"), each
+    with an optional "arrive_at": the decoding step at which it joins the batch (0 when left
+    out); arrive_at is None when no line has one."""
     if not os.path.isfile(path):
         raise SwiftkernError(f"prompt file {path!r} does not exist")
-    prompts = []
+    prompts, arrive_at = [], []
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -177,14 +186,20 @@ def read_prompt_file(path: str) -> list[str]:
             text = obj.get("prompt", obj.get("text")) if isinstance(obj, dict) else None
             if not isinstance(text, str):
                 raise SwiftkernError(f'{path}:{n}: expected an object like {{"prompt": "..."}} (or "text")')
+            step = obj.get("arrive_at", 0)
+            if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+                raise SwiftkernError(f'{path}:{n}: "arrive_at" must be a whole number >= 0, got {step!r}')
             prompts.append(text)
+            arrive_at.append(step)
     if not prompts:
         raise SwiftkernError(f"prompt file {path!r} has no prompts")
-    return prompts
+    return prompts, arrive_at if any(arrive_at) else None
 
 
 def cmd_generate(args) -> int:
-    prompts = [args.prompt] if args.prompt is not None else read_prompt_file(args.prompt_file)
+    prompts, arrive_at = [args.prompt], None
+    if args.prompt is None:
+        prompts, arrive_at = read_prompt_records(args.prompt_file)
     for i, p in enumerate(prompts):
         if not p.strip():
             raise SwiftkernError(f"prompt {i} is empty")
@@ -216,7 +231,7 @@ def cmd_generate(args) -> int:
         print(f"### {prompts[0]}", flush=True)
     out = gen.generate(prompts, max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0,
                        temperature=args.temperature or 1.0, top_k=args.top_k, top_p=args.top_p,
-                       seed=args.seed, chat=args.chat, streamer=stream)
+                       seed=args.seed, chat=args.chat, streamer=stream, arrive_at=arrive_at)
     if stream is not None:
         stream.finish()
         print("\n")

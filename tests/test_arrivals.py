@@ -125,3 +125,35 @@ def test_bad_arrivals_are_refused(tiny):
             gen.generate(PROMPTS[:2], max_new_tokens=2, arrive_at=bad)
     with pytest.raises(SwiftkernError, match="does not run with the layer-set search"):
         Generator(tiny, mode="self-spec", layer_set="auto").generate(PROMPTS[:2], max_new_tokens=2, arrive_at=[0, 1])
+
+
+def test_cli_refuses_a_bad_arrival_step(tmp_path, capsys):
+    from swiftkern.cli import main
+
+    path = tmp_path / "p.jsonl"
+    for bad in ("-1", "1.5", "true", '"3"'):
+        path.write_text('{"prompt": "a"}\n{"prompt": "b", "arrive_at": %s}\n' % bad)
+        assert main(["generate", "--prompt-file", str(path)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "p.jsonl:2" in err[0] and "arrive_at" in err[0]
+
+
+@pytest.mark.slow
+def test_cli_arrivals_from_a_prompt_file(smollm2, tmp_path, capsys, monkeypatch):
+    """Lines with "arrive_at" join the batch later (more decode steps), with the same tokens."""
+    import json
+
+    from swiftkern import cli, loading
+
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: smollm2)
+    lines = [{"prompt": "The capital of France is"}, {"prompt": "Count to five:", "arrive_at": 6},
+             {"prompt": "Name a color:", "arrive_at": 3}]
+    runs = []
+    for records in (lines, [{"prompt": r["prompt"]} for r in lines]):
+        path = tmp_path / "p.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+        assert cli.main(["generate", "--prompt-file", str(path), "--max-new-tokens", "8", "--json"]) == 0
+        runs.append([json.loads(line) for line in capsys.readouterr().out.strip().splitlines()])
+    staggered, together = runs
+    assert [r["tokens"] for r in staggered] == [r["tokens"] for r in together]
+    assert staggered[0]["stats"]["steps"] == 7 + 6 and together[0]["stats"]["steps"] == 7
