@@ -224,7 +224,7 @@ def _prefill_rows(model, verifier, cache, reqs, cache_rows, prompts, params, see
     elif regular:
         logits[regular] = prefill(model, cache, [prompts[reqs[i]] for i in regular], per_row=True,
                                   rows=[cache_rows[i] for i in regular]).float()
-    first_lp = torch.log_softmax(logits, -1)
+    first_lp = torch.log_softmax(logits, -1) if regular else torch.empty_like(logits)  # the fast path's
     if replayed:
         by_row: list = [None] * cache.batch  # the verifier reads prompt b for cache row b
         for i in replayed:

@@ -350,7 +350,7 @@ class Generator:
         if arrive_at is None:
             return None
         arrive_at = list(arrive_at)
-        if len(arrive_at) != n or not all(isinstance(s, int) and s >= 0 for s in arrive_at) or 0 not in arrive_at:
+        if len(arrive_at) != n or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in arrive_at) or 0 not in arrive_at:
             raise SwiftkernError(f"arrive_at: one step >= 0 per prompt ({n}), at least one 0; got {arrive_at}")
         if self.auto_layer_set and self.mode == "self-spec":
             raise SwiftkernError("arrive_at (requests joining while others decode) does not run with the layer-set "

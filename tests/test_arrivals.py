@@ -120,7 +120,8 @@ def test_needle_joining_a_stream_of_arrivals_with_the_self_spec_drafter(tiny, re
 
 def test_bad_arrivals_are_refused(tiny):
     gen = Generator(tiny, mode="ar")
-    for bad, msg in (([0], "one step >= 0 per prompt"), ([1, 2], "at least one 0"), ([0, -1], "one step >= 0")):
+    for bad, msg in (([0], "one step >= 0 per prompt"), ([1, 2], "at least one 0"), ([0, -1], "one step >= 0"),
+                     ([0, True], "one step >= 0"), ([0, 1.5], "one step >= 0")):
         with pytest.raises(SwiftkernError, match=msg):
             gen.generate(PROMPTS[:2], max_new_tokens=2, arrive_at=bad)
     with pytest.raises(SwiftkernError, match="does not run with the layer-set search"):
