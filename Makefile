@@ -26,11 +26,11 @@ $(STAMP): setup.py pyproject.toml Makefile $(wildcard csrc/*)
 
 DEMO_PROMPT := Rewrite this sentence in the passive voice, then explain the change: "The committee approved the new budget after a long debate."
 
-# ar, then self-spec with its defaults: the drafter policy (prompt lookup / layer skip / none
+# ar (the text streamed as it is generated), then self-spec with its defaults: the drafter policy (prompt lookup / layer skip / none
 # per step) and the layer set searched while generating
 demo: setup
 	$(VENV)/bin/swiftkern info
-	$(VENV)/bin/swiftkern generate --model smollm2 --chat --max-new-tokens 128 --prompt '$(DEMO_PROMPT)'
+	$(VENV)/bin/swiftkern generate --model smollm2 --chat --max-new-tokens 128 --prompt '$(DEMO_PROMPT)' --stream
 	$(VENV)/bin/swiftkern generate --model smollm2 --chat --max-new-tokens 128 --prompt '$(DEMO_PROMPT)' --mode self-spec
 
 # pytest exits 5 when it collected no tests: that is a failure too.
