@@ -26,8 +26,8 @@ $(STAMP): setup.py pyproject.toml Makefile $(wildcard csrc/*)
 
 DEMO_PROMPT := Rewrite this sentence in the passive voice, then explain the change: "The committee approved the new budget after a long debate."
 
-# ar (the text streamed as it is generated), then self-spec with its defaults: the drafter policy (prompt lookup / layer skip / none
-# per step) and the layer set searched while generating
+# ar (the text streamed as it is generated), then self-spec with its defaults: the drafter
+# policy (prompt lookup / layer skip / none per step) and the layer set searched while generating
 demo: setup
 	$(VENV)/bin/swiftkern info
 	$(VENV)/bin/swiftkern generate --model smollm2 --chat --max-new-tokens 128 --prompt '$(DEMO_PROMPT)' --stream
