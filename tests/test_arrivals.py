@@ -158,3 +158,17 @@ def test_cli_arrivals_from_a_prompt_file(smollm2, tmp_path, capsys, monkeypatch)
     staggered, together = runs
     assert [r["tokens"] for r in staggered] == [r["tokens"] for r in together]
     assert staggered[0]["stats"]["steps"] == 7 + 6 and together[0]["stats"]["steps"] == 7
+
+
+def test_arrivals_among_requests_that_skip_verification(tiny):
+    """LLM-42's mix: some requests need determinism, the rest decode at regular cost; with
+    arrivals the verified ones keep their bits and the others get plain ar's tokens."""
+    gen = Generator(tiny, mode="deterministic", window=8, verify_batch=2, replay="always")
+    kw = dict(max_new_tokens=16, eos_token_id=[])
+    flags = [True, False, True, False, False]
+    out = gen.generate(PROMPTS, deterministic=flags, arrive_at=ARRIVE, **kw)
+    for p, tokens, lp, verified in zip(PROMPTS, out.tokens, out.logprobs, flags):
+        alone = gen.generate([p], **kw)
+        assert tokens == alone.tokens[0]
+        if verified:
+            assert torch.equal(lp, alone.logprobs[0])
