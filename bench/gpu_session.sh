@@ -76,7 +76,7 @@ stage_e2e() {
   timeout 150 python3 -m bench --routine generate --max-new-tokens 64 --reps 1 --plot \
     --providers hf-greedy,hf-prompt-lookup,ar,lookup,auto,deterministic > "$OUT/generate.log" 2>&1
   echo "generate: exit $?"; tail -12 "$OUT/generate.log"
-  timeout 300 python3 -m bench --routine determinism --max-new-tokens 64 --reps 2 --plot > "$OUT/determinism.log" 2>&1
+  timeout 330 python3 -m bench --routine determinism --max-new-tokens 64 --reps 2 --plot > "$OUT/determinism.log" 2>&1
   echo "determinism: exit $?"; tail -22 "$OUT/determinism.log"
   timeout 90 python3 -m bench --routine verifier_pass --reps 10 > "$OUT/verifier-pass.log" 2>&1
   echo "verifier_pass: exit $?"; tail -4 "$OUT/verifier-pass.log"
