@@ -352,9 +352,6 @@ class Generator:
         arrive_at = list(arrive_at)
         if len(arrive_at) != n or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in arrive_at) or 0 not in arrive_at:
             raise SwiftkernError(f"arrive_at: one step >= 0 per prompt ({n}), at least one 0; got {arrive_at}")
-        if self.auto_layer_set and self.mode == "self-spec":
-            raise SwiftkernError("arrive_at (requests joining while others decode) does not run with the layer-set "
-                                 "search (layer_set='auto'); give a layer set, or use drafter 'lookup' or 'none'")
         return arrive_at
 
     def _stop_ids(self, eos_token_id, stop_token_ids) -> frozenset[int]:
@@ -394,7 +391,7 @@ class Generator:
         ``arrive_at`` (one int per prompt, at least one 0): the decoding step at which each
         request joins the batch, as requests arrive at a server while others decode (dynamic
         batching; a step is a decode step, a draft-and-verify step of self-spec, or a fast step
-        of mode deterministic's replay); every mode, not with ``layer_set="auto"``.
+        of mode deterministic's replay); every mode.
         Returns ``GenerationOutput``.
         """
         if max_new_tokens < 1:

@@ -124,8 +124,23 @@ def test_bad_arrivals_are_refused(tiny):
                      ([0, True], "one step >= 0"), ([0, 1.5], "one step >= 0")):
         with pytest.raises(SwiftkernError, match=msg):
             gen.generate(PROMPTS[:2], max_new_tokens=2, arrive_at=bad)
-    with pytest.raises(SwiftkernError, match="does not run with the layer-set search"):
-        Generator(tiny, mode="self-spec", layer_set="auto").generate(PROMPTS[:2], max_new_tokens=2, arrive_at=[0, 1])
+
+
+def test_layer_set_search_with_arrivals_is_greedy_identical_to_ar(monkeypatch):
+    """The on-the-fly search reads the batch's first row; rows that come and go (an empty batch
+    waiting for the last arrival included) leave its tokens those of ar."""
+    import swiftkern.generate as generate_module
+    from swiftkern.tuner import OnTheFlyTuner
+
+    monkeypatch.setattr(OnTheFlyTuner, "_draft_cost", lambda self, *a: 0.0)  # no ratio dropped for speed
+    policy = generate_module.DrafterPolicy  # fixed costs: the search must not hang on this machine's load
+    monkeypatch.setattr(generate_module, "DrafterPolicy", lambda *a, **k: policy(*a, **dict(k, measure=False)))
+    hf = tiny_model("llama", num_hidden_layers=6)
+    ar = Generator(hf).generate(PROMPTS, max_new_tokens=60, eos_token_id=[]).tokens
+    gen = Generator(hf, mode="self-spec", layer_set="auto", eps=0.0,
+                    search_options=dict(window=8, steps_per_window=8, time_fraction=1e9))
+    out = gen.generate(PROMPTS, max_new_tokens=60, eos_token_id=[], arrive_at=[0, 3, 3, 7, 70])
+    assert out.tokens == ar and out.stats["search_phases"] >= 1
 
 
 def test_cli_refuses_a_bad_arrival_step(tmp_path, capsys):
