@@ -322,14 +322,10 @@ def cmd_info(args) -> int:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["bench"]:  # its own flags (python -m bench's), passed on as they are
-        try:
-            return cmd_bench(argv[1:])
-        except SwiftkernError as e:
-            print(f"swiftkern: error: {e}", file=sys.stderr)
-            return 2
-    args = build_parser().parse_args(argv)
     try:
+        if argv[:1] == ["bench"]:  # its own flags (python -m bench's), passed on as they are
+            return cmd_bench(argv[1:])
+        args = build_parser().parse_args(argv)
         return {"generate": cmd_generate, "info": cmd_info, "search": cmd_search}[args.command](args)
     except SwiftkernError as e:
         print(f"swiftkern: error: {e}", file=sys.stderr)

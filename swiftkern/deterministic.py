@@ -35,6 +35,7 @@ from .errors import SwiftkernError
 from .kv_cache import KVCache
 from .layer_set import LayerSet
 from .model import SkipModel
+from .prefill import prefill
 from .requests import Requests
 from .sampling import SamplingParams, select_tokens
 from .batch_invariant import bi_log_softmax, bi_token_logprob
@@ -150,21 +151,16 @@ def decode_deterministic(model: SkipModel, cache: KVCache, prompts: list[list[in
     rows = _prefill_rows(model, verifier, cache, start, list(range(len(start))), prompts, params, seeds, verified,
                          requests, logprobs, fast_path, stats, batched=True)
     rows = _drop_finished(requests, cache, rows)
-    clock = 0
     while True:
-        if requests.waiting:  # arrivals: new rows after the alive ones (in place of all when none is)
-            empty = not requests.alive
-            due = requests.arrivals(clock)
-            if due:
-                new_rows = cache.add_rows(len(due), replace=empty)
-                rows = rows + _prefill_rows(model, verifier, cache, due, new_rows, prompts, params, seeds,
-                                            verified, requests, logprobs, fast_path, stats, batched=False)
-                rows = _drop_finished(requests, cache, rows)
+        due, new_rows = requests.admit(cache)  # arrivals: new rows after the alive ones
+        if due:
+            rows = rows + _prefill_rows(model, verifier, cache, due, new_rows, prompts, params, seeds, verified,
+                                        requests, logprobs, fast_path, stats, batched=False)
+            rows = _drop_finished(requests, cache, rows)
         if not rows:
             if not requests.waiting:
                 break
-            clock = max(clock, requests.next_arrival())  # an empty batch waits for the next request
-            continue
+            continue  # an empty batch: the next arrivals join at once
         while rows:  # verify passes: a full group of due rows, or every verified row due
             due = [i for i, row in enumerate(rows) if row.stopped or len(row.unverified) >= window]
             if not due or (len(due) < verify_batch and len(due) < sum(row.verified for row in rows)):
@@ -177,7 +173,7 @@ def decode_deterministic(model: SkipModel, cache: KVCache, prompts: list[list[in
             _fast_step(model, cache, rows, fast_path, prompts, params, seeds, requests, window, stats, per_row,
                        logprobs, policy)
             rows = _drop_finished(requests, cache, rows)  # unverified requests finish here
-        clock += 1
+        requests.step += 1
 
     stats["verify_passes"] = verifier.passes - stats["prefill_passes"]
     stats["verifier_kernels"] = verifier.kernels.name
@@ -213,8 +209,6 @@ def _prefill_rows(model, verifier, cache, reqs, cache_rows, prompts, params, see
     verified (its KV is the cache of record), else with the regular runner (``batched``: one
     padded forward over the whole cache, which holds exactly ``reqs``; else one forward a
     prompt); draw and commit each one's first token. -> their rows."""
-    from .generate import prefill
-
     n, before = len(reqs), verifier.passes
     replayed = [i for i, r in enumerate(reqs) if verified[r]]
     regular = [i for i, r in enumerate(reqs) if not verified[r]]

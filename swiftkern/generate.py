@@ -18,6 +18,7 @@ from .layer_set import LayerSet
 from .layer_kernels import invariant_kernels_available
 from .model import SkipModel
 from .batch_invariant import bi_token_logprob
+from .prefill import admit_arrivals, prefill  # noqa: F401 (prefill: part of this module's API)
 from .requests import Requests
 from .sampling import SamplingParams, select_tokens
 from .draft_head import DEFAULT_DRAFT_VOCAB, DraftHead
@@ -52,49 +53,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def prefill(model: SkipModel, cache: KVCache, prompts: list[list[int]], per_row: bool = False,
-            rows: list[int] | None = None) -> torch.Tensor:
-    """Run all prompts through the model: one right-padded forward, or (``per_row``) one
-    forward per prompt at its own length, no padding computed (the batch-invariant kernels are
-    compute-bound at prefill sizes, so padding costs its full share there). ``rows`` (per_row
-    only): the cache row of each prompt (default: prompt b in row b).
-
-    Padding sits after each row's real tokens, so causal attention keeps it out of the real
-    positions; the cache is then rolled back to the real lengths. -> last logits [B, V]
-    """
-    lengths = [len(p) for p in prompts]
-    if per_row:
-        last = []
-        for b, p in zip(rows if rows is not None else range(len(prompts)), prompts):
-            view = cache.row_view(b)
-            logits = model.forward(torch.tensor([p], dtype=torch.int64, device=model.device), view,
-                                   logits_positions=torch.tensor([[len(p) - 1]], device=model.device))
-            cache.set_row_length(b, view.host_lengths[0])
-            last.append(logits[0, 0])
-        return torch.stack(last)
-    width = max(lengths)
-    tokens = torch.tensor([p + [p[-1]] * (width - len(p)) for p in prompts],
-                          dtype=torch.int64, device=model.device)  # [B, width]
-    last = torch.tensor(lengths, dtype=torch.int64, device=model.device).sub_(1).unsqueeze(1)
-    logits = model.forward(tokens, cache, logits_positions=last)  # [B, 1, V]
-    cache.rollback(lengths)
-    return logits[:, 0]
-
-
-def admit_arrivals(model: SkipModel, cache: KVCache, requests: Requests, step: int,
-                   prompts: list[list[int]]) -> torch.Tensor | None:
-    """Requests due by ``step`` (``Requests.arrivals``) join the batch: new cache rows after the
-    alive ones (in place of every row when none is alive), each prompt prefilled on its own into
-    its row (one forward a prompt: the prefill a server gives a new request, and what the
-    batch-invariant kernels need). -> their last logits [n, V], or None."""
-    empty = not requests.alive
-    due = requests.arrivals(step)
-    if not due:
-        return None
-    rows = cache.add_rows(len(due), replace=empty)
-    return prefill(model, cache, [prompts[r] for r in due], per_row=True, rows=rows)
-
-
 def decode_ar(model: SkipModel, cache: KVCache, first_logits: torch.Tensor, params: SamplingParams,
               seeds: list[int], requests: Requests, logprobs: list[list[torch.Tensor]] | None = None,
               prompts: list[list[int]] | None = None) -> int:
@@ -105,9 +63,9 @@ def decode_ar(model: SkipModel, cache: KVCache, first_logits: torch.Tensor, para
     prefilled on their own (``admit_arrivals``). logprobs: per request, a list that gets each
     new token's log-probability (``bi_token_logprob``, float32 [1] each). -> decode steps
     """
-    logits, steps, clock = first_logits, 0, 0
+    logits, steps = first_logits, 0
     while True:
-        new = admit_arrivals(model, cache, requests, clock, prompts) if requests.waiting else None
+        new = admit_arrivals(model, cache, requests, prompts)
         if new is not None:
             logits = new if logits is None else torch.cat([logits, new.to(logits.dtype)])
         positions = list(cache.host_lengths)  # absolute position of the token chosen now
@@ -120,11 +78,11 @@ def decode_ar(model: SkipModel, cache: KVCache, first_logits: torch.Tensor, para
         for r, t in zip(requests.alive, next_tokens.tolist()):
             requests.commit(r, [t])
         next_tokens = requests.drop_finished(cache, next_tokens)
-        clock += 1
+        requests.step += 1
         if next_tokens is None:
             if not requests.waiting:
                 return steps
-            logits, clock = None, max(clock, requests.next_arrival())  # an empty batch waits for the next
+            logits = None  # an empty batch: the next arrivals join at once
             continue
         logits = model.forward(next_tokens.unsqueeze(1), cache)[:, -1]  # [B, V]
         steps += 1

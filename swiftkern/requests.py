@@ -16,8 +16,8 @@ class Requests:
     no further work. ``on_commit(r, tokens)``, when given, is called with the tokens each
     commit appended (never empty): committed tokens are final in every mode, so this is what a
     stream shows. ``arrive_at[r]``: the decoding step at which request r joins the batch (0:
-    from the start; default all 0), as requests arrive at a server while others decode;
-    ``arrivals(step)`` hands the loop those due, and it appends them as new rows.
+    from the start; default all 0), as requests arrive at a server while others decode; the
+    loop advances ``step`` and ``admit`` adds those due as new cache rows.
     """
 
     def __init__(self, num: int, max_new_tokens: int, stop_ids: frozenset[int], stop_check=None,
@@ -27,6 +27,7 @@ class Requests:
         self.arrive_at = [0] * num if arrive_at is None else [int(s) for s in arrive_at]
         self.alive = [r for r in range(num) if self.arrive_at[r] == 0]
         self.waiting = sorted((r for r in range(num) if self.arrive_at[r] > 0), key=lambda r: (self.arrive_at[r], r))
+        self.step = 0  # the decoding loop's step: a waiting request joins once it reaches its arrive_at
         self.max_new_tokens = max_new_tokens
         self.stop_ids = stop_ids
         self.stop_check = stop_check
@@ -45,18 +46,22 @@ class Requests:
         if self.on_commit is not None and len(out) > before:
             self.on_commit(r, out[before:])
 
-    def arrivals(self, step: int) -> list[int]:
-        """The waiting requests due by ``step`` (in arrival order), now alive: the caller adds
-        their rows to the cache after the existing ones, in this order."""
-        due = [r for r in self.waiting if self.arrive_at[r] <= step]
-        if due:
-            self.waiting = self.waiting[len(due):]
-            self.alive = self.alive + due
-        return due
-
-    def next_arrival(self) -> int | None:
-        """The step of the next waiting request, or None."""
-        return self.arrive_at[self.waiting[0]] if self.waiting else None
+    def admit(self, cache: KVCache) -> tuple[list[int], list[int]]:
+        """The waiting requests due by ``step`` join the batch, in arrival order: rows appended
+        to ``cache`` after the alive ones, or in place of every row when none is alive (the
+        step then jumps to the next arrival: an empty batch waits for it). -> (the requests,
+        their cache rows), both empty when none is due."""
+        if not self.waiting:
+            return [], []
+        empty = not self.alive
+        if empty:
+            self.step = max(self.step, self.arrive_at[self.waiting[0]])
+        due = [r for r in self.waiting if self.arrive_at[r] <= self.step]
+        if not due:
+            return [], []
+        self.waiting = self.waiting[len(due):]
+        self.alive = self.alive + due
+        return due, cache.add_rows(len(due), replace=empty)
 
     def remaining(self, r: int) -> int:
         return self.max_new_tokens - len(self.out[r])

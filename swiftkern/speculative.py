@@ -24,6 +24,7 @@ from .model import SkipModel
 from .draft_head import DraftHead
 from .drafter_policy import Choice, DrafterPolicy
 from .drafters import LOOKUP_MIN_NGRAM_UNJUDGED, LookupMatch, lookup_match
+from .prefill import admit_arrivals
 from .batch_invariant import bi_token_logprob
 from .requests import Requests
 from .sampling import SamplingParams, keyed_uniforms, probs_from_logits, sample_from_weights, select_tokens
@@ -214,24 +215,19 @@ def decode_self_spec(model: SkipModel, cache: KVCache, first_logits: torch.Tenso
     per_row = [{"verifies": 0, "drafted": 0, "accepted": 0} for _ in requests.out]
     stats["per_row"] = per_row
     pending = _first_tokens(first_logits, requests.alive, cache, params, seeds, requests, logprobs, draft_head)
-    clock = 0
     while True:
         pending = requests.drop_finished(cache, pending)
-        if requests.waiting:  # arrivals join as new rows, each with its first token committed
-            from .generate import admit_arrivals
-
-            new = admit_arrivals(model, cache, requests, clock, prompts)
-            if new is not None:
-                due = requests.alive[len(requests.alive) - new.shape[0]:]
-                first = _first_tokens(new, due, cache, params, seeds, requests, logprobs, draft_head)
-                pending = first if pending is None else torch.cat([pending, first])
-                pending = requests.drop_finished(cache, pending)
+        new = admit_arrivals(model, cache, requests, prompts)  # arrivals, their first tokens committed
+        if new is not None:
+            due = requests.alive[len(requests.alive) - new.shape[0]:]
+            first = _first_tokens(new, due, cache, params, seeds, requests, logprobs, draft_head)
+            pending = first if pending is None else torch.cat([pending, first])
+            pending = requests.drop_finished(cache, pending)
         if pending is None:
             if not requests.waiting:
                 return stats
-            clock = max(clock, requests.next_arrival())  # an empty batch waits for the next request
-            continue
-        clock += 1
+            continue  # an empty batch: the next arrivals join at once
+        requests.step += 1
         alive = requests.alive
         B = len(alive)
         row_seeds = [seeds[r] for r in alive]

@@ -40,10 +40,22 @@ def test_add_rows_keeps_the_rows_in_use():
 
 
 def test_requests_hand_over_arrivals_in_order():
+    cache = KVCache(1, 1, 1, 8, 4, torch.float32, "cpu")  # request 1's row
     req = Requests(4, 5, frozenset(), arrive_at=[2, 0, 2, 1])
-    assert req.alive == [1] and req.next_arrival() == 1
-    assert req.arrivals(0) == [] and req.arrivals(1) == [3] and req.alive == [1, 3]
-    assert req.arrivals(5) == [0, 2] and req.alive == [1, 3, 0, 2] and req.next_arrival() is None
+    assert req.alive == [1] and req.admit(cache) == ([], [])
+    req.step = 1
+    assert req.admit(cache) == ([3], [1]) and req.alive == [1, 3] and cache.batch == 2
+    req.step = 5
+    assert req.admit(cache) == ([0, 2], [2, 3]) and req.alive == [1, 3, 0, 2] and not req.waiting
+    assert req.admit(cache) == ([], []) and cache.batch == 4
+
+
+def test_an_empty_batch_jumps_to_the_next_arrival():
+    cache = KVCache(1, 2, 1, 8, 4, torch.float32, "cpu")
+    req = Requests(3, 5, frozenset(), arrive_at=[0, 9, 9])
+    req.alive = []  # every request alive so far finished at step 2
+    req.step = 2
+    assert req.admit(cache) == ([1, 2], [0, 1]) and req.step == 9 and cache.batch == 2
 
 
 class Order:

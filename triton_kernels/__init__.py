@@ -9,8 +9,9 @@ lazily, only when a Triton kernel may be needed, and picks the backend per op an
 
 Modules: launch (launch sizes and input checks), registry (the registration), and per op
 fused_add_rms_norm (with rms_norm), silu_mul, rope_kv_append, verify_attention (with
-verify_attention_invariant), greedy_accept, rejection_sample, kv_compact; bi_matmul (the deterministic verifier's matmul, not in
-``_SCHEMAS``) registers its own op through ``registry.register`` when imported here.
+verify_attention_invariant), greedy_accept, rejection_sample, kv_compact; bi_matmul (the
+deterministic verifier's matmul, not in ``_SCHEMAS``) registers its own op through
+``registry.register`` when imported here.
 """
 
 from __future__ import annotations

@@ -1,0 +1,50 @@
+"""Prompts into the KV cache: a batch at the start, and requests that join it later."""
+
+from __future__ import annotations
+
+import torch
+
+from .kv_cache import KVCache
+from .model import SkipModel
+from .requests import Requests
+
+
+def prefill(model: SkipModel, cache: KVCache, prompts: list[list[int]], per_row: bool = False,
+            rows: list[int] | None = None) -> torch.Tensor:
+    """Run all prompts through the model: one right-padded forward, or (``per_row``) one
+    forward per prompt at its own length, no padding computed (the batch-invariant kernels are
+    compute-bound at prefill sizes, so padding costs its full share there). ``rows`` (per_row
+    only): the cache row of each prompt (default: prompt b in row b).
+
+    Padding sits after each row's real tokens, so causal attention keeps it out of the real
+    positions; the cache is then rolled back to the real lengths. -> last logits [B, V]
+    """
+    lengths = [len(p) for p in prompts]
+    if per_row:
+        last = []
+        for b, p in zip(rows if rows is not None else range(len(prompts)), prompts):
+            view = cache.row_view(b)
+            logits = model.forward(torch.tensor([p], dtype=torch.int64, device=model.device), view,
+                                   logits_positions=torch.tensor([[len(p) - 1]], device=model.device))
+            cache.set_row_length(b, view.host_lengths[0])
+            last.append(logits[0, 0])
+        return torch.stack(last)
+    width = max(lengths)
+    tokens = torch.tensor([p + [p[-1]] * (width - len(p)) for p in prompts],
+                          dtype=torch.int64, device=model.device)  # [B, width]
+    last = torch.tensor(lengths, dtype=torch.int64, device=model.device).sub_(1).unsqueeze(1)
+    logits = model.forward(tokens, cache, logits_positions=last)  # [B, 1, V]
+    cache.rollback(lengths)
+    return logits[:, 0]
+
+
+def admit_arrivals(model: SkipModel, cache: KVCache, requests: Requests,
+                   prompts: list[list[int]]) -> torch.Tensor | None:
+    """Requests due by now join the batch (``Requests.admit``: new cache rows after the alive
+    ones), each prompt prefilled on its own into its row (one forward a prompt: the prefill a
+    server gives a new request, and what the batch-invariant kernels need). -> their last
+    logits [n, V], or None when none joined."""
+    due, rows = requests.admit(cache)
+    if not due:
+        return None
+    return prefill(model, cache, [prompts[r] for r in due], per_row=True, rows=rows)
