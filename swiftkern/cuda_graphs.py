@@ -105,13 +105,13 @@ class GraphRunner:
 
     def new_cache(self, batch: int, needed: int):
         """A KVCache for ``batch`` rows of at least ``needed`` positions: the one handed out last
-        when it fits (graphs are keyed on the cache's storage, so a reused cache reuses them
-        across calls and Generators), else a new one of ``needed`` rounded up to CACHE_STEP
-        positions. A reused cache holds stale keys and values past every row's length: finite
-        model values, masked, overwritten."""
+        when it has the rows and positions (graphs are keyed on the cache's storage, so a reused
+        cache reuses them across calls and Generators), else a new one of ``needed`` rounded up
+        to CACHE_STEP positions. A reused cache holds stale keys and values past every row's
+        length: finite model values, masked, overwritten."""
         cache = self.cache
-        if cache is not None and cache.batch == batch and needed <= cache.max_len < 2 * needed + CACHE_STEP:
-            cache.set_lengths([0] * batch)
+        if cache is not None and batch <= cache.capacity and needed <= cache.max_len < 2 * needed + CACHE_STEP:
+            cache.reset(batch)
             return cache
         try:
             cache = self.model.new_cache(batch, -(-needed // CACHE_STEP) * CACHE_STEP)

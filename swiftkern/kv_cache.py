@@ -10,28 +10,45 @@ from .errors import SwiftkernError
 class KVCache:
     """Preallocated keys and values for every layer, row and position.
 
-    k, v: [L, B, H_kv, S_max, D]. Row b holds ``lengths[b]`` valid positions; everything past
-    that is stale and is overwritten by the next append. ``rollback`` only moves lengths, so
-    discarding rejected draft tokens costs nothing. Lengths live on the host (``host_lengths``,
-    the truth for control flow) and on the device (``lengths``, for kernels).
+    k, v: [L, B, H_kv, S_max, D], the first B of ``capacity`` allocated rows (each layer's
+    ``k[i]`` is contiguous). Row b holds ``lengths[b]`` valid positions; everything past that is
+    stale and is overwritten by the next append. ``rollback`` only moves lengths, so discarding
+    rejected draft tokens costs nothing. Lengths live on the host (``host_lengths``, the truth
+    for control flow) and on the device (``lengths``, for kernels). Requests join and leave in
+    place: ``add_rows`` takes free rows (allocating only past ``capacity``) and ``select_rows``
+    moves the kept rows' valid positions down, so the batch changing never copies the cache.
     """
 
     def __init__(self, num_layers: int, batch: int, num_kv_heads: int, max_len: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str):
-        if batch < 1 or max_len < 1:
-            raise SwiftkernError(f"KV cache needs batch >= 1 and max_len >= 1, got {batch}, {max_len}")
-        shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str, capacity: int | None = None):
+        capacity = batch if capacity is None else capacity
+        if batch < 1 or max_len < 1 or capacity < batch:
+            raise SwiftkernError(f"KV cache needs batch >= 1, max_len >= 1 and capacity >= batch, "
+                                 f"got batch={batch}, max_len={max_len}, capacity={capacity}")
+        shape = (num_layers, capacity, num_kv_heads, max_len, head_dim)
         # zeros, not empty: attention reads (masked) positions past a short row's length, and a
         # NaN there would survive the mask (0 * NaN); every later write is a finite model value
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self._k_rows = torch.zeros(shape, dtype=dtype, device=device)  # [L, capacity, H_kv, S_max, D]
+        self._v_rows = torch.zeros(shape, dtype=dtype, device=device)
+        self._length_rows = torch.zeros(capacity, dtype=torch.int64, device=device)  # [capacity]
         self.max_len = max_len
+        self._use_rows(batch)
         self.host_lengths = [0] * batch
-        self.lengths = torch.zeros(batch, dtype=torch.int64, device=device)  # [B]
+
+    def _use_rows(self, batch: int) -> None:
+        """Views of the first ``batch`` rows: the same storage, so their addresses stay put."""
+        self.k = self._k_rows[:, :batch]  # [L, B, H_kv, S_max, D]
+        self.v = self._v_rows[:, :batch]
+        self.lengths = self._length_rows[:batch]  # [B]
 
     @property
     def batch(self) -> int:
         return len(self.host_lengths)
+
+    @property
+    def capacity(self) -> int:
+        """Rows allocated: the batch may grow to this without a new allocation."""
+        return self._k_rows.shape[1]
 
     def check_room(self, num_new: int) -> None:
         """Raise SwiftkernError unless every row has room for ``num_new`` more tokens."""
@@ -83,11 +100,20 @@ class KVCache:
         if not 0 <= b < self.batch:
             raise SwiftkernError(f"row_view: row {b} outside [0, {self.batch})")
         view = KVCache.__new__(KVCache)
-        view.k, view.v = self.k[:, b:b + 1], self.v[:, b:b + 1]
+        view._k_rows, view._v_rows = self.k[:, b:b + 1], self.v[:, b:b + 1]
+        view._length_rows = self.lengths[b:b + 1].clone()
         view.max_len = self.max_len
+        view._use_rows(1)
         view.host_lengths = [self.host_lengths[b]]
-        view.lengths = self.lengths[b:b + 1].clone()
         return view
+
+    def reset(self, batch: int) -> None:
+        """Use the first ``batch`` rows, all empty (a cache reused for a new call)."""
+        if not 1 <= batch <= self.capacity:
+            raise SwiftkernError(f"reset: batch {batch} outside [1, capacity={self.capacity}]")
+        self._use_rows(batch)
+        self.host_lengths = [0] * batch
+        self.set_lengths(self.host_lengths)
 
     def set_row_length(self, b: int, length: int) -> None:
         if not 0 <= length <= self.max_len:
@@ -95,30 +121,46 @@ class KVCache:
         self.host_lengths[b] = length
         self.lengths[b] = length
 
-    def add_rows(self, n: int, replace: bool = False) -> list[int]:
-        """Append ``n`` empty rows (length 0) for requests that join the batch (``replace``: in
-        place of every row, when none is in use any more) -> their indices. Copies the cache,
-        as ``select_rows`` does."""
+    def add_rows(self, n: int, replace: bool = False, reserve: int = 0) -> list[int]:
+        """Give ``n`` empty rows (length 0) to requests that join the batch, after the rows in
+        use, or in place of every row (``replace``: none is in use any more) -> their indices.
+        Past ``capacity`` the rows are reallocated once, to room for max(2 x capacity, the rows
+        needed) but at most ``reserve`` rows (the most the caller can ever need) when that is
+        larger than the rows needed."""
         if n < 1:
             raise SwiftkernError(f"add_rows: n must be >= 1, got {n}")
-        L, B, H, S, D = self.k.shape
-        empty = torch.zeros((L, n, H, S, D), dtype=self.k.dtype, device=self.k.device)
-        if replace:
-            self.k, self.v, self.host_lengths = empty, empty.clone(), [0] * n
-            self.lengths = self.lengths.new_zeros(n)
-            return list(range(n))
-        self.k = torch.cat([self.k, empty], dim=1)
-        self.v = torch.cat([self.v, empty], dim=1)
-        self.host_lengths = self.host_lengths + [0] * n
-        self.lengths = torch.cat([self.lengths, self.lengths.new_zeros(n)])
-        return list(range(B, B + n))
+        first = 0 if replace else self.batch
+        needed = first + n
+        if needed > self.capacity:
+            grown = max(2 * self.capacity, needed)
+            self._grow(min(grown, reserve) if reserve > needed else grown, keep=first)
+        self._use_rows(needed)
+        self.host_lengths = self.host_lengths[:first] + [0] * n
+        self.lengths[first:] = 0
+        return list(range(first, needed))
+
+    def _grow(self, capacity: int, keep: int) -> None:
+        """Reallocate to ``capacity`` rows, keeping the first ``keep``."""
+        B = keep
+        for name in ("_k_rows", "_v_rows"):
+            old = getattr(self, name)
+            new = old.new_zeros((old.shape[0], capacity) + tuple(old.shape[2:]))
+            new[:, :B] = old[:, :B]
+            setattr(self, name, new)
+        lengths = self._length_rows.new_zeros(capacity)
+        lengths[:B] = self._length_rows[:B]
+        self._length_rows = lengths
 
     def select_rows(self, rows: list[int]) -> None:
-        """Keep only these rows, in this order (drops finished requests; copies the kept rows)."""
-        if not rows or any(not 0 <= r < self.batch for r in rows):
-            raise SwiftkernError(f"select_rows: rows {rows} must be a non-empty subset of [0, {self.batch})")
-        index = torch.tensor(rows, dtype=torch.int64, device=self.k.device)
-        self.k = self.k.index_select(1, index)
-        self.v = self.v.index_select(1, index)
+        """Keep only these rows (ascending: drops finished requests, keeps the order). In place:
+        each kept row that moves copies its valid positions down to its new index."""
+        if not rows or any(not 0 <= r < self.batch for r in rows) or any(a >= b for a, b in zip(rows, rows[1:])):
+            raise SwiftkernError(f"select_rows: rows {rows} must be a non-empty ascending subset of [0, {self.batch})")
+        for new, old in enumerate(rows):
+            n = self.host_lengths[old]
+            if new != old and n:  # old > new, and every later source lies past old: nothing unread is overwritten
+                self.k[:, new, :, :n] = self.k[:, old, :, :n]
+                self.v[:, new, :, :n] = self.v[:, old, :, :n]
         self.host_lengths = [self.host_lengths[r] for r in rows]
-        self.lengths = self.lengths.index_select(0, index)
+        self._use_rows(len(rows))
+        self.set_lengths(self.host_lengths)

@@ -59,9 +59,10 @@ class Requests:
         due = [r for r in self.waiting if self.arrive_at[r] <= self.step]
         if not due:
             return [], []
+        most = len(self.alive) + len(self.waiting)  # rows the cache can ever need from here on
         self.waiting = self.waiting[len(due):]
         self.alive = self.alive + due
-        return due, cache.add_rows(len(due), replace=empty)
+        return due, cache.add_rows(len(due), replace=empty, reserve=most)
 
     def remaining(self, r: int) -> int:
         return self.max_new_tokens - len(self.out[r])

@@ -1,4 +1,6 @@
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from swiftkern import KVCache, SwiftkernError
@@ -34,3 +36,87 @@ def test_rollback_never_grows_and_checks_batch():
         c.rollback([1, 1])
     c.rollback(torch.tensor([3, 2, 0]))
     assert c.host_lengths == [3, 2, 0]
+
+
+def fill(c: KVCache, rows: list[int], lengths: list[int], seed: int) -> None:
+    """Write random keys/values into ``rows`` up to ``lengths`` and mark them valid."""
+    g = torch.Generator().manual_seed(seed)
+    for b, n in zip(rows, lengths):
+        c.k[:, b, :, :n] = torch.randn(c.k[:, b, :, :n].shape, generator=g)
+        c.v[:, b, :, :n] = torch.randn(c.v[:, b, :, :n].shape, generator=g)
+        c.set_row_length(b, n)
+
+
+def valid_rows(c: KVCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each row's valid keys and values, copied: what the cache means, whatever its storage."""
+    return [(c.k[:, b, :, :n].clone(), c.v[:, b, :, :n].clone()) for b, n in enumerate(c.host_lengths)]
+
+
+def assert_same_rows(got, want):
+    assert len(got) == len(want)
+    for (gk, gv), (wk, wv) in zip(got, want):
+        assert torch.equal(gk, wk) and torch.equal(gv, wv)
+
+
+def test_select_rows_moves_kept_rows_down_in_place():
+    c = make(batch=5)
+    fill(c, range(5), [3, 7, 0, 10, 1], seed=0)
+    before, address = valid_rows(c), c.k.data_ptr()
+    c.select_rows([1, 2, 4])
+    assert c.k.data_ptr() == address and c.k.shape == (2, 3, 2, 10, 4) and c.capacity == 5
+    assert c.host_lengths == [7, 0, 1] and c.lengths.tolist() == [7, 0, 1]
+    assert_same_rows(valid_rows(c), [before[1], before[2], before[4]])
+    for layer in range(2):  # each layer's rows stay one contiguous block, as the kernels take them
+        assert c.k[layer].is_contiguous() and c.v[layer].is_contiguous()
+    with pytest.raises(SwiftkernError, match="ascending"):
+        c.select_rows([2, 0])
+
+
+def test_add_rows_reuses_free_rows_then_grows_once():
+    c = make(batch=4)
+    fill(c, range(4), [2, 5, 1, 4], seed=1)
+    c.select_rows([0, 3])
+    before, address = valid_rows(c), c.k.data_ptr()
+    assert c.add_rows(2) == [2, 3]  # the two freed rows: no allocation
+    assert c.k.data_ptr() == address and c.host_lengths == [2, 4, 0, 0] and c.lengths.tolist() == [2, 4, 0, 0]
+    assert_same_rows(valid_rows(c)[:2], before)
+    assert c.add_rows(3, reserve=8) == [4, 5, 6]  # past capacity 4: 2 x 4 = 8 rows, within the reserve
+    assert c.capacity == 8 and c.batch == 7
+    assert_same_rows(valid_rows(c)[:2], before)
+    assert c.add_rows(2, reserve=2) == [7, 8]  # 16 would pass the reserve, which is below what is needed
+    assert c.capacity == 16
+    c.select_rows([0])
+    assert c.add_rows(3, replace=True) == [0, 1, 2] and c.host_lengths == [0, 0, 0]
+
+
+def test_reset_reuses_the_storage():
+    c = make(batch=2)
+    c.advance(3)
+    c.select_rows([1])
+    address = c.k.data_ptr()
+    c.reset(2)
+    assert c.k.data_ptr() == address and c.host_lengths == [0, 0] and c.lengths.tolist() == [0, 0]
+    with pytest.raises(SwiftkernError, match="capacity"):
+        c.reset(3)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 4), st.integers(0, 2 ** 16)), min_size=1, max_size=12))
+def test_joins_and_departures_match_a_list_of_rows(events):
+    """Any sequence of requests joining (add_rows) and leaving (select_rows) leaves each request
+    with the keys and values it wrote: against a plain list of per-request tensors."""
+    c = make(batch=1, max_len=6)
+    fill(c, [0], [3], seed=0)
+    model = valid_rows(c)
+    for join, n, seed in events:
+        if join or c.batch == 1:
+            rows = c.add_rows(n, reserve=c.batch + n + 1)
+            lengths = [(seed >> (3 * i)) % 7 for i in range(n)]
+            fill(c, rows, lengths, seed)
+            model += [(c.k[:, b, :, :m].clone(), c.v[:, b, :, :m].clone()) for b, m in zip(rows, lengths)]
+        else:
+            keep = sorted(torch.randperm(c.batch, generator=torch.Generator().manual_seed(seed))[:max(1, c.batch - n)].tolist())
+            c.select_rows(keep)
+            model = [model[i] for i in keep]
+        assert_same_rows(valid_rows(c), model)
+        assert c.lengths.tolist() == c.host_lengths and c.batch <= c.capacity
