@@ -125,7 +125,8 @@ def decode_deterministic(model: SkipModel, cache: KVCache, prompts: list[list[in
        verify_batch (the pass's rows: verify_batch, or fewer when fewer requests are verified),
        verifier_kernels (the set's name), lookup_tokens (fast tokens from prompt lookup),
        with an adaptive fast path: fast_kinds ({"full", "draft": fast steps}), lookup_taken /
-       lookup_declined (matches taken or declined),
+       lookup_declined (matches taken or declined), trials (a kind or lookup class tried again
+       after the policy left it out, per row: ``acceptance.Agreements``),
        logprobs (per request, float32 [new tokens]: the verifier's log-probability of each
        returned token), per_row [{verifies, fast_tokens, rolled_back}] per request
     """
@@ -181,7 +182,8 @@ def decode_deterministic(model: SkipModel, cache: KVCache, prompts: list[list[in
     stats["dummy_rows"] = verifier.dummy_rows
     stats["rollback_fraction"] = stats["rolled_back"] / stats["fast_tokens"] if stats["fast_tokens"] else 0.0
     if policy is not None:
-        stats.update(fast_kinds=dict(policy.steps), lookup_taken=policy.taken, lookup_declined=policy.declined)
+        stats.update(fast_kinds=dict(policy.steps), lookup_taken=policy.taken, lookup_declined=policy.declined,
+                     trials=policy.agreements.trials)
     stats["logprobs"] = [torch.cat(lp) for lp in logprobs]
     stats["per_row"] = per_row
     return stats
@@ -307,7 +309,9 @@ def _fast_step(model, cache, rows, fast_path, prompts, params, seeds, requests, 
             row.stopped = True
             continue
         row.unverified.append(tokens[i])
-        row.kind = row.kind or kind
+        # "draft" once any token is a draft's: its skipped layers wrote no KV, so a full step
+        # must not follow before the row's verify pass (mixed tokens are judged as the draft's)
+        row.kind = "draft" if kind == "draft" else row.kind or kind
         stats["fast_tokens"] += 1
         per_row[r]["fast_tokens"] += 1
         seen = requests.out[r] + row.unverified

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .acceptance import Acceptance, Agreements, expected_tokens  # noqa: F401  (Acceptance: re-exported)
+
 DRAFTERS = ("auto", "layer-skip", "lookup", "none")
 # prior acceptance of a lookup draft by the length of the context match it came from (1, 2, 3, 4+)
 LOOKUP_PRIORS = (0.3, 0.5, 0.6, 0.8)
@@ -26,13 +28,6 @@ LOOKUP_PRIORS = (0.3, 0.5, 0.6, 0.8)
 def lookup_bucket(ngram: int) -> int:
     """The acceptance class of a lookup match of ``ngram`` tokens: 1, 2, 3 or 4 (4 or more)."""
     return max(1, min(ngram, len(LOOKUP_PRIORS)))
-
-
-def expected_tokens(a: float, k: int) -> float:
-    """E[tokens emitted] by a step with k drafts of acceptance a: sum_{i=0..k} a^i."""
-    if a >= 1.0:
-        return float(k + 1)
-    return (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
 @dataclass
@@ -77,33 +72,6 @@ class ForwardCosts:
         return max(c0 + (c1 - c0) * (T - t0) / (t1 - t0), 1e-9)
 
 
-@dataclass
-class Acceptance:
-    """Per-draft acceptance a of one drafter on one row: accepted / (accepted + misses),
-    both counts decayed by ``decay`` per verify, starting from ``prior`` worth ``prior_weight``
-    observations. A verify of n drafts with m accepted adds m accepted and a miss if m < n."""
-
-    prior: float = 0.5
-    prior_weight: float = 2.0
-    decay: float = 0.9
-    accepted: float = field(default=0.0)
-    misses: float = field(default=0.0)
-
-    def __post_init__(self):
-        self.accepted = self.prior * self.prior_weight
-        self.misses = (1 - self.prior) * self.prior_weight
-
-    def update(self, num_draft: int, num_accepted: int) -> None:
-        if num_draft == 0:
-            return
-        self.accepted = self.decay * self.accepted + num_accepted
-        self.misses = self.decay * self.misses + (1.0 if num_accepted < num_draft else 0.0)
-
-    @property
-    def rate(self) -> float:
-        return self.accepted / (self.accepted + self.misses)
-
-
 def _class_key(drafter: str, lookup_ngram: int) -> tuple[str, int]:
     return (drafter, lookup_bucket(lookup_ngram) if drafter == "lookup" else 0)
 
@@ -122,8 +90,9 @@ class DrafterPolicy:
     Call ``choose(row, lookup_len, budget, lookup_ngram=n)`` before a step and ``observe(row,
     drafter, num_draft, num_accepted, lookup_ngram=n)`` after it; the generation loop feeds
     ``costs``. Lookup acceptance is per (row, match length class), layer-skip's per row.
-    Exploration: a drafter that has not been used for ``explore_every`` steps of a row is
-    valued at its prior again, so a stale low estimate is re-tested now and then.
+    Exploration (``acceptance.Agreements``): a drafter a row has not used for ``explore_every``
+    steps is tried once, as soon as it can draft for the row, and its estimate starts again
+    from that trial, so a low estimate (or a losing prior) is measured again now and then.
 
     ``measure=False`` keeps the costs at a fixed model (verify(T) = 1 + 0.15 (T - 1), a draft
     forward 0.5) instead of timing: choices then depend only on the drafts' acceptance, which
@@ -139,14 +108,13 @@ class DrafterPolicy:
         self.explore_every = explore_every
         self.priors = {_class_key("lookup", n): p for n, p in enumerate(lookup_priors, start=1)}
         self.priors[_class_key("layer-skip", 0)] = skip_prior
+        # per (row, (drafter, class)); class: lookup_bucket of the match for lookup, 0 for layer-skip
+        self.agreements = Agreements(self.priors.__getitem__, explore_every)
         self.costs = ForwardCosts()
         self.measure = measure
         if not measure:
             self.costs.add_verify(1, 1.0)
             self.costs.add_draft(0.5)
-        # per row: {(drafter, class): [Acceptance, steps since the row last used it]};
-        # class: lookup_bucket of the match for lookup, 0 for layer-skip
-        self._rows: dict = {}
         self._draft_len: dict = {}  # per row: drafts a confident layer-skip run yields (running mean)
 
     def record_verify(self, T: int, seconds: float) -> None:
@@ -159,13 +127,8 @@ class DrafterPolicy:
 
     def acceptance(self, row: int, drafter: str, lookup_ngram: int = 1) -> Acceptance:
         """The running acceptance of ``drafter`` on ``row`` (lookup: for matches of
-        ``lookup_ngram`` tokens); back at its prior when unused for ``explore_every`` steps."""
-        key = _class_key(drafter, lookup_ngram)
-        entries = self._rows.setdefault(row, {})
-        entry = entries.get(key)
-        if entry is None or entry[1] >= self.explore_every:
-            entry = entries[key] = [Acceptance(prior=self.priors[key]), 0]
-        return entry[0]
+        ``lookup_ngram`` tokens)."""
+        return self.agreements.get(row, _class_key(drafter, lookup_ngram))
 
     def _best_k(self, a: float, k_limit: int, draft_cost: float) -> tuple[int, float]:
         best_k, best = 0, 1.0 / self.costs.verify(1)
@@ -185,26 +148,32 @@ class DrafterPolicy:
             # nothing measured yet: the first step is a plain one that measures verify(1)
             return Choice("none", 0, 0.0)
         best = Choice("none", 0, 1.0 / self.costs.verify(1))
+        draft_cost = self.costs.draft if self.costs.draft is not None else 0.5 * self.costs.verify(1)
+        candidates = []  # (drafter, k, draft cost, lookup_ngram)
         if "lookup" in self.allowed and lookup_len > 0:
-            a = self.acceptance(row, "lookup", lookup_ngram).rate
-            k, rate = self._best_k(a, min(lookup_len, budget, self.k_max), 0.0)
-            if k > 0 and rate > best.tokens_per_s:
-                best = Choice("lookup", k, rate)
+            candidates.append(("lookup", min(lookup_len, budget, self.k_max), 0.0, lookup_ngram))
         if "layer-skip" in self.allowed and layer_skip:
-            a = self.acceptance(row, "layer-skip").rate
-            draft_cost = self.costs.draft if self.costs.draft is not None else 0.5 * self.costs.verify(1)
-            limit = min(budget, self.k_max, max(1, round(self._draft_len.get(row, float(self.k_max)))))
-            k, rate = self._best_k(a, limit, draft_cost)
+            candidates.append(("layer-skip", min(budget, self.k_max), draft_cost, 1))
+        for drafter, k_most, cost, ngram in candidates:
+            a = self.acceptance(row, drafter, ngram).rate
+            limit = k_most
+            if drafter == "layer-skip":  # confidence stops a run early: value the drafts it yields
+                limit = min(k_most, max(1, round(self._draft_len.get(row, float(self.k_max)))))
+            k, rate = self._best_k(a, limit, cost)
             if k > 0 and rate > best.tokens_per_s:
-                best = Choice("layer-skip", min(budget, self.k_max), rate)
+                best = Choice(drafter, k if drafter == "lookup" else k_most, rate)
+        for drafter, k_most, cost, ngram in candidates:
+            key = _class_key(drafter, ngram)
+            if drafter != best.drafter and self.agreements.due(row, key):
+                self.agreements.trial(row, key)
+                tokens = expected_tokens(self.agreements.get(row, key).rate, k_most)
+                return Choice(drafter, k_most, tokens / (k_most * cost + self.costs.verify(k_most + 1)))
         return best
 
     def observe(self, row: int, drafter: str, num_draft: int, num_accepted: int, lookup_ngram: int = 1) -> None:
         """Record a verified step of ``row`` that used ``drafter`` (any of them; lookup: drafts
         from a match of ``lookup_ngram`` tokens)."""
-        used = _class_key(drafter, lookup_ngram)
-        for key, entry in self._rows.get(row, {}).items():
-            entry[1] = 0 if key == used else entry[1] + 1
+        self.agreements.tick(row, _class_key(drafter, lookup_ngram), self.agreements.choices(row))
         if drafter in ("lookup", "layer-skip"):
             self.acceptance(row, drafter, lookup_ngram).update(num_draft, num_accepted)
         if drafter == "layer-skip" and num_draft > 0:

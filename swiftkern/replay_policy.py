@@ -20,13 +20,19 @@ A lookup match of m tokens (no model cost) sends its row to a verify pass at onc
 tokens of kind k already unverified it commits E(a_k, u) + a_k^u (E(a_L, m) - 1) for
 u c_k + c_V, and is taken when that rate beats R_k by LOOKUP_MARGIN.
 
+Exploration (``acceptance.Agreements``): a kind the rows have left out ``explore_every`` fast
+steps is tried for one cycle (until each row's next verify pass), and a lookup class declined
+that often is taken once, so an estimate that fell, or a prior that loses on this machine's
+costs, is measured again.
+
 The output does not depend on these choices (the verifier commits its own tokens; they decide
 only what it is shown), so choosing by timings keeps it deterministic.
 """
 
 from __future__ import annotations
 
-from .drafter_policy import LOOKUP_PRIORS, Acceptance, expected_tokens, lookup_bucket
+from .acceptance import Agreements, expected_tokens
+from .drafter_policy import LOOKUP_PRIORS, lookup_bucket
 
 KINDS = ("full", "draft")
 PRIORS = {"full": 0.95, "draft": 0.6}  # agreement of a fast token with the verifier, before measuring
@@ -44,8 +50,8 @@ class FastPathPolicy:
     (``observe``) measured while decoding.
 
     window, verify_batch: the verifier's fixed shape. explore_every: a choice left out this many
-    times on a row (a kind, or a lookup class) goes back to its prior, so a stale low estimate is
-    tested again. measure False: a fixed cost model instead of timings (a full forward 1, a
+    times on a row (a kind, or a lookup class) is tried again (see the module's docstring).
+    measure False: a fixed cost model instead of timings (a full forward 1, a
     draft PRIOR_DRAFT_COST, a verify pass from PRIOR_VERIFY_SLOPE), so the choices follow the
     agreement alone (tests on a loaded machine).
     """
@@ -57,7 +63,10 @@ class FastPathPolicy:
         # kind -> seconds of a forward per row in it
         self.fast_cost: dict[str, float] = {} if measure else {"full": 1.0, "draft": PRIOR_DRAFT_COST}
         self.verify_cost: float | None = None  # seconds of a verify pass per real row in it
-        self._agree: dict[tuple[int, str], list] = {}  # (request, kind | ("lookup", bucket)) -> [Acceptance, idle]
+        # per (request, kind | ("lookup", bucket))
+        self.agreements = Agreements(
+            lambda what: PRIORS[what] if isinstance(what, str) else LOOKUP_PRIORS[what[1] - 1], explore_every)
+        self._trial: dict[int, str] = {}  # request -> the kind it tries until its next verify pass
         self._run: dict[tuple[int, str], float] = {}  # (request, kind) -> fast tokens a cycle (mean)
         self.steps = {k: 0 for k in KINDS}
         self.taken = self.declined = 0
@@ -77,21 +86,15 @@ class FastPathPolicy:
     def observe(self, request: int, kind: str | None, fast: int, lookup: int, matched: int, ngram: int) -> None:
         """A verify pass compared ``fast`` fast tokens of ``kind`` then ``lookup`` lookup tokens
         (from a match of ``ngram`` tokens) of request's row, and the first ``matched`` agreed."""
+        self._trial.pop(request, None)
         if fast and kind is not None:
-            self._entry(request, kind)[0].update(fast, min(matched, fast))
+            self.agreements.get(request, kind).update(fast, min(matched, fast))
             if not lookup:
                 self._run[(request, kind)] = self._mix(self._run.get((request, kind)), float(fast))
         if lookup and matched >= fast:
-            self._entry(request, ("lookup", lookup_bucket(ngram)))[0].update(lookup, matched - fast)
+            self.agreements.get(request, ("lookup", lookup_bucket(ngram))).update(lookup, matched - fast)
 
     # --- choices -----------------------------------------------------------------------
-    def _entry(self, request: int, what) -> list:
-        entry = self._agree.get((request, what))
-        if entry is None or entry[1] >= self.explore_every:
-            prior = PRIORS[what] if isinstance(what, str) else LOOKUP_PRIORS[what[1] - 1]
-            entry = self._agree[(request, what)] = [Acceptance(prior=prior), 0]
-        return entry
-
     def _cost(self, kind: str) -> float:
         if kind in self.fast_cost:
             return self.fast_cost[kind]
@@ -105,20 +108,27 @@ class FastPathPolicy:
         return self._cost("full") * (1 + PRIOR_VERIFY_SLOPE * (tokens - 1)) / self.verify_batch
 
     def _rate(self, request: int, kind: str) -> float:
-        a = self._entry(request, kind)[0].rate
+        a = self.agreements.get(request, kind).rate
         n = max(1, round(self._run.get((request, kind), self.window - 1)))
         return expected_tokens(a, n) / (n * self._cost(kind) + self._verify_share())
 
     def kind(self, requests: list[int]) -> str:
         """The forward for this fast step of the drafting rows ``requests`` ("full" | "draft")."""
+        trying = [self._trial[r] for r in requests if r in self._trial]
         if not self.fast_cost:  # nothing timed yet: start with the draft, as the user asked
             choice = "draft"
+        elif trying:  # a trial lasts until its rows' verify passes
+            choice = trying[0]
         else:
             choice = max(KINDS, key=lambda k: sum(self._rate(r, k) for r in requests))
+            other = KINDS[1 - KINDS.index(choice)]
+            if requests and all(self.agreements.due(r, other) for r in requests):
+                for r in requests:
+                    self.agreements.trial(r, other)
+                    self._trial[r] = other
+                choice = other
         for r in requests:
-            for k in KINDS:
-                entry = self._entry(r, k)
-                entry[1] = 0 if k == choice else entry[1] + 1
+            self.agreements.tick(r, choice, KINDS)
         self.steps[choice] += 1
         return choice
 
@@ -126,14 +136,17 @@ class FastPathPolicy:
         """Whether request's row, holding ``unverified`` fast tokens of ``kind`` (the kind its
         next step would run), takes a lookup match of ``match_len`` tokens from a context match
         of ``ngram`` tokens, and is verified next."""
-        entry = self._entry(request, ("lookup", lookup_bucket(ngram)))
+        lookup = ("lookup", lookup_bucket(ngram))
         take = False
-        if self.fast_cost:
-            a_k, a_l = self._entry(request, kind)[0].rate, entry[0].rate
+        if self.fast_cost and self.agreements.due(request, lookup):
+            self.agreements.trial(request, lookup)
+            take = True
+        elif self.fast_cost:
+            a_k, a_l = self.agreements.get(request, kind).rate, self.agreements.get(request, lookup).rate
             tokens = expected_tokens(a_k, unverified) + a_k ** unverified * (expected_tokens(a_l, match_len) - 1)
             rate = tokens / (unverified * self._cost(kind) + self._verify_share())
             take = rate > LOOKUP_MARGIN * self._rate(request, kind)
-        entry[1] = 0 if take else entry[1] + 1
+        self.agreements.tick(request, lookup if take else None, [lookup])
         self.taken += take
         self.declined += not take
         return take

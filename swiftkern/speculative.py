@@ -206,7 +206,8 @@ def decode_self_spec(model: SkipModel, cache: KVCache, first_logits: torch.Tenso
     requests that arrive later (``Requests.arrive_at``) join it at their step as new rows.
     -> stats: draft_steps and verify_steps (batched forwards), row_verifies (rows verified,
        summed over steps), drafted, accepted (draft tokens, summed over rows), drafter_steps
-       ({drafter: row steps}), per_row: [{verifies, drafted, accepted}] per request
+       ({drafter: row steps}), drafter_trials (with a chooser: row steps that tried a drafter
+       it had left out, ``acceptance.Agreements``), per_row: [{verifies, drafted, accepted}] per request
     """
     if drafter == "auto" and chooser is None:
         raise ValueError("drafter 'auto' needs a DrafterPolicy")
@@ -214,6 +215,7 @@ def decode_self_spec(model: SkipModel, cache: KVCache, first_logits: torch.Tenso
              "drafter_steps": {"layer-skip": 0, "lookup": 0, "none": 0}}
     per_row = [{"verifies": 0, "drafted": 0, "accepted": 0} for _ in requests.out]
     stats["per_row"] = per_row
+    trials_before = chooser.agreements.trials if chooser is not None else 0
     pending = _first_tokens(first_logits, requests.alive, cache, params, seeds, requests, logprobs, draft_head)
     while True:
         pending = requests.drop_finished(cache, pending)
@@ -225,6 +227,7 @@ def decode_self_spec(model: SkipModel, cache: KVCache, first_logits: torch.Tenso
             pending = requests.drop_finished(cache, pending)
         if pending is None:
             if not requests.waiting:
+                stats["drafter_trials"] = chooser.agreements.trials - trials_before if chooser is not None else 0
                 return stats
             continue  # an empty batch: the next arrivals join at once
         requests.step += 1

@@ -158,3 +158,22 @@ def test_unmeasured_policy_has_fixed_costs():
     p.record_verify(1, 123.0)
     p.record_draft(9.0)
     assert p.costs.verify(1) == 1.0 and p.costs.draft == 0.5
+
+
+@pytest.mark.parametrize("accepts,want", [(True, "layer-skip"), (False, "none")])
+def test_a_losing_layer_skip_is_tried_again_and_kept_only_when_it_pays(accepts, want):
+    """At its prior a draft of 0.6 forwards loses to plain decoding (sum_i 0.6^i / (0.6 k + 1 +
+    0.1 k) < 1 for every k); left out explore_every steps it is tried once, and what the trial
+    shows decides: all drafts accepted pays ((k+1) / (0.7 k + 1) > 1), none accepted does not."""
+    p = _policy(("layer-skip", "none"), draft=0.6)
+    assert all(expected_tokens(0.6, k) / (0.7 * k + 1.0) < 1.0 for k in range(1, 9))
+    for _ in range(p.explore_every):
+        assert p.choose(0, lookup_len=0, budget=20).drafter == "none"
+        p.observe(0, "none", 0, 0)
+    trial = p.choose(0, lookup_len=0, budget=20)
+    assert (trial.drafter, trial.k, p.agreements.trials) == ("layer-skip", 8, 1)
+    for _ in range(3):
+        p.observe(0, "layer-skip", 8, 8 if accepts else 0)
+    assert p.choose(0, lookup_len=0, budget=20).drafter == want
+    p.observe(0, want, 8 if want == "layer-skip" else 0, 8 if accepts else 0)
+    assert p.agreements.trials == 1  # not due again for explore_every steps

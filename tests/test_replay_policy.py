@@ -38,11 +38,11 @@ def test_kind_is_the_larger_closed_form_rate():
     assert want == "full" and p.kind([0]) == "full"  # priors: the draft agrees too little to pay
     for _ in range(20):  # row 1's drafts turn out to agree every time: 7 of 7
         p.observe(1, "draft", 7, 0, 7, 0)
-    a = p._entry(1, "draft")[0].rate
+    a = p.agreements.get(1, "draft").rate
     assert a > 0.95 and rate(a, 7, 4.0, 20.0) > rate(PRIORS["full"], 7, 10.0, 20.0)
     assert p.kind([1]) == "draft"
     prior = {k: rate(PRIORS[k], 7, {"full": 10.0, "draft": 4.0}[k], 20.0) for k in PRIORS}
-    row1 = {"full": prior["full"], "draft": rate(p._entry(1, "draft")[0].rate, 7, 4.0, 20.0)}
+    row1 = {"full": prior["full"], "draft": rate(p.agreements.get(1, "draft").rate, 7, 4.0, 20.0)}
     for others in (2, 8):  # the batch's sum decides: one row's good drafts, or many rows at their priors
         want = max(PRIORS, key=lambda k: row1[k] + others * prior[k])
         assert p.kind([1, *range(10, 10 + others)]) == want
@@ -81,21 +81,41 @@ def test_fixed_costs_ignore_timings():
 def test_agreement_is_attributed_to_fast_and_lookup_tokens():
     p = timed_policy()
     p.observe(0, "full", 3, 4, 2, ngram=2)  # a fast token missed: the lookup tokens were not tested
-    fast, look = p._entry(0, "full")[0], p._entry(0, ("lookup", 2))[0]
+    fast, look = p.agreements.get(0, "full"), p.agreements.get(0, ("lookup", 2))
     assert look.rate == LOOKUP_PRIORS[1] and fast.misses > (1 - PRIORS["full"]) * 2 * 0.9
     before = look.accepted
     p.observe(0, "full", 3, 4, 5, ngram=2)  # all 3 fast tokens agreed, then 2 of 4 lookup tokens
     assert look.accepted == pytest.approx(0.9 * before + 2)
 
 
-def test_a_declined_lookup_class_goes_back_to_its_prior():
+def test_a_declined_lookup_class_is_tried_again():
     p = timed_policy()
     for _ in range(6):  # 4-token matches that never agree: declined from then on
         p.observe(0, None, 0, 7, 0, ngram=4)
     assert not p.take(0, "full", 0, 7, 4)
     for _ in range(p.explore_every - 1):
         assert not p.take(0, "full", 0, 7, 4)
-    assert p.take(0, "full", 0, 7, 4)  # explored again at its prior
+    assert p.take(0, "full", 0, 7, 4)  # a trial, whatever its estimate
+    assert p.agreements.get(0, ("lookup", 4)).rate == LOOKUP_PRIORS[3]  # which starts again at the prior
+    for _ in range(6):  # the trial and the takes after it: no token agreed again
+        p.observe(0, None, 0, 7, 0, ngram=4)
+    assert not p.take(0, "full", 0, 7, 4) and p.agreements.trials == 1
+
+
+def test_a_losing_kind_is_tried_for_one_cycle_then_chosen_by_what_it_showed():
+    """At their priors the draft loses (test above); left out explore_every steps it runs until
+    the row's verify pass, and the agreement that pass measured decides from then on."""
+    for agreed, want in ((7, "draft"), (0, "full")):
+        p = timed_policy()
+        for _ in range(p.explore_every):
+            assert p.kind([0]) == "full"
+        assert [p.kind([0]) for _ in range(3)] == ["draft"] * 3  # the trial: one cycle of drafts
+        for _ in range(3):  # the row's verify passes: 7 of 7 drafts agreed, or none
+            p.observe(0, "draft", 7, 0, agreed, 0)
+        a = p.agreements.get(0, "draft").rate
+        assert want == max(("full", "draft"), key=lambda k: rate(
+            {"full": PRIORS["full"], "draft": a}[k], W - 1, {"full": 10.0, "draft": 4.0}[k], 20.0))
+        assert p.kind([0]) == want and p.agreements.trials == 1
 
 
 @pytest.mark.parametrize("adaptive", [True, False])
