@@ -152,15 +152,35 @@ class KVCache:
         self._length_rows = lengths
 
     def select_rows(self, rows: list[int]) -> None:
-        """Keep only these rows (ascending: drops finished requests, keeps the order). In place:
-        each kept row that moves copies its valid positions down to its new index."""
-        if not rows or any(not 0 <= r < self.batch for r in rows) or any(a >= b for a, b in zip(rows, rows[1:])):
-            raise SwiftkernError(f"select_rows: rows {rows} must be a non-empty ascending subset of [0, {self.batch})")
-        for new, old in enumerate(rows):
-            n = self.host_lengths[old]
-            if new != old and n:  # old > new, and every later source lies past old: nothing unread is overwritten
-                self.k[:, new, :, :n] = self.k[:, old, :, :n]
-                self.v[:, new, :, :n] = self.v[:, old, :, :n]
+        """Keep only these rows, row ``rows[j]`` becoming row j (distinct; finished requests
+        leave). In place: each kept row that moves copies its valid positions to its new index
+        (``Requests.drop_finished`` fills the freed rows below the new batch with the last rows,
+        so only those move)."""
+        if not rows or any(not 0 <= r < self.batch for r in rows) or len(set(rows)) != len(rows):
+            raise SwiftkernError(f"select_rows: rows {rows} must be distinct rows of [0, {self.batch}), at least one")
+        moves = [(new, old) for new, old in enumerate(rows) if new != old and self.host_lengths[old]]
+        if _overwrites_a_source(moves):
+            sources = torch.tensor([old for _, old in moves], device=self.k.device)
+            n = max(self.host_lengths[old] for _, old in moves)
+            saved = [t[:, :, :, :n].index_select(1, sources) for t in (self.k, self.v)]  # [L, moves, H, n, D]
+            for i, (new, old) in enumerate(moves):
+                m = self.host_lengths[old]
+                self.k[:, new, :, :m], self.v[:, new, :, :m] = saved[0][:, i, :, :m], saved[1][:, i, :, :m]
+        else:
+            for new, old in moves:
+                m = self.host_lengths[old]
+                self.k[:, new, :, :m] = self.k[:, old, :, :m]
+                self.v[:, new, :, :m] = self.v[:, old, :, :m]
         self.host_lengths = [self.host_lengths[r] for r in rows]
         self._use_rows(len(rows))
         self.set_lengths(self.host_lengths)
+
+
+def _overwrites_a_source(moves: list[tuple[int, int]]) -> bool:
+    """Whether copying (new <- old) in this order writes a row a later move still reads."""
+    written: set[int] = set()
+    for new, old in moves:
+        if old in written:
+            return True
+        written.add(new)
+    return False

@@ -13,7 +13,8 @@ class Requests:
     A request stops right after a stop token, when ``stop_check(r, tokens)`` says so, or at
     ``max_new_tokens``, even in the middle of a run of tokens committed at once. Batch row i of
     the cache holds request ``alive[i]``; ``drop_finished`` removes finished rows so they cost
-    no further work. ``on_commit(r, tokens)``, when given, is called with the tokens each
+    no further work, the last rows moving into the freed ones (the order of ``alive`` is
+    not the order of arrival). ``on_commit(r, tokens)``, when given, is called with the tokens each
     commit appended (never empty): committed tokens are final in every mode, so this is what a
     stream shows. ``arrive_at[r]``: the decoding step at which request r joins the batch (0:
     from the start; default all 0), as requests arrive at a server while others decode; the
@@ -75,7 +76,18 @@ class Requests:
             self.alive = []
             return None
         if len(keep) < len(self.alive):
+            keep = fill_freed_rows(keep)
             cache.select_rows(keep)
             rows = rows[keep]
             self.alive = [self.alive[i] for i in keep]
         return rows
+
+
+def fill_freed_rows(kept: list[int]) -> list[int]:
+    """The batch order after a departure: the kept rows (ascending) below the new batch size stay
+    where they are and the kept rows past it fill the freed ones, so the fewest rows move.
+    -> new row j holds old row result[j]."""
+    n = len(kept)
+    tail = iter(r for r in kept if r >= n)
+    stays = set(kept)
+    return [j if j in stays else next(tail) for j in range(n)]

@@ -4,6 +4,7 @@ from hypothesis import strategies as st
 import torch
 
 from swiftkern import KVCache, SwiftkernError
+from swiftkern.requests import fill_freed_rows
 
 
 def make(batch=3, max_len=10):
@@ -68,8 +69,17 @@ def test_select_rows_moves_kept_rows_down_in_place():
     assert_same_rows(valid_rows(c), [before[1], before[2], before[4]])
     for layer in range(2):  # each layer's rows stay one contiguous block, as the kernels take them
         assert c.k[layer].is_contiguous() and c.v[layer].is_contiguous()
-    with pytest.raises(SwiftkernError, match="ascending"):
-        c.select_rows([2, 0])
+    before = valid_rows(c)
+    c.select_rows([2, 0])  # row 0 is written (with row 2) before it is read: copied through a snapshot
+    assert_same_rows(valid_rows(c), [before[2], before[0]])
+    with pytest.raises(SwiftkernError, match="distinct"):
+        c.select_rows([0, 0])
+
+
+def test_a_departure_moves_the_last_rows_into_the_freed_ones():
+    assert fill_freed_rows([0, 2, 3, 5, 6]) == [0, 5, 2, 3, 6]  # rows 1 and 4 left: 5 and 6 move in
+    assert fill_freed_rows([1, 2]) == [2, 1] and fill_freed_rows([3]) == [3]
+    assert fill_freed_rows([0, 1, 2]) == [0, 1, 2]
 
 
 def test_add_rows_reuses_free_rows_then_grows_once():
@@ -103,7 +113,7 @@ def test_reset_reuses_the_storage():
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.booleans(), st.integers(1, 4), st.integers(0, 2 ** 16)), min_size=1, max_size=12))
 def test_joins_and_departures_match_a_list_of_rows(events):
-    """Any sequence of requests joining (add_rows) and leaving (select_rows) leaves each request
+    """Any sequence of requests joining (add_rows) and leaving or reordered (select_rows) leaves each request
     with the keys and values it wrote: against a plain list of per-request tensors."""
     c = make(batch=1, max_len=6)
     fill(c, [0], [3], seed=0)
@@ -115,7 +125,9 @@ def test_joins_and_departures_match_a_list_of_rows(events):
             fill(c, rows, lengths, seed)
             model += [(c.k[:, b, :, :m].clone(), c.v[:, b, :, :m].clone()) for b, m in zip(rows, lengths)]
         else:
-            keep = sorted(torch.randperm(c.batch, generator=torch.Generator().manual_seed(seed))[:max(1, c.batch - n)].tolist())
+            keep = torch.randperm(c.batch, generator=torch.Generator().manual_seed(seed))[:max(1, c.batch - n)].tolist()
+            if seed % 2:  # as a departure does it; else any order
+                keep = fill_freed_rows(sorted(keep))
             c.select_rows(keep)
             model = [model[i] for i in keep]
         assert_same_rows(valid_rows(c), model)
