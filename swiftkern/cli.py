@@ -250,7 +250,8 @@ def cmd_generate(args) -> int:
             print(f"[self-spec] drafter {s['drafter']} {s['layer_set']} | {s['draft_steps']} draft + {s['verify_steps']} "
                   f"verify forwards | {s['accepted']}/{s['drafted']} drafts accepted "
                   f"({s['acceptance_rate']:.0%}) | mean accepted per verify {s['mean_accepted']:.2f} | "
-                  "row steps by drafter " + ", ".join(f"{k} {v}" for k, v in s["drafter_steps"].items()))
+                  "row steps by drafter " + ", ".join(f"{k} {v}" for k, v in s["drafter_steps"].items())
+                  + (f" ({s['drafter_trials']} trying a drafter again)" if s.get("drafter_trials") else ""))
             if "search_phases" in s:
                 print(f"[search] {s['search_phases']} phases, {s['candidates_scored']} sets scored in "
                       f"{s['search_s']:.2f} s | layer set {s['searched_layer_set'] or '-'} | "
@@ -268,6 +269,10 @@ def cmd_generate(args) -> int:
                   f"{s['verify_batch']} | {s['fast_steps']} fast steps + {s['verify_passes']} verify passes | "
                   f"{s['rolled_back']}/{s['fast_tokens']} fast tokens rolled back ({s['rollback_fraction']:.1%})"
                   + (f" | {s['lookup_tokens']} from prompt lookup" if s.get("lookup_tokens") else ""))
+            if "fast_kinds" in s:
+                kinds = s["fast_kinds"]
+                print(f"[deterministic] fast forwards full {kinds['full']}, draft {kinds['draft']} | lookup matches "
+                      f"taken {s['lookup_taken']}, declined {s['lookup_declined']} | {s['trials']} trials")
     return 0
 
 

@@ -144,6 +144,8 @@ def decode_deterministic(model: SkipModel, cache: KVCache, prompts: list[list[in
     verifier = Verifier(model, window, verify_batch, kernels=verifier_kernels)
     policy = FastPathPolicy(window, verify_batch) if fast_path.adaptive else None
     stats = {"fast_steps": 0, "fast_tokens": 0, "lookup_tokens": 0, "rolled_back": 0, "corrected": 0}
+    if policy is not None:
+        stats["fast_kinds"] = {"full": 0, "draft": 0}
     per_row = [{"verifies": 0, "fast_tokens": 0, "rolled_back": 0} for _ in prompts]
     logprobs: list[list[torch.Tensor]] = [[] for _ in prompts]
 
@@ -182,7 +184,7 @@ def decode_deterministic(model: SkipModel, cache: KVCache, prompts: list[list[in
     stats["dummy_rows"] = verifier.dummy_rows
     stats["rollback_fraction"] = stats["rolled_back"] / stats["fast_tokens"] if stats["fast_tokens"] else 0.0
     if policy is not None:
-        stats.update(fast_kinds=dict(policy.steps), lookup_taken=policy.taken, lookup_declined=policy.declined,
+        stats.update(lookup_taken=policy.taken, lookup_declined=policy.declined,
                      trials=policy.agreements.trials)
     stats["logprobs"] = [torch.cat(lp) for lp in logprobs]
     stats["per_row"] = per_row
@@ -296,6 +298,8 @@ def _fast_step(model, cache, rows, fast_path, prompts, params, seeds, requests, 
     if policy is not None and unsteady_calls(model) == mark:  # a replayed (or eager) forward, no capture
         policy.record_fast(kind, time.perf_counter() - t0, len(rows))
     stats["fast_steps"] += 1
+    if policy is not None:
+        stats["fast_kinds"][kind] += 1
     for i, row in enumerate(rows):
         r = alive[i]
         if not row.verified:  # kept at once: its KV is the fast path's

@@ -145,6 +145,7 @@ def test_poor_drafts_hand_the_fast_path_to_the_full_model(adaptive):
     s = spec.stats
     if adaptive:
         assert s["fast_kinds"]["full"] > s["fast_kinds"]["draft"]
+        assert sum(s["fast_kinds"].values()) == s["fast_steps"]  # the forwards that ran, by kind
         assert s["rollback_fraction"] < 0.5
     else:
         assert "fast_kinds" not in s and s["rollback_fraction"] > 0.5
