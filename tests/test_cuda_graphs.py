@@ -227,6 +227,19 @@ def test_generator_reuses_its_cache_and_graphs_across_calls(tiny):
     assert captures[2] == captures[1], captures
 
 
+def test_a_smaller_batch_reuses_the_runners_cache(tiny):
+    """A later call with fewer requests takes the first rows of the cache the runner handed out
+    (the same storage, which graphs are keyed on) and gives the tokens of a run without graphs."""
+    runner = GraphRunner(tiny, EmulatedGraph)
+    gen = Generator(tiny, cuda_graphs=runner)
+    gen.generate([[5, 17, 99, 3], [7, 7, 21, 4], [1, 2, 3]], max_new_tokens=12, eos_token_id=[])
+    cache, address = runner.cache, runner.cache.k.data_ptr()
+    prompts = [[11, 12, 13], [30, 31]]
+    out = gen.generate(prompts, max_new_tokens=12, eos_token_id=[])
+    assert runner.cache is cache and cache.k.data_ptr() == address and (cache.batch, cache.capacity) == (2, 3)
+    assert out.tokens == Generator(tiny).generate(prompts, max_new_tokens=12, eos_token_id=[]).tokens
+
+
 def test_drafter_costs_are_timed_on_replays_only(tiny, monkeypatch):
     """A first sight or a capture costs many replays; the drafter policy's cost model must not
     see them (it would shun that draft length for good)."""
@@ -298,8 +311,9 @@ def test_emulated_replay_refuses_tensors_made_from_host_data(tiny, monkeypatch, 
 @pytest.mark.parametrize("kw", [dict(mode="ar"), dict(mode="deterministic", replay="always", window=8, verify_batch=2)],
                          ids=["ar", "det"])
 def test_arrivals_through_the_runner_give_the_same_tokens(tiny, kw):
-    """Requests joining mid-way reallocate the cache (new rows): the runner keys graphs on its
-    storage, so replays after an arrival read the new cache, never a stale one."""
+    """Requests joining mid-way take new cache rows (a new allocation past its capacity): the
+    runner keys graphs on the storage and shape, so replays after an arrival read the cache in
+    use, never a stale one."""
     prompts = [[5, 17, 99, 3, 42, 8], [7, 7, 21], list(range(30, 50)), [9, 9]]
     arrive = [0, 2, 2, 9]
     plain = Generator(tiny, **kw).generate(prompts, max_new_tokens=16, eos_token_id=[], arrive_at=arrive)
