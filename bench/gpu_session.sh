@@ -67,7 +67,7 @@ stage_sanitizer() {
 }
 
 stage_kernels() {
-  for r in greedy_accept rejection_sample fused_add_rms_norm rope_kv_append silu_mul verify_attention kv_compact; do
+  for r in greedy_accept rejection_sample fused_add_rms_norm rope_kv_append silu_mul verify_attention kv_compact cache_rows; do
     timeout 150 python3 -m bench --routine $r --reps 10 --plot >> "$OUT/kernels.log" 2>&1; echo "kernel bench $r: exit $?"
   done
 }
