@@ -81,6 +81,8 @@ class Choice:
     drafter: str  # "layer-skip" | "lookup" | "none"
     k: int  # drafts to use (for layer-skip: the most; confidence may stop earlier)
     tokens_per_s: float  # the expected rate that won
+    acceptance: float = 0.0  # the per-draft acceptance it was valued at
+    expected_drafts: int = 0  # the drafts it expects to use (layer-skip: what confidence leaves of k)
 
 
 class DrafterPolicy:
@@ -161,14 +163,39 @@ class DrafterPolicy:
                 limit = min(k_most, max(1, round(self._draft_len.get(row, float(self.k_max)))))
             k, rate = self._best_k(a, limit, cost)
             if k > 0 and rate > best.tokens_per_s:
-                best = Choice(drafter, k if drafter == "lookup" else k_most, rate)
+                best = Choice(drafter, k if drafter == "lookup" else k_most, rate, a, k)
         for drafter, k_most, cost, ngram in candidates:
             key = _class_key(drafter, ngram)
             if drafter != best.drafter and self.agreements.due(row, key):
                 self.agreements.trial(row, key)
-                tokens = expected_tokens(self.agreements.get(row, key).rate, k_most)
-                return Choice(drafter, k_most, tokens / (k_most * cost + self.costs.verify(k_most + 1)))
+                a = self.agreements.get(row, key).rate
+                tokens = expected_tokens(a, k_most)
+                return Choice(drafter, k_most, tokens / (k_most * cost + self.costs.verify(k_most + 1)), a, k_most)
         return best
+
+    def fit_pass(self, choices: list[Choice]) -> list[Choice]:
+        """The rows' choices cut to one verify-pass width for the batch. A pass is as wide as
+        its longest draft and every row pays for that width, so rows drafting on their own
+        account can make the batch slower than plain decoding (each row compares its tokens
+        with the whole pass's cost, not the other rows' tokens made dearer). This picks the
+        width K (drafts per row at most) with the most expected tokens per second for the
+        batch, sum_i E(a_i, min(n_i, K)) / (d(K) c_d + verify(K + 1)) over K = 0 .. max n_i
+        (n_i: the drafts row i expects to use, d(K): the layer-skip forwards), and cuts every
+        row to it (K = 0: plain decoding). One row: unchanged (``choose`` already maximized it)."""
+        if len(choices) < 2 or not any(c.k for c in choices):
+            return choices
+        draft_cost = self.costs.draft if self.costs.draft is not None else 0.5 * self.costs.verify(1)
+
+        def rate(K: int) -> float:
+            tokens = sum(expected_tokens(c.acceptance, min(c.expected_drafts, K)) for c in choices)
+            forwards = max((min(c.expected_drafts, K) for c in choices if c.drafter == "layer-skip"), default=0)
+            return tokens / (forwards * draft_cost + self.costs.verify(K + 1))
+
+        width = max(range(max(c.expected_drafts for c in choices) + 1), key=rate)
+        if width == 0:
+            return [Choice("none", 0, 0.0) for _ in choices]
+        return [c if c.k <= width else Choice(c.drafter, width, c.tokens_per_s, c.acceptance, min(c.expected_drafts, width))
+                for c in choices]
 
     def observe(self, row: int, drafter: str, num_draft: int, num_accepted: int, lookup_ngram: int = 1) -> None:
         """Record a verified step of ``row`` that used ``drafter`` (any of them; lookup: drafts

@@ -245,6 +245,7 @@ def decode_self_spec(model: SkipModel, cache: KVCache, first_logits: torch.Tenso
         if chooser is not None:  # auto, or lookup with cost-aware draft lengths
             choices = [chooser.choose(r, len(lookups[i]), budget[i], layer_skip=layer_set is not None,
                                       lookup_ngram=matches[i].ngram) for i, r in enumerate(alive)]
+            choices = chooser.fit_pass(choices)  # one pass width for the batch
         else:
             choices = [_fixed_choice(drafter if layer_set is not None or drafter != "layer-skip" else "none",
                                      len(lookups[i]), budget[i]) for i in range(B)]

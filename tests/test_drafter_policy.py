@@ -7,7 +7,7 @@ import pytest
 
 from conftest import tiny_model
 from swiftkern import Generator
-from swiftkern.drafter_policy import Acceptance, DrafterPolicy, ForwardCosts, expected_tokens
+from swiftkern.drafter_policy import Acceptance, Choice, DrafterPolicy, ForwardCosts, expected_tokens
 
 PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [10, 11, 12], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [200]]
 
@@ -177,3 +177,66 @@ def test_a_losing_layer_skip_is_tried_again_and_kept_only_when_it_pays(accepts, 
     assert p.choose(0, lookup_len=0, budget=20).drafter == want
     p.observe(0, want, 8 if want == "layer-skip" else 0, 8 if accepts else 0)
     assert p.agreements.trials == 1  # not due again for explore_every steps
+
+
+def _costed(verify_slope: float, draft: float = 0.5) -> DrafterPolicy:
+    """A policy whose verify pass of T tokens a row costs 1 + verify_slope (T - 1)."""
+    p = DrafterPolicy(("lookup", "layer-skip", "none"), 8)
+    p.costs.add_verify(1, 1.0)
+    p.costs.add_verify(2, 1.0 + verify_slope)
+    p.costs.add_draft(draft)
+    return p
+
+
+def test_one_pass_width_for_the_batch():
+    """Eight rows, one with an 8-token lookup draft of acceptance 0.9. Where a pass's cost grows
+    with its width (compute-bound: verify(T) = T), widening it for one row slows the other seven
+    more than that row gains: (7 + E(0.9, 8)) / 9 = 1.46 tokens per unit against 8 / 1 for plain
+    decoding, so no row drafts. Where it is nearly flat (verify(T) = 1 + 0.01 (T - 1)): 13.13 /
+    1.08 = 12.2 > 8, so the row keeps its drafts."""
+    drafting = Choice("lookup", 8, 0.0, 0.9, 8)
+    choices = [drafting] + [Choice("none", 0, 0.0)] * 7
+    assert (7 + expected_tokens(0.9, 8)) / 9 < 8 < (7 + expected_tokens(0.9, 8)) / 1.08
+    assert [c.k for c in _costed(1.0).fit_pass(choices)] == [0] * 8
+    assert _costed(0.01).fit_pass(choices) == choices
+    assert _costed(1.0).fit_pass([drafting]) == [drafting]  # one row: choose() already weighed it
+
+
+def test_pass_width_is_the_best_over_every_width():
+    """Rows with different draft lengths and acceptances: the width cut to maximizes the batch's
+    expected tokens per second, against every width evaluated directly."""
+    rng = random.Random(3)
+    for trial in range(50):
+        p = _costed(rng.choice([0.02, 0.1, 0.3, 1.0]), draft=rng.choice([0.1, 0.5]))
+        choices = [Choice(rng.choice(["lookup", "layer-skip"]), n, 0.0, rng.random(), n) if (n := rng.randint(0, 8))
+                   else Choice("none", 0, 0.0) for _ in range(rng.randint(2, 8))]
+
+        def rate(K):
+            tokens = sum(sum(c.acceptance ** i for i in range(min(c.expected_drafts, K) + 1)) for c in choices)
+            skip = max([min(c.expected_drafts, K) for c in choices if c.drafter == "layer-skip"], default=0)
+            return tokens / (skip * p.costs.draft + 1 + (p.costs.verify(2) - 1) * K)
+
+        fitted = p.fit_pass(choices)
+        width = max(c.k for c in fitted)
+        assert rate(width) == pytest.approx(max(rate(K) for K in range(9))), trial
+        assert all(f.k == min(c.k, width) and (f.k == 0 or f.drafter == c.drafter) for f, c in zip(fitted, choices))
+
+
+def test_the_loop_drafts_what_the_pass_width_leaves(monkeypatch):
+    """At batch 4 the speculative loop drafts exactly the lookup tokens fit_pass leaves each row
+    (their sum is the run's drafted count) and still gives ar's tokens."""
+    hf = tiny_model("llama", num_hidden_layers=5)
+    prompts = [p * 3 for p in PROMPTS]
+    ar = Generator(hf).generate(prompts, max_new_tokens=30, eos_token_id=[]).tokens
+    fitted, fit_pass = [], DrafterPolicy.fit_pass
+
+    def spy(self, choices):
+        out = fit_pass(self, choices)
+        fitted.append(out)
+        return out
+
+    monkeypatch.setattr(DrafterPolicy, "fit_pass", spy)
+    out = Generator(hf, mode="self-spec", drafter="lookup").generate(prompts, max_new_tokens=30, eos_token_id=[])
+    assert out.tokens == ar
+    assert len(fitted) == out.stats["verify_steps"] and out.stats["drafted"] > 0
+    assert sum(c.k for step in fitted for c in step) == out.stats["drafted"]
