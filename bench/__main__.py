@@ -49,6 +49,8 @@ def parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
     ap.add_argument("--plot", action="store_true", help="also write bench/results/<routine>.png (matplotlib)")
     ap.add_argument("--model", default="smollm2", help="model for end-to-end routines")
     ap.add_argument("--max-new-tokens", type=int, default=128, help="end-to-end routines: tokens per prompt")
+    ap.add_argument("--batch", type=int, default=None, help="drafters: requests per batch (the prompts cycled; "
+                    "default 1, each prompt on its own)")
     ap.add_argument("--interleave-verify", action="store_true",
                     help="draft_step: also time every provider with a verify pass run between its calls")
     ap.add_argument("--cuda-graphs", action="store_true",

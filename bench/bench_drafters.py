@@ -1,9 +1,9 @@
 """Drafters of self-spec vs plain decoding per prompt kind: ar, layer-skip, lookup, auto, SWIFT.
 
     python -m bench --routine drafters [--model smollm2] [--max-new-tokens 128] [--reps 2]
-                    [--providers ar,layer-skip,lookup,auto,auto-cold,swift] [--smoke]
+                    [--providers ar,layer-skip,lookup,auto,auto-cold,swift] [--batch 8] [--smoke]
 
-Batch 1, greedy, exactly --max-new-tokens new tokens, the prompts of bench/prompts.jsonl
+Batch 1 (``--batch B``: one batch of B requests, the prompts cycled, prompt_kind "mixed"), greedy, exactly --max-new-tokens new tokens, the prompts of bench/prompts.jsonl
 (summarize, code, story, math, factual) through the chat template; providers timed
 interleaved per prompt:
 
@@ -66,27 +66,30 @@ def run(args) -> list[dict]:
     wanted = [p for p in PROVIDERS if not args.providers or p in args.providers or p == "ar"]
     gens = {p: swiftkern.Generator(model, tok, **PROVIDERS[p]) for p in wanted}
     rows = []
-    for prompt in load_prompts():
-        ids = encode(tok, prompt["text"], model.vocab_size)
+    batch = getattr(args, "batch", None) or 1
+    encoded = [(p["kind"], encode(tok, p["text"], model.vocab_size)) for p in load_prompts()]
+    calls = [(kind, [ids]) for kind, ids in encoded] if batch == 1 else [
+        ("mixed", [encoded[i % len(encoded)][1] for i in range(batch)])]
+    for kind, prompts in calls:
         last = {}
 
         def call(p):
             def fn():
                 gen = swiftkern.Generator(model, tok, **PROVIDERS[p]) if p.endswith("-cold") else gens[p]
-                last[p] = gen.generate([ids], max_new_tokens=n, eos_token_id=[])
+                last[p] = gen.generate(prompts, max_new_tokens=n, eos_token_id=[])
             return fn
 
         times = common.time_fn({p: call(p) for p in gens}, args.device, warmup=1, reps=reps)
-        ar_tok_s = n / (times["ar"]["median_ms"] * 1e-3)
+        ar_tok_s = batch * n / (times["ar"]["median_ms"] * 1e-3)
         for p, timing in times.items():
             out = last[p]
             s = out.stats
             steps = s.get("drafter_steps", {})
             total = sum(steps.values()) or 1
-            tok_s = n / (timing["median_ms"] * 1e-3)
+            tok_s = batch * n / (timing["median_ms"] * 1e-3)
             rows.append(common.row(
-                ROUTINE, p, args.device, model.dtype, f"B=1 T={len(ids)} N={n}", timing, model=name,
-                prompt_kind=prompt["kind"], new_tokens=n, reps=reps, tok_s=round(tok_s, 2),
+                ROUTINE, p, args.device, model.dtype, f"B={batch} T={max(map(len, prompts))} N={n}", timing,
+                model=name, prompt_kind=kind, batch=batch, new_tokens=n, reps=reps, tok_s=round(tok_s, 2),
                 ratio_vs_ar=round(tok_s / ar_tok_s, 3), mean_accepted=round(s.get("mean_accepted", 0.0), 3),
                 share_lookup=round(steps.get("lookup", 0) / total, 3),
                 share_layer_skip=round(steps.get("layer-skip", 0) / total, 3),
@@ -98,7 +101,8 @@ def run(args) -> list[dict]:
 
 
 def _summary(rows: list[dict]) -> None:
-    print(f"\n{rows[0]['device']}, {rows[0]['model']}, {rows[0]['new_tokens']} new tokens, batch 1, greedy:")
+    print(f"\n{rows[0]['device']}, {rows[0]['model']}, {rows[0]['new_tokens']} new tokens, batch {rows[0]['batch']}, "
+          "greedy:")
     for p in dict.fromkeys(r["provider"] for r in rows):
         mine = [r for r in rows if r["provider"] == p]
         ratios = [r["ratio_vs_ar"] for r in mine]
