@@ -33,12 +33,13 @@ def read_csv(path: str) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-def latest_runs(rows: list[dict]) -> dict[str, list[dict]]:
-    """{device: rows of that device's last commit, newest row per (provider, prompt/shape, dtype,
-    new tokens)}."""
+def latest_runs(rows: list[dict], by: tuple[str, ...] = ("device",)) -> dict[tuple, list[dict]]:
+    """{(device, ...): rows of that group's last commit, newest row per (provider, prompt/shape,
+    dtype, new tokens)}; ``by``: the columns whose values make a group (a generation routine's
+    runs at batch 1 and at batch 8 are different runs)."""
     out = {}
-    for device in dict.fromkeys(r["device"] for r in rows):
-        mine = [r for r in rows if r["device"] == device]
+    for group in dict.fromkeys(tuple(r.get(k) or "" for k in by) for r in rows):
+        mine = [r for r in rows if tuple(r.get(k) or "" for k in by) == group]
         last_commit = mine[-1]["commit"]
         newest = {}
         for r in mine:
@@ -46,7 +47,7 @@ def latest_runs(rows: list[dict]) -> dict[str, list[dict]]:
                 key = (r["provider"], r.get("prompt_kind") or r.get("shape", ""), r.get("dtype", ""),
                        r.get("new_tokens", ""))
                 newest[key] = r
-        out[device] = list(newest.values())
+        out[group] = list(newest.values())
     return out
 
 
@@ -90,8 +91,9 @@ def generate_table(rows: list[dict]) -> list[str]:
         lines.append(f"| {prov} | " + " | ".join(cells) + f" | {ratio:.2f}× | {acc:.2f} | {'yes' if equal else 'no'} |")
     r = rows[0]
     lines.append("")
-    lines.append(f"{r.get('new_tokens', '?')} new tokens per prompt, batch 1, greedy, median of {r.get('reps', '?')} "
-                 "interleaved runs; prompts: bench/prompts.jsonl.")
+    lines.append(f"{r.get('new_tokens', '?')} new tokens per prompt, batch {r.get('batch') or 1}, greedy, median of "
+                 f"{r.get('reps', '?')} interleaved runs; prompts: bench/prompts.jsonl"
+                 + (" (cycled through the batch)." if (r.get("batch") or "1") != "1" else "."))
     return lines
 
 
@@ -137,16 +139,19 @@ def render(results_dir: str = RESULTS_DIR, plot: bool = True, repo_root: str | N
         rows = read_csv(path)
         if not rows:
             continue
-        by_device = latest_runs(rows)
-        for device, run in by_device.items():
+        generation = "prompt_kind" in rows[0] and "tok_s" in rows[0]  # per prompt: a table per length
+        by_device = latest_runs(rows, ("device", "batch") if generation else ("device",))
+        for run in by_device.values():
             parts += [heading(routine, run), ""]
-            if "prompt_kind" in run[0] and "tok_s" in run[0]:  # generation per prompt: a table per length
+            if generation:
                 for n in dict.fromkeys(r.get("new_tokens", "") for r in run):
                     parts += generate_table([r for r in run if r.get("new_tokens", "") == n]) + [""]
             else:
                 parts += op_table(run) + [""]
-        last_device = list(by_device)[-1]
-        png, note = plot_or_note(routine, by_device[last_device], plot)
+        plotted = list(by_device)[-1]
+        if generation:  # the per-prompt run at batch 1, where there is one
+            plotted = ([g for g in by_device if g[1] in ("", "1")] or [plotted])[-1]
+        png, note = plot_or_note(routine, by_device[plotted], plot)
         notes.append(f"{routine}: {note}")
         if png:
             parts += [f"![{routine}]({os.path.relpath(png, repo_root)})", ""]
