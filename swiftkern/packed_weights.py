@@ -130,8 +130,10 @@ class PackedSet:
         return self._packed[i]
 
     def slots(self) -> list:
-        for i in range(len(self.weights)):
-            self.slot(i)
+        versions = [w._version if w is not None else None for w in self.weights]  # one pass: a forward's hot path
+        if versions != self._versions:
+            for i in range(len(self.weights)):
+                self.slot(i)
         return self._packed
 
     @property
