@@ -260,14 +260,26 @@ def _lookup_drafts(rows, prompts, requests, window, stats, per_row, policy: Fast
         room = min(window - 1, requests.remaining(r)) - len(row.unverified)
         context = prompts[r] + requests.out[r] + row.unverified
         match = lookup_match(context, room, min_ngram=1 if policy is not None else LOOKUP_MIN_NGRAM_UNJUDGED)
-        if match.tokens and (policy is None or policy.take(r, row.kind or kind, len(row.unverified),
-                                                           len(match.tokens), match.ngram)):
+        if match.tokens and (policy is None or policy.take(
+                r, row.kind or kind, len(row.unverified), len(match.tokens), match.ngram,
+                wait=_steps_to_verify(rows, row, window, policy.verify_batch))):
             row.lookup_from, row.lookup_ngram = len(row.unverified), match.ngram
             row.unverified.extend(match.tokens)
             row.stopped = True
             stats["fast_tokens"] += len(match.tokens)
             stats["lookup_tokens"] += len(match.tokens)
             per_row[r]["fast_tokens"] += len(match.tokens)
+
+
+def _steps_to_verify(rows: list[_Row], me: _Row, window: int, verify_batch: int) -> int:
+    """Fast steps a row that stops now waits for its verify pass, which runs once verify_batch
+    rows (or every verified row) are due; the others counted as due at their window."""
+    verified = [row for row in rows if row.verified and row is not me]
+    due = [row.stopped or len(row.unverified) >= window for row in verified]
+    need = min(verify_batch, len(verified) + 1) - 1 - sum(due)
+    if need <= 0:
+        return 0
+    return sorted(window - len(row.unverified) for row, d in zip(verified, due) if not d)[need - 1]
 
 
 def _fast_step(model, cache, rows, fast_path, prompts, params, seeds, requests, window, stats, per_row,
@@ -280,8 +292,9 @@ def _fast_step(model, cache, rows, fast_path, prompts, params, seeds, requests, 
     alive = requests.alive
     kind = "draft"
     if policy is not None:
-        drafting = [r for row, r in zip(rows, alive) if row.verified and not row.stopped]
-        kind = policy.kind(drafting) if drafting else "draft"
+        drafting = [(r, row) for row, r in zip(rows, alive) if row.verified and not row.stopped]
+        fresh = not any(row.unverified for _, row in drafting)
+        kind = policy.kind([r for r, _ in drafting], fresh) if drafting else "draft"
         if kind == "full":
             for row in rows:
                 if row.kind == "draft" and row.unverified and not row.stopped:

@@ -171,6 +171,8 @@ class DrafterPolicy:
                 a = self.agreements.get(row, key).rate
                 tokens = expected_tokens(a, k_most)
                 return Choice(drafter, k_most, tokens / (k_most * cost + self.costs.verify(k_most + 1)), a, k_most)
+        if best.drafter != "none":
+            self.agreements.won(row, _class_key(best.drafter, lookup_ngram))
         return best
 
     def fit_pass(self, choices: list[Choice]) -> list[Choice]:

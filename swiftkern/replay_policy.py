@@ -16,13 +16,15 @@ rows in it) and n_k the fast tokens a cycle of kind k holds (measured; at first 
 fast step runs the kind with the larger sum of R_k over the rows drafting. A draft's skipped
 attention layers write no KV, so rows holding draft tokens are verified before a full step.
 
-A lookup match of m tokens (no model cost) sends its row to a verify pass at once: with u fast
-tokens of kind k already unverified it commits E(a_k, u) + a_k^u (E(a_L, m) - 1) for
-u c_k + c_V, and is taken when that rate beats R_k by LOOKUP_MARGIN.
+A lookup match of m tokens (no model cost) sends its row to a verify pass: with u fast tokens
+of kind k already unverified it commits E(a_k, u) + a_k^u (E(a_L, m) - 1) for (u + w) c_k + c_V,
+w the fast steps the row sits out until its pass has a full group of rows, and is taken when
+that rate beats R_k by LOOKUP_MARGIN.
 
 Exploration (``acceptance.Agreements``): a kind the rows have left out ``explore_every`` fast
-steps is tried for one cycle (until each row's next verify pass), and a lookup class declined
-that often is taken once, so an estimate that fell, or a prior that loses on this machine's
+steps is tried for one cycle (from a step where no row holds unverified tokens until each row's
+next verify pass), and a lookup class declined that often is taken once when its row would not
+wait for its verify pass, so an estimate that fell, or a prior that loses on this machine's
 costs, is measured again.
 
 The output does not depend on these choices (the verifier commits its own tokens; they decide
@@ -112,8 +114,10 @@ class FastPathPolicy:
         n = max(1, round(self._run.get((request, kind), self.window - 1)))
         return expected_tokens(a, n) / (n * self._cost(kind) + self._verify_share())
 
-    def kind(self, requests: list[int]) -> str:
-        """The forward for this fast step of the drafting rows ``requests`` ("full" | "draft")."""
+    def kind(self, requests: list[int], fresh: bool = True) -> str:
+        """The forward for this fast step of the drafting rows ``requests`` ("full" | "draft").
+        fresh: none of them holds unverified tokens; a trial starts only then, so that its rows
+        reach their windows together instead of being sent to early verify passes."""
         trying = [self._trial[r] for r in requests if r in self._trial]
         if not self.fast_cost:  # nothing timed yet: start with the draft, as the user asked
             choice = "draft"
@@ -121,8 +125,10 @@ class FastPathPolicy:
             choice = trying[0]
         else:
             choice = max(KINDS, key=lambda k: sum(self._rate(r, k) for r in requests))
+            for r in requests:
+                self.agreements.won(r, choice)
             other = KINDS[1 - KINDS.index(choice)]
-            if requests and all(self.agreements.due(r, other) for r in requests):
+            if fresh and requests and all(self.agreements.due(r, other) for r in requests):
                 for r in requests:
                     self.agreements.trial(r, other)
                     self._trial[r] = other
@@ -132,20 +138,23 @@ class FastPathPolicy:
         self.steps[choice] += 1
         return choice
 
-    def take(self, request: int, kind: str, unverified: int, match_len: int, ngram: int) -> bool:
+    def take(self, request: int, kind: str, unverified: int, match_len: int, ngram: int, wait: int = 0) -> bool:
         """Whether request's row, holding ``unverified`` fast tokens of ``kind`` (the kind its
         next step would run), takes a lookup match of ``match_len`` tokens from a context match
-        of ``ngram`` tokens, and is verified next."""
+        of ``ngram`` tokens, and is verified next, after ``wait`` fast steps of the batch that
+        it sits out (its verify pass waits for a full group of rows)."""
         lookup = ("lookup", lookup_bucket(ngram))
         take = False
-        if self.fast_cost and self.agreements.due(request, lookup):
+        if self.fast_cost and wait == 0 and self.agreements.due(request, lookup):  # a trial, when it costs no wait
             self.agreements.trial(request, lookup)
             take = True
         elif self.fast_cost:
             a_k, a_l = self.agreements.get(request, kind).rate, self.agreements.get(request, lookup).rate
             tokens = expected_tokens(a_k, unverified) + a_k ** unverified * (expected_tokens(a_l, match_len) - 1)
-            rate = tokens / (unverified * self._cost(kind) + self._verify_share())
+            rate = tokens / ((unverified + wait) * self._cost(kind) + self._verify_share())
             take = rate > LOOKUP_MARGIN * self._rate(request, kind)
+            if take:
+                self.agreements.won(request, lookup)
         self.agreements.tick(request, lookup if take else None, [lookup])
         self.taken += take
         self.declined += not take

@@ -95,10 +95,11 @@ def test_a_declined_lookup_class_is_tried_again():
     assert not p.take(0, "full", 0, 7, 4)
     for _ in range(p.explore_every - 1):
         assert not p.take(0, "full", 0, 7, 4)
+    low = p.agreements.get(0, ("lookup", 4)).rate
+    assert not p.take(0, "full", 0, 7, 4, wait=3)  # due, but its row would wait for its pass
     assert p.take(0, "full", 0, 7, 4)  # a trial, whatever its estimate
-    assert p.agreements.get(0, ("lookup", 4)).rate == LOOKUP_PRIORS[3]  # which starts again at the prior
-    for _ in range(6):  # the trial and the takes after it: no token agreed again
-        p.observe(0, None, 0, 7, 0, ngram=4)
+    assert p.agreements.get(0, ("lookup", 4)).rate == low  # kept for the trial's outcome
+    p.observe(0, None, 0, 7, 0, ngram=4)  # the trial's verify pass: no token agreed again
     assert not p.take(0, "full", 0, 7, 4) and p.agreements.trials == 1
 
 
