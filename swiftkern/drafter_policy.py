@@ -36,13 +36,17 @@ class ForwardCosts:
     layer-skipped draft forward, as running means (decay ``decay`` per new sample).
 
     verify(T) interpolates linearly between measured T; outside them it extends the line
-    through the measured points (or, with one point, grows by ``prior_slope`` of verify(1)
-    per extra token, which is what a compute-light decode step looks like)."""
+    through the measured points. With one point it follows ``shape`` (the costs at another
+    batch size: their growth with T relative to their own point), or without one grows by
+    ``prior_slope`` of verify(1) per extra token, which is what a compute-light decode step
+    looks like. ``draft_cost()``: the measured draft forward, else ``shape``'s relative to
+    its verify(1), else half a verify(1)."""
 
     decay: float = 0.8
     prior_slope: float = 0.15
     _verify: dict = field(default_factory=dict)  # T -> running mean seconds
     draft: float | None = None
+    shape: "ForwardCosts | None" = None
 
     def _mix(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1 - self.decay) * new
@@ -64,12 +68,22 @@ class ForwardCosts:
             return self._verify[T]
         if len(pts) == 1:
             t0, c0 = pts[0]
+            if self.shape is not None and len(self.shape._verify) >= 2:
+                return c0 * self.shape.verify(T) / self.shape.verify(t0)
             base = c0 / (1 + self.prior_slope * (t0 - 1))
             return base * (1 + self.prior_slope * (T - 1))
         lo = [p for p in pts if p[0] < T]
         hi = [p for p in pts if p[0] > T]
         (t0, c0), (t1, c1) = (lo[-1], hi[0]) if lo and hi else (pts[-2], pts[-1]) if lo else (pts[0], pts[1])
         return max(c0 + (c1 - c0) * (T - t0) / (t1 - t0), 1e-9)
+
+
+    def draft_cost(self) -> float:
+        if self.draft is not None:
+            return self.draft
+        if self.shape is not None and self.shape.draft is not None and self.shape.known():
+            return self.shape.draft * self.verify(1) / self.shape.verify(1)
+        return 0.5 * self.verify(1)
 
 
 def _class_key(drafter: str, lookup_ngram: int) -> tuple[str, int]:
@@ -93,8 +107,9 @@ class DrafterPolicy:
     drafter, num_draft, num_accepted, lookup_ngram=n)`` after it; the generation loop feeds
     ``costs``. Lookup acceptance is per (row, match length class), layer-skip's per row.
     Exploration (``acceptance.Agreements``): a drafter a row has not used for ``explore_every``
-    steps is tried once, as soon as it can draft for the row, and its estimate starts again
-    from that trial, so a low estimate (or a losing prior) is measured again now and then.
+    steps is tried once, as soon as it can draft for the row, and the trial's outcome updates
+    its estimate, so a low estimate (or a losing prior) is measured again now and then. Costs
+    are kept per batch size (``costs``, ``set_batch``).
 
     ``measure=False`` keeps the costs at a fixed model (verify(T) = 1 + 0.15 (T - 1), a draft
     forward 0.5) instead of timing: choices then depend only on the drafts' acceptance, which
@@ -112,12 +127,33 @@ class DrafterPolicy:
         self.priors[_class_key("layer-skip", 0)] = skip_prior
         # per (row, (drafter, class)); class: lookup_bucket of the match for lookup, 0 for layer-skip
         self.agreements = Agreements(self.priors.__getitem__, explore_every)
-        self.costs = ForwardCosts()
         self.measure = measure
+        self.batch = 1
+        self._costs: dict[int, ForwardCosts] = {}  # batch size -> its costs (measure=False: one fixed model)
         if not measure:
-            self.costs.add_verify(1, 1.0)
-            self.costs.add_draft(0.5)
+            fixed = self._costs[0] = ForwardCosts()
+            fixed.add_verify(1, 1.0)
+            fixed.add_draft(0.5)
         self._draft_len: dict = {}  # per row: drafts a confident layer-skip run yields (running mean)
+
+    @property
+    def costs(self) -> ForwardCosts:
+        """The costs at the current batch size (``set_batch``): a pass over B rows grows with its
+        width differently at each B (on a CPU, near flat at batch 1 and near proportional at
+        batch 8), so costs measured while the batch was large do not hold for the rows left
+        when it shrinks. A batch size not timed yet borrows the shape of the nearest one that is."""
+        if not self.measure:
+            return self._costs[0]
+        costs = self._costs.get(self.batch)
+        if costs is None:
+            timed = [b for b, c in self._costs.items() if len(c._verify) >= 2]
+            near = min(timed, key=lambda b: (abs(b - self.batch), b)) if timed else None
+            costs = self._costs[self.batch] = ForwardCosts(shape=self._costs[near] if near is not None else None)
+        return costs
+
+    def set_batch(self, batch: int) -> None:
+        """The rows of the coming steps (the loop calls this each step)."""
+        self.batch = batch
 
     def record_verify(self, T: int, seconds: float) -> None:
         if self.measure:
@@ -150,7 +186,7 @@ class DrafterPolicy:
             # nothing measured yet: the first step is a plain one that measures verify(1)
             return Choice("none", 0, 0.0)
         best = Choice("none", 0, 1.0 / self.costs.verify(1))
-        draft_cost = self.costs.draft if self.costs.draft is not None else 0.5 * self.costs.verify(1)
+        draft_cost = self.costs.draft_cost()
         candidates = []  # (drafter, k, draft cost, lookup_ngram)
         if "lookup" in self.allowed and lookup_len > 0:
             candidates.append(("lookup", min(lookup_len, budget, self.k_max), 0.0, lookup_ngram))
@@ -186,7 +222,7 @@ class DrafterPolicy:
         row to it (K = 0: plain decoding). One row: unchanged (``choose`` already maximized it)."""
         if len(choices) < 2 or not any(c.k for c in choices):
             return choices
-        draft_cost = self.costs.draft if self.costs.draft is not None else 0.5 * self.costs.verify(1)
+        draft_cost = self.costs.draft_cost()
 
         def rate(K: int) -> float:
             tokens = sum(expected_tokens(c.acceptance, min(c.expected_drafts, K)) for c in choices)

@@ -243,6 +243,7 @@ def decode_self_spec(model: SkipModel, cache: KVCache, first_logits: torch.Tenso
                        for i, r in enumerate(alive)]
         lookups = [m.tokens for m in matches]
         if chooser is not None:  # auto, or lookup with cost-aware draft lengths
+            chooser.set_batch(B)
             choices = [chooser.choose(r, len(lookups[i]), budget[i], layer_skip=layer_set is not None,
                                       lookup_ngram=matches[i].ngram) for i, r in enumerate(alive)]
             choices = chooser.fit_pass(choices)  # one pass width for the batch

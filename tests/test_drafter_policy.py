@@ -240,3 +240,35 @@ def test_the_loop_drafts_what_the_pass_width_leaves(monkeypatch):
     assert out.tokens == ar
     assert len(fitted) == out.stats["verify_steps"] and out.stats["drafted"] > 0
     assert sum(c.k for step in fitted for c in step) == out.stats["drafted"]
+
+
+def test_costs_are_kept_per_batch_size():
+    """A pass's growth with its width differs by batch size: verify costs timed at batch 8
+    (near proportional to T) are not used at batch 1, which measures its own (near flat) and,
+    until it has two, borrows batch 8's growth relative to its own verify(1)."""
+    p = DrafterPolicy(("lookup", "none"), 8)
+    p.set_batch(8)
+    p.record_verify(1, 8.0)
+    p.record_verify(5, 40.0)
+    assert p.choose(0, lookup_len=4, budget=8).drafter == "none"  # 0.6 acceptance cannot pay for 5x
+    p.set_batch(1)
+    assert not p.costs.known()  # nothing timed at batch 1: a plain step times it
+    assert p.choose(0, lookup_len=4, budget=8).drafter == "none"
+    p.record_verify(1, 2.0)
+    assert p.costs.verify(5) == pytest.approx(2.0 * 40.0 / 8.0)  # batch 8's shape
+    p.record_verify(5, 2.2)
+    for _ in range(10):
+        p.observe(0, "lookup", 4, 4, lookup_ngram=1)
+    assert p.choose(0, lookup_len=4, budget=8).drafter == "lookup"
+    p.set_batch(8)
+    assert p.costs.verify(5) == 40.0
+
+
+def test_the_loop_tells_the_policy_its_batch_size(monkeypatch):
+    hf = tiny_model("llama", num_hidden_layers=5)
+    seen = []
+    monkeypatch.setattr(DrafterPolicy, "set_batch", lambda self, b: seen.append(b) or setattr(self, "batch", b))
+    out = Generator(hf, mode="self-spec", drafter="auto").generate(
+        PROMPTS[:3], max_new_tokens=12, eos_token_id=[], arrive_at=[0, 0, 5])
+    # two rows, then the arrival makes three, then the late one finishes alone
+    assert len(seen) == out.stats["verify_steps"] and (seen[0], max(seen), seen[-1]) == (2, 3, 1)
