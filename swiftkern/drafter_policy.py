@@ -12,6 +12,10 @@ a of a truncated geometric model, accepted / (accepted + misses), counted with a
 follows the text (``Acceptance``). Prompt lookup's acceptance is kept per match length (1, 2,
 3, 4+ tokens of context matched): a long match is a far better bet than a one-token one
 (on SmolLM2 18 % of 1-token matches predicted the next token, 78-91 % of 4+-token ones).
+
+In a batch the rows share one verify pass, as wide as the longest draft: ``fit_pass`` cuts
+the rows' choices to the width with the most expected tokens per second for the batch, and the
+costs are kept per batch size (a pass grows with its width differently at each).
 """
 
 from __future__ import annotations
