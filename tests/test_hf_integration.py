@@ -174,6 +174,17 @@ def test_right_padding_and_batched_streamer_are_refused(llama):
             custom_generate=swift_generate, swift_mode="ar")
 
 
+def test_continuing_from_a_filled_cache_is_refused(llama):
+    """The KV cache generate prepares (model kwarg past_key_values, named cache from transformers
+    5.24) passes when empty, as in every test above; one an earlier call filled is refused."""
+    out = _hf(llama, torch.tensor(PROMPT), max_new_tokens=3, return_dict_in_generate=True)
+    filled = getattr(out, "past_key_values", None) or getattr(out, "cache")
+    assert filled.get_seq_length() > 0
+    name = "cache" if compat.transformers_version() >= (5, 24) else "past_key_values"
+    with pytest.raises(SwiftkernError, match=f"a filled {name}"):
+        _hf(llama, out.sequences, max_new_tokens=3, custom_generate=swift_generate, swift_mode="ar", **{name: filled})
+
+
 def test_unknown_mode_is_refused(llama):
     with pytest.raises(SwiftkernError, match="mode"):
         _hf(llama, torch.tensor(PROMPT), max_new_tokens=4, custom_generate=swift_generate, swift_mode="beam")

@@ -15,7 +15,9 @@ is handled here:
   earlier only the raw ids; ``special_tokens`` reads whichever is there;
 - in both 4.56+ and 5.x the ``streamer`` and ``assistant_model`` arguments of ``generate``
   are not passed on to a callable ``custom_generate`` (it receives only its own extra keyword
-  arguments); ``generate_call_arguments`` reads them from the calling ``generate`` frame.
+  arguments); ``generate_call_arguments`` reads them from the calling ``generate`` frame;
+- 5.24 renamed the KV cache that ``generate`` prepares (an empty ``DynamicCache``, passed on
+  in the model kwargs) from ``past_key_values`` to ``cache``: ``CACHE_KWARGS`` names both.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 from ..errors import SwiftkernError
 
 MIN_VERSION = (4, 56)
+CACHE_KWARGS = ("past_key_values", "cache")  # the prepared KV cache's model-kwarg name: before / from 5.24
 
 
 def transformers_version() -> tuple[int, int]:

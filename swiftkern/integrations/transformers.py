@@ -22,7 +22,7 @@ _WARPERS = {"TemperatureLogitsWarper": "temperature", "TopKLogitsWarper": "top_k
 _CRITERIA = {"MaxLengthCriteria", "EosTokenCriteria"}  # max_new_tokens / max_length, eos_token_id
 # model kwargs HF's generate adds by itself; anything else came from the caller and is refused
 _MODEL_KWARGS = {"attention_mask", "position_ids", "logits_to_keep", "num_logits_to_keep", "use_cache",
-                 "past_key_values", "cache_position"}
+                 "cache_position", *compat.CACHE_KWARGS}
 # GenerationConfig fields that must keep their neutral value: they select something other than
 # one sequence per prompt decoded by the model itself, or ask for outputs the Generator does not keep
 _MUST_BE_NEUTRAL = {  # field: (neutral value, what it asks for)
@@ -52,9 +52,10 @@ def _refusals(generation_config, logits_processor, stopping_criteria, model_kwar
     extra = sorted(k for k, v in model_kwargs.items() if k not in _MODEL_KWARGS and v is not None)
     if extra:
         problems.append(f"model inputs {', '.join(extra)}")
-    cache = model_kwargs.get("past_key_values")
-    if cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0:
-        problems.append("a filled past_key_values (continuing from a cache)")
+    for name in compat.CACHE_KWARGS:
+        cache = model_kwargs.get(name)
+        if cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0:
+            problems.append(f"a filled {name} (continuing from a cache)")
     if hf_args.get("assistant_model") is not None:
         problems.append("assistant_model (swiftkern drafts with the model itself)")
     return problems
