@@ -6,7 +6,7 @@ import torch
 import swiftkern
 from swiftkern.errors import SwiftkernError
 from swiftkern.integrations import compat
-from swiftkern.integrations.transformers import generate as swift_generate
+from swiftkern.integrations.transformers import _refusals, generate as swift_generate
 
 from conftest import tiny_model
 
@@ -183,6 +183,20 @@ def test_continuing_from_a_filled_cache_is_refused(llama):
     name = "cache" if compat.transformers_version() >= (5, 24) else "past_key_values"
     with pytest.raises(SwiftkernError, match=f"a filled {name}"):
         _hf(llama, out.sequences, max_new_tokens=3, custom_generate=swift_generate, swift_mode="ar", **{name: filled})
+
+
+def test_model_inputs_the_caller_passed_are_refused(llama):
+    """A model input the caller passes and the backend does not use is refused; one that
+    generate adds by itself (as 5.24 added its cache) is not the caller's request and passes.
+    Without the calling generate to ask, every unknown one is refused."""
+    ids = torch.tensor(PROMPT)
+    with pytest.raises(SwiftkernError, match="model inputs labels"):
+        _hf(llama, ids, max_new_tokens=3, labels=ids, custom_generate=swift_generate, swift_mode="ar")
+    added = {"attention_mask": torch.ones_like(ids), "internal_state": object()}
+    config = llama.generation_config
+    assert not _refusals(config, [], [], added, {"kwargs": {}})
+    assert _refusals(config, [], [], added, {"kwargs": {"internal_state": 1}}) == ["model inputs internal_state"]
+    assert _refusals(config, [], [], added, {}) == ["model inputs internal_state"]
 
 
 def test_unknown_mode_is_refused(llama):

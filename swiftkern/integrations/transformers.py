@@ -20,7 +20,9 @@ from . import compat
 # logits processors whose effect the Generator reproduces (HF's order: temperature, top-k, top-p)
 _WARPERS = {"TemperatureLogitsWarper": "temperature", "TopKLogitsWarper": "top_k", "TopPLogitsWarper": "top_p"}
 _CRITERIA = {"MaxLengthCriteria", "EosTokenCriteria"}  # max_new_tokens / max_length, eos_token_id
-# model kwargs HF's generate adds by itself; anything else came from the caller and is refused
+# model kwargs HF's generate adds by itself (or the caller may pass: they change nothing here); other
+# model kwargs the caller passed are refused. Where the calling generate is not found, every model
+# kwarg outside this set is taken for the caller's.
 _MODEL_KWARGS = {"attention_mask", "position_ids", "logits_to_keep", "num_logits_to_keep", "use_cache",
                  "cache_position", *compat.CACHE_KWARGS}
 # GenerationConfig fields that must keep their neutral value: they select something other than
@@ -49,7 +51,10 @@ def _refusals(generation_config, logits_processor, stopping_criteria, model_kwar
     for crit in stopping_criteria or []:
         if type(crit).__name__ not in _CRITERIA:
             problems.append(f"stopping criterion {type(crit).__name__} (stop_strings, max_time, or passed by the caller)")
-    extra = sorted(k for k, v in model_kwargs.items() if k not in _MODEL_KWARGS and v is not None)
+    caller = hf_args.get("kwargs")  # the keyword arguments the caller gave generate (None: not found)
+    # only the caller's: kwargs a new transformers adds by itself (5.24's cache) are no request of theirs
+    extra = sorted(k for k, v in model_kwargs.items()
+                   if k not in _MODEL_KWARGS and v is not None and (caller is None or k in caller))
     if extra:
         problems.append(f"model inputs {', '.join(extra)}")
     for name in compat.CACHE_KWARGS:
