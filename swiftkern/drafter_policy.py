@@ -64,6 +64,10 @@ class ForwardCosts:
     def known(self) -> bool:
         return bool(self._verify)
 
+    def has_growth(self) -> bool:
+        """Whether verify passes of two or more widths are timed (how cost grows with T is known)."""
+        return len(self._verify) >= 2
+
     def verify(self, T: int) -> float:
         pts = sorted(self._verify.items())
         if not pts:
@@ -72,7 +76,7 @@ class ForwardCosts:
             return self._verify[T]
         if len(pts) == 1:
             t0, c0 = pts[0]
-            if self.shape is not None and len(self.shape._verify) >= 2:
+            if self.shape is not None and self.shape.has_growth():
                 return c0 * self.shape.verify(T) / self.shape.verify(t0)
             base = c0 / (1 + self.prior_slope * (t0 - 1))
             return base * (1 + self.prior_slope * (T - 1))
@@ -150,7 +154,7 @@ class DrafterPolicy:
             return self._costs[0]
         costs = self._costs.get(self.batch)
         if costs is None:
-            timed = [b for b, c in self._costs.items() if len(c._verify) >= 2]
+            timed = [b for b, c in self._costs.items() if c.has_growth()]
             near = min(timed, key=lambda b: (abs(b - self.batch), b)) if timed else None
             costs = self._costs[self.batch] = ForwardCosts(shape=self._costs[near] if near is not None else None)
         return costs
@@ -172,10 +176,14 @@ class DrafterPolicy:
         ``lookup_ngram`` tokens)."""
         return self.agreements.get(row, _class_key(drafter, lookup_ngram))
 
+    def _rate(self, a: float, k: int, draft_cost: float) -> float:
+        """Expected tokens per second of a step with k drafts of acceptance a."""
+        return expected_tokens(a, k) / (k * draft_cost + self.costs.verify(k + 1))
+
     def _best_k(self, a: float, k_limit: int, draft_cost: float) -> tuple[int, float]:
         best_k, best = 0, 1.0 / self.costs.verify(1)
         for k in range(1, k_limit + 1):
-            rate = expected_tokens(a, k) / (k * draft_cost + self.costs.verify(k + 1))
+            rate = self._rate(a, k, draft_cost)
             if rate > best:
                 best_k, best = k, rate
         return best_k, best
@@ -209,8 +217,7 @@ class DrafterPolicy:
             if drafter != best.drafter and self.agreements.due(row, key):
                 self.agreements.trial(row, key)
                 a = self.agreements.get(row, key).rate
-                tokens = expected_tokens(a, k_most)
-                return Choice(drafter, k_most, tokens / (k_most * cost + self.costs.verify(k_most + 1)), a, k_most)
+                return Choice(drafter, k_most, self._rate(a, k_most, cost), a, k_most)
         if best.drafter != "none":
             self.agreements.won(row, _class_key(best.drafter, lookup_ngram))
         return best

@@ -20,17 +20,15 @@ class KVCache:
     """
 
     def __init__(self, num_layers: int, batch: int, num_kv_heads: int, max_len: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str, capacity: int | None = None):
-        capacity = batch if capacity is None else capacity
-        if batch < 1 or max_len < 1 or capacity < batch:
-            raise SwiftkernError(f"KV cache needs batch >= 1, max_len >= 1 and capacity >= batch, "
-                                 f"got batch={batch}, max_len={max_len}, capacity={capacity}")
-        shape = (num_layers, capacity, num_kv_heads, max_len, head_dim)
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str):
+        if batch < 1 or max_len < 1:
+            raise SwiftkernError(f"KV cache needs batch >= 1 and max_len >= 1, got {batch}, {max_len}")
+        shape = (num_layers, batch, num_kv_heads, max_len, head_dim)  # capacity = batch at first
         # zeros, not empty: attention reads (masked) positions past a short row's length, and a
         # NaN there would survive the mask (0 * NaN); every later write is a finite model value
         self._k_rows = torch.zeros(shape, dtype=dtype, device=device)  # [L, capacity, H_kv, S_max, D]
         self._v_rows = torch.zeros(shape, dtype=dtype, device=device)
-        self._length_rows = torch.zeros(capacity, dtype=torch.int64, device=device)  # [capacity]
+        self._length_rows = torch.zeros(batch, dtype=torch.int64, device=device)  # [capacity]
         self.max_len = max_len
         self._use_rows(batch)
         self.host_lengths = [0] * batch
@@ -141,14 +139,13 @@ class KVCache:
 
     def _grow(self, capacity: int, keep: int) -> None:
         """Reallocate to ``capacity`` rows, keeping the first ``keep``."""
-        B = keep
         for name in ("_k_rows", "_v_rows"):
             old = getattr(self, name)
             new = old.new_zeros((old.shape[0], capacity) + tuple(old.shape[2:]))
-            new[:, :B] = old[:, :B]
+            new[:, :keep] = old[:, :keep]
             setattr(self, name, new)
         lengths = self._length_rows.new_zeros(capacity)
-        lengths[:B] = self._length_rows[:B]
+        lengths[:keep] = self._length_rows[:keep]
         self._length_rows = lengths
 
     def select_rows(self, rows: list[int]) -> None:
@@ -159,18 +156,16 @@ class KVCache:
         if not rows or any(not 0 <= r < self.batch for r in rows) or len(set(rows)) != len(rows):
             raise SwiftkernError(f"select_rows: rows {rows} must be distinct rows of [0, {self.batch}), at least one")
         moves = [(new, old) for new, old in enumerate(rows) if new != old and self.host_lengths[old]]
-        if _overwrites_a_source(moves):
-            sources = torch.tensor([old for _, old in moves], device=self.k.device)
+        src_k, src_v, src = self.k, self.v, [old for _, old in moves]  # where each move reads its row
+        if _overwrites_a_source(moves):  # read the moving rows from a snapshot instead
             n = max(self.host_lengths[old] for _, old in moves)
-            saved = [t[:, :, :, :n].index_select(1, sources) for t in (self.k, self.v)]  # [L, moves, H, n, D]
-            for i, (new, old) in enumerate(moves):
-                m = self.host_lengths[old]
-                self.k[:, new, :, :m], self.v[:, new, :, :m] = saved[0][:, i, :, :m], saved[1][:, i, :, :m]
-        else:
-            for new, old in moves:
-                m = self.host_lengths[old]
-                self.k[:, new, :, :m] = self.k[:, old, :, :m]
-                self.v[:, new, :, :m] = self.v[:, old, :, :m]
+            index = torch.tensor(src, device=self.k.device)
+            src_k, src_v = (t[:, :, :, :n].index_select(1, index) for t in (self.k, self.v))  # [L, moves, H, n, D]
+            src = list(range(len(moves)))
+        for (new, old), j in zip(moves, src):
+            m = self.host_lengths[old]
+            self.k[:, new, :, :m] = src_k[:, j, :, :m]
+            self.v[:, new, :, :m] = src_v[:, j, :, :m]
         self.host_lengths = [self.host_lengths[r] for r in rows]
         self._use_rows(len(rows))
         self.set_lengths(self.host_lengths)
