@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from .acceptance import Acceptance, Agreements, expected_tokens  # noqa: F401  (Acceptance: re-exported)
 
 DRAFTERS = ("auto", "layer-skip", "lookup", "none")
+COOLDOWN_STEPS = 4  # plain steps after a wider pass (or a prefill) that it slows (ForwardCosts.time_step)
 # prior acceptance of a lookup draft by the length of the context match it came from (1, 2, 3, 4+)
 LOOKUP_PRIORS = (0.3, 0.5, 0.6, 0.8)
 
@@ -39,24 +40,58 @@ class ForwardCosts:
     """Seconds of one full-model forward of T tokens per row (the verify pass), and of one
     layer-skipped draft forward, as running means (decay ``decay`` per new sample).
 
-    verify(T) interpolates linearly between measured T; outside them it extends the line
-    through the measured points. With one point it follows ``shape`` (the costs at another
+    verify(T) interpolates linearly between measured T, read as never falling with T (a wider
+    pass measured cheaper is noise: taken at face value, the line through verify(1) and a
+    cheaper verify(2) made every wider pass look free); outside them it extends the line
+    through the last two. With one point it follows ``shape`` (the costs at another
     batch size: their growth with T relative to their own point), or without one grows by
     ``prior_slope`` of verify(1) per extra token, which is what a compute-light decode step
     looks like. ``draft_cost()``: the measured draft forward, else ``shape``'s relative to
-    its verify(1), else half a verify(1)."""
+    its verify(1), else half a verify(1).
+
+    ``time_step`` feeds it the loop's passes in order and charges a pass for the plain steps
+    it slows down after it: on the CPU machine a decode step takes 5.4 ms in a row of decode
+    steps, and the four after a pass of 8 tokens take 6.4-6.8, 6.2-6.5, 6.0-6.3 and 5.8-5.9
+    ms (after 32 tokens 8.3-8.7 at first; after a prefill 9 ms). Timed alone, a wide pass
+    looked cheaper than it is and the plain steps dearer, which made drafting look better
+    than it was."""
 
     decay: float = 0.8
     prior_slope: float = 0.15
     _verify: dict = field(default_factory=dict)  # T -> running mean seconds
     draft: float | None = None
     shape: "ForwardCosts | None" = None
+    # the last pass wider than one token, its seconds so far, and the plain steps after it
+    # still to charge to it
+    _cooling: tuple[int, float, int] | None = None
 
     def _mix(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1 - self.decay) * new
 
     def add_verify(self, T: int, seconds: float) -> None:
         self._verify[T] = self._mix(self._verify.get(T), seconds)
+
+    def time_step(self, T: int, seconds: float) -> None:
+        """A pass of T tokens a row took ``seconds``, in the order the loop ran them. A plain
+        step (T = 1) within COOLDOWN_STEPS of a wider pass also adds its time over verify(1) to
+        that pass's, which is recorded once those steps are done or another wide pass starts.
+        (Every plain step still updates verify(1): kept to the steps out of any cool-down, it
+        went stale where most steps follow a lookup draft, and the charges with it.)"""
+        if self._cooling is not None and T == 1 and 1 in self._verify:
+            wide, spent, left = self._cooling
+            self._cooling = (wide, spent + seconds - self._verify[1], left - 1)
+            if left == 1:
+                self._record_cooled()
+        elif T > 1:
+            self._record_cooled()
+            self._cooling = (T, seconds, COOLDOWN_STEPS)
+        if T == 1:
+            self.add_verify(1, seconds)
+
+    def _record_cooled(self) -> None:
+        if self._cooling is not None:
+            self.add_verify(self._cooling[0], max(self._cooling[1], 1e-9))
+        self._cooling = None
 
     def add_draft(self, seconds_per_forward: float) -> None:
         self.draft = self._mix(self.draft, seconds_per_forward)
@@ -68,12 +103,20 @@ class ForwardCosts:
         """Whether verify passes of two or more widths are timed (how cost grows with T is known)."""
         return len(self._verify) >= 2
 
+    def widest(self) -> int:
+        """The widest pass timed, here or in ``shape`` (0: none)."""
+        own = max(self._verify, default=0)
+        return max(own, self.shape.widest()) if self.shape is not None else own
+
     def verify(self, T: int) -> float:
-        pts = sorted(self._verify.items())
+        pts, floor = [], 0.0
+        for t, c in sorted(self._verify.items()):  # running max: a wider pass costs no less
+            floor = max(floor, c)
+            pts.append((t, floor))
         if not pts:
             raise ValueError("no verify cost measured yet")
         if T in self._verify:
-            return self._verify[T]
+            return dict(pts)[T]
         if len(pts) == 1:
             t0, c0 = pts[0]
             if self.shape is not None and self.shape.has_growth():
@@ -82,9 +125,11 @@ class ForwardCosts:
             return base * (1 + self.prior_slope * (T - 1))
         lo = [p for p in pts if p[0] < T]
         hi = [p for p in pts if p[0] > T]
-        (t0, c0), (t1, c1) = (lo[-1], hi[0]) if lo and hi else (pts[-2], pts[-1]) if lo else (pts[0], pts[1])
-        return max(c0 + (c1 - c0) * (T - t0) / (t1 - t0), 1e-9)
-
+        if not lo:  # narrower than any timed pass: no cheaper a token than the narrowest
+            (t0, c0), (t1, c1) = pts[0], pts[1]
+            return max(c0 + (c1 - c0) * (T - t0) / (t1 - t0), c0 * T / t0)
+        (t0, c0), (t1, c1) = (lo[-1], hi[0]) if hi else (pts[-2], pts[-1])
+        return c0 + (c1 - c0) * (T - t0) / (t1 - t0)
 
     def draft_cost(self) -> float:
         if self.draft is not None:
@@ -143,6 +188,7 @@ class DrafterPolicy:
             fixed.add_verify(1, 1.0)
             fixed.add_draft(0.5)
         self._draft_len: dict = {}  # per row: drafts a confident layer-skip run yields (running mean)
+        self._prefill_left = 0  # steps after a prefill still not to time
 
     @property
     def costs(self) -> ForwardCosts:
@@ -164,12 +210,21 @@ class DrafterPolicy:
         self.batch = batch
 
     def record_verify(self, T: int, seconds: float) -> None:
-        if self.measure:
-            self.costs.add_verify(T, seconds)
+        """A verify pass of T tokens a row took ``seconds`` (``ForwardCosts.time_step``); the
+        loop calls it once a step, after ``record_draft``."""
+        if self._prefill_left:
+            self._prefill_left -= 1
+        elif self.measure:
+            self.costs.time_step(T, seconds)
 
     def record_draft(self, seconds_per_forward: float) -> None:
-        if self.measure:
+        if self.measure and not self._prefill_left:
             self.costs.add_draft(seconds_per_forward)
+
+    def prefilled(self) -> None:
+        """A prefill ran: the next COOLDOWN_STEPS steps are not timed (it slows them as a wide
+        pass does, ``ForwardCosts.time_step``, but its cost is no drafter's)."""
+        self._prefill_left = COOLDOWN_STEPS
 
     def acceptance(self, row: int, drafter: str, lookup_ngram: int = 1) -> Acceptance:
         """The running acceptance of ``drafter`` on ``row`` (lookup: for matches of
@@ -180,13 +235,28 @@ class DrafterPolicy:
         """Expected tokens per second of a step with k drafts of acceptance a."""
         return expected_tokens(a, k) / (k * draft_cost + self.costs.verify(k + 1))
 
+    def _most_drafts(self) -> int:
+        """Most drafts a step is valued at: a verify pass at most twice as wide as the widest
+        timed at this batch size (or the one it borrows from), so a choice never rests on a
+        cost extrapolated far past what was measured; each wider pass timed widens the range
+        (1, 2, 4, 8, ... tokens). Unlimited with the fixed cost model (measure=False)."""
+        return 2 * self.costs.widest() - 1 if self.measure else self.k_max
+
     def _best_k(self, a: float, k_limit: int, draft_cost: float) -> tuple[int, float]:
+        k_limit = min(k_limit, self._most_drafts())
         best_k, best = 0, 1.0 / self.costs.verify(1)
         for k in range(1, k_limit + 1):
             rate = self._rate(a, k, draft_cost)
             if rate > best:
                 best_k, best = k, rate
         return best_k, best
+
+    def _trial_k(self, key: tuple[str, int], k_most: int) -> int:
+        """Drafts for a trial of a lookup class: as many as its prior would take (at least one).
+        A trial measures acceptance, and one verified draft does; all k_most of them (a 1-token
+        match can bring 25) made each trial a verify pass of up to 26 tokens, several decode
+        steps on a CPU (SmolLM2, story prompt: two such trials cost ~7 % of the run)."""
+        return max(1, self._best_k(self.priors[key], k_most, 0.0)[0])
 
     def choose(self, row: int, lookup_len: int, budget: int, layer_skip: bool = True,
                lookup_ngram: int = 1) -> Choice:
@@ -217,7 +287,8 @@ class DrafterPolicy:
             if drafter != best.drafter and self.agreements.due(row, key):
                 self.agreements.trial(row, key)
                 a = self.agreements.get(row, key).rate
-                return Choice(drafter, k_most, self._rate(a, k_most, cost), a, k_most)
+                k = k_most if drafter == "layer-skip" else self._trial_k(key, k_most)
+                return Choice(drafter, k, self._rate(a, k, cost), a, k)
         if best.drafter != "none":
             self.agreements.won(row, _class_key(best.drafter, lookup_ngram))
         return best

@@ -217,10 +217,14 @@ def decode_self_spec(model: SkipModel, cache: KVCache, first_logits: torch.Tenso
     stats["per_row"] = per_row
     trials_before = chooser.agreements.trials if chooser is not None else 0
     pending = _first_tokens(first_logits, requests.alive, cache, params, seeds, requests, logprobs, draft_head)
+    if chooser is not None:
+        chooser.prefilled()
     while True:
         pending = requests.drop_finished(cache, pending)
         new = admit_arrivals(model, cache, requests, prompts)  # arrivals, their first tokens committed
         if new is not None:
+            if chooser is not None:
+                chooser.prefilled()
             due = requests.alive[len(requests.alive) - new.shape[0]:]
             first = _first_tokens(new, due, cache, params, seeds, requests, logprobs, draft_head)
             pending = first if pending is None else torch.cat([pending, first])

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import tiny_model
 from swiftkern import Generator
-from swiftkern.drafter_policy import Acceptance, Choice, DrafterPolicy, ForwardCosts, expected_tokens
+from swiftkern.drafter_policy import COOLDOWN_STEPS, Acceptance, Choice, DrafterPolicy, ForwardCosts, expected_tokens
 
 PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [10, 11, 12], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [200]]
 
@@ -49,6 +49,83 @@ def test_forward_costs_interpolate_and_extrapolate():
     assert c.verify(1) == 1.0
 
 
+def test_forward_costs_never_fall_with_width():
+    """A wider pass timed cheaper (noise) reads as no cheaper, and the line beyond it stays flat
+    instead of falling toward zero; a pass narrower than any timed costs no less a token."""
+    c = ForwardCosts(decay=0.0)
+    c.add_verify(1, 1.0)
+    c.add_verify(2, 0.9)
+    assert c.verify(2) == 1.0 and c.verify(25) == pytest.approx(1.0)
+    c.add_verify(4, 1.3)
+    assert c.verify(3) == pytest.approx(1.15) and c.verify(8) == pytest.approx(1.9)
+    d = ForwardCosts(decay=0.0)
+    d.add_verify(4, 1.0)
+    d.add_verify(8, 3.0)  # the line would give verify(1) = -0.5
+    assert d.verify(1) == pytest.approx(0.25) and d.verify(2) == pytest.approx(0.5)
+    assert d.widest() == 8 and ForwardCosts(shape=d).widest() == 8 and ForwardCosts().widest() == 0
+
+
+def test_a_wide_pass_is_charged_for_the_plain_steps_it_slows():
+    """(The CPU machine: 5.4 ms a decode step in a row of them; the four after an 8-token pass
+    took about 1.2, 0.9, 0.7, 0.4 ms more.) The pass is recorded with each plain step's time
+    over the verify(1) before it once its COOLDOWN_STEPS plain steps are done, and a wide pass
+    that comes sooner records the one before with the excess so far."""
+    assert COOLDOWN_STEPS == 4
+    c = ForwardCosts(decay=0.5)
+    c.time_step(1, 5.0)
+    c.time_step(8, 13.5)
+    assert 8 not in c._verify  # its cool-down is still running
+    for t in (7.0, 6.0, 5.5, 5.25):  # verify(1) before each: 5.0, 6.0, 6.0, 5.75
+        c.time_step(1, t)
+    assert c.verify(8) == pytest.approx(13.5 + 2.0 + 0.0 - 0.5 - 0.5) and c.verify(1) == 5.5
+    c.time_step(4, 7.0)
+    c.time_step(1, 6.0)
+    c.time_step(2, 6.0)  # another wide pass: the 4-token one is recorded with its one plain step
+    assert c.verify(4) == pytest.approx(7.5)
+    c.time_step(4, 7.0)
+    assert c.verify(2) == pytest.approx(6.0)
+
+
+def test_the_steps_after_a_prefill_are_not_timed():
+    p = DrafterPolicy(("lookup", "none"), 8)
+    p.prefilled()
+    for _ in range(COOLDOWN_STEPS):
+        p.record_draft(4.0)
+        p.record_verify(1, 9.0)  # a cold step
+    assert not p.costs.known() and p.costs.draft is None
+    p.record_verify(1, 5.0)
+    assert p.costs.verify(1) == 5.0
+
+
+def test_drafts_are_valued_only_near_the_widths_timed():
+    """With passes of 1 and 2 tokens timed (the second cheaper: noise), a 25-token lookup of
+    acceptance 0.35 looked free and was taken whole (a 26-token pass, ~4 decode steps on a CPU);
+    now a step is valued at most at twice the widest timed pass, and each wider pass timed
+    widens that."""
+    p = _policy(("lookup", "none"), verify=(1.0, 0.98))
+    _train(p, 0, "lookup", 0.35, steps=5, k=1)
+    assert p.choose(0, lookup_len=25, budget=25).k <= 3
+    p.costs.add_verify(4, 1.0)
+    assert p.choose(0, lookup_len=25, budget=25).k == 7
+    # the fixed cost model (measure=False, only verify(1) known) is not limited
+    best = max(range(1, 9), key=lambda k: expected_tokens(0.8, k) / (1 + 0.15 * k))
+    assert best > 1 and DrafterPolicy(("lookup", "none"), 8, measure=False).choose(0, 25, 25, lookup_ngram=4).k == best
+
+
+def test_a_lookup_trial_drafts_what_its_prior_would_take():
+    """A lookup class due for a trial is tried with the drafts its prior is worth, not all the
+    match brings: one-token matches (prior 0.3) at verify(T) = 1 + 0.1 (T - 1) are worth one."""
+    p = _policy(("lookup", "none"), k_max=25)
+    p.costs.add_verify(16, 2.5)
+    _train(p, 0, "lookup", 0.0, steps=30, k=1)
+    for _ in range(p.explore_every):
+        assert p.choose(0, lookup_len=25, budget=25).drafter == "none"
+        p.observe(0, "none", 0, 0)
+    trial = p.choose(0, lookup_len=25, budget=25)
+    assert (trial.drafter, trial.k, p.agreements.trials) == ("lookup", 1, 1)
+    assert max(range(1, 26), key=lambda k: expected_tokens(0.3, k) / p.costs.verify(k + 1)) == 1
+
+
 def _policy(allowed, verify=(1.0, 1.1), draft=None, k_max=8):
     p = DrafterPolicy(allowed, k_max)
     p.costs.add_verify(1, verify[0])
@@ -85,6 +162,7 @@ def test_good_lookup_is_taken_and_bad_lookup_is_not():
 def test_lookup_acceptance_is_kept_per_match_length():
     """One-token matches that miss do not stop drafting from long matches that hit."""
     p = _policy(("lookup", "none"))
+    p.costs.add_verify(4, 1.3)  # on the line of verify(1), verify(2): drafts of up to 7 are valued
     for _ in range(100):
         p.observe(0, "lookup", 4, 0, lookup_ngram=1)
         p.observe(0, "lookup", 4, 4, lookup_ngram=6)
@@ -248,15 +326,15 @@ def test_costs_are_kept_per_batch_size():
     until it has two, borrows batch 8's growth relative to its own verify(1)."""
     p = DrafterPolicy(("lookup", "none"), 8)
     p.set_batch(8)
-    p.record_verify(1, 8.0)
-    p.record_verify(5, 40.0)
+    p.costs.add_verify(1, 8.0)
+    p.costs.add_verify(5, 40.0)
     assert p.choose(0, lookup_len=4, budget=8).drafter == "none"  # 0.6 acceptance cannot pay for 5x
     p.set_batch(1)
     assert not p.costs.known()  # nothing timed at batch 1: a plain step times it
     assert p.choose(0, lookup_len=4, budget=8).drafter == "none"
-    p.record_verify(1, 2.0)
+    p.costs.add_verify(1, 2.0)
     assert p.costs.verify(5) == pytest.approx(2.0 * 40.0 / 8.0)  # batch 8's shape
-    p.record_verify(5, 2.2)
+    p.costs.add_verify(5, 2.2)
     for _ in range(10):
         p.observe(0, "lookup", 4, 4, lookup_ngram=1)
     assert p.choose(0, lookup_len=4, budget=8).drafter == "lookup"
