@@ -81,14 +81,15 @@ class ForwardCosts:
             wide, spent, left = self._cooling
             self._cooling = (wide, spent + seconds - self._verify[1], left - 1)
             if left == 1:
-                self._record_cooled()
+                self.end_cooldown()
         elif T > 1:
-            self._record_cooled()
+            self.end_cooldown()
             self._cooling = (T, seconds, COOLDOWN_STEPS)
         if T == 1:
             self.add_verify(1, seconds)
 
-    def _record_cooled(self) -> None:
+    def end_cooldown(self) -> None:
+        """Records the wide pass still cooling down, if any, with the excess so far."""
         if self._cooling is not None:
             self.add_verify(self._cooling[0], max(self._cooling[1], 1e-9))
         self._cooling = None
@@ -164,13 +165,16 @@ class DrafterPolicy:
     its estimate, so a low estimate (or a losing prior) is measured again now and then. Costs
     are kept per batch size (``costs``, ``set_batch``).
 
-    ``measure=False`` keeps the costs at a fixed model (verify(T) = 1 + 0.15 (T - 1), a draft
+    ``costs``: a dict of costs per batch size to keep and go on with (a ``Generator`` passes
+    the same one to each of its calls: what a pass costs is the machine's and the model's, not
+    the text's), else a new one. ``measure=False`` keeps the costs at a fixed model (verify(T) = 1 + 0.15 (T - 1), a draft
     forward 0.5) instead of timing: choices then depend only on the drafts' acceptance, which
     is what seeded sampling needs to give the same tokens on every run (timings vary).
     """
 
     def __init__(self, allowed: tuple[str, ...], k_max: int, explore_every: int = 32,
-                 lookup_priors: tuple[float, ...] = LOOKUP_PRIORS, skip_prior: float = 0.6, measure: bool = True):
+                 lookup_priors: tuple[float, ...] = LOOKUP_PRIORS, skip_prior: float = 0.6, measure: bool = True,
+                 costs: dict | None = None):
         if len(lookup_priors) != len(LOOKUP_PRIORS):
             raise ValueError(f"lookup_priors: one prior per match length class (1, 2, 3, 4+), got {lookup_priors}")
         self.allowed = tuple(allowed)
@@ -182,7 +186,8 @@ class DrafterPolicy:
         self.agreements = Agreements(self.priors.__getitem__, explore_every)
         self.measure = measure
         self.batch = 1
-        self._costs: dict[int, ForwardCosts] = {}  # batch size -> its costs (measure=False: one fixed model)
+        # batch size -> its costs (measure=False: one fixed model)
+        self._costs: dict[int, ForwardCosts] = costs if costs is not None and measure else {}
         if not measure:
             fixed = self._costs[0] = ForwardCosts()
             fixed.add_verify(1, 1.0)
@@ -225,6 +230,8 @@ class DrafterPolicy:
         """A prefill ran: the next COOLDOWN_STEPS steps are not timed (it slows them as a wide
         pass does, ``ForwardCosts.time_step``, but its cost is no drafter's)."""
         self._prefill_left = COOLDOWN_STEPS
+        for costs in self._costs.values():
+            costs.end_cooldown()
 
     def acceptance(self, row: int, drafter: str, lookup_ngram: int = 1) -> Acceptance:
         """The running acceptance of ``drafter`` on ``row`` (lookup: for matches of

@@ -177,6 +177,7 @@ class Generator:
             raise SwiftkernError("drafter self-spec needs a layer set (e.g. 'attn:3,5|mlp:4')")
         self.auto_layer_set = isinstance(layer_set, str) and layer_set.strip() == "auto"
         self._tuner_state: OnTheFlyTuner | None = None  # layer_set "auto": kept across calls
+        self._drafter_costs: dict = {}  # the drafter policy's timed costs per batch size: kept across calls
         if self.auto_layer_set:
             if mode != "self-spec" or drafter not in ("auto", "layer-skip"):
                 raise SwiftkernError("layer_set 'auto' (search while generating) needs mode self-spec with "
@@ -254,7 +255,8 @@ class Generator:
         stats = {}
         if self.drafter == "self-spec":
             seeded = params.do_sample
-            chooser = DrafterPolicy(("lookup", "layer-skip", "none"), self.k_max, measure=not seeded)
+            chooser = DrafterPolicy(("lookup", "layer-skip", "none"), self.k_max, measure=not seeded,
+                                    costs=self._drafter_costs)
             head = None if seeded else self._draft_head(ids)  # a pruned head grows with every row's tokens
             policy = DraftPolicy(k_max=self.k_max, eps=self.eps)
             stats = decode_self_spec(self.model, cache, first_logits, params, seeds,
@@ -411,7 +413,8 @@ class Generator:
                 chooser = None
                 if self.drafter in ("auto", "lookup"):  # lookup too: how many of its drafts pay is a cost question
                     allowed = ("lookup", "none") + (("layer-skip",) if uses_skip else ())
-                    chooser = DrafterPolicy(allowed, self.k_max, measure=not do_sample)  # seeded: no timing
+                    chooser = DrafterPolicy(allowed, self.k_max, measure=not do_sample,  # seeded: no timing
+                                            costs=self._drafter_costs)
                 head = self._draft_head(ids) if uses_skip else None
                 tuner = self._tuner(chooser) if self.auto_layer_set else None
                 start_set = tuner.current if tuner is not None and tuner.enabled else self.layer_set

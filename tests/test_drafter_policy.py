@@ -350,3 +350,26 @@ def test_the_loop_tells_the_policy_its_batch_size(monkeypatch):
         PROMPTS[:3], max_new_tokens=12, eos_token_id=[], arrive_at=[0, 0, 5])
     # two rows, then the arrival makes three, then the late one finishes alone
     assert len(seen) == out.stats["verify_steps"] and (seen[0], max(seen), seen[-1]) == (2, 3, 1)
+
+
+def test_a_generator_keeps_its_timed_costs_across_calls(monkeypatch):
+    """What a pass costs is the machine's and the model's: a Generator's second call starts
+    from the costs its first timed (its first step need not be a plain one that times verify(1))."""
+    hf = tiny_model("llama", num_hidden_layers=5)
+    gen = Generator(hf, mode="self-spec", drafter="auto")
+    known_at_start = []
+    choose = DrafterPolicy.choose
+
+    def spy(self, row, *args, **kwargs):
+        if not known_at_start or known_at_start[-1][0] is not self:
+            known_at_start.append((self, self.costs.known()))
+        return choose(self, row, *args, **kwargs)
+
+    monkeypatch.setattr(DrafterPolicy, "choose", spy)
+    for _ in range(2):
+        gen.generate(PROMPTS[:2], max_new_tokens=16, eos_token_id=[])
+    assert [known for _, known in known_at_start] == [False, True]
+    assert 2 in gen._drafter_costs and gen._drafter_costs[2].known()
+    seeded = Generator(hf, mode="self-spec", drafter="auto")
+    seeded.generate(PROMPTS[:2], max_new_tokens=16, eos_token_id=[], do_sample=True, seed=1)
+    assert seeded._drafter_costs == {}  # sampling with a seed: fixed costs, nothing timed or kept
