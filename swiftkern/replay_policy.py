@@ -70,7 +70,6 @@ class FastPathPolicy:
             lambda what: PRIORS[what] if isinstance(what, str) else LOOKUP_PRIORS[what[1] - 1], explore_every)
         self._trial: dict[int, str] = {}  # request -> the kind it tries until its next verify pass
         self._run: dict[tuple[int, str], float] = {}  # (request, kind) -> fast tokens a cycle (mean)
-        self.steps = {k: 0 for k in KINDS}
         self.taken = self.declined = 0
 
     # --- measurements ------------------------------------------------------------------
@@ -135,7 +134,6 @@ class FastPathPolicy:
                 choice = other
         for r in requests:
             self.agreements.tick(r, choice, KINDS)
-        self.steps[choice] += 1
         return choice
 
     def take(self, request: int, kind: str, unverified: int, match_len: int, ngram: int, wait: int = 0) -> bool:
