@@ -7,7 +7,8 @@ import pytest
 
 from conftest import tiny_model
 from swiftkern import Generator
-from swiftkern.drafter_policy import COOLDOWN_STEPS, Acceptance, Choice, DrafterPolicy, ForwardCosts, expected_tokens
+from swiftkern.drafter_policy import Acceptance, Choice, DrafterPolicy, expected_tokens
+from swiftkern.forward_costs import COOLDOWN_STEPS, ForwardCosts
 
 PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [10, 11, 12], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [200]]
 
