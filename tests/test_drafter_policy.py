@@ -4,6 +4,8 @@ choice in constructed cases with a known answer, and lossless output for every d
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import tiny_model
 from swiftkern import Generator
@@ -374,3 +376,20 @@ def test_a_generator_keeps_its_timed_costs_across_calls(monkeypatch):
     seeded = Generator(hf, mode="self-spec", drafter="auto")
     seeded.generate(PROMPTS[:2], max_new_tokens=16, eos_token_id=[], do_sample=True, seed=1)
     assert seeded._drafter_costs == {}  # sampling with a seed: fixed costs, nothing timed or kept
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.integers(1, 32), st.floats(1e-4, 1.0), min_size=1, max_size=6),
+       st.dictionaries(st.integers(1, 32), st.floats(1e-4, 1.0), max_size=4))
+def test_forward_costs_are_positive_and_never_fall_with_width(timed, other_batch):
+    """Whatever was timed (noise included), at this batch size or borrowed from another, a
+    verify pass is valued above zero and no cheaper than any narrower one."""
+    shape = ForwardCosts(decay=0.0)
+    for T, s in other_batch.items():
+        shape.add_verify(T, s)
+    c = ForwardCosts(decay=0.0, shape=shape if other_batch else None)
+    for T, s in timed.items():
+        c.add_verify(T, s)
+    costs = [c.verify(T) for T in range(1, 65)]
+    assert all(x > 0 for x in costs)
+    assert all(b >= a * (1 - 1e-12) for a, b in zip(costs, costs[1:]))
