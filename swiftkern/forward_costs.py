@@ -11,8 +11,9 @@ COOLDOWN_STEPS = 4  # plain steps after a wider pass (or a prefill) that it slow
 
 @dataclass
 class ForwardCosts:
-    """Seconds of one full-model forward of T tokens per row (the verify pass), and of one
-    layer-skipped draft forward, as running means (decay ``decay`` per new sample).
+    """Seconds of a step that verifies T tokens per row (its full-model forward and the step's
+    own work around it: lookups, choices, acceptance, commits), and of one layer-skipped draft
+    forward, as running means (decay ``decay`` per new sample).
 
     verify(T) interpolates linearly between measured T, read as never falling with T (a wider
     pass measured cheaper is noise: taken at face value, the line through verify(1) and a
