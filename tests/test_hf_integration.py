@@ -230,3 +230,24 @@ def test_smollm2_greedy_equals_hf_generate(smollm2):
         got = _hf(hf, enc["input_ids"], attention_mask=enc["attention_mask"], custom_generate=swift_generate,
                   **kw, **options)
         assert torch.equal(got, want), options
+
+
+def test_the_generator_is_kept_across_calls_with_the_same_options(llama):
+    """What swiftkern learns while generating (the searched layer set, the drafter's timed costs)
+    carries over between model.generate calls with the same options, and only with them."""
+    ids = torch.tensor(PROMPT)
+    kw = dict(max_new_tokens=12, do_sample=False, custom_generate=swift_generate, swift_mode="self-spec",
+              drafter="lookup", k_max=4)
+    want = _hf(llama, ids, max_new_tokens=12, do_sample=False)
+    first = _hf(llama, ids, **kw)
+    kept = dict(llama._swiftkern_generators)
+    gen = next(g for (mode, opts), g in kept.items() if mode == "self-spec" and "'lookup'" in opts and "4)" in opts)
+    assert gen._drafter_costs and 1 in gen._drafter_costs and gen._drafter_costs[1].known()
+    second = _hf(llama, ids, **kw)
+    assert torch.equal(first, want) and torch.equal(second, want)
+    assert llama._swiftkern_generators == kept  # the same Generator, no new one
+    _hf(llama, ids, **dict(kw, k_max=3))
+    assert len(llama._swiftkern_generators) == len(kept) + 1  # other options: another Generator
+    sampled = [_hf(llama, ids, **dict(kw, do_sample=True, temperature=0.9, seed=3)) for _ in range(2)]
+    assert torch.equal(sampled[0], sampled[1])  # sampling: a new Generator each call, same seed same tokens
+    assert len(llama._swiftkern_generators) == len(kept) + 1

@@ -121,6 +121,25 @@ def _sequences(input_ids: torch.Tensor, new_tokens: list[list[int]], pad: int | 
 
 
 @torch.no_grad()
+def _generator_for(model, swift_mode: str, options: dict, keep: bool) -> Generator:
+    """The Generator for ``model`` with this mode and these options. keep: made on the first
+    call and kept on the model (``model._swiftkern_generators``), so that what it learns while
+    generating, the layer set it searched and the drafter policy's timed costs, carries over to
+    the next greedy ``model.generate`` with the same options, as it does for a Generator a caller
+    keeps (a new one per call searched again, and timed again, every time). Sampling takes a new
+    one each call: which drafts a row verifies changes which tokens a seed draws (not their
+    distribution), so a seed gives the same tokens on every call only from the same start."""
+    if not keep:
+        return Generator(model, mode=swift_mode, **options)
+    kept = getattr(model, "_swiftkern_generators", None)
+    if kept is None:
+        kept = model._swiftkern_generators = {}
+    key = (swift_mode, repr(sorted(options.items())))
+    if key not in kept:
+        kept[key] = Generator(model, mode=swift_mode, **options)
+    return kept[key]
+
+
 def generate(model, input_ids: torch.Tensor | None = None, logits_processor=None, stopping_criteria=None,
              generation_config=None, swift_mode: str = "self-spec", layer_set=None, drafter: str | None = None,
              k_max: int | None = None, eps: float | None = None, seed: int | None = None,
@@ -183,7 +202,7 @@ def generate(model, input_ids: torch.Tensor | None = None, logits_processor=None
     options = dict(layer_set=layer_set, drafter=drafter, k_max=k_max, eps=eps)
     options = {k: v for k, v in options.items() if v is not None}
     options.update(swift_kwargs or {})
-    gen = Generator(model, mode=swift_mode, **options)
+    gen = _generator_for(model, swift_mode, options, keep=not do_sample)
 
     def put(request: int, tokens: list[int]) -> None:  # one put a token, as HF's own loop
         for t in tokens:
