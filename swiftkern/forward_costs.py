@@ -1,5 +1,5 @@
-"""What a forward of the model costs, as the generation loop times it: a full-model pass of T
-tokens per row (a verify pass) and a layer-skipped draft forward, for ``drafter_policy``'s choices.
+"""What the speculative loop's steps cost, as it times them: a step that verifies T tokens per
+row, and a layer-skipped draft forward, for ``drafter_policy``'s choices.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ class ForwardCosts:
     ``time_step`` feeds it the loop's passes in order and charges a pass for the plain steps
     it slows down after it: on the CPU machine a decode step takes 5.4 ms in a row of decode
     steps, and the four after a pass of 8 tokens take 6.4-6.8, 6.2-6.5, 6.0-6.3 and 5.8-5.9
-    ms (after 32 tokens 8.3-8.7 at first; after a prefill 9 ms). Timed alone, a wide pass
-    looked cheaper than it is and the plain steps dearer, which made drafting look better
-    than it was."""
+    ms (after 32 tokens 8.3-8.7 at first). Timed alone, a wide pass looked cheaper than it is
+    and the plain steps dearer, which made drafting look better than it was. (A prefill slows
+    the steps after it too, to 9 ms at first: ``DrafterPolicy.prefilled`` leaves them untimed.)"""
 
     decay: float = 0.8
     prior_slope: float = 0.15

@@ -120,7 +120,6 @@ def _sequences(input_ids: torch.Tensor, new_tokens: list[list[int]], pad: int | 
     return torch.cat([input_ids, new], dim=1)
 
 
-@torch.no_grad()
 def _generator_for(model, swift_mode: str, options: dict, keep: bool) -> Generator:
     """The Generator for ``model`` with this mode and these options. keep: made on the first
     call and kept on the model (``model._swiftkern_generators``), so that what it learns while
@@ -140,6 +139,7 @@ def _generator_for(model, swift_mode: str, options: dict, keep: bool) -> Generat
     return kept[key]
 
 
+@torch.no_grad()
 def generate(model, input_ids: torch.Tensor | None = None, logits_processor=None, stopping_criteria=None,
              generation_config=None, swift_mode: str = "self-spec", layer_set=None, drafter: str | None = None,
              k_max: int | None = None, eps: float | None = None, seed: int | None = None,
