@@ -165,7 +165,7 @@ def make_extension():
 ext_modules, cmdclass = make_extension()
 
 setup(
-    packages=["swiftkern", "swiftkern.integrations", "swiftkern.triton_kernels"],
+    packages=["swiftkern", "swiftkern.integrations", "swiftkern.ops", "swiftkern.triton_kernels"],
     package_dir={"swiftkern": "swiftkern", "swiftkern.triton_kernels": "triton_kernels"},
     ext_modules=ext_modules,
     cmdclass=cmdclass,

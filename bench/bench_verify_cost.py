@@ -38,7 +38,7 @@ TOKENS = (1, 2, 4, 8, 12, 16)
 def _forced(backend: str | None, fn):
     """fn run under ops.set_backend(backend) (None: the backend in use)."""
     def run():
-        old = ops._backend()
+        old = ops.backends.current_backend()
         ops.set_backend(backend or old)
         try:
             fn()
@@ -121,7 +121,7 @@ def run(args) -> list[dict]:
     for p, t in times.items():
         T = _tokens(p)
         one = times["T1" + _family(p)]["median_ms"]
-        backend = "reference" if p.endswith("-reference") else ops._backend()
+        backend = "reference" if p.endswith("-reference") else ops.backends.current_backend()
         rows.append(common.row(ROUTINE, p, args.device, model.dtype, f"B=1 T={T} ctx={ctx}", t, model=name,
                                backend=backend, ratio_vs_T1=round(t["median_ms"] / one, 3)))
     return rows

@@ -1,13 +1,14 @@
 // The one bindings file of swiftkern._C: op schemas (TORCH_LIBRARY), kernel registrations
 // per dispatch key, and a small Python module with build_info().
 //
-// Adding an op: declare its schema below (the same string as swiftkern/ops.py's _SCHEMAS); a CPU
-// kernel goes in csrc/<op>_cpu.cpp; a CUDA kernel goes in a torch-free csrc/<op>.cuh with a thin
-// launcher in csrc/<op>.cu (declared in csrc/launchers.h) and a torch-side wrapper in
+// Adding an op: declare its schema below (the same string as swiftkern/ops/registry.py's SCHEMAS);
+// a CPU kernel goes in csrc/<op>_cpu.cpp; a CUDA kernel goes in a torch-free csrc/<op>.cuh with a
+// thin launcher in csrc/<op>.cu (declared in csrc/launchers.h) and a torch-side wrapper in
 // csrc/ops_cuda.cpp (compiled only when setup.py builds the CUDAExtension, which defines
 // SWIFTKERN_WITH_CUDA), registered in the CUDA block. Ops with no kernel for a device get
-// swiftkern/reference.py registered by ops.py. The schemas are defined here once, when the
-// library is loaded (Python caches the module, so a second import registers nothing).
+// swiftkern/reference.py registered by swiftkern/ops/registry.py. The schemas are defined here
+// once, when the library is loaded (Python caches the module, so a second import registers
+// nothing).
 
 #include <torch/extension.h>
 #include <torch/library.h>
@@ -95,7 +96,7 @@ constexpr const char* kCudaKernels[] = {"greedy_accept", "rejection_sample", "fu
 }  // namespace swiftkern
 
 TORCH_LIBRARY(swiftkern, m) {
-  m.set_python_module("swiftkern.ops");  // fake (meta) impls live there; torch imports it on demand
+  m.set_python_module("swiftkern.ops.registry");  // the fake (meta) impls live there; torch imports it on demand
   m.def("greedy_accept(Tensor draft_tokens, Tensor target_logits, Tensor num_draft) -> (Tensor, Tensor)");
   m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("rejection_sample(Tensor draft_tokens, Tensor? draft_probs, Tensor target_probs, Tensor num_draft, "

@@ -137,7 +137,7 @@ class GraphRunner:
         key = ("forward", B, T, tuple(skip_attn), tuple(skip_mlp), span,
                None if logits_positions is None else tuple(logits_positions.shape), with_head,
                cache.k.data_ptr(), cache.v.data_ptr(), cache.lengths.data_ptr(), tuple(cache.k.shape),
-               cache.k.stride(), model.invariant, ops._BACKEND, tokens.device)
+               cache.k.stride(), model.invariant, ops.backends.current_backend(), tokens.device)
 
         def body(tok, pos=None):
             hidden = model.forward_device(tok, cache, skip_attn, skip_mlp, span, None, pos)

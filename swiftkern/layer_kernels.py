@@ -56,7 +56,7 @@ class LayerKernels:
 
     @staticmethod
     def for_device(device_type: str, invariant: bool = False) -> "LayerKernels":
-        key = (device_type, ops._BACKEND, invariant)
+        key = (device_type, ops.backends.current_backend(), invariant)
         hit = _CACHE.get(key)
         if hit is None:
             hit = _CACHE[key] = _bind_invariant(device_type) if invariant else _bind(device_type)
@@ -70,7 +70,7 @@ INVARIANT_CPU_OPS = ("skinny_linear", "rms_norm", "fused_add_rms_norm", "silu_mu
 def invariant_kernels_available(device_type: str, dtype: torch.dtype) -> bool:
     """Whether the batch- and length-invariant kernel set runs here: float32 on the CPU with the
     C++ kernels built and allowed (SWIFTKERN_BACKEND auto or cpp)."""
-    return dtype == torch.float32 and all(ops._cpu_kernel(op, device_type) for op in INVARIANT_CPU_OPS)
+    return dtype == torch.float32 and all(ops.backends.cpu_kernel(op, device_type) for op in INVARIANT_CPU_OPS)
 
 
 def _bind_invariant(device_type: str) -> LayerKernels:
@@ -100,7 +100,7 @@ def _stack_for(invariant: bool) -> Callable | None:
     [B, T], cache_lens [B], max_len, num_heads, num_kv_heads, head_dim, eps, scale, packed
     (empty, or the packed weight or None per weight slot: packed_weights.PackedSet.slots(), read
     up to ops.PACKED_MAX_ROWS rows, at any number in the invariant set; the same bits)) -> (hidden, pending or None)."""
-    run = getattr(ops._C, "decoder_stack", None)
+    run = getattr(ops.registry.extension, "decoder_stack", None)
     if run is None:
         return None
     rows = -1 if invariant else ops.SKINNY_MAX_ROWS
@@ -128,7 +128,7 @@ def _bind(device_type: str) -> LayerKernels:
     else:
         verify_attention = _kernel_attention(run["verify_attention"])
 
-    all_cpp = ops._cpu_kernel("skinny_linear", device_type) and all(b == "cpp" for b in backends.values())
+    all_cpp = ops.backends.cpu_kernel("skinny_linear", device_type) and all(b == "cpp" for b in backends.values())
     return LayerKernels(linear=_linear_for(device_type), rms_norm=run["rms_norm"],
                         fused_add_rms_norm=run["fused_add_rms_norm"], silu_mul=run["silu_mul"],
                         rope_kv_append=rope_kv_append, verify_attention=verify_attention, backends=backends,
@@ -153,7 +153,7 @@ def _kernel_attention(attend: Callable) -> Callable:
 def _linear_for(device_type: str) -> Callable:
     """ops.linear's choice, made once: the C++ skinny kernel for float32 inputs of at most
     ops.SKINNY_MAX_ROWS rows on the CPU (when built and allowed), torch's matmul otherwise."""
-    if not ops._cpu_kernel("skinny_linear", device_type):
+    if not ops.backends.cpu_kernel("skinny_linear", device_type):
         return reference.skinny_linear
     skinny, fits = torch.ops.swiftkern.skinny_linear, ops.skinny_fits
 

@@ -236,7 +236,7 @@ def _add_norm(kern, hidden: torch.Tensor, delta: torch.Tensor | None, weight: to
 
 def _packed_index(model: SkipModel) -> dict:
     """{id(weight): its slot in model.packed} where the C++ packed_linear runs, else {}."""
-    if model.packed is None or not ops._cpu_kernel("packed_linear", model.device.type):
+    if model.packed is None or not ops.backends.cpu_kernel("packed_linear", model.device.type):
         return {}
     return {id(w): i for i, w in enumerate(model.packed.weights) if w is not None}
 

@@ -96,10 +96,10 @@ def _fused_backend(device_type: str, dtype: torch.dtype) -> str | None:
     auto or triton), and on CPU tensors when SWIFTKERN_BACKEND=triton under TRITON_INTERPRET=1
     (the tests); the C++ kernels on the CPU with SWIFTKERN_BACKEND auto or cpp. A backend forced
     to anything else (reference, or cuda: no CUDA kernel for the attention) runs no fused set."""
-    if (device_type == "cuda" and ops._backend() in ("auto", "triton")) or (
-            device_type == "cpu" and ops._backend() == "triton"):
+    if (device_type == "cuda" and ops.backends.current_backend() in ("auto", "triton")) or (
+            device_type == "cpu" and ops.backends.current_backend() == "triton"):
         # the Triton ops registered for this device ({} when triton cannot be imported)
-        return "triton" if "verify_attention_invariant" in ops._triton_ops(device_type) else None
+        return "triton" if "verify_attention_invariant" in ops.backends.triton_ops(device_type) else None
     return "cpp" if invariant_kernels_available(device_type, dtype) else None
 
 
@@ -124,7 +124,7 @@ def verifier_kernels(choice: str, device_type: str, dtype: torch.dtype) -> Verif
             return PORTABLE
         raise SwiftkernError(f"the fused verifier kernels run on CUDA (Triton) or on the CPU with swiftkern's "
                              f"C++ kernels in float32, with SWIFTKERN_BACKEND auto (here: {device_type}, {dtype}, "
-                             f"SWIFTKERN_BACKEND={ops._backend()}); use verifier kernels 'portable' (or 'auto')")
+                             f"SWIFTKERN_BACKEND={ops.backends.current_backend()}); use verifier kernels 'portable' (or 'auto')")
     if backend == "cpp":
         cpp = torch.ops.swiftkern
         return VerifierKernels("fused (cpp)", cpp.rms_norm, cpp.fused_add_rms_norm, cpp.silu_mul,

@@ -20,7 +20,7 @@ from swiftkern import ops, reference
 from swiftkern.errors import SwiftkernError
 from triton_cases import assert_close
 
-BUILT = ops._C is not None
+BUILT = ops.registry.extension is not None
 needs_cpp = pytest.mark.skipif(not BUILT, reason="swiftkern._C is not built (SWIFTKERN_BUILD_EXT=0 or no compiler)")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 DRAWN = settings(max_examples=40, deadline=None, derandomize=True,
@@ -33,7 +33,7 @@ def test_extension_is_built_with_the_cpu_kernels():
     if os.environ.get("SWIFTKERN_BUILD_EXT") == "0":
         pytest.skip("SWIFTKERN_BUILD_EXT=0: the extension is not built on purpose")
     assert BUILT, ops.backend_info()["extension"]
-    info = ops._C.build_info()
+    info = ops.registry.extension.build_info()
     for op in ("greedy_accept", "rejection_sample", "fused_add_rms_norm", "rope_kv_append", "verify_attention",
                "kv_compact"):
         assert op in info["cpu_kernels"]

@@ -15,7 +15,7 @@ from swiftkern import ops
 from test_reference_ops import naive_attention
 from triton_cases import assert_close
 
-needs_cpp = pytest.mark.skipif(ops._OPS["verify_attention"]["cpu"] != "cpp",
+needs_cpp = pytest.mark.skipif(ops.registry.COMPILED["verify_attention"]["cpu"] != "cpp",
                                reason="swiftkern._C is not built with the CPU verify_attention kernel")
 OPS = torch.ops.swiftkern
 DRAWN = settings(max_examples=60, deadline=None, derandomize=True,

@@ -23,7 +23,7 @@ from swiftkern import ops, reference
 from triton_cases import assert_close
 
 HAS_GPU = torch.cuda.is_available()
-BUILT_CUDA = ops._C is not None and bool(ops._C.build_info().get("cuda"))
+BUILT_CUDA = ops.registry.extension is not None and bool(ops.registry.extension.build_info().get("cuda"))
 UNDER_SANITIZER = os.environ.get("SWIFTKERN_UNDER_SANITIZER") == "1"
 pytestmark = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
 DEV = "cuda"
@@ -45,7 +45,7 @@ def test_gpu_machine_has_the_cuda_build():
     if os.environ.get("SWIFTKERN_BUILD_EXT") == "0":
         pytest.skip("SWIFTKERN_BUILD_EXT=0")
     assert BUILT_CUDA, f"swiftkern._C: {ops.backend_info()['extension']}, build {ops.backend_info()['build']}"
-    info = ops._C.build_info()
+    info = ops.registry.extension.build_info()
     assert set(info["cuda_kernels"]) >= {"greedy_accept", "rejection_sample", "fused_add_rms_norm",
                                          "rope_kv_append", "kv_compact"}
     for op in info["cuda_kernels"]:

@@ -73,9 +73,9 @@ def test_packed_linear_has_skinny_linears_bits(lead, K, N, bits, bias, seed):
     want = torch.ops.swiftkern.skinny_linear(x, w, b)
     assert bitwise_equal(torch.ops.swiftkern.packed_linear(x, packed, b), want)
     assert bitwise_equal(ops.packed_linear(x, packed, b), want)
-    isas = [i for i in ops._C.skinny_linear_isas() if i in ("avx512", "portable")]
+    isas = [i for i in ops.registry.extension.skinny_linear_isas() if i in ("avx512", "portable")]
     for isa in isas:  # every instruction set the kernel has: the same bits
-        assert bitwise_equal(ops._C.packed_linear_isa(x, packed, isa), torch.ops.swiftkern.skinny_linear(x, w, None))
+        assert bitwise_equal(ops.registry.extension.packed_linear_isa(x, packed, isa), torch.ops.swiftkern.skinny_linear(x, w, None))
 
 
 @needs_cpp

@@ -1,7 +1,7 @@
 """swiftkern's Triton kernels, installed as ``swiftkern.triton_kernels`` (one module per op).
 
 Importing this package imports triton and registers each kernel as the custom op
-``torch.ops.swiftkern_triton.<op>`` with the schema of ``swiftkern.ops._SCHEMAS``, a CUDA
+``torch.ops.swiftkern_triton.<op>`` with the schema of ``swiftkern.ops.registry.SCHEMAS``, a CUDA
 implementation and a fake (meta) one. Under ``TRITON_INTERPRET=1`` (set before triton is first
 imported) the kernels also run on CPU tensors, so the same ops are registered for the CPU key:
 that is how the tests check the kernels without a GPU. ``swiftkern.ops`` imports this package
@@ -10,7 +10,7 @@ lazily, only when a Triton kernel may be needed, and picks the backend per op an
 Modules: launch (launch sizes and input checks), registry (the registration), and per op
 fused_add_rms_norm (with rms_norm), silu_mul, rope_kv_append, verify_attention (with
 verify_attention_invariant), greedy_accept, rejection_sample, kv_compact; bi_matmul (the
-deterministic verifier's matmul, not in ``_SCHEMAS``) registers its own op through
+deterministic verifier's matmul, not in ``ops.registry.SCHEMAS``) registers its own op through
 ``registry.register`` when imported here.
 """
 
@@ -27,7 +27,7 @@ from . import verify_attention as _attention
 from .launch import interpreting
 from .registry import register, registered
 
-# op -> (implementation, fake); the schemas are swiftkern.ops._SCHEMAS[op]
+# op -> (implementation, fake); the schemas are swiftkern.ops.registry.SCHEMAS[op]
 KERNELS = {
     "rms_norm": (_norm.rms_norm, _norm.rms_norm_fake),
     "fused_add_rms_norm": (_norm.fused_add_rms_norm, _norm.fused_add_rms_norm_fake),
@@ -42,10 +42,10 @@ KERNELS = {
 
 
 def _register_all() -> None:
-    from swiftkern.ops import _SCHEMAS
+    from swiftkern.ops.registry import SCHEMAS
 
     for name, (fn, fake) in KERNELS.items():
-        register(name, _SCHEMAS[name], fn, fake)
+        register(name, SCHEMAS[name], fn, fake)
 
 
 _register_all()

@@ -1,0 +1,72 @@
+"""The deterministic verifier's batch-invariant ops: exp, the softmax denominator and the
+matmul, each giving a row the same bits whatever the rows and sizes around it."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import reference
+from ..errors import SwiftkernError
+from .backends import cpu_kernel, run
+from .checks import check_tensors
+
+
+def bi_exp(x: torch.Tensor) -> torch.Tensor:
+    """exp(x) for the deterministic verifier, the same bits for an element whatever the tensor
+    around it (size, offset, SIMD body or tail, threads). x: float tensor [...] -> float32 [...].
+
+    One definition, ``reference.bi_exp`` (range reduction + degree-7 Taylor polynomial, single
+    IEEE operations; within 2 ulps of exp, 0 below -87); the C++ kernel (CPU, auto/cpp) does
+    the same operations in the same order and gives the same bits (tested).
+    """
+    op = "bi_exp"
+    check_tensors(op, x=x)
+    if not x.is_floating_point():
+        raise SwiftkernError(f"{op}: x must be a float tensor, got {x.dtype}")
+    x = x.to(torch.float32)
+    if cpu_kernel(op, x.device.type):
+        return torch.ops.swiftkern.bi_exp(x)
+    return reference.bi_exp(x)
+
+
+def bi_exp_sum(x: torch.Tensor) -> torch.Tensor:
+    """sum(exp(x)) along the last axis for the deterministic verifier's softmax: the same bits
+    for a row whatever the rows around it. x: float tensor [..., V], V >= 1 -> float32 [..., 1].
+
+    One definition, ``reference.bi_exp_sum``: ``bi_exp`` of every element, then ``tree_sum``
+    (zero-padded to a multiple of 64, halved by elementwise adds, the rest added in order); the
+    C++ kernel (CPU, auto/cpp) makes the same additions and gives the same bits (tested) in one
+    pass, without the torch ops of every halving (SmolLM2's vocabulary: ~120 -> ~20 us a row).
+    """
+    op = "bi_exp_sum"
+    check_tensors(op, x=x)
+    if not x.is_floating_point() or x.dim() < 1 or x.shape[-1] < 1:
+        raise SwiftkernError(f"{op}: x must be a float tensor [..., V] with V >= 1, got {x.dtype} "
+                             f"{tuple(x.shape)}")
+    x = x.to(torch.float32)
+    if cpu_kernel(op, x.device.type):
+        return torch.ops.swiftkern.bi_exp_sum(x)
+    return reference.bi_exp_sum(x)
+
+
+def bi_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Batch-invariant matmul for the deterministic verifier: a @ b with each row of the result
+    independent of M and of the other rows (same bits for a row alone or in any batch).
+
+    a: [M, K], b: [K, N] (one float dtype and device, any strides) -> [M, N] in a's dtype,
+    accumulated in float32. CUDA (auto): the Triton kernel ``triton_kernels/bi_matmul.py`` (fixed
+    tiles, no split-K); CPU (auto, cpp): the C++ ``skinny_linear`` kernel, whose every output is
+    a dot product in an order fixed by K alone; CPU without it: ``reference.bi_matmul`` (the
+    same order from elementwise torch ops, slow); SWIFTKERN_BACKEND=triton also runs the
+    Triton kernel on CPU tensors under TRITON_INTERPRET=1.
+    """
+    op = "bi_matmul"
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() != 2 or b.dim() != 2:
+        raise SwiftkernError(f"{op}: a must be a tensor [M, K] and b a tensor [K, N]")
+    if a.shape[1] != b.shape[0] or a.dtype != b.dtype or a.device != b.device:
+        raise SwiftkernError(f"{op}: a {tuple(a.shape)} {a.dtype} on {a.device} and b {tuple(b.shape)} {b.dtype} "
+                             f"on {b.device} must share K, dtype and device")
+    if cpu_kernel("skinny_linear", a.device.type):
+        w = b.t().to(torch.float32)  # [N, K]: no copy for b = weight.t() of a float32 weight
+        return torch.ops.swiftkern.skinny_linear(a.to(torch.float32), w, None).to(a.dtype)
+    return run(op, a.device, a, b)

@@ -1,0 +1,81 @@
+"""The projections: x @ weight.T from float32 weights (the C++ ``skinny_linear`` on the CPU at
+decode and verification sizes) or from weights packed as 4/8-bit codes (``packed_linear``)."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import reference
+from ..errors import SwiftkernError
+from . import registry
+from .backends import cpu_kernel, run
+from .checks import check_tensors, one_device
+
+
+# rows up to which ops.linear runs the C++ kernel on the CPU: a SmolLM2 forward of 20 / 26 / 32
+# tokens took 60 / 68 / 74 ms with it and 71 / 74 / 78 ms with MKL; for prefill-sized inputs MKL wins
+SKINNY_MAX_ROWS = 32
+
+
+
+def skinny_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the C++ skinny kernel takes x @ weight.T, once ``_cpu_kernel`` allows it:
+    float32 operands of at most SKINNY_MAX_ROWS rows."""
+    return x.dtype == torch.float32 and weight.dtype == torch.float32 and x.numel() <= SKINNY_MAX_ROWS * x.shape[-1]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias, the projection every layer of the model runner uses.
+
+    x: [..., K]; weight: [N, K]; bias: [N] or None -> [..., N]. On the CPU with float32 and at
+    most SKINNY_MAX_ROWS rows (decode, verification, drafting) it runs the C++ ``skinny_linear``
+    kernel: one pass over the weight, each output a fixed-order dot product whatever the number
+    of rows (so a row's result does not depend on the batch). Other cases, and
+    SWIFTKERN_BACKEND=reference | triton | cuda (which have no such kernel), use torch's matmul
+    (``reference.skinny_linear``); the two agree to float32 rounding.
+    ``backend_info()["kernels"]["skinny_linear"]`` says which kernel is built.
+    """
+    if cpu_kernel("skinny_linear", x.device.type) and skinny_fits(x, weight):
+        return torch.ops.swiftkern.skinny_linear(x, weight, bias)
+    return reference.skinny_linear(x, weight, bias)
+
+
+# rows up to which the runner reads packed weights (packed_weights.py) on the CPU: SmolLM2's
+# projections at 1 / 8 / 16 / 32 rows took 7.8 / 14.8 / 22.3 / 39.2 ms packed and 21.0 / 28.1 /
+# 40.2 / 54.8 ms from float32 (the same bits); past SKINNY_MAX_ROWS the regular path is torch's
+# matmul (faster at prefill sizes), the invariant set reads them at any size (64 / 128 rows:
+# 69.8 / 135.1 ms packed, 81.8 / 152.3 ms from float32)
+PACKED_MAX_ROWS = SKINNY_MAX_ROWS
+
+
+def packed_linear_fast() -> bool:
+    """Whether the C++ ``packed_linear`` runs here and beats ``skinny_linear`` on the float32
+    weight: the kernel built, allowed (SWIFTKERN_BACKEND auto or cpp) and vectorized (AVX-512)."""
+    return (cpu_kernel("packed_linear", "cpu") and hasattr(registry.extension, "packed_linear_fast")
+            and bool(registry.extension.packed_linear_fast()))
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias with the weight packed as integer codes (``packed_weights.pack``).
+
+    x: float32 [..., K] on the CPU; packed: uint8 [N, K/32, 24 | 40]; bias: float32 [N] or None
+    -> float32 [..., N]. The C++ kernel (CPU, auto/cpp) gives ``linear(x, unpack(packed),
+    bias)``'s bits at up to SKINNY_MAX_ROWS rows (the same fixed-order sum); without it, the
+    reference unpacks and calls torch's matmul.
+    """
+    op = "packed_linear"
+    check_tensors(op, x=x, packed=packed)
+    if x.dtype != torch.float32 or packed.dtype != torch.uint8 or packed.dim() != 3 or packed.shape[2] not in (24, 40):
+        raise SwiftkernError(f"{op}: x must be float32 [..., K] and packed uint8 [N, K/32, 24 or 40] "
+                             f"(packed_weights.pack), got {x.dtype} {tuple(x.shape)} and {packed.dtype} "
+                             f"{tuple(packed.shape)}")
+    if x.dim() < 1 or x.shape[-1] != packed.shape[1] * 32:
+        raise SwiftkernError(f"{op}: x [..., K] must have K = 32 * packed.shape[1] = {packed.shape[1] * 32}, "
+                             f"got {tuple(x.shape)}")
+    if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (packed.shape[0],)):
+        raise SwiftkernError(f"{op}: bias must be float32 [N = {packed.shape[0]}], got {bias.dtype} "
+                             f"{tuple(bias.shape)}")
+    device = one_device(op, x=x, packed=packed, **({} if bias is None else {"bias": bias}))
+    if device.type != "cpu":
+        raise SwiftkernError(f"{op}: packed weights run on the CPU, got {device}")
+    return run(op, device, x, packed, bias)
