@@ -18,6 +18,7 @@ from .layer_set import LayerSet
 from .layer_kernels import invariant_kernels_available
 from .model import SkipModel
 from .batch_invariant import bi_token_logprob
+from .prompt_ids import encode_prompts
 from .prefill import admit_arrivals, prefill  # noqa: F401 (prefill: part of this module's API)
 from .requests import Requests
 from .sampling import SamplingParams, select_tokens
@@ -274,37 +275,9 @@ class Generator:
 
     # --- inputs ------------------------------------------------------------------------
     def encode(self, prompts, chat: bool = False) -> list[list[int]]:
-        """str | list[str] | list[int] | list[list[int]] | int tensor [B, T] -> token id lists."""
-        if torch.is_tensor(prompts):
-            prompts = prompts.tolist() if prompts.dim() == 2 else [prompts.tolist()]
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)) or not prompts:
-            raise SwiftkernError("prompts must be a non-empty string, list of strings or token id lists")
-        ids = []
-        for i, p in enumerate(prompts):
-            if isinstance(p, str):
-                if self.tokenizer is None:
-                    raise SwiftkernError("text prompts need a tokenizer: Generator(model, tokenizer)")
-                if not p.strip():
-                    raise SwiftkernError(f"prompt {i} is empty")
-                if chat:
-                    p_ids = self.tokenizer.apply_chat_template(
-                        [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
-                    if isinstance(p_ids, dict) or hasattr(p_ids, "input_ids"):
-                        p_ids = p_ids["input_ids"]
-                else:
-                    p_ids = self.tokenizer(p)["input_ids"]
-                p_ids = list(p_ids)
-            else:
-                p_ids = [int(t) for t in p]
-            if not p_ids:
-                raise SwiftkernError(f"prompt {i} has no tokens")
-            bad = [t for t in p_ids if not 0 <= t < self.model.vocab_size]
-            if bad:
-                raise SwiftkernError(f"prompt {i} has token ids {bad[:3]} outside [0, {self.model.vocab_size})")
-            ids.append(p_ids)
-        return ids
+        """str | list[str] | list[int] | list[list[int]] | integer tensor [T] or [B, T] -> token
+        id lists (``prompt_ids.encode_prompts``: text through the tokenizer, ids checked)."""
+        return encode_prompts(prompts, self.tokenizer, self.model.vocab_size, chat)
 
     def _check_arrivals(self, arrive_at, n: int) -> list[int] | None:
         if arrive_at is None:
@@ -365,6 +338,8 @@ class Generator:
             raise SwiftkernError(f"got {len(seeds)} seeds for {len(ids)} prompts")
         arrive_at = self._check_arrivals(arrive_at, len(ids))
         verified = list(deterministic) if isinstance(deterministic, (list, tuple)) else [deterministic] * len(ids)
+        if len(verified) != len(ids):
+            raise SwiftkernError(f"got {len(verified)} deterministic flags for {len(ids)} prompts")
         if not all(verified) and self.mode != "deterministic":
             raise SwiftkernError("deterministic=False for some prompts needs mode='deterministic'")
         limit = getattr(self.model.config, "max_position_embeddings", None)

@@ -1,5 +1,6 @@
 """Generator in mode ar against HF generate (tiny random models) and sampling statistics."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -121,3 +122,20 @@ def test_bad_inputs_are_refused():
         gen.generate([[1]], do_sample=True, top_p=1.5)
     with pytest.raises(SwiftkernError, match="unknown mode"):
         Generator(tiny_model("llama"), mode="warp")
+
+
+def test_token_ids_must_be_integers_and_flags_one_per_prompt():
+    """A float id is refused rather than truncated (1.5 would have run as token 1); integer ids
+    of any kind (numpy, a tensor [T] or [B, T]) give the tokens of the same plain list."""
+    gen = Generator(tiny_model("llama"), mode="deterministic")
+    want = gen.generate([[5, 7, 9]], max_new_tokens=4).tokens
+    for same in (torch.tensor([5, 7, 9]), torch.tensor([[5, 7, 9]], dtype=torch.int32),
+                 [np.int64(5), np.int64(7), np.int64(9)], [(5, 7, 9)]):
+        assert gen.generate(same, max_new_tokens=4).tokens == want
+    for bad, match in (([[1.5, 2]], "integer token ids, got 1.5"), (torch.tensor([[1.0, 2.0]]), "integer token ids"),
+                       (torch.ones(1, 2, 3, dtype=torch.int64), r"\[T\] or \[B, T\]"), ([[1, True]], "got True"),
+                       ([None], "text or a list of token ids")):
+        with pytest.raises(SwiftkernError, match=match):
+            gen.generate(bad, max_new_tokens=4)
+    with pytest.raises(SwiftkernError, match="1 deterministic flags for 2 prompts"):
+        gen.generate([[1, 2], [3, 4]], max_new_tokens=4, deterministic=[True])
