@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .arg_checks import real, token_ids, whole
 from .errors import SwiftkernError
 from .kv_cache import KVCache
 from .layer_set import LayerSet
@@ -155,8 +156,8 @@ class Generator:
         self.model = model if isinstance(model, SkipModel) else SkipModel.from_hf(model)
         self.tokenizer = tokenizer
         self.mode = mode
-        if k_max < 1:
-            raise SwiftkernError(f"k_max must be >= 1, got {k_max}")
+        k_max = whole("k_max", k_max, 1)
+        eps = real("eps", eps)
         if not 0.0 <= eps <= 1.0:
             raise SwiftkernError(f"eps must be in [0, 1], got {eps}")
         if drafter not in DRAFTERS:
@@ -165,9 +166,15 @@ class Generator:
         if (drafter == "self-spec") != (mode == "deterministic" and drafter not in ("auto", "none")):
             raise SwiftkernError(f"drafter {drafter} does not go with mode {mode}: mode deterministic takes "
                                  "drafter self-spec (or auto/none: regular batched decoding), and only it does")
-        if window < 1 or verify_batch < 1:
-            raise SwiftkernError(f"window and verify_batch must be >= 1, got {window} and {verify_batch}")
-        self.window, self.verify_batch = window, verify_batch
+        if mode == "ar" and drafter not in ("auto", "none"):
+            raise SwiftkernError(f"drafter {drafter} needs mode self-spec: mode ar drafts nothing")
+        drafts_with_layers = (mode == "self-spec" and drafter in ("auto", "layer-skip")) or drafter == "self-spec"
+        auto = isinstance(layer_set, str) and layer_set.strip() == "auto"  # refused below with its own words
+        if layer_set is not None and not auto and not drafts_with_layers:
+            raise SwiftkernError(f"mode {mode} with drafter {drafter} would ignore layer_set: a layer set is for "
+                                 "a layer-skipped draft (mode self-spec with drafter auto or layer-skip, or mode "
+                                 "deterministic with drafter self-spec); leave it out here")
+        self.window, self.verify_batch = whole("window", window, 1), whole("verify_batch", verify_batch, 1)
         if replay not in REPLAY:
             raise SwiftkernError(f"replay must be one of {', '.join(REPLAY)}, got {replay!r}")
         self.replay = replay
@@ -190,8 +197,8 @@ class Generator:
         self.search_options = dict(search_options or {})
         if mode == "self-spec" and drafter == "layer-skip" and layer_set is None and not self.auto_layer_set:
             raise SwiftkernError("drafter layer-skip needs a layer set (e.g. 'attn:3,5|mlp:4' or 'none')")
-        if draft_vocab is not None and draft_vocab < 1:
-            raise SwiftkernError(f"draft_vocab must be >= 1 (or None for the full head), got {draft_vocab}")
+        if draft_vocab is not None:
+            draft_vocab = whole("draft_vocab (None: the full head)", draft_vocab, 1)
         self.draft_vocab = draft_vocab
         if isinstance(layer_set, str):
             layer_set = LayerSet.parse(layer_set, self.model.num_layers)
@@ -288,16 +295,23 @@ class Generator:
         return arrive_at
 
     def _stop_ids(self, eos_token_id, stop_token_ids) -> frozenset[int]:
-        if eos_token_id is None:
-            eos_token_id = getattr(self.model.hf_model.generation_config, "eos_token_id", None)
-            if eos_token_id is None and self.tokenizer is not None:
-                eos_token_id = self.tokenizer.eos_token_id
-        eos = [] if eos_token_id is None else ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
-        return frozenset(int(t) for t in eos + list(stop_token_ids or ()))
+        """The ids that end a row: the given ones (checked), else the model's or tokenizer's EOS."""
+        V = self.model.vocab_size
+        stops = token_ids("stop_token_ids", list(stop_token_ids or ()), V)
+        if eos_token_id is not None:
+            return frozenset(stops + token_ids("eos_token_id", eos_token_id, V))
+        eos = getattr(self.model.hf_model.generation_config, "eos_token_id", None)
+        if eos is None and self.tokenizer is not None:
+            eos = self.tokenizer.eos_token_id
+        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        return frozenset(stops + [int(t) for t in eos])
 
-    def _stop_check(self, stop: list[str] | None):
+    def _stop_check(self, stop: str | list[str] | None):
         if not stop:
             return None
+        stop = [stop] if isinstance(stop, str) else list(stop)  # a str is one stop string, not its characters
+        if not all(isinstance(s, str) and s for s in stop):
+            raise SwiftkernError(f"stop must be a non-empty string or a list of them, got {stop!r}")
         if self.tokenizer is None:
             raise SwiftkernError("stop strings need a tokenizer: Generator(model, tokenizer)")
         return lambda b, toks: any(s in self.tokenizer.decode(toks) for s in stop)
@@ -327,13 +341,12 @@ class Generator:
         of mode deterministic's replay); every mode.
         Returns ``GenerationOutput``.
         """
-        if max_new_tokens < 1:
-            raise SwiftkernError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        max_new_tokens = whole("max_new_tokens", max_new_tokens, 1)
         if streamer is not None and not callable(streamer):
             raise SwiftkernError(f"streamer must be a callable streamer(request, tokens), got {type(streamer).__name__}")
         params = SamplingParams(do_sample, temperature, top_k, top_p)
         ids = self.encode(prompts, chat)
-        seeds = list(seed) if isinstance(seed, (list, tuple)) else [int(seed)] * len(ids)
+        seeds = [whole("seed", s) for s in seed] if isinstance(seed, (list, tuple)) else [whole("seed", seed)] * len(ids)
         if len(seeds) != len(ids):
             raise SwiftkernError(f"got {len(seeds)} seeds for {len(ids)} prompts")
         arrive_at = self._check_arrivals(arrive_at, len(ids))

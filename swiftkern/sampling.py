@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .arg_checks import real, whole
 from .errors import SwiftkernError
 
 _MASK64 = (1 << 64) - 1
@@ -47,6 +48,7 @@ class SamplingParams:
     top_p: float = 1.0
 
     def __post_init__(self):
+        real("temperature", self.temperature), real("top_p", self.top_p), whole("top_k", self.top_k)
         if self.do_sample and not self.temperature > 0:
             raise SwiftkernError(f"temperature must be > 0 when sampling, got {self.temperature}")
         if self.top_k < 0:

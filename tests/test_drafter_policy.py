@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import tiny_model
-from swiftkern import Generator
+from swiftkern import Generator, SwiftkernError
 from swiftkern.drafter_policy import Acceptance, Choice, DrafterPolicy, expected_tokens
 from swiftkern.forward_costs import COOLDOWN_STEPS, ForwardCosts
 
@@ -212,7 +212,8 @@ def test_budget_and_stale_estimates():
 def test_every_drafter_is_greedy_identical_to_ar(drafter):
     hf = tiny_model("llama", num_hidden_layers=5)
     ar = Generator(hf).generate(PROMPTS, max_new_tokens=30, eos_token_id=[]).tokens
-    for layer_set in (None, "attn:2|mlp:1,3"):
+    layer_sets = (None, "attn:2|mlp:1,3") if drafter == "auto" else (None,)
+    for layer_set in layer_sets:
         out = Generator(hf, mode="self-spec", drafter=drafter, layer_set=layer_set, k_max=6).generate(
             PROMPTS, max_new_tokens=30, eos_token_id=[])
         assert out.tokens == ar
@@ -220,6 +221,9 @@ def test_every_drafter_is_greedy_identical_to_ar(drafter):
         assert sum(steps.values()) == out.stats["row_verifies"]
         if drafter == "none":
             assert out.stats["drafted"] == 0 and steps["none"] == out.stats["row_verifies"]
+    if drafter != "auto":  # a drafter that drafts no layer-skipped tokens refuses a layer set it would ignore
+        with pytest.raises(SwiftkernError, match="would ignore layer_set"):
+            Generator(hf, mode="self-spec", drafter=drafter, layer_set="attn:2|mlp:1,3")
 
 
 def test_auto_sampling_is_seeded_and_batch_independent():

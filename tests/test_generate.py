@@ -139,3 +139,45 @@ def test_token_ids_must_be_integers_and_flags_one_per_prompt():
             gen.generate(bad, max_new_tokens=4)
     with pytest.raises(SwiftkernError, match="1 deterministic flags for 2 prompts"):
         gen.generate([[1, 2], [3, 4]], max_new_tokens=4, deterministic=[True])
+
+
+class _LetterTokenizer:
+    """Token t reads as one letter, chr(97 + t % 26): enough for stop strings."""
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(97 + int(t) % 26) for t in ids)
+
+
+def test_scalar_arguments_of_the_wrong_kind_are_refused():
+    """Not truncated (2.5 -> 2), not ignored, and not a TypeError from deep inside."""
+    hf = tiny_model("llama")
+    gen = Generator(hf)
+    for kwargs, match in ((dict(max_new_tokens=4.5), "max_new_tokens must be an integer"),
+                          (dict(do_sample=True, seed=1.5), "seed must be an integer"),
+                          (dict(do_sample=True, seed=[2, "x"]), "seed must be an integer"),
+                          (dict(eos_token_id=2.5), "eos_token_id entry must be an integer"),
+                          (dict(eos_token_id=[-1]), r"eos_token_id entry must be in \[0, "),
+                          (dict(stop_token_ids=[10**6]), r"stop_token_ids entry must be in \[0, "),
+                          (dict(do_sample=True, temperature="hot"), "temperature must be a number"),
+                          (dict(do_sample=True, top_k=2.5), "top_k must be an integer"),
+                          (dict(stop=[""]), "stop must be a non-empty string")):
+        with pytest.raises(SwiftkernError, match=match):
+            gen.generate([[1, 2]], **{"max_new_tokens": 4, **kwargs})
+    for kwargs, match in ((dict(mode="self-spec", k_max=2.5), "k_max must be an integer"),
+                          (dict(mode="deterministic", window=8.0), "window must be an integer"),
+                          (dict(mode="ar", drafter="lookup"), "needs mode self-spec"),
+                          (dict(mode="ar", layer_set="attn:1"), "would ignore layer_set"),
+                          (dict(mode="deterministic", layer_set="attn:1"), "would ignore layer_set")):
+        with pytest.raises(SwiftkernError, match=match):
+            Generator(hf, **kwargs)
+
+
+def test_a_stop_string_given_alone_is_one_string_not_its_letters():
+    hf = tiny_model("llama")
+    gen = Generator(hf, _LetterTokenizer())
+    free = gen.generate([[1, 2]], max_new_tokens=24, eos_token_id=[]).tokens[0]
+    text = _LetterTokenizer().decode(free)
+    pair = next(text[i:i + 2] for i in range(2, len(text) - 1) if text[i:i + 2] not in text[:i + 1])
+    alone = gen.generate([[1, 2]], max_new_tokens=24, eos_token_id=[], stop=pair).tokens[0]
+    listed = gen.generate([[1, 2]], max_new_tokens=24, eos_token_id=[], stop=[pair]).tokens[0]
+    assert alone == listed == free[:text.index(pair) + 2]  # ends right after the pair, not at its first letter
