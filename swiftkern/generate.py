@@ -316,6 +316,41 @@ class Generator:
             raise SwiftkernError("stop strings need a tokenizer: Generator(model, tokenizer)")
         return lambda b, toks: any(s in self.tokenizer.decode(toks) for s in stop)
 
+    def _decode(self, cache: KVCache, first_logits, params: SamplingParams, seeds: list[int], requests: Requests,
+                ids: list[list[int]], verified: list[bool], invariant: bool) -> tuple[int, dict]:
+        """The decoding loop of this Generator's mode after the prefill -> (steps, the loop's stats)."""
+        spec_stats = {}
+        if self.mode == "ar":
+            steps = decode_ar(self.model, cache, first_logits, params, seeds, requests, prompts=ids)
+        elif invariant:
+            spec_stats = self._decode_invariant(cache, first_logits, params, seeds, requests, ids)
+            steps = spec_stats["fast_steps"]
+        elif self.mode == "deterministic":
+            fast = FastPath()
+            if self.drafter == "self-spec":
+                fast = FastPath(self.layer_set, self.eps, self._draft_head(ids), lookup=True)
+            spec_stats = decode_deterministic(self.model, cache, ids, params, seeds, requests, self.window,
+                                              self.verify_batch, fast, verified, self.verifier_kernels)
+            steps = spec_stats["fast_steps"] + spec_stats["verify_passes"]
+        else:
+            policy = DraftPolicy(k_max=self.k_max, eps=self.eps, adaptive=self.adaptive_eps)
+            uses_skip = self.drafter == "layer-skip" or (self.drafter == "auto" and (
+                self.layer_set is not None or self.auto_layer_set))
+            chooser = None
+            if self.drafter in ("auto", "lookup"):  # lookup too: how many of its drafts pay is a cost question
+                allowed = ("lookup", "none") + (("layer-skip",) if uses_skip else ())
+                chooser = DrafterPolicy(allowed, self.k_max, measure=not params.do_sample,  # seeded: no timing
+                                        costs=self._drafter_costs)
+            head = self._draft_head(ids) if uses_skip else None
+            tuner = self._tuner(chooser) if self.auto_layer_set else None
+            start_set = tuner.current if tuner is not None and tuner.enabled else self.layer_set
+            spec_stats = decode_self_spec(self.model, cache, first_logits, params, seeds, requests,
+                                          start_set, policy, self.drafter, ids, chooser, head, tuner)
+            if tuner is not None:
+                spec_stats.update(tuner.stats(), searched_layer_set=str(tuner.current or ""))
+            steps = spec_stats["draft_steps"] + spec_stats["verify_steps"]
+        return steps, spec_stats
+
     # --- the call ----------------------------------------------------------------------
     def generate(self, prompts, max_new_tokens: int = 64, do_sample: bool = False,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | list[int] = 0,
@@ -381,40 +416,16 @@ class Generator:
             _sync(device)
             t1 = time.perf_counter()
             requests = Requests(len(ids), max_new_tokens, stop_ids, self._stop_check(stop), streamer, arrive_at)
-            spec_stats = {}
-            if self.mode == "ar":
-                steps = decode_ar(self.model, cache, first_logits, params, seeds, requests, prompts=ids)
-            elif invariant:
-                spec_stats = self._decode_invariant(cache, first_logits, params, seeds, requests, ids)
-                steps = spec_stats["fast_steps"]
-            elif self.mode == "deterministic":
-                fast = FastPath()
-                if self.drafter == "self-spec":
-                    fast = FastPath(self.layer_set, self.eps, self._draft_head(ids), lookup=True)
-                spec_stats = decode_deterministic(self.model, cache, ids, params, seeds, requests, self.window,
-                                                  self.verify_batch, fast, verified, self.verifier_kernels)
-                steps = spec_stats["fast_steps"] + spec_stats["verify_passes"]
-            else:
-                policy = DraftPolicy(k_max=self.k_max, eps=self.eps, adaptive=self.adaptive_eps)
-                uses_skip = self.drafter == "layer-skip" or (self.drafter == "auto" and (
-                    self.layer_set is not None or self.auto_layer_set))
-                chooser = None
-                if self.drafter in ("auto", "lookup"):  # lookup too: how many of its drafts pay is a cost question
-                    allowed = ("lookup", "none") + (("layer-skip",) if uses_skip else ())
-                    chooser = DrafterPolicy(allowed, self.k_max, measure=not do_sample,  # seeded: no timing
-                                            costs=self._drafter_costs)
-                head = self._draft_head(ids) if uses_skip else None
-                tuner = self._tuner(chooser) if self.auto_layer_set else None
-                start_set = tuner.current if tuner is not None and tuner.enabled else self.layer_set
-                spec_stats = decode_self_spec(self.model, cache, first_logits, params, seeds, requests,
-                                              start_set, policy, self.drafter, ids, chooser, head, tuner)
-                if tuner is not None:
-                    spec_stats.update(tuner.stats(), searched_layer_set=str(tuner.current or ""))
-                steps = spec_stats["draft_steps"] + spec_stats["verify_steps"]
-        tokens = requests.out
+            steps, spec_stats = self._decode(cache, first_logits, params, seeds, requests, ids, verified, invariant)
         _sync(device)
         t2 = time.perf_counter()
+        return self._output(requests.out, ids, steps, spec_stats, (t0, t1, t2), graph_stats)
 
+    def _output(self, tokens: list[list[int]], ids: list[list[int]], steps: int, spec_stats: dict,
+                times: tuple[float, float, float], graph_stats: dict | None) -> GenerationOutput:
+        """The call's GenerationOutput: texts, the stats of the call and of each request.
+        times: (start, prefill done, decoding done) from time.perf_counter()."""
+        t0, t1, t2 = times
         texts = None
         if self.tokenizer is not None:
             texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
