@@ -41,6 +41,9 @@ def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
     # random init gives near-uniform logits; scale up so greedy choices are not near-ties
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
+        for name, p in model.named_parameters():  # HF zeroes biases (qwen2's q/k/v): a dropped one would pass
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.5)
     return model.eval()
 
 
