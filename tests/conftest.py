@@ -71,3 +71,56 @@ def hf_greedy(hf_model, prompt_ids, max_new_tokens, eos_token_id=None):
         if t in eos:
             return out[: i + 1]
     return out
+
+
+def expected_probs(logits, temperature, top_k, top_p):
+    """softmax(logits / T) restricted to top-k, then to the smallest top-p nucleus (closed form, HF's
+    order of the warpers). logits: [V] -> float64 [V]."""
+    z = logits.double() / temperature
+    order = torch.argsort(z, descending=True)
+    keep = torch.zeros_like(z, dtype=torch.bool)
+    keep[order[:top_k] if top_k else order] = True
+    p = torch.where(keep, z, torch.tensor(float("-inf"), dtype=z.dtype)).softmax(-1)
+    mass, nucleus = 0.0, torch.zeros_like(keep)
+    for i in order.tolist():
+        if not keep[i] or mass >= top_p:
+            break
+        nucleus[i] = True
+        mass += float(p[i])
+    return torch.where(nucleus, p, torch.zeros_like(p)) / p[nucleus].sum()
+
+
+def next_token_marginals(sm, prompt, filtered, steps):
+    """Exact P(generated token j) for j < steps: sum over every earlier continuation of its
+    probability times filtered(logits) after it (``filtered``: logits [V] -> probabilities [V]).
+    -> [steps, V] float64."""
+    seqs, weights, out = [list(prompt)], torch.ones(1, dtype=torch.float64), []
+    for _ in range(steps):
+        logits = sm.forward(torch.tensor(seqs), sm.new_cache(len(seqs), len(seqs[0])))[:, -1]  # [N, V]
+        probs = torch.stack([filtered(row) for row in logits])  # [N, V]
+        out.append(weights @ probs)
+        V = probs.shape[1]
+        weights = (weights[:, None] * probs).reshape(-1)
+        seqs = [s + [t] for s in seqs for t in range(V)]
+    return torch.stack(out)
+
+
+def chi_square_pooled(counts, expect, n, least=5.0):
+    """(chi-square, dof) of observed counts against n * expect, bins expected below ``least``
+    pooled into one so the statistic keeps its distribution."""
+    exp = expect * n
+    small = exp < least
+    obs = torch.cat([counts[~small], counts[small].sum().reshape(1)])
+    exp = torch.cat([exp[~small], exp[small].sum().reshape(1)])
+    keep = exp > 0
+    assert counts[expect == 0].sum() == 0, "a token of probability 0 was sampled"
+    return float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()), int(keep.sum()) - 1
+
+
+def assert_follows(tokens, expect):
+    """Chi-square of drawn tokens against the probabilities ``expect`` [V] (p < 1e-4 under the
+    null: dof + 4.5 sqrt(2 dof) + 10 bounds the tail for these dofs)."""
+    counts = torch.bincount(torch.tensor(tokens), minlength=expect.shape[0]).double()
+    chi2, dof = chi_square_pooled(counts, expect, len(tokens))
+    assert chi2 < dof + 4.5 * (2 * dof) ** 0.5 + 10, (chi2, dof)
+

@@ -4,10 +4,9 @@ it stays lossless (greedy == ar, sampled distribution kept)."""
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import assert_follows, next_token_marginals, tiny_model
 from swiftkern import Generator, SkipModel, SwiftkernError
 from swiftkern.draft_head import DraftHead
-from test_self_spec import _two_token_marginal
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [200]]
 
@@ -59,20 +58,19 @@ def test_greedy_with_a_pruned_head_equals_ar(draft_vocab, drafter):
 
 
 def test_sampling_with_a_pruned_head_keeps_the_distribution():
+    """The second and third tokens (after two drafts) follow their exact marginals."""
     V = 48
     hf = tiny_model("llama", num_hidden_layers=6, vocab_size=V)
     with torch.no_grad():
-        hf.lm_head.weight.mul_(0.06)
+        hf.lm_head.weight.mul_(0.6)  # ~20 tokens carry the mass: drafts accepted and rejected
     sm = SkipModel.from_hf(hf)
     prompt, n = [5, 9, 11], 3000
-    expect = _two_token_marginal(sm, prompt, 1.0)
-    # the draft sees 20 of 48 tokens: its q is zero elsewhere, the target must still be exact
+    expect = next_token_marginals(sm, prompt, lambda z: z.double().softmax(-1), 3)
+    # the draft sees 17 of 48 tokens: its q is zero elsewhere, the target must still be exact
     gen = Generator(sm, mode="self-spec", drafter="layer-skip", layer_set="attn:1-3|mlp:2", k_max=3, eps=0.0,
                     draft_vocab=17)
-    out = gen.generate([prompt] * n, max_new_tokens=2, do_sample=True, seed=list(range(n)), eos_token_id=[])
-    assert out.stats["drafted"] > 0 and 0 < out.stats["accepted"] < out.stats["drafted"]
-    counts = torch.bincount(torch.tensor([t[1] for t in out.tokens]), minlength=V).double()
-    exp = expect * n
-    chi2 = float(((counts - exp) ** 2 / exp).sum())
-    dof = V - 1
-    assert chi2 < dof + 4.5 * (2 * dof) ** 0.5 + 10, chi2
+    out = gen.generate([prompt] * n, max_new_tokens=3, do_sample=True, seed=list(range(n)), eos_token_id=[])
+    s = out.stats
+    assert s["drafted"] >= 1.8 * n and 0.2 < s["accepted"] / s["drafted"] < 0.8, s
+    for j in (1, 2):
+        assert_follows([t[j] for t in out.tokens], expect[j])

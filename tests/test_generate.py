@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import hf_greedy, tiny_model
+from conftest import expected_probs, hf_greedy, tiny_model
 from swiftkern import Generator, SkipModel, SwiftkernError
 from swiftkern.sampling import SamplingParams, filter_logits, keyed_uniform, sample_from_weights
 
@@ -52,22 +52,6 @@ def test_sampling_is_seeded_and_batch_independent():
     assert gen.generate([PROMPTS[1]], seed=8, **kw).tokens[0] != alone
 
 
-def _expected_probs(logits, temperature, top_k, top_p):
-    """softmax(logits / T) restricted to top-k, then to the smallest top-p nucleus (closed form)."""
-    z = logits.double() / temperature
-    order = torch.argsort(z, descending=True)
-    keep = torch.zeros_like(z, dtype=torch.bool)
-    keep[order[:top_k] if top_k else order] = True
-    p = torch.where(keep, z, torch.tensor(float("-inf"), dtype=z.dtype)).softmax(-1)
-    mass, nucleus = 0.0, torch.zeros_like(keep)
-    for i in order.tolist():
-        if not keep[i] or mass >= top_p:
-            break
-        nucleus[i] = True
-        mass += float(p[i])
-    return torch.where(nucleus, p, torch.zeros_like(p)) / p[nucleus].sum()
-
-
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 10, 1.0), (1.5, 0, 0.8), (1.0, 20, 0.9)])
 def test_first_token_distribution(temperature, top_k, top_p):
     """Chi-square of 4000 seeded first-token draws against the filtered softmax."""
@@ -78,7 +62,7 @@ def test_first_token_distribution(temperature, top_k, top_p):
     prompt = [5, 9, 11]
     model = SkipModel.from_hf(hf)
     logits = model.forward(torch.tensor([prompt]), model.new_cache(1, 4))[0, -1]
-    expect = _expected_probs(logits, temperature, top_k, top_p)
+    expect = expected_probs(logits, temperature, top_k, top_p)
     n = 4000
     out = gen.generate([prompt] * n, max_new_tokens=1, do_sample=True, temperature=temperature,
                        top_k=top_k, top_p=top_p, seed=list(range(n)), eos_token_id=[])
