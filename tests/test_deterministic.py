@@ -189,13 +189,27 @@ def _needle_trials(gen, needle, rng, trials, max_batch, **kw):
     return alone
 
 
+def hf_token_logprobs(model: SkipModel, prompt: list[int], tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's log-softmax at each generated token, and its argmax there. -> float32 [n], int64 [n]"""
+    with torch.no_grad():
+        logits = model.hf_model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]  # [n, V]
+    return F.log_softmax(logits.float(), -1).gather(1, torch.tensor(tokens)[:, None])[:, 0], logits.argmax(-1)
+
+
 def needle_tiny(model, sample, seed, trials, replay="always", **gen_kw):
-    """The needle on a tiny model, window 8, verify batch 4, 24 tokens, batches of 1-16."""
+    """The needle on a tiny model, window 8, verify batch 4, 24 tokens, batches of 1-16; alone,
+    its tokens are plain ar's (the same seeded draws; the speculative loop without replay draws
+    by rejection sampling instead) and its logprobs HF's at those tokens."""
     gen = Generator(model, mode="deterministic", window=8, verify_batch=4, replay=replay, **gen_kw)
     kw = dict(max_new_tokens=24, eos_token_id=[], do_sample=sample, temperature=1.3, seed=11)
-    alone = _needle_trials(gen, [17, 250, 9, 3, 44, 61], random.Random(seed + sample), trials=trials,
-                           max_batch=16, **kw)
+    needle = [17, 250, 9, 3, 44, 61]
+    alone = _needle_trials(gen, needle, random.Random(seed + sample), trials=trials, max_batch=16, **kw)
     assert len(alone.tokens[0]) == 24 and alone.logprobs[0].shape == (24,)
+    if not (sample and gen.drafter == "self-spec" and gen.replay_elided()):  # that one: rejection sampling's draws
+        assert alone.tokens == Generator(model, mode="ar").generate([needle], **kw).tokens
+    want, argmax = hf_token_logprobs(model, needle, alone.tokens[0])
+    torch.testing.assert_close(alone.logprobs[0], want, rtol=0, atol=1e-4)
+    assert sample == bool((argmax != torch.tensor(alone.tokens[0])).any())  # sampled: not every token the argmax
 
 
 @pytest.mark.parametrize("replay,kernels", DECODINGS)
