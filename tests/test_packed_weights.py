@@ -160,6 +160,10 @@ def test_runner_logits_with_packed_weights_are_bit_equal(arch):
         outs.append(logits)
     for a, b in zip(*outs):
         assert bitwise_equal(a, b)
+    next(w for w in packed.packed.slots() if w is not None).zero_()  # negative control: the codes were read
+    g = torch.Generator().manual_seed(0)
+    assert not torch.allclose(packed.forward(torch.randint(0, 301, (2, 7), generator=g), packed.new_cache(2, 64)),
+                              outs[0][0])
 
 
 def test_pack_weights_true_where_it_cannot_run_is_refused(monkeypatch):
@@ -209,6 +213,8 @@ def test_pruned_draft_head_logits_from_packed_rows_are_bit_equal():
     skip = LayerSet.parse("attn:1|mlp:2", 4)
     a, b = (m.forward(tokens, m.new_cache(1, 8), skip, head=h.head) for m, h in zip((plain, packed), heads))
     assert bitwise_equal(a, b)
+    heads[1].head[2].zero_()  # negative control: the packed rows were read, so spoiling them shows
+    assert not torch.allclose(packed.forward(tokens, packed.new_cache(1, 8), skip, head=heads[1].head), a)
 
 
 @needs_cpp
