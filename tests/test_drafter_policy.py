@@ -4,6 +4,7 @@ choice in constructed cases with a known answer, and lossless output for every d
 import random
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -288,22 +289,31 @@ def test_one_pass_width_for_the_batch():
 
 
 def test_pass_width_is_the_best_over_every_width():
-    """Rows with different draft lengths and acceptances: the width cut to maximizes the batch's
-    expected tokens per second, against every width evaluated directly."""
+    """Rows with different draft lengths and acceptances: the width fit_pass cuts to makes, in a
+    simulation of the steps (each row's drafts accepted one after another with its acceptance,
+    the same draws for every width), within 1 % of the most tokens per unit of time any width
+    makes. The simulation shares no formula with the policy: a step costs its layer-skip draft
+    forwards (the longest such draft) and a verify pass of K + 1 tokens."""
     rng = random.Random(3)
+    gen = torch.Generator().manual_seed(3)
     for trial in range(50):
         p = _costed(rng.choice([0.02, 0.1, 0.3, 1.0]), draft=rng.choice([0.1, 0.5]))
         choices = [Choice(rng.choice(["lookup", "layer-skip"]), n, 0.0, rng.random(), n) if (n := rng.randint(0, 8))
                    else Choice("none", 0, 0.0) for _ in range(rng.randint(2, 8))]
+        steps = 20000
+        accept = torch.tensor([c.acceptance for c in choices], dtype=torch.float64)  # [R]
+        draws = torch.rand(steps, len(choices), 8, generator=gen, dtype=torch.float64) < accept[None, :, None]
+        run = draws.int().cumprod(-1).sum(-1)  # [steps, R]: drafts accepted before the first rejection
+        drafts = torch.tensor([c.expected_drafts for c in choices])  # [R]
 
-        def rate(K):
-            tokens = sum(sum(c.acceptance ** i for i in range(min(c.expected_drafts, K) + 1)) for c in choices)
-            skip = max([min(c.expected_drafts, K) for c in choices if c.drafter == "layer-skip"], default=0)
-            return tokens / (skip * p.costs.draft + 1 + (p.costs.verify(2) - 1) * K)
+        def simulated_rate(K):
+            tokens = (torch.minimum(run, drafts.clamp(max=K)) + 1).sum(-1).double().mean()  # a step's tokens
+            forwards = max([min(c.expected_drafts, K) for c in choices if c.drafter == "layer-skip"], default=0)
+            return float(tokens) / (forwards * p.costs.draft_cost() + p.costs.verify(K + 1))
 
         fitted = p.fit_pass(choices)
         width = max(c.k for c in fitted)
-        assert rate(width) == pytest.approx(max(rate(K) for K in range(9))), trial
+        assert simulated_rate(width) >= 0.99 * max(simulated_rate(K) for K in range(9)), trial
         assert all(f.k == min(c.k, width) and (f.k == 0 or f.drafter == c.drafter) for f, c in zip(fitted, choices))
 
 
