@@ -67,6 +67,8 @@ def test_streamed_tokens_are_the_output(tiny, config, sample):
     out = gen.generate(PROMPTS, stop_token_ids=[stop], streamer=rec, **kw)
     assert len(out.tokens[0]) <= 6
     assert rec.per_request(len(PROMPTS)) == out.tokens
+    if not sample:  # greedy: the output is HF's, so the stream is too
+        assert out.tokens == [hf_greedy(tiny.hf_model, p, 14, eos_token_id=[stop]) for p in PROMPTS]
     assert all(tokens and 0 <= r < len(PROMPTS) for r, tokens in rec.calls)
     assert len(rec.calls) > len(PROMPTS)  # in pieces while decoding, not once at the end
 
