@@ -11,6 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from attention_invariance import poison_stale
 from swiftkern import ops
 from test_reference_ops import naive_attention
 from triton_cases import assert_close
@@ -24,13 +25,13 @@ DRAWN = settings(max_examples=60, deadline=None, derandomize=True,
 
 def case(B, Hkv, group, T, D, S, dtype, data, slack=3):
     """q [B, Hq, T, D] (a transposed view, as the model passes it), caches [B, Hkv, S + slack, D]
-    sliced to S keys, NaN past S (never read), lens in [T, S]."""
+    sliced to S keys, lens in [T, S], NaN past each row's length (never read)."""
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
     q = torch.randn(B, T, Hkv * group, D, generator=g).to(dtype).transpose(1, 2)
     k = torch.randn(B, Hkv, S + slack, D, generator=g).to(dtype)
     v = torch.randn(B, Hkv, S + slack, D, generator=g).to(dtype)
-    k[:, :, S:], v[:, :, S:] = float("nan"), float("nan")
     lens = torch.tensor([data.draw(st.integers(T, S)) for _ in range(B)])
+    poison_stale(k, v, lens)
     return q, k[:, :, :S], v[:, :, :S], lens
 
 
@@ -62,6 +63,7 @@ def test_long_caches_read_once_per_head(heads, T, D, S):
     q = torch.randn(1, Hkv * group, T, D, generator=g)
     k, v = torch.randn(1, Hkv, S, D, generator=g), torch.randn(1, Hkv, S, D, generator=g)
     lens = torch.tensor([S - 3])
+    poison_stale(k, v, lens)
     got = OPS.verify_attention(q, k, v, lens, D ** -0.5)
     assert_close("verify_attention", got, naive_attention(q, k, v, lens, D ** -0.5))
 
@@ -73,6 +75,7 @@ def test_a_row_does_not_depend_on_the_batch(T):
     B, Hkv, group, D, S = 5, 3, 3, 64, 70
     q, k, v = torch.randn(B, Hkv * group, T, D), torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, D)
     lens = torch.tensor([70, 9, 33, T, 64])
+    poison_stale(k, v, lens)
     full = OPS.verify_attention(q, k, v, lens, 0.125)
     for b in range(B):
         alone = OPS.verify_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], lens[b:b + 1], 0.125)
