@@ -77,6 +77,24 @@ def test_apply_rope_is_a_rotation():
     torch.testing.assert_close(norm(y), norm(x))
 
 
+def test_apply_rope_closed_form_and_hf():
+    """D = 2, x = (1, 0) rotated by angle a is (cos a, sin a); any shape equals transformers'
+    apply_rotary_pos_emb (the twin must be HF's convention, not only a rotation)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    angle = torch.tensor([0.3, 1.2, -2.0])  # [T]
+    cos = torch.stack([angle.cos()] * 2, -1)[None]  # [1, T, 2]
+    sin = torch.stack([angle.sin()] * 2, -1)[None]
+    y = ref.apply_rope(torch.tensor([1.0, 0.0]).expand(1, 1, 3, 2), cos, sin)
+    torch.testing.assert_close(y[0, 0], torch.stack([angle.cos(), angle.sin()], -1))
+    q, k = torch.randn(2, 6, 5, 16), torch.randn(2, 3, 5, 16)
+    ang = torch.randn(2, 5, 8)
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    hf_q, hf_k = apply_rotary_pos_emb(q, k, cos, sin)
+    torch.testing.assert_close(ref.apply_rope(q, cos, sin), hf_q, rtol=0, atol=0)
+    torch.testing.assert_close(ref.apply_rope(k, cos, sin), hf_k, rtol=0, atol=0)
+
+
 def test_rms_norm_and_fused_add():
     x, r, w = torch.randn(5, 33), torch.randn(5, 33), torch.randn(33)
     expect = w * (x + r) / torch.sqrt(((x + r) ** 2).mean(-1, keepdim=True) + 1e-6)

@@ -5,6 +5,7 @@ num_draft 0, forced vocabulary splits), ties, NaN, zero-probability tokens, unus
 holding out-of-vocabulary garbage. Tier 3: opcheck and the wrappers with SWIFTKERN_BACKEND=triton.
 """
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -63,6 +64,27 @@ def test_greedy_matches_reference(B, K, V, splits, dtype, data):
     assert_same(got, reference.greedy_accept(draft, logits, nd))
 
 
+@pytest.mark.parametrize("B,K,V,splits,accept_all", [
+    (3, 0, 7, None, False), (2, 0, 1000, 3, False), (2, 0, 49152, None, False),  # K = 0 with V > 1
+    (0, 3, 1000, None, False),  # an empty batch
+    (2, 4, 49152, 3, True), (3, 5, 49152, 6, True), (3, 5, 49152, 6, False),  # split vocabularies
+])
+def test_greedy_structural_cases(B, K, V, splits, accept_all):
+    """Shapes hypothesis rarely draws (it pairs K = 0 with V = 1, splits with small V), pinned."""
+    g = torch.Generator().manual_seed(B * 100 + K * 10 + V)
+    logits = torch.randn(B, K + 1, V, generator=g)
+    draft = logits.argmax(-1)[:, :K].clone()
+    if not accept_all and K:
+        draft[:, K // 2] = (draft[:, K // 2] + 1) % V  # a mismatch midway
+    nd = torch.full((B,), K, dtype=torch.int32)
+    with poisoned():
+        got = greedy_launch(*on(draft, logits, nd), num_splits=splits)
+    want = reference.greedy_accept(draft, logits, nd)
+    assert_same(got, want)
+    if accept_all and B:
+        assert want[1].tolist() == [K] * B
+
+
 def test_greedy_registered_op_and_wrapper():
     logits = torch.randn(2, 4, 1000)
     draft, nd = logits.argmax(-1)[:, :3].contiguous(), torch.tensor([3, 1], dtype=torch.int32)
@@ -105,6 +127,29 @@ def test_rejection_matches_reference(B, K, V, splits, with_q, zeros, data):
     with poisoned():
         got = rejection_launch(*on(*args), num_splits=splits)
     assert_same(got, reference.rejection_sample(*args))
+
+
+@pytest.mark.parametrize("B,K,V,splits,with_q", [
+    (3, 0, 7, None, True), (2, 0, 1000, 3, False), (2, 0, 49152, None, True),  # K = 0 with V > 1
+    (0, 3, 1000, None, True),  # an empty batch
+    (2, 4, 49152, 3, True), (3, 5, 49152, 6, True), (3, 5, 49152, 6, False),  # split vocabularies
+])
+def test_rejection_structural_cases(B, K, V, splits, with_q):
+    """Shapes hypothesis rarely draws, pinned: K = 0 (only the bonus token), B = 0, and the
+    vocabulary split over several programs (under the interpreter only V = 49152 splits) with
+    drafts rejected and accepted."""
+    g = torch.Generator().manual_seed(B * 100 + K * 10 + V)
+    target = probs((B, K + 1, V), g)
+    draft_probs = probs((B, K, V), g, temperature=2.0) if with_q else None
+    source = draft_probs if with_q else target[:, :K]
+    draft = torch.multinomial(source.reshape(-1, V), 1, generator=g).view(B, K) if K and B else torch.zeros(B, K).long()
+    nd = torch.tensor([K - b % 2 if K else 0 for b in range(B)], dtype=torch.int32)
+    u_accept, u_sample = torch.rand(B, K, generator=g), torch.rand(B, K + 1, generator=g)
+    args = (draft, draft_probs, target, nd, u_accept, u_sample)
+    with poisoned():
+        got = rejection_launch(*on(*args), num_splits=splits)
+    want = reference.rejection_sample(*args)
+    assert_same(got, want)
 
 
 def test_rejection_exact_cases():

@@ -17,13 +17,17 @@ def rotary(B, T, D, positions, dtype):
     return ang.cos().to(dtype).to(DEVICE), ang.sin().to(dtype).to(DEVICE)
 
 
-def case(B, Hq, Hkv, T, D, S, starts, dtype, seed):
-    """Projections as the model makes them ([B, T, H, D] transposed), a NaN-filled cache."""
+def case(B, Hq, Hkv, T, D, S, starts, dtype, seed, scattered=False):
+    """Projections as the model makes them ([B, T, H, D] transposed), a NaN-filled cache; each
+    row's positions start + [0, T), or (scattered) T distinct positions of [0, S) in any order."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, T, Hq, D, generator=g).to(dtype).to(DEVICE).transpose(1, 2)
     k = torch.randn(B, T, Hkv, D, generator=g).to(dtype).to(DEVICE).transpose(1, 2)
     v = torch.randn(B, T, Hkv, D, generator=g).to(dtype).to(DEVICE).transpose(1, 2)
-    positions = (torch.tensor(starts).unsqueeze(1) + torch.arange(T)).to(DEVICE)
+    positions = torch.tensor(starts).unsqueeze(1) + torch.arange(T)
+    if scattered:
+        positions = torch.stack([torch.randperm(S, generator=g)[:T] for _ in range(B)])
+    positions = positions.to(DEVICE)
     cos, sin = rotary(B, T, D, positions, dtype)
     cache = torch.full((2, B, Hkv, S, D), float("nan"), dtype=dtype, device=DEVICE)
     return q, k, v, cos, sin, cache, positions
@@ -32,17 +36,32 @@ def case(B, Hq, Hkv, T, D, S, starts, dtype, seed):
 @FEW
 @given(B=st.integers(1, 4), heads=st.sampled_from([(9, 3), (4, 4), (2, 1)]), T=st.sampled_from([1, 2, 5]),
        D=st.sampled_from([8, 64, 80]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-       data=st.data())
-def test_matches_reference(B, heads, T, D, dtype, data):
+       scattered=st.booleans(), data=st.data())
+def test_matches_reference(B, heads, T, D, dtype, scattered, data):
     S = 24
     starts = data.draw(st.lists(st.integers(0, S - T), min_size=B, max_size=B))
-    q, k, v, cos, sin, cache, positions = case(B, *heads, T, D, S, starts, dtype, data.draw(st.integers(0, 99)))
+    q, k, v, cos, sin, cache, positions = case(B, *heads, T, D, S, starts, dtype, data.draw(st.integers(0, 99)),
+                                               scattered)
     want_cache = cache.clone()
     want_q = reference.rope_kv_append(q, k, v, cos, sin, want_cache[0], want_cache[1], positions)
     with poisoned():
         got_q = triton_op("rope_kv_append")(q, k, v, cos, sin, cache[0], cache[1], positions)
     assert_close("rope_kv_append", got_q, want_q)
     assert_close("rope_kv_append", cache, want_cache, equal_nan=True)  # untouched slots stay NaN
+    assert int(cache.isnan().sum()) == int(want_cache.isnan().sum())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scattered_positions(dtype):
+    """Each token to its own position, out of order (the op's contract: any position per token):
+    every row of the cache written where its position says, nothing else."""
+    q, k, v, cos, sin, cache, positions = case(3, 9, 3, 5, 64, 24, [0, 0, 0], dtype, 7, scattered=True)
+    want_cache = cache.clone()
+    want_q = reference.rope_kv_append(q, k, v, cos, sin, want_cache[0], want_cache[1], positions)
+    with poisoned():
+        got_q = triton_op("rope_kv_append")(q, k, v, cos, sin, cache[0], cache[1], positions)
+    assert_close("rope_kv_append", got_q, want_q)
+    assert_close("rope_kv_append", cache, want_cache, equal_nan=True)
     assert int(cache.isnan().sum()) == int(want_cache.isnan().sum())
 
 
