@@ -47,6 +47,19 @@ def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
     return model.eval()
 
 
+@pytest.fixture
+def uninitialized_is_poison():
+    """Every new uninitialized tensor (torch.empty, and at::empty inside the C++ kernels) holds NaN
+    or the largest integer while the test runs, so an output element a kernel forgets to write
+    fails the comparison by design rather than by luck of the memory it got."""
+    was, fill = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    yield
+    torch.use_deterministic_algorithms(was)
+    torch.utils.deterministic.fill_uninitialized_memory = fill
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """(SkipModel, tokenizer) for the bundled SmolLM2-135M-Instruct, loaded once."""

@@ -20,6 +20,8 @@ from swiftkern import ops, reference
 from swiftkern.errors import SwiftkernError
 from triton_cases import assert_close
 
+pytestmark = pytest.mark.usefixtures("uninitialized_is_poison")  # conftest: unwritten outputs fail
+
 BUILT = ops.registry.extension is not None
 needs_cpp = pytest.mark.skipif(not BUILT, reason="swiftkern._C is not built (SWIFTKERN_BUILD_EXT=0 or no compiler)")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

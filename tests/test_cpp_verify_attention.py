@@ -16,6 +16,8 @@ from swiftkern import ops
 from test_reference_ops import naive_attention
 from triton_cases import assert_close
 
+pytestmark = pytest.mark.usefixtures("uninitialized_is_poison")  # conftest: unwritten outputs fail
+
 needs_cpp = pytest.mark.skipif(ops.registry.COMPILED["verify_attention"]["cpu"] != "cpp",
                                reason="swiftkern._C is not built with the CPU verify_attention kernel")
 OPS = torch.ops.swiftkern

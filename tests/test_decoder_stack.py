@@ -14,6 +14,8 @@ from swiftkern.layer_kernels import LayerKernels
 from swiftkern.layer_set import LayerSet
 from swiftkern.model import _Layer
 
+pytestmark = pytest.mark.usefixtures("uninitialized_is_poison")  # conftest: unwritten outputs fail
+
 needs_stack = pytest.mark.skipif(LayerKernels.for_device("cpu").stack is None,
                                  reason="the C++ CPU kernels (decoder_stack) were not built")
 

@@ -19,6 +19,8 @@ from hypothesis import strategies as st
 from swiftkern import ops, reference
 from swiftkern.errors import SwiftkernError
 
+pytestmark = pytest.mark.usefixtures("uninitialized_is_poison")  # conftest: unwritten outputs fail
+
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 OP = torch.ops.swiftkern.greedy_accept
 

@@ -23,6 +23,8 @@ from swiftkern.layer_kernels import invariant_kernels_available
 from test_reference_ops import naive_attention
 from triton_cases import assert_close
 
+pytestmark = pytest.mark.usefixtures("uninitialized_is_poison")  # conftest: unwritten outputs fail
+
 needs_cpp = pytest.mark.skipif(not invariant_kernels_available("cpu", torch.float32),
                                reason="swiftkern._C is not built with the CPU kernels of the invariant set")
 OPS = torch.ops.swiftkern

@@ -19,6 +19,8 @@ from swiftkern.layer_set import LayerSet
 from swiftkern.model import SkipModel
 from swiftkern.packed_weights import PackedSet, bits_of, pack, unpack
 
+pytestmark = pytest.mark.usefixtures("uninitialized_is_poison")  # conftest: unwritten outputs fail
+
 BITS = {Q.Q4_1: 4, Q.Q8_0: 8}
 needs_cpp = pytest.mark.skipif(ops.backend_info()["ops"]["packed_linear"]["cpu"] != "cpp",
                                reason="the C++ packed_linear kernel was not built")

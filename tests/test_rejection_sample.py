@@ -12,6 +12,8 @@ from hypothesis import given, settings, strategies as st
 from swiftkern import ops, reference
 from swiftkern.errors import SwiftkernError
 
+pytestmark = pytest.mark.usefixtures("uninitialized_is_poison")  # conftest: unwritten outputs fail
+
 OP = torch.ops.swiftkern.rejection_sample
 
 IMPLS = [pytest.param(ops.rejection_sample, id="ops"), pytest.param(reference.rejection_sample, id="reference")]

@@ -8,6 +8,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from swiftkern import ops, reference
 
+pytestmark = pytest.mark.usefixtures("uninitialized_is_poison")  # conftest: unwritten outputs fail
+
 OP = torch.ops.swiftkern.skinny_linear
 KS = [1, 7, 31, 32, 33, 576, 1000]
 NS = [1, 5, 577, 1536]
