@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from swiftkern import SkipModel, layer_kernels
+from swiftkern import SkipModel, layer_kernels, ops
 from swiftkern.layer_kernels import LayerKernels
 from swiftkern.layer_set import LayerSet
 from swiftkern.model import _Layer
@@ -67,6 +67,33 @@ def test_stack_equals_the_python_loop(arch, skip, invariant, monkeypatch):
         assert torch.equal(a, b)
     assert torch.equal(with_stack[1], without[1]) and torch.equal(with_stack[2], without[2])
     assert with_stack[3] == without[3]
+
+
+@needs_stack
+@pytest.mark.parametrize("skip", [None, "attn:0,2|mlp:1"])
+def test_stack_equals_the_reference_ops_on_odd_shapes(skip):
+    """Against SWIFTKERN_BACKEND=reference (torch's own ops, none of the C++ kernels the stack
+    shares with the Python loop): heads 9 / 3, hidden 72, head size 8, intermediate 100,
+    qwen2's biases, rows of a 37-token prefill, a verify chunk of 5 and a decode step."""
+    hf = tiny_model("qwen2", num_hidden_layers=3, hidden_size=72, num_attention_heads=9, num_key_value_heads=3,
+                    intermediate_size=100)
+    model = SkipModel.from_hf(hf)
+    layer_set = LayerSet.parse(skip, 3) if skip else None
+    g = torch.Generator().manual_seed(5)
+    chunks = [torch.randint(3, 301, (2, T), generator=g) for T in (37, 5, 1)]
+    assert LayerKernels.for_device("cpu").stack is not None
+    with_stack = _run(model, chunks, layer_set)
+    ops.set_backend("reference")
+    try:
+        layer_kernels._CACHE.clear()
+        assert LayerKernels.for_device("cpu").stack is None
+        reference_run = _run(model, chunks, layer_set)
+    finally:
+        ops.set_backend("auto")
+        layer_kernels._CACHE.clear()
+    for a, b in zip(with_stack[0], reference_run[0]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(with_stack[1], reference_run[1], rtol=1e-4, atol=1e-4)
 
 
 @needs_stack
