@@ -48,6 +48,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack_cpu(
     const std::vector<std::optional<at::Tensor>>& packed, int64_t packed_max_rows);
 at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias);
 at::Tensor packed_linear_isa(const at::Tensor& x, const at::Tensor& packed, const std::string& isa);
+at::Tensor verify_attention_isa(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                const at::Tensor& cache_lens, double scale, const std::string& isa, bool invariant);
 bool packed_linear_fast();
 std::tuple<at::Tensor, at::Tensor> rejection_sample_cpu(const at::Tensor& draft_tokens,
                                                         const std::optional<at::Tensor>& draft_probs,
@@ -150,6 +152,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "every kept sub-layer of the decoder on the CPU in one call (csrc/decoder_stack_cpu.cpp)");
   m.def("packed_linear_isa", &swiftkern::packed_linear_isa,
         "packed_linear (no bias) with a named instruction set: avx512 or portable (tests)");
+  m.def("verify_attention_isa", &swiftkern::verify_attention_isa,
+        "verify_attention (invariant=True: its invariant variant) with a named instruction set: avx512 or portable "
+        "(tests)");
   m.def("packed_linear_fast", &swiftkern::packed_linear_fast,
         "whether packed_linear has a vector kernel here (AVX-512), i.e. beats skinny_linear");
   m.def("skinny_linear_isas", &swiftkern::skinny_linear_isas, "the instruction sets this CPU runs, widest first");

@@ -31,6 +31,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -395,8 +396,11 @@ void attend(const AttnShape& sh, const E* q, const E* k, const E* v, const int64
 namespace {
 // q [B, Hq, T, D]; k_cache, v_cache [B, Hkv, S, D] (D contiguous, one layout; S: the keys in
 // use); cache_lens int64 [B] in [T, S]; one float dtype -> [B, Hq, T, D] contiguous, q's dtype
+// use_avx512: the AVX-512 paths where the CPU has them (-1), or forced on (1) / off (0: the
+// portable loops every CPU runs; tests only)
 at::Tensor attention_entry(const char* name, const at::Tensor& q, const at::Tensor& k_cache,
-                           const at::Tensor& v_cache, const at::Tensor& cache_lens, double scale, bool invariant) {
+                           const at::Tensor& v_cache, const at::Tensor& cache_lens, double scale, bool invariant,
+                           int use_avx512 = -1) {
   checks::same_device(name, c10::DeviceType::CPU,
                       {{"q", &q}, {"k_cache", &k_cache}, {"v_cache", &v_cache}, {"cache_lens", &cache_lens}});
   checks::verify_attention(q, k_cache, v_cache, cache_lens);
@@ -411,7 +415,8 @@ at::Tensor attention_entry(const char* name, const at::Tensor& q, const at::Tens
                 " must be in [T = ", sh.T, ", S = ", sh.S, "]: each row holds its T new tokens in the keys given");
   at::Tensor out = at::empty({sh.B, sh.Hq, sh.T, sh.D}, q.options());
   if (out.numel() == 0) return out;
-  static const bool avx512 = cpu::cpu_has_avx512();
+  static const bool has_avx512 = cpu::cpu_has_avx512();
+  const bool avx512 = use_avx512 < 0 ? has_avx512 : use_avx512 == 1;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "verify_attention_cpu", [&] {
     const scalar_t *qp = qc.data_ptr<scalar_t>(), *kp = k_cache.data_ptr<scalar_t>();
     const scalar_t* vp = v_cache.data_ptr<scalar_t>();
@@ -425,6 +430,17 @@ at::Tensor attention_entry(const char* name, const at::Tensor& q, const at::Tens
 at::Tensor verify_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                 const at::Tensor& cache_lens, double scale) {
   return attention_entry("verify_attention", q, k_cache, v_cache, cache_lens, scale, false);
+}
+
+// verify_attention (invariant: its invariant variant) on a named instruction set: avx512 or
+// portable, so the tests run the portable loops on an AVX-512 CPU too
+at::Tensor verify_attention_isa(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                const at::Tensor& cache_lens, double scale, const std::string& isa, bool invariant) {
+  TORCH_CHECK(isa == "avx512" || isa == "portable", "verify_attention_isa: unknown instruction set '", isa,
+              "' (avx512, portable)");
+  TORCH_CHECK(isa == "portable" || cpu::cpu_has_avx512(), "verify_attention_isa: this CPU cannot run avx512");
+  return attention_entry(invariant ? "verify_attention_invariant" : "verify_attention", q, k_cache, v_cache,
+                         cache_lens, scale, invariant, isa == "avx512" ? 1 : 0);
 }
 
 // The same contract; each query through the one-query path: its bits independent of T and the batch

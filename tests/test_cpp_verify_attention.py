@@ -70,6 +70,28 @@ def test_long_caches_read_once_per_head(heads, T, D, S):
     assert_close("verify_attention", got, naive_attention(q, k, v, lens, D ** -0.5))
 
 
+ISAS = [i for i in ("avx512", "portable") if i == "portable" or "avx512" in ops.registry.extension.skinny_linear_isas()] \
+    if ops.registry.extension is not None else []
+
+
+@needs_cpp
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("invariant", [False, True])
+@pytest.mark.parametrize("heads, T, D, S", [((3, 3), 9, 64, 150), ((1, 9), 2, 20, 70), ((2, 4), 1, 100, 600),
+                                            ((3, 6), 5, 1, 33)])
+def test_every_instruction_set_matches_the_definition(isa, invariant, heads, T, D, S):
+    """The portable loops (what a CPU without AVX-512 runs) and the AVX-512 paths, forced in turn,
+    regular and invariant, float32 (the dtype with AVX-512 paths), NaN past each row's length."""
+    Hkv, group = heads
+    g = torch.Generator().manual_seed(S + T)
+    q = torch.randn(2, T, Hkv * group, D, generator=g).transpose(1, 2)
+    k, v = torch.randn(2, Hkv, S, D, generator=g), torch.randn(2, Hkv, S, D, generator=g)
+    lens = torch.tensor([S, T + (S - T) // 3])
+    poison_stale(k, v, lens)
+    got = ops.registry.extension.verify_attention_isa(q, k, v, lens, D ** -0.5, isa, invariant)
+    assert_close("verify_attention", got, naive_attention(q, k, v, lens, D ** -0.5))
+
+
 @needs_cpp
 @pytest.mark.parametrize("T", [1, 8])  # one query at a time; the 16-lane path
 def test_a_row_does_not_depend_on_the_batch(T):
