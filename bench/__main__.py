@@ -29,6 +29,17 @@ def routines() -> dict:
     return out
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (0 repetitions would time nothing and still write rows)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -44,12 +55,12 @@ def parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
     ap.add_argument("--smoke", action="store_true",
                     help="tiny sizes and few repetitions (seconds; for CI); its numbers are not measurements, "
                          "so nothing is appended to bench/results")
-    ap.add_argument("--reps", type=int, default=None, help="timed repetitions per provider")
+    ap.add_argument("--reps", type=positive_int, default=None, help="timed repetitions per provider")
     ap.add_argument("--no-csv", action="store_true", help="print only, do not append to bench/results")
     ap.add_argument("--plot", action="store_true", help="also write bench/results/<routine>.png (matplotlib)")
     ap.add_argument("--model", default="smollm2", help="model for end-to-end routines")
-    ap.add_argument("--max-new-tokens", type=int, default=128, help="end-to-end routines: tokens per prompt")
-    ap.add_argument("--batch", type=int, default=None, help="drafters: requests per batch (the prompts cycled; "
+    ap.add_argument("--max-new-tokens", type=positive_int, default=128, help="end-to-end routines: tokens per prompt")
+    ap.add_argument("--batch", type=positive_int, default=None, help="drafters: requests per batch (the prompts cycled; "
                     "default 1, each prompt on its own)")
     ap.add_argument("--interleave-verify", action="store_true",
                     help="draft_step: also time every provider with a verify pass run between its calls")

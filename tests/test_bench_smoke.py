@@ -42,6 +42,16 @@ def test_unknown_routine_exits_2():
     assert run.returncode == 2 and "unknown routine" in run.stderr
 
 
+def test_counts_below_one_exit_2_and_write_nothing():
+    """--reps 0 timed nothing and still appended rows to bench/results; it is refused now."""
+    results = os.path.join(ROOT, "bench", "results", "silu_mul.csv")
+    before = open(results).read()
+    for flag in ("--reps", "--max-new-tokens", "--batch"):
+        run = _bench("--routine", "silu_mul", flag, "0", timeout=120)
+        assert run.returncode == 2 and f"argument {flag}: must be >= 1" in run.stderr, run.stderr[-500:]
+    assert open(results).read() == before
+
+
 def _write_csv(path, rows):
     import csv
 
