@@ -39,12 +39,16 @@ class ForwardCosts:
     # the last pass wider than one token, its seconds so far, and the plain steps after it
     # still to charge to it
     _cooling: tuple[int, float, int] | None = None
+    # _verify's points sorted by T with costs as a running max (verify() reads them once per
+    # candidate draft count of every row, every step); None: to be made again after add_verify
+    _points: dict | None = field(default=None, repr=False, compare=False)
 
     def _mix(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1 - self.decay) * new
 
     def add_verify(self, T: int, seconds: float) -> None:
         self._verify[T] = self._mix(self._verify.get(T), seconds)
+        self._points = None
 
     def time_step(self, T: int, seconds: float) -> None:
         """A pass of T tokens a row took ``seconds``, in the order the loop ran them. A plain
@@ -84,15 +88,22 @@ class ForwardCosts:
         own = max(self._verify, default=0)
         return max(own, self.shape.widest()) if self.shape is not None else own
 
+    def _monotone(self) -> dict:
+        """{T: cost} in increasing T, each cost the running max (a wider pass costs no less)."""
+        if self._points is None:
+            self._points, floor = {}, 0.0
+            for t, c in sorted(self._verify.items()):
+                floor = max(floor, c)
+                self._points[t] = floor
+        return self._points
+
     def verify(self, T: int) -> float:
-        pts, floor = [], 0.0
-        for t, c in sorted(self._verify.items()):  # running max: a wider pass costs no less
-            floor = max(floor, c)
-            pts.append((t, floor))
-        if not pts:
+        points = self._monotone()
+        if not points:
             raise ValueError("no verify cost measured yet")
-        if T in self._verify:
-            return dict(pts)[T]
+        if T in points:
+            return points[T]
+        pts = list(points.items())
         if len(pts) == 1:
             t0, c0 = pts[0]
             if self.shape is not None and self.shape.has_growth():
