@@ -16,6 +16,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench import common  # noqa: E402
+from swiftkern.cli import positive_int  # noqa: E402
 
 
 def routines() -> dict:
@@ -27,17 +28,6 @@ def routines() -> dict:
             if hasattr(mod, "ROUTINE") and hasattr(mod, "run"):
                 out[mod.ROUTINE] = mod
     return out
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (0 repetitions would time nothing and still write rows)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def parser(prog: str = "python -m bench") -> argparse.ArgumentParser:

@@ -8,9 +8,14 @@ import numbers
 from .errors import SwiftkernError
 
 
+def is_integer(value) -> bool:
+    """An int of any kind (Python, numpy), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def whole(name: str, value, lo: int | None = None, hi: int | None = None) -> int:
     """``value`` as an int; refuses a non-integer (float, bool, str) and one outside [lo, hi]."""
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+    if not is_integer(value):
         raise SwiftkernError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
     value = int(value)
     if (lo is not None and value < lo) or (hi is not None and value > hi):

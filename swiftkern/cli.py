@@ -15,7 +15,8 @@ from .errors import SwiftkernError
 MODEL_HELP = "'smollm2' (the bundled SmolLM2-135M-Instruct), a local HF model folder, or a .gguf file"
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (also bench/__main__.py's counts)."""
     try:
         value = int(text)
     except ValueError:
@@ -75,15 +76,15 @@ def build_parser() -> argparse.ArgumentParser:
                                            'a line with "arrive_at": N joining it at decoding step N (requests arriving '
                                            'while others decode)')
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
-    gen.add_argument("--max-new-tokens", type=_positive_int, default=64, help="tokens to generate per prompt (default 64)")
+    gen.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate per prompt (default 64)")
     gen.add_argument("--mode", default="ar", choices=["ar", "self-spec", "deterministic"],
                      help="ar: plain decoding (default); self-spec: draft with --layer-set skipped, "
                           "verify with the full model (same greedy output, same sampling distribution); "
                           "deterministic: batched decoding replayed every --window tokens by a fixed-shape "
                           "batch-invariant verifier (a prompt's output is the same whatever the batch)")
-    gen.add_argument("--window", type=_positive_int, default=32,
+    gen.add_argument("--window", type=positive_int, default=32,
                      help="deterministic: unverified tokens per row before a verify pass (default 32)")
-    gen.add_argument("--verify-batch", type=_positive_int, default=4,
+    gen.add_argument("--verify-batch", type=positive_int, default=4,
                      help="deterministic: rows of every (fixed-shape) verify pass (default 4; fewer when "
                           "fewer prompts are verified)")
     gen.add_argument("--replay", default="auto", choices=["auto", "always"],
@@ -112,10 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--skip-ratio", type=_skip_ratio, default="auto",
                      help="--layer-set auto: fraction of sub-layers to skip, or 'auto' (default: a ladder of "
                           "ratios, the fastest by measured cost kept)")
-    gen.add_argument("--draft-vocab", type=_positive_int, default=8192,
+    gen.add_argument("--draft-vocab", type=positive_int, default=8192,
                      help="layer-skip drafts score only this many frequent tokens plus the prompt's and "
                           "output's (a pruned LM head; verification uses the full head; default 8192)")
-    gen.add_argument("--k-max", type=_positive_int, default=25, help="self-spec: most drafts per step (default 25)")
+    gen.add_argument("--k-max", type=positive_int, default=25, help="self-spec: most drafts per step (default 25)")
     gen.add_argument("--eps", type=_float_in(0.0, 1.0, False), default=0.8,
                      help="self-spec: stop drafting when the draft's top-1 probability is below this (default 0.8)")
     gen.add_argument("--adaptive-eps", action="store_true",
@@ -155,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="fraction of sub-layers to skip, or 'auto' (default: try several, keep the fastest)")
     se.add_argument("--budget", type=_float_in(0.0, 1e6, True), default=120.0,
                     help="seconds of search in all (split over the ratios; default 120)")
-    se.add_argument("--max-new-tokens", type=_positive_int, default=64,
+    se.add_argument("--max-new-tokens", type=positive_int, default=64,
                     help="tokens generated per prompt to score and measure on (default 64)")
     se.add_argument("--no-save", action="store_true", help="print the result, do not store it")
     se.add_argument("--json", action="store_true", help="print the result as one JSON object")

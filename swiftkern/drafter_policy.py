@@ -63,8 +63,9 @@ class DrafterPolicy:
     ``costs``: a dict of costs per batch size to keep and go on with (a ``Generator`` passes
     the same one to each of its calls: what a pass costs is the machine's and the model's, not
     the text's), else a new one. ``measure=False`` keeps the costs at a fixed model (verify(T)
-    = 1 + 0.15 (T - 1), a draft forward 0.5) instead of timing: choices then depend only on the drafts' acceptance, which
-    is what seeded sampling needs to give the same tokens on every run (timings vary).
+    = 1 + 0.15 (T - 1), a draft forward 0.5) instead of timing: choices then depend only on the
+    drafts' acceptance, which is what seeded sampling needs to give the same tokens on every run
+    (timings vary).
     """
 
     def __init__(self, allowed: tuple[str, ...], k_max: int, explore_every: int = 32,

@@ -169,8 +169,8 @@ class Generator:
         if mode == "ar" and drafter not in ("auto", "none"):
             raise SwiftkernError(f"drafter {drafter} needs mode self-spec: mode ar drafts nothing")
         drafts_with_layers = (mode == "self-spec" and drafter in ("auto", "layer-skip")) or drafter == "self-spec"
-        auto = isinstance(layer_set, str) and layer_set.strip() == "auto"  # refused below with its own words
-        if layer_set is not None and not auto and not drafts_with_layers:
+        self.auto_layer_set = isinstance(layer_set, str) and layer_set.strip() == "auto"  # refused below if misplaced
+        if layer_set is not None and not self.auto_layer_set and not drafts_with_layers:
             raise SwiftkernError(f"mode {mode} with drafter {drafter} would ignore layer_set: a layer set is for "
                                  "a layer-skipped draft (mode self-spec with drafter auto or layer-skip, or mode "
                                  "deterministic with drafter self-spec); leave it out here")
@@ -183,7 +183,6 @@ class Generator:
         self.verifier_kernels = verifier_kernels
         if drafter == "self-spec" and layer_set is None:
             raise SwiftkernError("drafter self-spec needs a layer set (e.g. 'attn:3,5|mlp:4')")
-        self.auto_layer_set = isinstance(layer_set, str) and layer_set.strip() == "auto"
         self._tuner_state: OnTheFlyTuner | None = None  # layer_set "auto": kept across calls
         self._drafter_costs: dict = {}  # the drafter policy's timed costs per batch size: kept across calls
         if self.auto_layer_set:

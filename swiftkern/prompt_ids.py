@@ -3,15 +3,10 @@ ids checked to be integers inside the vocabulary."""
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 
+from .arg_checks import is_integer
 from .errors import SwiftkernError
-
-
-def _is_token_id(t) -> bool:
-    return isinstance(t, numbers.Integral) and not isinstance(t, bool)
 
 
 def encode_prompts(prompts, tokenizer, vocab_size: int, chat: bool = False) -> list[list[int]]:
@@ -25,7 +20,7 @@ def encode_prompts(prompts, tokenizer, vocab_size: int, chat: bool = False) -> l
             raise SwiftkernError(f"a prompt tensor must hold integer token ids, [T] or [B, T]; got {prompts.dtype} "
                                  f"of shape {tuple(prompts.shape)}")
         prompts = prompts.tolist() if prompts.dim() == 2 else [prompts.tolist()]
-    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and _is_token_id(prompts[0])):
+    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and is_integer(prompts[0])):
         prompts = [prompts]
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise SwiftkernError("prompts must be a non-empty string, list of strings or token id lists")
@@ -47,8 +42,8 @@ def _prompt_ids(p, i: int, tokenizer, vocab_size: int, chat: bool) -> list[int]:
             ids = tokenizer(p)["input_ids"]
         ids = list(ids)
     elif isinstance(p, (list, tuple)):
-        if not all(_is_token_id(t) for t in p):
-            wrong = next(t for t in p if not _is_token_id(t))
+        if not all(is_integer(t) for t in p):
+            wrong = next(t for t in p if not is_integer(t))
             raise SwiftkernError(f"prompt {i} must be text or integer token ids, got {wrong!r} "
                                  f"({type(wrong).__name__})")
         ids = [int(t) for t in p]

@@ -48,7 +48,9 @@ class SamplingParams:
     top_p: float = 1.0
 
     def __post_init__(self):
-        real("temperature", self.temperature), real("top_p", self.top_p), whole("top_k", self.top_k)
+        real("temperature", self.temperature)  # a wrong kind is refused before the comparisons below
+        real("top_p", self.top_p)
+        whole("top_k", self.top_k)
         if self.do_sample and not self.temperature > 0:
             raise SwiftkernError(f"temperature must be > 0 when sampling, got {self.temperature}")
         if self.top_k < 0:

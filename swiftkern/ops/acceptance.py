@@ -7,7 +7,7 @@ import torch
 
 from ..errors import SwiftkernError
 from .backends import run
-from .checks import FLOAT_DTYPES, check_num_draft
+from .checks import FLOAT_DTYPES, check_num_draft, check_tensors, one_device
 
 
 def greedy_accept(
@@ -36,9 +36,7 @@ def greedy_accept(
     Runs the backend of ``backend_for("greedy_accept", device)`` (see the module doc).
     """
     tensors = {"draft_tokens": draft_tokens, "target_logits": target_logits, "num_draft": num_draft}
-    for arg, t in tensors.items():
-        if not isinstance(t, torch.Tensor):
-            raise SwiftkernError(f"greedy_accept: {arg} must be a torch.Tensor, got {type(t).__name__}")
+    check_tensors("greedy_accept", **tensors)
     if draft_tokens.dim() != 2:
         raise SwiftkernError(f"greedy_accept: draft_tokens must be 2-D [B, K], got shape {tuple(draft_tokens.shape)}")
     if target_logits.dim() != 3:
@@ -55,10 +53,7 @@ def greedy_accept(
                              f"got shape {tuple(num_draft.shape)}")
     if target_logits.shape[2] == 0:
         raise SwiftkernError("greedy_accept: target_logits has an empty vocabulary axis (V = 0)")
-    devices = {arg: t.device for arg, t in tensors.items()}
-    if len(set(devices.values())) > 1:
-        raise SwiftkernError("greedy_accept: all inputs must be on one device, got "
-                             + ", ".join(f"{arg} on {d}" for arg, d in devices.items()))
+    one_device("greedy_accept", **tensors)
     if draft_tokens.dtype != torch.int64:
         raise SwiftkernError(f"greedy_accept: draft_tokens must be int64, got {draft_tokens.dtype}")
     if target_logits.dtype not in FLOAT_DTYPES:
@@ -138,9 +133,7 @@ def rejection_sample(
     if u_accept.numel() == 0:  # K = 0: callers build it anywhere (e.g. torch.zeros(B, 0) on the CPU)
         u_accept = u_accept.to(draft_tokens.device)
         tensors["u_accept"] = u_accept
-    devices = {arg: t.device for arg, t in tensors.items()}
-    if len(set(devices.values())) > 1:
-        raise bad("all inputs must be on one device, got " + ", ".join(f"{a} on {d}" for a, d in devices.items()))
+    one_device("rejection_sample", **tensors)
     if draft_tokens.dtype != torch.int64:
         raise bad(f"draft_tokens must be int64, got {draft_tokens.dtype}")
     for arg in ("draft_probs", "target_probs"):
