@@ -108,3 +108,39 @@ def test_a_device_this_machine_lacks_is_refused_before_loading(device, msg, caps
         assert cli.main([*command, "--device", device]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and msg in err[0], err
+
+
+class _Reached(Exception):
+    pass
+
+
+def test_generate_options_reach_the_generator(monkeypatch):
+    """Every `generate` option, each at a value other than its default, arrives at
+    swiftkern.Generator / Generator.generate under its own name (a spy Generator stops the run)."""
+    import swiftkern.generate
+    import swiftkern.loading
+
+    seen = {}
+
+    class Spy:
+        def __init__(self, model, tokenizer, **kw):
+            seen["init"] = kw
+
+        def generate(self, prompts, **kw):
+            seen["generate"] = dict(kw, prompts=prompts)
+            raise _Reached
+
+    monkeypatch.setattr(swiftkern.generate, "Generator", Spy)
+    monkeypatch.setattr(swiftkern.loading, "load_model", lambda model, device, pack_weights: ("m", "t"))
+    with pytest.raises(_Reached):
+        cli.main(["generate", "--prompt", "hi there", "--mode", "deterministic", "--drafter", "self-spec",
+                  "--layer-set", "attn:1|mlp:2", "--k-max", "7", "--eps", "0.55", "--adaptive-eps",
+                  "--draft-vocab", "999", "--window", "12", "--verify-batch", "3", "--skip-ratio", "0.3",
+                  "--replay", "always", "--verifier-kernels", "portable", "--temperature", "0.7",
+                  "--top-k", "13", "--top-p", "0.85", "--seed", "21", "--max-new-tokens", "17", "--chat"])
+    assert seen["init"] == dict(mode="deterministic", layer_set="attn:1|mlp:2", k_max=7, eps=0.55,
+                                adaptive_eps=True, drafter="self-spec", draft_vocab=999, window=12,
+                                verify_batch=3, skip_ratio=0.3, replay="always", cuda_graphs=False,
+                                verifier_kernels="portable")
+    assert seen["generate"] == dict(prompts=["hi there"], max_new_tokens=17, do_sample=True, temperature=0.7,
+                                    top_k=13, top_p=0.85, seed=21, chat=True, streamer=None, arrive_at=None)

@@ -47,20 +47,21 @@ def test_attention_span():
     assert attention_span(600, 700) == 700  # never past the cache
 
 
-def _steps(model, runner, schedule, seed=0):
+def _steps(model, runner, schedule, seed=0, prompt_len=9, layer_sets=None):
     """Run forwards of the given token counts over a 3-row cache (rows of unequal lengths,
-    a rollback after every verify-sized step) -> the list of logits."""
+    a rollback after every verify-sized step) -> the list of logits. ``layer_sets``: the skip
+    plan of each step (None: the full model for all)."""
     gen = torch.Generator().manual_seed(seed)
     cache = model.new_cache(3, 200)
     cache.set_lengths([0, 0, 0])
     out = []
     with model.cuda_graphs(runner):
-        prompt = torch.randint(0, model.vocab_size, (3, 9), generator=gen).to(model.device)
+        prompt = torch.randint(0, model.vocab_size, (3, prompt_len), generator=gen).to(model.device)
         out.append(model.forward(prompt, cache))
-        cache.rollback([9, 5, 7])
-        for T in schedule:
+        cache.rollback([prompt_len, prompt_len - 4, prompt_len - 2])
+        for T, layer_set in zip(schedule, layer_sets or [None] * len(schedule)):
             tokens = torch.randint(0, model.vocab_size, (3, T), generator=gen).to(model.device)
-            out.append(model.forward(tokens, cache))
+            out.append(model.forward(tokens, cache, layer_set))
             if T > 1:
                 cache.rollback([n - T + 1 for n in cache.host_lengths])
     return out
@@ -92,6 +93,25 @@ def test_runner_logits_match_plain_forward(tiny, any_backend):
     stats = runner.stats()
     assert stats["captures"] >= 2 and stats["replays"] >= 6, stats  # T = 1 and T = 4 recur
     assert stats["eager"] >= 1  # the first sight of each key
+
+
+def test_replays_follow_the_skip_plan_and_the_attention_span(tiny, backend):
+    """A graph replays the skip plan and the attention span it was captured with, so both
+    belong to its key: steps of one width alternate between the full model and two layer sets,
+    and the rows grow past MIN_SPAN keys (a span of 64, then 128). Each step's logits must equal
+    a plain forward's, which no graph serves."""
+    skips = [None, LayerSet.parse("attn:1|mlp:2", tiny.num_layers), LayerSet.parse("mlp:0,3", tiny.num_layers)]
+    schedule = [1] * 12 + [3, 1, 3, 3, 1, 1]
+    layer_sets = [skips[i % 3] for i in range(len(schedule))]
+    runner = GraphRunner(tiny, EmulatedGraph)
+    plain = _steps(tiny, None, schedule, prompt_len=MIN_SPAN - 6, layer_sets=layer_sets)
+    graphed = _steps(tiny, runner, schedule, prompt_len=MIN_SPAN - 6, layer_sets=layer_sets)
+    for a, b in zip(plain, graphed):
+        if backend == "auto":
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    assert runner.stats()["replays"] >= 8, runner.stats()
 
 
 def test_runner_catches_a_host_read(tiny, monkeypatch):

@@ -126,6 +126,21 @@ def test_sampling_uses_the_config_warpers(llama):
     assert other[0, ids.shape[1]:].tolist() != want  # top_k reaches the sampler
 
 
+def test_sampled_batch_rows_use_seed_plus_row(llama):
+    """A left-padded sampled batch: row b holds the tokens swiftkern.Generator samples for that
+    prompt alone with seed + b (the documented seeding), padding stripped."""
+    rows = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [5, 6, 7]]  # rows 0 and 2 differ by their seed only
+    ids, mask = _left_pad(rows)
+    kw = dict(max_new_tokens=12, do_sample=True, temperature=1.3, top_k=30)  # HF would add its top_k=50 itself
+    got = _hf(llama, ids, attention_mask=mask, eos_token_id=None, custom_generate=swift_generate,
+              swift_mode="ar", seed=40, **kw)
+    gen = swiftkern.Generator(llama)
+    for b, prompt in enumerate(rows):
+        want = gen.generate([prompt], seed=[40 + b], eos_token_id=[], **kw).tokens[0]
+        assert got[b, ids.shape[1]:].tolist() == want, b
+    assert not torch.equal(got[0], got[2])
+
+
 def test_sampling_seed_follows_torch_manual_seed(llama):
     ids = torch.tensor(PROMPT)
     kw = dict(max_new_tokens=16, do_sample=True, custom_generate=swift_generate, swift_mode="ar")
