@@ -47,10 +47,11 @@ def unsteady_calls(model) -> int:
     return 0 if runner is None else runner.eager + runner.captures
 
 
-def attention_span(longest: int, capacity: int) -> int:
+def attention_span(longest: int, capacity: int, minimum: int = MIN_SPAN) -> int:
     """Keys a graphed forward's attention is planned for: ``longest`` (the longest row + T)
-    rounded up to a power of two, at least MIN_SPAN, at most ``capacity``."""
-    span = MIN_SPAN
+    rounded up to ``minimum`` times a power of two, at most ``capacity`` (the same in units of
+    key blocks for the verifier)."""
+    span = minimum
     while span < longest:
         span *= 2
     return min(span, capacity)

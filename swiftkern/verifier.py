@@ -119,7 +119,7 @@ class Verifier:
         if runner is None or T != self.window:  # prefill passes (widths vary, each seen about once) run eagerly
             hidden = self._pass(cache, KEY_BLOCK * key_blocks, *inputs)
         else:  # extra key blocks change no bit (bi_attention), so the key length is bucketed
-            key_len = KEY_BLOCK * attention_span(key_blocks, -(-(cache.max_len + T) // KEY_BLOCK))
+            key_len = KEY_BLOCK * attention_span(key_blocks, -(-(cache.max_len + T) // KEY_BLOCK), minimum=1)
             key = ("verify", R, T, key_len, cache.k.data_ptr(), cache.v.data_ptr(), tuple(cache.k.shape),
                    cache.k.stride())
             hidden = runner.run(key, lambda *x: self._pass(cache, key_len, *x), inputs)

@@ -45,6 +45,7 @@ def test_attention_span():
     assert attention_span(MIN_SPAN + 1, 1000) == 2 * MIN_SPAN
     assert attention_span(300, 1000) == 512
     assert attention_span(600, 700) == 700  # never past the cache
+    assert [attention_span(n, 10, minimum=1) for n in (1, 2, 3, 5, 9)] == [1, 2, 4, 8, 10]  # the verifier's blocks
 
 
 def _steps(model, runner, schedule, seed=0, prompt_len=9, layer_sets=None):
@@ -187,6 +188,25 @@ def test_generation_through_the_runner_gives_the_same_tokens(tiny, backend, kw):
         assert graphed.stats["cuda_graphs"]["replays_by_kind"]["verify"] > 0
         for a, b in zip(plain.logprobs, graphed.logprobs):
             assert torch.equal(a, b)
+
+
+def test_verifier_replays_follow_the_key_length():
+    """The verifier's graphed passes are keyed on their key length (a power of two of key
+    blocks): rows that grow past 64 and 128 keys take new graphs, and tokens and logprobs stay
+    those of the replay without graphs."""
+    model = SkipModel(tiny_model("llama", seed=3))
+    kw = dict(max_new_tokens=90, eos_token_id=[])
+    prompts = [list(range(3, 53)), [7, 7, 21]]
+    gen = lambda graphs: Generator(model, mode="deterministic", replay="always", window=8, verify_batch=2,
+                                   cuda_graphs=graphs)
+    plain = gen(False).generate(prompts, **kw)
+    runner = GraphRunner(model, EmulatedGraph)
+    graphed = gen(runner).generate(prompts, **kw)
+    assert graphed.tokens == plain.tokens
+    assert all(torch.equal(a, b) for a, b in zip(plain.logprobs, graphed.logprobs))
+    verify_keys = {key[3] for key in runner.entries if key[0] == "verify"}
+    assert verify_keys == {64, 128, 256}, verify_keys
+    assert runner.stats()["replays_by_kind"]["verify"] > 3
 
 
 def test_cuda_graphs_refused_off_cuda(tiny):
