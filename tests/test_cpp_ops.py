@@ -259,6 +259,9 @@ def test_kv_compact_matches_reference(L, B, H, D, dtype, data):
         counts.append(n)
     src = torch.tensor(src, dtype=torch.int64).reshape(B, M)
     dst, counts = torch.tensor(dst), torch.tensor(counts, dtype=torch.int32)
+    if data.draw(st.booleans()):  # index tensors as strided views: the same values, other strides
+        src = src.t().contiguous().t()
+        dst, counts = torch.stack([dst, dst], 1)[:, 0], torch.stack([counts, counts], 1)[:, 0]
     k, v = kv_cache(L, B, H, S, D, dtype, data.draw(st.integers(0, 99)))
     if data.draw(st.booleans()):  # a cache view with strides of a longer one
         k, v = (torch.cat([t, t], dim=3)[:, :, :, :S] for t in (k, v))
@@ -278,6 +281,19 @@ def test_kv_compact_closed_form_overlapping_move():
     assert torch.equal(k[:, 0, :, 1:5], before_k[:, 0, :, [3, 1, 2, 0]])
     assert torch.equal(v[:, 1, :, 5:7], before_v[:, 1, :, [4, 6]])
     assert torch.equal(k[:, 0, :, 5:], before_k[:, 0, :, 5:]) and torch.equal(k[:, 1, :, :5], before_k[:, 1, :, :5])
+
+
+def test_kv_compact_wrapper_moves_up_to_the_last_position():
+    """ops.kv_compact (the checked wrapper, on CPU the C++ kernel) takes dst_start + counts == S
+    and moves as the closed form says; int64 counts are converted."""
+    k, v = kv_cache(2, 2, 3, 6, 4, torch.float32, 2)
+    before_k, before_v = k.clone(), v.clone()
+    ops.kv_compact(k, v, torch.tensor([[5, 0, 3], [1, 2, 4]]), torch.tensor([3, 6]), torch.tensor([3, 0]))
+    # row 0: entries 5, 0, 3 land at 3, 4, 5 (two sources inside the destination); row 1 keeps all
+    assert torch.equal(k[:, 0, :, 3:], before_k[:, 0, :, [5, 0, 3]])
+    assert torch.equal(v[:, 0, :, 3:], before_v[:, 0, :, [5, 0, 3]])
+    assert torch.equal(k[:, 0, :, :3], before_k[:, 0, :, :3]) and torch.equal(k[:, 1], before_k[:, 1])
+    assert torch.equal(v[:, 1], before_v[:, 1])
 
 
 # ---------------------------------------------------------------- bad input and opcheck

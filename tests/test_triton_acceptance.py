@@ -178,3 +178,28 @@ def test_rejection_registered_op_and_wrapper():
     with backend("triton"):
         assert_same(ops.rejection_sample(*on(draft, q.bfloat16(), target, nd, ua, us)),
                     reference.rejection_sample(draft, q.bfloat16().float(), target, nd, ua, us))
+
+
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """The same values as t in a non-contiguous layout: every other entry of a wider tensor,
+    with the first axis last in memory (t.dim() <= 2)."""
+    wide = torch.stack([t, torch.zeros_like(t)], dim=-1).select(-1, 0)  # last axis stride 2
+    return wide.t().contiguous().t() if t.dim() == 2 else wide
+
+
+def test_strided_per_row_inputs_match_reference():
+    """draft_tokens, num_draft and the uniforms as non-contiguous views give the reference's
+    tokens from the same values, in both ops."""
+    g = torch.Generator().manual_seed(8)
+    B, K, V = 3, 4, 1000
+    target, q = probs((B, K + 1, V), g), probs((B, K, V), g, temperature=2.0)
+    draft = torch.multinomial(q.view(-1, V), 1, generator=g).view(B, K)
+    draft[1, 1] = torch.multinomial(target[1, 1], 1, generator=g)[0]  # an accepted draft or two
+    nd = torch.tensor([4, 3, 1], dtype=torch.int32)
+    ua, us = torch.rand(B, K, generator=g), torch.rand(B, K + 1, generator=g)
+    strided = [_strided(t) for t in (draft, nd, ua, us)]
+    assert not any(t.is_contiguous() for t in strided)
+    sd, snd, sua, sus = on(*strided)
+    assert_same(greedy_launch(sd, on(target)[0].log(), snd), reference.greedy_accept(draft, target.log(), nd))
+    assert_same(rejection_launch(sd, on(q)[0], on(target)[0], snd, sua, sus),
+                reference.rejection_sample(draft, q, target, nd, ua, us))

@@ -52,6 +52,33 @@ def test_wrapper_on_the_model_cache_layout():
     assert torch.equal(k[:, 1, :, 5:], before_k[:, 1, :, 5:]) and torch.equal(k[:, 0, :, :2], before_k[:, 0, :, :2])
 
 
+def test_a_move_may_end_at_the_last_position():
+    """dst_start + counts == S is in range (the wrapper's check) and moves as the closed form says:
+    row 0's entries 5, 0, 3 land at 3, 4, 5 (sources inside the destination), row 1 keeps all."""
+    k, v = cache(2, 2, 3, 6, 8, torch.float32, 4)
+    before_k, before_v = k.clone(), v.clone()
+    src = torch.tensor([[5, 0, 3], [1, 2, 4]], device=DEVICE)
+    with backend("triton"):
+        ops.kv_compact(k, v, src, torch.tensor([3, 6], device=DEVICE), torch.tensor([3, 0], device=DEVICE))
+    assert torch.equal(k[:, 0, :, 3:], before_k[:, 0, :, [5, 0, 3]])
+    assert torch.equal(v[:, 0, :, 3:], before_v[:, 0, :, [5, 0, 3]])
+    assert torch.equal(k[:, 0, :, :3], before_k[:, 0, :, :3]) and torch.equal(k[:, 1], before_k[:, 1])
+    assert torch.equal(v[:, 1], before_v[:, 1])
+
+
+def test_strided_index_tensors_match_reference():
+    """src_positions, dst_start and counts as non-contiguous views (as an [M, B] tensor's transpose
+    or every other entry of a longer one) move what the reference moves from the same values."""
+    k, v = cache(1, 2, 1, 10, 4, torch.float32, 5)
+    src = torch.tensor([[3, 8], [7, 5], [1, 2]], device=DEVICE).t()  # [B, M] with strides (1, B)
+    dst = torch.tensor([0, 9, 1, 9], device=DEVICE)[::2]
+    counts = torch.tensor([3, 0, 2, 0], dtype=torch.int32, device=DEVICE)[::2]
+    want_k, want_v = k.clone(), v.clone()
+    reference.kv_compact(want_k, want_v, src, dst, counts)
+    triton_op("kv_compact")(k, v, src, dst, counts)
+    assert torch.equal(k, want_k) and torch.equal(v, want_v)
+
+
 def test_opcheck():
     k, v = cache(2, 2, 3, 8, 64, torch.bfloat16, 2)
     args = (torch.tensor([[3, 4], [1, 0]], device=DEVICE), torch.tensor([1, 0], device=DEVICE),

@@ -106,6 +106,7 @@ def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor, num_d
     require(num_draft.shape == (B,) and num_draft.dtype == torch.int32, op,
             f"num_draft must be int32 [B] = [{B}], got {num_draft.dtype} {tuple(num_draft.shape)}")
     V = target_logits.shape[2]
+    draft_tokens, num_draft = draft_tokens.contiguous(), num_draft.contiguous()  # indexed as contiguous by the kernel
     device = draft_tokens.device
     out = empty((B, K + 1), torch.int64, device)
     num_acc = empty((B,), torch.int32, device)

@@ -17,9 +17,9 @@ from .launch import check_device, compact_plan, require
 @triton.jit
 def _kv_compact_kernel(
     k_ptr, v_ptr, s_l, s_b, s_h, s_s, s_d,  # [L, B, H, S, D] each, same strides, written in place
-    src_ptr, ss_b,  # int64 [B, M]
-    dst_ptr,  # int64 [B]
-    count_ptr,  # int32 [B]
+    src_ptr, ss_b, ss_m,  # int64 [B, M]
+    dst_ptr, sd_b,  # int64 [B]
+    count_ptr, sc_b,  # int32 [B]
     B, H, D,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -27,12 +27,12 @@ def _kv_compact_kernel(
     h = pid % H
     b = (pid // H) % B
     layer = pid // (H * B)
-    n = tl.load(count_ptr + b)
+    n = tl.load(count_ptr + b * sc_b)
     i = tl.arange(0, BLOCK_M)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     ok = (i[:, None] < n) & (d[None, :] < D)
-    src = tl.load(src_ptr + b * ss_b + i, mask=i < n, other=0)
-    dst = tl.load(dst_ptr + b) + i
+    src = tl.load(src_ptr + b * ss_b + i * ss_m, mask=i < n, other=0)
+    dst = tl.load(dst_ptr + b * sd_b) + i
     base = layer * s_l + b * s_b + h * s_h
     src_off = base + src[:, None] * s_s + d[None, :] * s_d
     dst_off = base + dst[:, None] * s_s + d[None, :] * s_d
@@ -68,8 +68,8 @@ def kv_compact(k_cache: torch.Tensor, v_cache: torch.Tensor, src_positions: torc
         return
     plan = compact_plan(op, M, D)
     _kv_compact_kernel[(L * B * H, plan.d_blocks)](
-        k_cache, v_cache, *k_cache.stride(), src_positions, src_positions.stride(0), dst_start, counts,
-        B, H, D, BLOCK_M=plan.block_m, BLOCK_D=plan.block_d, num_warps=4)
+        k_cache, v_cache, *k_cache.stride(), src_positions, *src_positions.stride(), dst_start, dst_start.stride(0),
+        counts, counts.stride(0), B, H, D, BLOCK_M=plan.block_m, BLOCK_D=plan.block_d, num_warps=4)
 
 
 def kv_compact_fake(k_cache, v_cache, src_positions, dst_start, counts):

@@ -160,6 +160,9 @@ def rejection_sample(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | Non
                                   ("u_sample", u_sample, (B, K + 1), torch.float32)):
         require(tuple(t.shape) == shape and t.dtype == dtype, op,
                 f"{name} must be {dtype} {list(shape)}, got {t.dtype} {tuple(t.shape)}")
+    # the kernels index these small per-row tensors as contiguous: a strided view is copied (B x K values)
+    draft_tokens, num_draft = draft_tokens.contiguous(), num_draft.contiguous()
+    u_accept, u_sample = u_accept.contiguous(), u_sample.contiguous()
     device = draft_tokens.device
     out = empty((B, K + 1), torch.int64, device)
     num_acc = empty((B,), torch.int32, device)
