@@ -36,3 +36,14 @@ def test_a_trial_keeps_the_estimate_for_its_outcome_and_rows_are_separate():
     assert decisions_until_due(ag, 1, "x") == 2  # row 1's schedule is its own
     ag.tick(0, "x", ["x", "y"])  # using x: it is no longer idle, and y is one decision idle
     assert not ag.due(0, "x") and decisions_until_due(ag, 0, "y") == 1
+
+
+def test_using_a_choice_restarts_its_wait():
+    """A decision that uses a choice sets its idle count to 0 (the others' go up by one): after two
+    decisions without x and one with it, x is due explore_every = 3 decisions later, y (idle 1) after 2."""
+    ag = Agreements(lambda c: 0.5, explore_every=3)
+    ag.tick(0, "y", ["x", "y"])
+    ag.tick(0, "y", ["x", "y"])
+    ag.tick(0, "x", ["x", "y"])
+    assert not ag.due(0, "x") and decisions_until_due(ag, 0, "x") == 3
+    assert decisions_until_due(ag, 0, "y") == 2

@@ -28,6 +28,17 @@ def test_overflow_is_an_error_not_a_wrap():
         c.positions_for(2)
 
 
+def test_a_row_may_fill_the_cache_exactly():
+    """The last position is usable: a row at length 3 of 5 takes 2 more tokens, not 3."""
+    c = make(max_len=5)
+    c.advance(3)
+    assert c.positions_for(2).tolist() == [[3, 4]] * 3
+    with pytest.raises(SwiftkernError, match="overflow"):
+        c.positions_for(3)
+    c.advance(2)
+    assert c.host_lengths == [5, 5, 5] and c.positions_for(0).shape == (3, 0)
+
+
 def test_rollback_never_grows_and_checks_batch():
     c = make()
     c.advance(3)
@@ -74,6 +85,26 @@ def test_select_rows_moves_kept_rows_down_in_place():
     assert_same_rows(valid_rows(c), [before[2], before[0]])
     with pytest.raises(SwiftkernError, match="distinct"):
         c.select_rows([0, 0])
+
+
+def test_row_view_is_row_b_and_writes_land_there():
+    """A one-row view (what a per-row prefill writes through) starts at row b's length and keys,
+    and what is written through it is row b's after set_row_length; other rows keep theirs."""
+    c = make(batch=3)
+    fill(c, range(3), [2, 5, 3], seed=4)
+    before = valid_rows(c)
+    view = c.row_view(1)
+    assert view.batch == 1 and view.host_lengths == [5] and view.lengths.tolist() == [5]
+    assert view.positions_for(2).tolist() == [[5, 6]]
+    assert torch.equal(view.k[:, 0, :, :5], before[1][0]) and torch.equal(view.v[:, 0, :, :5], before[1][1])
+    new_k, new_v = torch.randn(2, 2, 2, 4), torch.randn(2, 2, 2, 4)  # [L, H, 2 positions, D]
+    view.k[:, 0, :, 5:7], view.v[:, 0, :, 5:7] = new_k, new_v
+    view.advance(2)
+    c.set_row_length(1, view.host_lengths[0])
+    assert c.host_lengths == [2, 7, 3] and c.lengths.tolist() == [2, 7, 3]
+    assert torch.equal(c.k[:, 1, :, :7], torch.cat([before[1][0], new_k], dim=2))
+    assert torch.equal(c.v[:, 1, :, :7], torch.cat([before[1][1], new_v], dim=2))
+    assert_same_rows([valid_rows(c)[0], valid_rows(c)[2]], [before[0], before[2]])
 
 
 def test_a_departure_moves_the_last_rows_into_the_freed_ones():

@@ -43,6 +43,13 @@ def test_matches_hf_and_accepts_everything_with_the_empty_set():
     s = out.stats
     assert s["accepted"] == s["drafted"] and s["acceptance_rate"] == 1.0  # the draft is the model
     assert s["new_tokens"] == 4 * 24
+    # closed form of the schedule: 23 tokens after prefill, each verify drafts min(6, left) and
+    # commits all of them plus the bonus: 6+1, 6+1, 6+1, then 2 drafts (the bonus cut at 24)
+    for r in out.request_stats:
+        assert (r["verifies"], r["drafted"], r["accepted"], r["mean_accepted"]) == (4, 20, 20, 5.0)
+    assert (s["verify_steps"], s["row_verifies"], s["drafted"]) == (4, 16, 80)
+    assert s["draft_steps"] == 6 + 6 + 6 + 2  # one draft forward per token of the step's drafts
+    assert s["mean_accepted"] == 5.0 and s["drafter_steps"] == {"layer-skip": 16, "lookup": 0, "none": 0}
 
 
 def test_eos_inside_an_accepted_run_and_max_new_tokens_are_exact():
@@ -64,6 +71,70 @@ def test_stats_count_drafts_and_verifies():
     assert s["mean_accepted"] == pytest.approx(s["accepted"] / s["verify_steps"])
     # every verify commits accepted + 1 tokens; the first token comes from prefill
     assert s["new_tokens"] <= 1 + s["accepted"] + s["verify_steps"]
+
+
+def schedule_by_hand(sm, layer_set, prompt, ar_tokens, n, k_max):
+    """Reference for greedy self-spec with eps = 0, one request at a time from scratch: each
+    verify drafts min(k_max, tokens left) with the skipped model (the committed context's KV from
+    a fresh full-model pass), accepts the drafts' longest prefix that matches the greedy output
+    ``ar_tokens``, and commits that prefix plus one token. -> the drafts of each verify, accepted."""
+    out, steps = ar_tokens[:1], []  # the first token comes from prefill
+    while len(out) < n:
+        budget = min(k_max, n - len(out))
+        context = prompt + out
+        cache = sm.new_cache(1, len(context) + budget)
+        sm.forward(torch.tensor([context[:-1]]), cache)
+        token, drafts = context[-1], []
+        for _ in range(budget):
+            token = int(sm.forward(torch.tensor([[token]]), cache, layer_set=layer_set)[0, -1].argmax())
+            drafts.append(token)
+        want = ar_tokens[len(out):len(out) + budget]
+        accepted = next((j for j, (d, w) in enumerate(zip(drafts, want)) if d != w), budget)
+        steps.append((budget, accepted))
+        out = ar_tokens[:len(out) + accepted + 1]
+    return steps
+
+
+def test_stats_match_a_schedule_worked_out_by_hand():
+    """Per request (rows finish at different steps, so rows move in the batch) and for the call:
+    verifies, drafted, accepted, their means, draft forwards and drafter steps, against
+    ``schedule_by_hand`` run on each prompt alone (ar's tokens checked against HF)."""
+    hf, ar = model("llama")
+    sm, ls, n, k_max = SkipModel.from_hf(hf), LayerSet.parse("attn:2|mlp:3", 6), 16, 4
+    out = Generator(sm, mode="self-spec", drafter="layer-skip", layer_set=ls, k_max=k_max, eps=0.0).generate(
+        PROMPTS, max_new_tokens=n, eos_token_id=[])
+    assert out.tokens == [t[:n] for t in ar]
+    steps = [schedule_by_hand(sm, ls, p, t, n, k_max) for p, t in zip(PROMPTS, ar)]
+    assert len({len(sched) for sched in steps}) > 1  # rows finish at different steps
+    for r, sched in zip(out.request_stats, steps):
+        drafted, accepted = sum(b for b, _ in sched), sum(a for _, a in sched)
+        assert (r["verifies"], r["drafted"], r["accepted"]) == (len(sched), drafted, accepted)
+        assert r["mean_accepted"] == pytest.approx(accepted / len(sched))
+        assert r["acceptance_rate"] == pytest.approx(accepted / drafted)
+    s, flat = out.stats, [x for sched in steps for x in sched]
+    assert (s["verify_steps"], s["row_verifies"]) == (max(map(len, steps)), len(flat))
+    assert (s["drafted"], s["accepted"]) == (sum(b for b, _ in flat), sum(a for _, a in flat))
+    assert s["mean_accepted"] == pytest.approx(s["accepted"] / len(flat))
+    assert s["acceptance_rate"] == pytest.approx(s["accepted"] / s["drafted"])
+    # one draft forward per token of the step's longest draft
+    widths = [max(sched[i][0] for sched in steps if i < len(sched)) for i in range(s["verify_steps"])]
+    assert s["draft_steps"] == sum(widths)
+    assert s["drafter_steps"] == {"layer-skip": len(flat), "lookup": 0, "none": 0}
+
+
+def test_no_draft_passes_confidence_one():
+    """eps = 1: no draft is confident enough, so every verify checks the pending token alone (K = 0):
+    ar's tokens, and the closed-form stats of plain decoding (15 verifies a row after prefill)."""
+    hf, ar = model("llama")
+    out = Generator(hf, mode="self-spec", drafter="layer-skip", layer_set="attn:2|mlp:3", k_max=4, eps=1.0).generate(
+        PROMPTS, max_new_tokens=16, eos_token_id=[])
+    assert out.tokens == [t[:16] for t in ar]
+    s = out.stats
+    assert (s["drafted"], s["accepted"], s["mean_accepted"], s["acceptance_rate"]) == (0, 0, 0.0, 0.0)
+    assert (s["verify_steps"], s["row_verifies"], s["draft_steps"]) == (15, 60, 15)  # one draft forward tried a step
+    assert s["drafter_steps"] == {"layer-skip": 0, "lookup": 0, "none": 60}
+    for r in out.request_stats:
+        assert (r["verifies"], r["drafted"], r["accepted"], r["mean_accepted"]) == (15, 0, 0, 0.0)
 
 
 @pytest.mark.parametrize("layer_set,temperature,top_k,top_p", [
