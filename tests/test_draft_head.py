@@ -35,6 +35,20 @@ def test_capacity_growth_keeps_rows_and_bias():
     assert torch.equal(weight, w[head.ids]) and torch.equal(bias, b[head.ids])
 
 
+def test_packed_rows_are_the_packed_heads_rows_of_the_ids(uninitialized_is_poison):
+    """With a packed head (uint8 [V, H/32, bytes]) the pruned head's packed rows are that head's
+    rows of ``ids``, in the same order as its weight rows, through context ids and a regrow
+    (checked against plain indexing; a row left unwritten holds the poison 255)."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(3000, 64, generator=gen)
+    packed = torch.randint(0, 255, (3000, 2, 18), dtype=torch.uint8, generator=gen)  # no 255: poison shows
+    head = DraftHead(w, None, num_frequent=5, context_ids=[2999, 7, 4], packed_head=packed)
+    head.add(range(100, 2900))  # forces a regrow of the row buffers
+    weight, bias, rows = head.head
+    assert head.ids.tolist() == [0, 1, 2, 3, 4, 2999, 7] + list(range(100, 2900))
+    assert bias is None and torch.equal(weight, w[head.ids]) and torch.equal(rows, packed[head.ids])
+
+
 def test_pruned_logits_are_the_full_logits_restricted():
     sm = SkipModel.from_hf(tiny_model("llama", num_hidden_layers=3))
     head = DraftHead(sm.lm_head, sm.lm_head_bias, num_frequent=40, context_ids=[200, 250, 7])

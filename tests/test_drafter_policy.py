@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from conftest import tiny_model
 from swiftkern import Generator, SwiftkernError
-from swiftkern.drafter_policy import Acceptance, Choice, DrafterPolicy, expected_tokens
+from swiftkern.drafter_policy import LOOKUP_PRIORS, Acceptance, Choice, DrafterPolicy, expected_tokens
 from swiftkern.forward_costs import COOLDOWN_STEPS, ForwardCosts
 
 PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [10, 11, 12], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [200]]
@@ -67,6 +67,27 @@ def test_forward_costs_never_fall_with_width():
     d.add_verify(8, 3.0)  # the line would give verify(1) = -0.5
     assert d.verify(1) == pytest.approx(0.25) and d.verify(2) == pytest.approx(0.5)
     assert d.widest() == 8 and ForwardCosts(shape=d).widest() == 8 and ForwardCosts().widest() == 0
+
+
+def test_one_timed_width_follows_the_borrowed_shape_or_the_prior_slope():
+    """With one pass width timed (T = 3, not 1) a pass of T tokens costs the timed one times
+    shape.verify(T) / shape.verify(3) (another batch size's growth), or without a shape the
+    line 1 + 0.15 (T - 1) through it; a draft forward not timed here costs the shape's draft
+    times this verify(1) / the shape's, else half a verify(1) (closed forms)."""
+    shape = ForwardCosts(decay=0.0)
+    shape.add_verify(1, 8.0)
+    shape.add_verify(5, 40.0)  # shape.verify(3) = 24
+    shape.add_draft(4.0)
+    c = ForwardCosts(decay=0.0, shape=shape)
+    c.add_verify(3, 6.0)
+    assert c.verify(1) == pytest.approx(6.0 * 8 / 24) and c.verify(5) == pytest.approx(6.0 * 40 / 24)
+    assert c.draft_cost() == pytest.approx(4.0 * c.verify(1) / 8.0)
+    c.add_draft(0.3)
+    assert c.draft_cost() == 0.3  # timed here: its own
+    d = ForwardCosts(decay=0.0)
+    d.add_verify(3, 6.0)
+    assert d.verify(1) == pytest.approx(6.0 / 1.3) and d.verify(5) == pytest.approx(6.0 / 1.3 * 1.6)
+    assert d.draft_cost() == pytest.approx(0.5 * 6.0 / 1.3)
 
 
 def test_a_wide_pass_is_charged_for_the_plain_steps_it_slows():
@@ -174,6 +195,70 @@ def test_lookup_acceptance_is_kept_per_match_length():
     long_match = p.choose(0, lookup_len=6, budget=20, lookup_ngram=5)
     assert long_match.drafter == "lookup" and long_match.k == 6
     assert p.acceptance(0, "lookup", 4).rate > 0.95 and p.acceptance(0, "lookup", 1).rate < 0.05
+
+
+@pytest.mark.parametrize("ngram", range(1, 9))
+def test_each_match_length_class_starts_at_its_own_prior(ngram):
+    """Matches of 1, 2, 3 and 4+ tokens are four classes: misses observed in every other class
+    leave this one at its prior (LOOKUP_PRIORS), and it drafts the k maximizing
+    E(prior, k) / verify(k + 1) at the fixed costs verify(T) = 1 + 0.15 (T - 1) (brute force)."""
+    prior = LOOKUP_PRIORS[min(ngram, 4) - 1]
+    p = DrafterPolicy(("lookup", "none"), 8, measure=False)
+    for other in range(1, 9):
+        if min(other, 4) != min(ngram, 4):
+            p.observe(0, "lookup", 4, 0, lookup_ngram=other)
+    best = max(range(9), key=lambda k: expected_tokens(prior, k) / (1 + 0.15 * k))
+    c = p.choose(0, lookup_len=8, budget=8, lookup_ngram=ngram)
+    assert (c.drafter, c.k) == ("lookup", best) and c.acceptance == pytest.approx(prior)
+
+
+def test_a_lookup_class_that_wins_again_waits_explore_every_for_its_next_trial():
+    """A 5-token-match class that keeps missing is tried after explore_every plain steps; the
+    trial doubles the wait, but once the class wins on its estimate the next trial (after it
+    misses again) comes explore_every steps later again (acceptance.Agreements' schedule)."""
+    p = DrafterPolicy(("lookup", "none"), 8, explore_every=3)
+    p.costs.add_verify(1, 1.0)
+    p.costs.add_verify(2, 1.1)
+
+    def miss():  # until its estimate loses to plain decoding
+        for _ in range(60):
+            p.observe(0, "lookup", 4, 0, lookup_ngram=5)
+
+    def plain_steps_before_a_trial():
+        steps = 0
+        while p.choose(0, lookup_len=4, budget=8, lookup_ngram=5).drafter == "none":
+            p.observe(0, "none", 0, 0)
+            steps += 1
+            assert steps <= 20
+        return steps
+
+    miss()
+    assert plain_steps_before_a_trial() == 3 and p.agreements.trials == 1
+    for _ in range(10):
+        p.observe(0, "lookup", 4, 4, lookup_ngram=5)
+    assert p.choose(0, lookup_len=4, budget=8, lookup_ngram=5).drafter == "lookup"  # wins on its estimate
+    miss()
+    assert plain_steps_before_a_trial() == 3 and p.agreements.trials == 2
+
+
+def test_layer_skip_is_valued_at_the_drafts_its_runs_yield():
+    """Confidence stops layer-skip runs early: after runs that each yielded 3 drafts (2 accepted)
+    a step is valued at the best k <= 3 (brute force over E(a, k) / (k c_d + verify(k + 1)),
+    which without that cap would draft more), yet it may draft min(budget, k_max), for
+    confidence to stop it."""
+    p = _policy(("layer-skip", "none"), verify=(1.0, 1.02), draft=0.05)
+    p.costs.add_verify(8, 1.14)  # on the same line: drafts of up to 15 are valued
+    for _ in range(30):
+        p.observe(0, "layer-skip", 3, 2)
+    a = p.acceptance(0, "layer-skip").rate
+
+    def best(most):
+        return max(range(most + 1), key=lambda k: expected_tokens(a, k) / (0.05 * k + 1 + 0.02 * k))
+
+    assert best(3) == 3 < best(8)
+    c = p.choose(0, lookup_len=0, budget=20)
+    assert (c.drafter, c.k, c.expected_drafts, c.acceptance) == ("layer-skip", 8, 3, a)
+    assert p.choose(0, lookup_len=0, budget=5).k == 5
 
 
 def test_expensive_layer_skip_loses_to_plain_decoding():
@@ -357,6 +442,21 @@ def test_costs_are_kept_per_batch_size():
     assert p.choose(0, lookup_len=4, budget=8).drafter == "lookup"
     p.set_batch(8)
     assert p.costs.verify(5) == 40.0
+
+
+def test_an_untimed_batch_size_borrows_the_nearest_timed_one():
+    """Batch sizes 2 (near flat) and 8 (near proportional) timed: a batch size with only
+    verify(1) timed follows the growth of the nearest of them (the smaller at equal distance),
+    relative to its own verify(1): verify(5) = verify(1) x that size's verify(5) / verify(1)."""
+    p = DrafterPolicy(("lookup", "none"), 8)
+    for batch, v5 in ((2, 1.2), (8, 5.0)):
+        p.set_batch(batch)
+        p.costs.add_verify(1, 1.0)
+        p.costs.add_verify(5, v5)
+    for batch, v5 in ((1, 1.2), (3, 1.2), (5, 1.2), (6, 5.0), (16, 5.0)):
+        p.set_batch(batch)
+        p.costs.add_verify(1, 2.0)
+        assert p.costs.verify(5) == pytest.approx(2.0 * v5), batch
 
 
 def test_the_loop_tells_the_policy_its_batch_size(monkeypatch):

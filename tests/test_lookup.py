@@ -52,10 +52,11 @@ def test_unknown_drafter_is_refused():
         Generator(tiny_model("llama"), mode="self-spec", drafter="magic")
 
 
-def _slow_lookup(context, k, max_ngram, min_ngram):
+def _slow_lookup(context, k, max_ngram, min_ngram, vote=True):
     """Reference: every earlier window equal to the last n tokens, for the longest n that has
     one with a non-empty continuation; (n, the continuation of the latest window among those
-    whose next token is the most common next token of all of them)."""
+    whose next token is the most common next token of all of them; vote=False: of the latest
+    window)."""
     for n in range(max_ngram, min_ngram - 1, -1):
         if n >= len(context):
             continue
@@ -64,8 +65,8 @@ def _slow_lookup(context, k, max_ngram, min_ngram):
                   and s + n < len(context)]
         if starts:
             nexts = [context[s + n] for s in starts]
-            top = max(nexts.count(t) for t in nexts)
-            s = max(s for s in starts if nexts.count(context[s + n]) == top)
+            top = max(nexts.count(t) for t in nexts) if vote else 0
+            s = max(s for s in starts if nexts.count(context[s + n]) >= top)
             return n, context[s + n:s + n + k]
     return 0, []
 
@@ -77,6 +78,8 @@ def test_lookup_matches_a_slow_reference(context, k, max_ngram, min_ngram):
     expect = _slow_lookup(context, k, max_ngram, min_ngram) if k > 0 else (0, [])
     assert lookup_match(context, k, max_ngram=max_ngram, min_ngram=min_ngram) == expect
     assert lookup_draft(context, k, max_ngram=max_ngram, min_ngram=min_ngram) == expect[1]
+    latest = _slow_lookup(context, k, max_ngram, min_ngram, vote=False) if k > 0 else (0, [])
+    assert lookup_match(context, k, max_ngram=max_ngram, min_ngram=min_ngram, vote=False) == latest
 
 
 def test_lookup_reports_the_match_length():

@@ -4,13 +4,15 @@ the verifier's output stays the same bits."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
 from conftest import tiny_model
 from swiftkern import Generator, SkipModel
 from swiftkern.drafter_policy import LOOKUP_PRIORS
-from swiftkern.replay_policy import LOOKUP_MARGIN, PRIORS, FastPathPolicy
+from swiftkern.replay_policy import LOOKUP_MARGIN, PRIOR_DRAFT_COST, PRIOR_VERIFY_SLOPE, PRIORS, FastPathPolicy
 
 W = 8  # window
 
@@ -116,6 +118,125 @@ def test_a_losing_kind_is_tried_for_one_cycle_then_chosen_by_what_it_showed():
         assert want == max(("full", "draft"), key=lambda k: rate(
             {"full": PRIORS["full"], "draft": a}[k], W - 1, {"full": 10.0, "draft": 4.0}[k], 20.0))
         assert p.kind([0]) == want and p.agreements.trials == 1
+
+
+class _Reference:
+    """What FastPathPolicy's docstrings say its inputs are, from what it was fed: agreement the
+    decayed accepted / (accepted + misses) of the fast tokens (and, once they all agreed, of the
+    lookup tokens), starting from the priors (weight 2, decay 0.9); a cycle's fast tokens the
+    mean (decay 0.8) of the cycles no lookup cut short, W - 1 before any; a kind not timed costs
+    the other's times (draft) or over (full) PRIOR_DRAFT_COST; an untimed verify pass
+    c_full (1 + PRIOR_VERIFY_SLOPE (B W - 1)) / B a row."""
+
+    def __init__(self, window, batch, fast, verify):
+        self.window, self.batch, self.fast, self.verify = window, batch, fast, verify
+        self.counts, self.runs = {}, {}
+
+    def agreement(self, request, what):
+        prior = PRIORS[what] if isinstance(what, str) else LOOKUP_PRIORS[what[1] - 1]
+        acc, miss = self.counts.get((request, what), (2 * prior, 2 * (1 - prior)))
+        return acc / (acc + miss)
+
+    def _update(self, request, what, n, m):
+        prior = PRIORS[what] if isinstance(what, str) else LOOKUP_PRIORS[what[1] - 1]
+        acc, miss = self.counts.get((request, what), (2 * prior, 2 * (1 - prior)))
+        self.counts[(request, what)] = (0.9 * acc + m, 0.9 * miss + (m < n))
+
+    def observe(self, request, kind, fast, lookup, matched, ngram):
+        if fast and kind is not None:
+            self._update(request, kind, fast, min(matched, fast))
+            if not lookup:
+                old = self.runs.get((request, kind))
+                self.runs[(request, kind)] = fast if old is None else 0.8 * old + 0.2 * fast
+        if lookup and matched >= fast:
+            self._update(request, ("lookup", min(max(ngram, 1), 4)), lookup, matched - fast)
+
+    def cost(self, kind):
+        if kind in self.fast:
+            return self.fast[kind]
+        return self.fast["full"] * PRIOR_DRAFT_COST if kind == "draft" else self.fast["draft"] / PRIOR_DRAFT_COST
+
+    def verify_share(self):
+        if self.verify is not None:
+            return self.verify
+        return self.cost("full") * (1 + PRIOR_VERIFY_SLOPE * (self.batch * self.window - 1)) / self.batch
+
+    def rate(self, request, kind):
+        n = max(1, round(self.runs.get((request, kind), self.window - 1)))
+        return E(self.agreement(request, kind), n) / (n * self.cost(kind) + self.verify_share())
+
+    def take_rate(self, request, kind, unverified, match_len, ngram, wait):
+        a_k, a_l = self.agreement(request, kind), self.agreement(request, ("lookup", min(ngram, 4)))
+        tokens = E(a_k, unverified) + a_k ** unverified * (E(a_l, match_len) - 1)
+        return tokens / ((unverified + wait) * self.cost(kind) + self.verify_share())
+
+
+def _clear(x, y):
+    """x and y too far apart for rounding to order them differently."""
+    return abs(x - y) > 1e-9 * max(abs(x), abs(y))
+
+
+def test_choices_follow_a_reference_model_of_the_rates():
+    """Random timings (either kind or both timed, the verify pass timed or not), window, verify
+    batch and verified cycles (fast tokens, lookup tokens, how many agreed): ``kind`` picks the
+    larger sum over the rows of E(a_k, n_k) / (n_k c_k + c_V), and ``take`` takes a match iff
+    (E(a_k, u) + a_k^u (E(a_L, m) - 1)) / ((u + w) c_k + c_V) > LOOKUP_MARGIN R_k, with every
+    input computed by ``_Reference`` from what the policy was fed (no trials: explore_every is
+    out of reach)."""
+    rng = random.Random(7)
+    kinds, takes = [], []
+    for trial in range(400):
+        window, batch = rng.choice([4, 8]), rng.choice([1, 2, 4])
+        p = FastPathPolicy(window, batch, explore_every=10 ** 6)
+        timed = rng.choice([("full",), ("draft",), ("full", "draft")])
+        fast = {}
+        for kind in timed:
+            seconds, rows = rng.uniform(1, 10), rng.randint(1, 4)
+            p.record_fast(kind, seconds, rows)
+            fast[kind] = seconds / rows
+        verify = None
+        if rng.random() < 0.5:
+            seconds, rows = rng.uniform(5, 40), rng.randint(1, 4)
+            p.record_verify(seconds, rows)
+            verify = seconds / rows
+        ref = _Reference(window, batch, fast, verify)
+        requests = list(range(rng.randint(1, 3)))
+        for _ in range(rng.randint(0, 12)):
+            request, kind = rng.choice(requests), rng.choice(["full", "draft"])
+            n_fast = rng.randint(0, window - 1)
+            lookup = rng.choice([0, 0, rng.randint(1, window - n_fast)])
+            matched, ngram = rng.randint(0, n_fast + lookup), rng.randint(1, 6)
+            for who in (p, ref):
+                who.observe(request, kind if n_fast else None, n_fast, lookup, matched, ngram)
+        sums = {k: sum(ref.rate(r, k) for r in requests) for k in ("full", "draft")}
+        got = p.kind(requests)
+        if _clear(sums["full"], sums["draft"]):
+            assert got == max(sums, key=sums.get), trial
+            kinds.append(got)
+        request, kind = rng.choice(requests), rng.choice(["full", "draft"])
+        u, m, ngram, wait = rng.randint(0, window - 1), rng.randint(1, window), rng.randint(1, 6), rng.randint(0, 3)
+        rate, fast_rate = ref.take_rate(request, kind, u, m, ngram, wait), LOOKUP_MARGIN * ref.rate(request, kind)
+        got = p.take(request, kind, u, m, ngram, wait)
+        if _clear(rate, fast_rate):
+            assert got == (rate > fast_rate), trial
+            takes.append(got)
+    assert len(kinds) > 380 and len(takes) > 380
+    assert min(kinds.count("full"), kinds.count("draft"), takes.count(True), takes.count(False)) > 50  # both ways
+
+
+def test_a_kind_is_tried_only_once_every_row_of_the_step_is_due():
+    """Row 1 joins row 0's batch 5 steps after it began: no trial of the draft starts while row
+    0 alone is due (row 1's estimate is not stale), nor on the first step both are due, which
+    is not fresh (a row holds unverified tokens); it starts on the next, for both rows at once."""
+    p = timed_policy()
+    assert p.kind([0]) == "full"  # priors: the draft loses (test above)
+    for _ in range(4):
+        p.kind([0])
+    steps = 0  # steps of the two rows before the trial
+    while p.kind([0, 1], fresh=steps != p.explore_every) == "full":
+        steps += 1
+        assert steps <= p.explore_every + 1
+    assert steps == p.explore_every + 1 and p.agreements.trials == 2
 
 
 @pytest.mark.parametrize("adaptive", [True, False])
