@@ -65,12 +65,15 @@ class DrafterPolicy:
     the text's), else a new one. ``measure=False`` keeps the costs at a fixed model (verify(T)
     = 1 + 0.15 (T - 1), a draft forward 0.5) instead of timing: choices then depend only on the
     drafts' acceptance, which is what seeded sampling needs to give the same tokens on every run
-    (timings vary).
+    (timings vary). ``rows_alone=True``: ``fit_pass`` leaves every row's choice as it is, so a
+    row's drafts depend on its own tokens alone, whatever else is in the batch: what mode
+    deterministic's seeded sampling needs where it runs without a replay (rejection sampling
+    draws from the drafts, so a pass width cut by other rows would change a row's tokens).
     """
 
     def __init__(self, allowed: tuple[str, ...], k_max: int, explore_every: int = 32,
                  lookup_priors: tuple[float, ...] = LOOKUP_PRIORS, skip_prior: float = 0.6, measure: bool = True,
-                 costs: dict | None = None):
+                 costs: dict | None = None, rows_alone: bool = False):
         if len(lookup_priors) != len(LOOKUP_PRIORS):
             raise ValueError(f"lookup_priors: one prior per match length class (1, 2, 3, 4+), got {lookup_priors}")
         self.allowed = tuple(allowed)
@@ -81,6 +84,7 @@ class DrafterPolicy:
         # per (row, (drafter, class)); class: lookup_bucket of the match for lookup, 0 for layer-skip
         self.agreements = Agreements(self.priors.__getitem__, explore_every)
         self.measure = measure
+        self.rows_alone = rows_alone
         self.batch = 1
         # batch size -> its costs (measure=False: one fixed model)
         self._costs: dict[int, ForwardCosts] = costs if costs is not None and measure else {}
@@ -204,8 +208,9 @@ class DrafterPolicy:
         width K (drafts per row at most) with the most expected tokens per second for the
         batch, sum_i E(a_i, min(n_i, K)) / (d(K) c_d + verify(K + 1)) over K = 0 .. max n_i
         (n_i: the drafts row i expects to use, d(K): the layer-skip forwards), and cuts every
-        row to it (K = 0: plain decoding). One row: unchanged (``choose`` already maximized it)."""
-        if len(choices) < 2 or not any(c.k for c in choices):
+        row to it (K = 0: plain decoding). One row, or ``rows_alone``: unchanged (``choose``
+        already maximized each row's own rate)."""
+        if self.rows_alone or len(choices) < 2 or not any(c.k for c in choices):
             return choices
         draft_cost = self.costs.draft_cost()
 

@@ -257,13 +257,14 @@ class Generator:
         with drafter self-spec the speculative loop (drafter policy over lookup, the layer-skipped
         draft and no draft). Every row's bits are its own whatever the batch, so nothing needs
         replaying; with sampling, the choices that pick which drafts a row verifies depend on
-        that row alone (no timings, no shared pruned head), which keeps its samples its own."""
+        that row alone (no timings, no shared pruned head, no pass width fitted to the batch),
+        which keeps its samples its own."""
         logprobs: list[list[torch.Tensor]] = [[] for _ in ids]
         stats = {}
         if self.drafter == "self-spec":
             seeded = params.do_sample
             chooser = DrafterPolicy(("lookup", "layer-skip", "none"), self.k_max, measure=not seeded,
-                                    costs=self._drafter_costs)
+                                    costs=self._drafter_costs, rows_alone=seeded)
             head = None if seeded else self._draft_head(ids)  # a pruned head grows with every row's tokens
             policy = DraftPolicy(k_max=self.k_max, eps=self.eps)
             stats = decode_self_spec(self.model, cache, first_logits, params, seeds,

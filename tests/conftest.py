@@ -44,6 +44,8 @@ def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
         for name, p in model.named_parameters():  # HF zeroes biases (qwen2's q/k/v): a dropped one would pass
             if name.endswith(".bias"):
                 p.normal_(0.0, 0.5)
+            elif name.endswith("norm.weight"):  # HF's ones: a dropped or swapped norm weight would pass
+                p.normal_(1.0, 0.3)
     return model.eval()
 
 
