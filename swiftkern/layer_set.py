@@ -24,13 +24,15 @@ def _format_indices(indices: tuple[int, ...]) -> str:
 def _parse_indices(text: str, num_layers: int, what: str) -> tuple[int, ...]:
     out: set[int] = set()
     for part in filter(None, (p.strip() for p in text.split(","))):
-        lo, _, hi = part.partition("-")
+        lo, dash, hi = part.partition("-")
         try:
-            start, stop = int(lo), int(hi or lo)
+            start, stop = int(lo), int(hi if dash else lo)
         except ValueError:
             raise SwiftkernError(
                 f"layer set: {what} entry {part!r} is not an index or a range like 3-7"
             ) from None
+        if stop < start:
+            raise SwiftkernError(f"layer set: {what} range {part!r} runs backwards; write it as {stop}-{start}")
         out.update(range(start, stop + 1))
     return tuple(sorted(out))
 
@@ -139,6 +141,9 @@ class LayerSet:
                 raise SwiftkernError(
                     f"layer set {spec!r}: expected 'attn:1,3-5|mlp:2', 'none' or JSON"
                 )
+            if key in fields:
+                raise SwiftkernError(f"layer set {spec!r}: '{key}' given twice; list all its layers once, "
+                                     "e.g. 'attn:1,3'")
             fields[key] = _parse_indices(value, num_layers, key)
         return cls(num_layers, fields.get("attn", ()), fields.get("mlp", ()))
 

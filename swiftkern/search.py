@@ -142,10 +142,11 @@ class LayerSetSearch:
         self.best_score = float("-inf")
         self._queued: list[LayerSet] = []
         self._hyper, self._hyper_n = None, 0
-        if self.initial is None:  # SWIFT starts from the odd layers, cut to k sub-layers
+        if self.initial is None:  # SWIFT starts from the odd layers, cut (or filled up) to k sub-layers
             odd = [c for c in self.coords if (c % L) % 2 == 1]
+            even = [c for c in self.coords if (c % L) % 2 == 0]
             bits = [0] * (2 * L)
-            for c in odd[: self.k]:
+            for c in (odd + even)[: self.k]:
                 bits[c] = 1
             self.initial = LayerSet.from_bits(bits)
         self._queued.append(self.initial)

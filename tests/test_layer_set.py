@@ -42,3 +42,41 @@ def test_random_keeps_ends_and_ratio():
     assert ls.num_skipped == round(0.45 * 60)
     assert 0 not in ls.skip_attn + ls.skip_mlp and 29 not in ls.skip_attn + ls.skip_mlp
     assert LayerSet.random(30, 0.45, seed=3) == ls
+
+
+@pytest.mark.parametrize("bad,good", [("attn:8", "attn:7"), ("mlp:8", "mlp:7"), ("attn:1|mlp:6-8", "attn:1|mlp:6-7"),
+                                      ('{"num_layers": 8, "skip_mlp": [8]}', '{"num_layers": 8, "skip_mlp": [7]}')])
+def test_index_equal_to_num_layers_is_refused(bad, good):
+    """Indices live in [0, L): L itself (one past the last layer) is refused, L - 1 is not."""
+    with pytest.raises(SwiftkernError, match="outside"):
+        LayerSet.parse(bad, 8)
+    assert 7 in LayerSet.parse(good, 8).skip_attn + LayerSet.parse(good, 8).skip_mlp
+
+
+def test_parse_against_explicit_masks():
+    """Each kind lands in its own mask: the [2L] bitmask written out by hand."""
+    ls = LayerSet.parse("mlp:0,2-3|attn:4", 5)
+    assert ls.to_bits() == [0, 0, 0, 0, 1] + [1, 0, 1, 1, 0]
+    assert LayerSet.parse('{"num_layers": 5, "skip_attn": [4], "skip_mlp": [3, 0, 2]}', 5) == ls
+    assert LayerSet.from_bits([0, 1, 0, 0] + [0, 0, 1, 0]) == LayerSet(4, (1,), (2,))
+
+
+@pytest.mark.parametrize("spec", ["attn:5-3|mlp:1", "attn:1|attn:3", "attn:1-|mlp:2"])
+def test_reversed_range_or_repeated_field_is_refused(spec):
+    """A typo must not silently become another layer set (expected: an error, like "attn:x")."""
+    with pytest.raises(SwiftkernError):
+        LayerSet.parse(spec, 8)
+
+
+@pytest.mark.parametrize("L,ratio", [(6, 0.3), (12, 0.45), (30, 0.2)])
+def test_random_keeps_both_ends_of_both_kinds_over_seeds(L, ratio):
+    """Over many seeds: never layer 0 or L-1 (attention or MLP), always round(ratio * 2L) skipped,
+    and every inner sub-layer chosen by some seed (the pool is all of them)."""
+    seen = set()
+    for seed in range(200):
+        ls = LayerSet.random(L, ratio, seed=seed)
+        assert ls.num_skipped == round(ratio * 2 * L)
+        picked = {("attn", i) for i in ls.skip_attn} | {("mlp", i) for i in ls.skip_mlp}
+        assert not {i for _, i in picked} & {0, L - 1}, ls
+        seen |= picked
+    assert seen == {(kind, i) for kind in ("attn", "mlp") for i in range(1, L - 1)}

@@ -13,6 +13,18 @@ PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [
 SMALL_SEARCH = dict(window=8, steps_per_window=8, time_fraction=100.0)
 
 
+@pytest.fixture
+def fixed_costs(monkeypatch):
+    """Generators built in the test use the drafter policy's fixed cost model (verify(T) = 1 +
+    0.15 (T - 1), a draft 0.5) instead of timings: what these tests check is the tuner's
+    decisions, and on a loaded machine noisy verify costs made no ratio pay, even with free
+    drafts (a flaky "layer skip off")."""
+    import swiftkern.generate as generate_module
+
+    policy = generate_module.DrafterPolicy
+    monkeypatch.setattr(generate_module, "DrafterPolicy", lambda *a, **k: policy(*a, **dict(k, measure=False)))
+
+
 def _slow_matchness(sm, context, layer_set, window):
     """Per position j of the window: prefill the full model on the context before the window,
     decode the window's tokens one at a time with the layer set skipped, compare the top-1."""
@@ -159,7 +171,7 @@ def test_matchness_with_a_pruned_head_scores_the_drafts_top1():
 
 
 @pytest.mark.parametrize("draft_seconds,enabled", [(10.0, False), (0.0, True)])
-def test_layer_skip_is_switched_off_when_no_set_can_pay(draft_seconds, enabled, monkeypatch):
+def test_layer_skip_is_switched_off_when_no_set_can_pay(draft_seconds, enabled, monkeypatch, fixed_costs):
     from swiftkern.tuner import OnTheFlyTuner
 
     # a draft forward "measured" at 10 s can never beat a plain step, not even with the target
@@ -167,8 +179,9 @@ def test_layer_skip_is_switched_off_when_no_set_can_pay(draft_seconds, enabled, 
     monkeypatch.setattr(OnTheFlyTuner, "_draft_cost", lambda self, *a: draft_seconds)
     hf = tiny_model("llama", num_hidden_layers=6)
     ar = Generator(hf).generate(PROMPTS[:2], max_new_tokens=40, eos_token_id=[]).tokens
-    out = Generator(hf, mode="self-spec", layer_set="auto", skip_ratio=0.3, search_options=SMALL_SEARCH).generate(
-        PROMPTS[:2], max_new_tokens=40, eos_token_id=[])
+    out = Generator(hf, mode="self-spec", layer_set="auto", skip_ratio=0.3,
+                    search_options=dict(SMALL_SEARCH, time_fraction=1e9)).generate(PROMPTS[:2], max_new_tokens=40,
+                                                                                   eos_token_id=[])
     assert out.tokens == ar
     assert out.stats["layer_skip_enabled"] is enabled
     if not enabled:
@@ -200,7 +213,7 @@ def test_predicted_draft_cost_is_the_share_of_weight_bytes_read():
     assert tuner._draft_cost(sm, LayerSet.parse("none", 6), head) == pytest.approx(want)
 
 
-def test_search_waits_for_its_budget_and_needs_tokens_left(monkeypatch):
+def test_search_waits_for_its_budget_and_needs_tokens_left(monkeypatch, fixed_costs):
     from swiftkern.tuner import OnTheFlyTuner
 
     monkeypatch.setattr(OnTheFlyTuner, "_draft_cost", lambda self, *a: 0.0)
@@ -221,7 +234,7 @@ def test_search_waits_for_its_budget_and_needs_tokens_left(monkeypatch):
 
 
 @pytest.mark.parametrize("draft_seconds,drafter", [(10.0, "auto"), (0.0, "layer-skip")])
-def test_the_search_carries_over_to_the_next_call(draft_seconds, drafter, monkeypatch):
+def test_the_search_carries_over_to_the_next_call(draft_seconds, drafter, monkeypatch, fixed_costs):
     """A Generator's tuner serves its later calls (SWIFT: optimize on the first inputs, draft with
     the result on the rest): a verdict that layer skip cannot pay stands and costs the next call
     nothing; a found set drafts from the next call's first steps; reset_search() starts over."""
@@ -242,12 +255,30 @@ def test_the_search_carries_over_to_the_next_call(draft_seconds, drafter, monkey
         assert s2["drafter_steps"]["layer-skip"] == 0
     else:  # the found set drafts at once in the second call (the first spent a window finding it)
         assert s1["layer_skip_enabled"] and s2["searched_layer_set"]
-        assert s2["drafter_steps"]["layer-skip"] > s1["drafter_steps"]["layer-skip"]
+        # every step of the second call drafts; the first had plain steps while it searched
+        assert s2["drafter_steps"]["none"] == 0 < s1["drafter_steps"]["none"], (s1, s2)
     gen.reset_search()
     assert gen.generate(PROMPTS[:2], max_new_tokens=40, eos_token_id=[]).stats["search_calls"] == 1
 
 
-def test_a_search_cut_short_by_one_call_resumes_in_the_next(monkeypatch):
+def test_the_time_cap_stops_the_search_after_one_phase(monkeypatch, fixed_costs):
+    """time_fraction 1e-9: the first phase (predicted free) runs, and then the search has spent
+    more than its share of the generating time: it stops for the time budget, cut short for this
+    call only (no target can be reached, and free drafts keep every set within reach)."""
+    from swiftkern.search import SearchConfig
+    from swiftkern.tuner import OnTheFlyTuner
+
+    monkeypatch.setattr(OnTheFlyTuner, "_draft_cost", lambda self, *a: 0.0)
+    monkeypatch.setattr(OnTheFlyTuner, "_phase_estimate", lambda self: 0.0)
+    hf = tiny_model("llama", num_hidden_layers=6)
+    options = dict(SMALL_SEARCH, time_fraction=1e-9, config=SearchConfig(target=2.0))
+    gen = Generator(hf, mode="self-spec", layer_set="auto", skip_ratio=0.3, search_options=options)
+    s = gen.generate(PROMPTS[:1], max_new_tokens=60, eos_token_id=[]).stats
+    assert s["search_phases"] == 1 and s["candidates_scored"] == 4 and s["search_stop"] == "time budget"
+    assert gen._tuner_state.cut_short
+
+
+def test_a_search_cut_short_by_one_call_resumes_in_the_next(monkeypatch, fixed_costs):
     """A stop for this call's clock or length is not a verdict: the next call searches on (and a
     phase that is affordable there runs)."""
     from swiftkern.tuner import OnTheFlyTuner
@@ -261,3 +292,152 @@ def test_a_search_cut_short_by_one_call_resumes_in_the_next(monkeypatch):
     monkeypatch.setattr(OnTheFlyTuner, "_phase_estimate", lambda self: 0.0)
     second = gen.generate(PROMPTS[:1], max_new_tokens=40, eos_token_id=[]).stats
     assert second["search_calls"] == 2 and second["search_phases"] >= 1 and second["candidates_scored"] >= 4
+
+
+def _tuner_after_a_search(score, **kw):
+    """A 6-layer tuner whose one search (r = 0.3) found a set of this matchness and stopped."""
+    from swiftkern.tuner import OnTheFlyTuner
+
+    tuner = OnTheFlyTuner(6, None, skip_ratio=0.3, **kw)
+    (search,) = tuner.searches.values()
+    found = search.propose(1)[0]
+    search.observe(found, score)
+    tuner.current, tuner.current_score, tuner.optimizing = found, score, False
+    return tuner, search, found
+
+
+@pytest.mark.parametrize("accepted,restart_at", [(0, 7), (1, None), (4, None)])
+def test_restart_when_acceptance_falls_far_below_matchness(accepted, restart_at):
+    """Drafts of 4 with `accepted` accepted each step: the decayed acceptance accepted / (accepted +
+    misses) is 0, 0.5 or 1 against restart_ratio 0.5 x matchness 0.97 = 0.485; only 0 restarts,
+    once the decayed count sum_i 0.9^i reaches 5 (the 7th draft: 4.69 after 6, 5.22 after 7).
+    A restart searches on from the found set, its old-window score no longer trusted."""
+    tuner, search, found = _tuner_after_a_search(0.97)
+    assert search.done() == "target"
+    tuner.observe(0, 0)  # no draft: nothing to learn
+    for n in range(1, 31):
+        tuner.observe(4, accepted)
+        assert tuner.restarts == int(restart_at is not None and n >= restart_at), n
+    if restart_at is None:
+        assert not tuner.optimizing and search.done() == "target"
+    else:
+        assert tuner.optimizing and search.done() is None
+        assert search.best == found and search.best_score < 0.97 and search.steps == 0
+
+
+def test_a_phase_rescores_the_kept_best_on_the_new_window(monkeypatch):
+    """With a synthetic matchness (window A: the found set 0.9, others 0.3; window B: it 0.2,
+    others 0.1), the second phase re-scores the kept best on window B first, so its score is
+    B's 0.2, not A's stale 0.9; every call scores at most candidates_per_forward sets on the
+    tuner's window of the context it was given."""
+    import swiftkern.tuner as tuner_module
+    from swiftkern.tuner import OnTheFlyTuner
+
+    calls = []
+
+    def fake(model, cache, rows, contexts, cands, window, head):
+        calls.append((contexts[0][-1], list(cands), window))
+        good, other = (0.9, 0.3) if contexts[0][-1] == 1 else (0.2, 0.1)
+        return [good if c == first else other for c in cands]
+
+    monkeypatch.setattr(tuner_module, "matchness", fake)
+    tuner = OnTheFlyTuner(6, None, skip_ratio=0.3, window=8, steps_per_window=8, candidates_per_forward=4)
+    (search,) = tuner.searches.values()
+    first = search.initial
+    tuner._optimize(None, None, 0, [5] * 20 + [1], None)
+    assert search.best == first and search.best_score == 0.9 and tuner.scored == 4
+    tuner._optimize(None, None, 0, [5] * 28 + [2], None)
+    assert calls[1][1][0] == first and calls[1][0] == 2  # the re-score leads phase 2, on window B
+    assert search.best == first and search.best_score == 0.2 and tuner.scored == 9
+    assert all(len(c) <= 4 and w == 8 for _, c, w in calls)
+    tuner._pick(None, None)
+    assert tuner.current == first and tuner.current_score == 0.2
+
+
+def _np_rate(a, draft_cost):
+    """Tokens per second of the best k in 1..25 at the fixed cost model verify(T) = 1 + 0.15 (T - 1)."""
+    return max(sum(a ** i for i in range(k + 1)) / (k * draft_cost + 1 + 0.15 * k) for k in range(1, 26))
+
+
+def test_the_set_to_draft_with_is_the_fastest_not_the_best_matching(monkeypatch):
+    """Two ratios' best sets: A matchness 0.9 with a draft forward of 0.9 x a plain step, B 0.7 at
+    0.1. The closed-form rate (expected tokens / step time at the fixed cost model) says B:
+    ~1.46 plain steps' worth against A's ~0.93. With B as slow as A no set pays, and not even a
+    better-scoring one would: the search gives up and layer skip is switched off."""
+    from swiftkern.drafter_policy import DrafterPolicy
+    from swiftkern.tuner import OnTheFlyTuner
+
+    a, b = LayerSet.parse("attn:2", 6), LayerSet.parse("attn:1,3|mlp:2,4", 6)
+    cost = {a: 0.9, b: 0.1}
+    monkeypatch.setattr(OnTheFlyTuner, "_draft_cost", lambda self, model, ls, head: cost[ls])
+    tuner = OnTheFlyTuner(6, DrafterPolicy(("layer-skip",), k_max=8, measure=False), skip_ratio="auto")
+    tuner.searches[0.1].best, tuner.searches[0.1].best_score = a, 0.9
+    tuner.searches[0.3].best, tuner.searches[0.3].best_score = b, 0.7
+    tuner._pick(None, None)
+    assert _np_rate(0.7, 0.1) > 1 > _np_rate(0.9, 0.9)
+    assert tuner.current == b and tuner.current_score == 0.7
+    assert tuner.best_rate_vs_plain == pytest.approx(_np_rate(0.7, 0.1)) and not tuner.hopeless
+    cost[b] = 0.9
+    tuner._pick(None, None)
+    assert tuner.current == a and tuner.best_rate_vs_plain == pytest.approx(_np_rate(0.9, 0.9))
+    assert tuner.hopeless and _np_rate(1.0, 0.9) < 1  # optimism 0.45: even matchness 1 would not pay
+    assert tuner._finish("no set within reach can pay") is None and not tuner.enabled
+
+
+def test_matchness_weights_rows_by_window_length_and_reads_each_rows_own_kv():
+    """Rows given out of cache order (rows [1, 0]) and windows of different lengths (window 9: 9
+    positions of a 19-token context, all 4 of a 5-token one): the score is the slow reference's
+    hits over all 13 positions, not the mean of the two rows' fractions nor hits over 2 x 9 padded
+    slots; each row's window runs on its own cache row's KV."""
+    sm = SkipModel.from_hf(tiny_model("llama", num_hidden_layers=5))
+    long_ctx = PROMPTS[0] + Generator(sm).generate([PROMPTS[0]], max_new_tokens=14, eos_token_id=[]).tokens[0]
+    short_ctx = PROMPTS[1] + Generator(sm).generate([PROMPTS[1]], max_new_tokens=2, eos_token_id=[]).tokens[0]
+    cache = sm.new_cache(2, 40)
+    for b, ctx in enumerate((long_ctx, short_ctx)):  # row 0: the long context, row 1: the short one
+        row = sm.new_cache(1, 40)
+        sm.forward(torch.tensor([ctx[:-1]]), row)
+        cache.k[:, b], cache.v[:, b] = row.k[:, 0], row.v[:, 0]
+    cache.host_lengths = [len(long_ctx) - 1, len(short_ctx) - 1]
+    cache.lengths = torch.tensor(cache.host_lengths)
+    cands = [LayerSet.parse(s, 5) for s in ("attn:1,2|mlp:3", "attn:3|mlp:1-3", "attn:1-3|mlp:1-3")]
+    got = matchness(sm, cache, [1, 0], [short_ctx, long_ctx], cands, 9)
+    hits_short = [4 * _slow_matchness(sm, short_ctx, ls, 9) for ls in cands]
+    hits_long = [9 * _slow_matchness(sm, long_ctx, ls, 9) for ls in cands]
+    want = [(s + lg) / 13 for s, lg in zip(hits_short, hits_long)]
+    assert got == pytest.approx(want, abs=1e-12)
+    assert any(abs(w - (s / 4 + lg / 9) / 2) > 0.01 for w, s, lg in zip(want, hits_short, hits_long))
+
+
+def test_offline_search_keeps_the_best_scored_set_of_each_ratio_and_the_fastest_ratio(tmp_path, monkeypatch):
+    """skip_ratio "auto" with the real matchness recorded and a synthetic measured speedup per
+    ratio (0.2 fastest): each ratio's row holds the first of its highest-scoring candidates and
+    that score, and the record (and the stored file) is the fastest ratio's row."""
+    import swiftkern.offline_search as offline
+
+    monkeypatch.setenv("SWIFTKERN_CACHE_DIR", str(tmp_path))
+    scored = []
+
+    def recording(*args):
+        scores = matchness(*args)
+        scored.extend(zip(args[4], scores))
+        return scores
+
+    speeds = iter((1.1, 1.4, 0.8, 1.2))  # measured once per ratio, in the ladder's order
+    monkeypatch.setattr(offline, "matchness", recording)
+    monkeypatch.setattr(offline, "measure_speedup", lambda *a: dict(speedup=next(speeds), acceptance_rate=0.5,
+                                                                   mean_accepted=1.0))
+    sm = SkipModel.from_hf(tiny_model("llama", num_hidden_layers=6))
+    record = offline.search_layer_set(sm, None, PROMPTS[:2], skip_ratio="auto", budget_s=0.4, max_new_tokens=12,
+                                      log=lambda *a: None)
+    assert [row["skip_ratio"] for row in record["table"]] == [0.1, 0.2, 0.3, 0.45]
+    start = 0
+    for row in record["table"]:  # the ratios are searched one after the other
+        mine = scored[start:start + row["scored"]]
+        start += row["scored"]
+        best = max(s for _, s in mine)
+        assert row["matchness"] == round(best, 4)
+        assert row["layer_set"] == str(next(ls for ls, s in mine if s == best))
+    assert start == len(scored)
+    assert record["skip_ratio"] == 0.2 and record["speedup"] == 1.4
+    assert record["layer_set"] == record["table"][1]["layer_set"]
+    assert str(layer_set_store.load(sm)["layer_set"]) == record["layer_set"]
