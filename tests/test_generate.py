@@ -165,3 +165,32 @@ def test_a_stop_string_given_alone_is_one_string_not_its_letters():
     alone = gen.generate([[1, 2]], max_new_tokens=24, eos_token_id=[], stop=pair).tokens[0]
     listed = gen.generate([[1, 2]], max_new_tokens=24, eos_token_id=[], stop=[pair]).tokens[0]
     assert alone == listed == free[:text.index(pair) + 2]  # ends right after the pair, not at its first letter
+
+
+@pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 0), (1.3, 5)])
+def test_filter_logits_keeps_what_hf_warpers_keep(temperature, top_k):
+    """filter_logits vs transformers' own Temperature -> TopK -> TopP warpers on random rows,
+    with top_p set so that a row's cumulative mass sits exactly on the cut (HF removes a token
+    whose sorted cumulative probability is <= 1 - top_p): the same tokens kept, the same values."""
+    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                        TopPLogitsWarper)
+
+    g = torch.Generator().manual_seed(int(temperature * 10) + top_k)
+    logits = torch.randn(6, 50, generator=g) * 3
+    logits[1, :10] = logits[1, 10]  # ties
+    for row in range(logits.shape[0]):
+        z = logits[row:row + 1] / temperature
+        if top_k:
+            z = TopKLogitsWarper(top_k)(None, z)
+        cum = z.sort(dim=-1).values.softmax(-1).cumsum(-1)[0]
+        edge = float(cum[(cum >= 0.5).nonzero()[0, 0]])  # in [0.5, 1): 1 - (1 - edge) == edge exactly
+        for top_p in (1.0 - edge, 0.9, 0.3):
+            if not 0 < top_p <= 1:
+                continue
+            want = TemperatureLogitsWarper(temperature)(None, logits[row:row + 1].clone())
+            if top_k:
+                want = TopKLogitsWarper(top_k)(None, want)
+            want = TopPLogitsWarper(top_p)(None, want)
+            got = filter_logits(logits[row:row + 1], SamplingParams(True, temperature, top_k, top_p))
+            assert torch.equal(torch.isinf(got), torch.isinf(want)), (row, top_p)
+            torch.testing.assert_close(got[torch.isfinite(got)], want[torch.isfinite(want)])
