@@ -1,5 +1,7 @@
 """Generator in mode ar against HF generate (tiny random models) and sampling statistics."""
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -165,6 +167,38 @@ def test_a_stop_string_given_alone_is_one_string_not_its_letters():
     alone = gen.generate([[1, 2]], max_new_tokens=24, eos_token_id=[], stop=pair).tokens[0]
     listed = gen.generate([[1, 2]], max_new_tokens=24, eos_token_id=[], stop=[pair]).tokens[0]
     assert alone == listed == free[:text.index(pair) + 2]  # ends right after the pair, not at its first letter
+
+
+@pytest.mark.parametrize("mode", [dict(mode="self-spec", drafter="layer-skip", layer_set="mlp:1", eps=0.0, k_max=4),
+                                  dict(mode="deterministic", drafter="self-spec", layer_set="mlp:1", eps=0.0, k_max=4)],
+                         ids=["self-spec", "deterministic-self-spec"])
+def test_a_stop_string_inside_accepted_drafts_ends_the_output_there(mode, monkeypatch):
+    """Speculative steps commit several tokens at once: wherever a stop string ends (at every
+    place of the free output that a string first reaches), the output ends right after it, as
+    greedy decoding's free output cut there; some of those places are inside a step's commit
+    (asserted from the streamed commits). The drafter policy runs on its fixed cost model
+    (timings would make how many drafts a step takes vary from run to run)."""
+    import swiftkern.generate as generate_module
+
+    policy = generate_module.DrafterPolicy
+    monkeypatch.setattr(generate_module, "DrafterPolicy", lambda *a, **k: policy(*a, **dict(k, measure=False)))
+    hf = tiny_model("llama")
+    free = Generator(hf, _LetterTokenizer()).generate([[1, 2]], max_new_tokens=24, eos_token_id=[]).tokens[0]
+    text = _LetterTokenizer().decode(free)
+    gen = Generator(hf, _LetterTokenizer(), **mode)
+    commits = []  # tokens made final together, step by step
+    spec = gen.generate([[1, 2]], max_new_tokens=24, eos_token_id=[], streamer=lambda r, t: commits.append(len(t)))
+    assert spec.tokens[0] == free
+    ends = set(itertools.accumulate(commits))  # output lengths at which a step's commit ends
+    cuts_inside = 0
+    for n in range(2, len(text) + 1):  # the shortest string whose first occurrence ends at n
+        stop = next((text[n - k:n] for k in range(1, n + 1) if text[n - k:n] not in text[:n - 1]), None)
+        if stop is None:
+            continue
+        out = gen.generate([[1, 2]], max_new_tokens=24, eos_token_id=[], stop=stop)
+        assert out.tokens[0] == free[:n], stop
+        cuts_inside += n not in ends
+    assert cuts_inside > 0, commits
 
 
 @pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 0), (1.3, 5)])
