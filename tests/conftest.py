@@ -50,6 +50,17 @@ def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
 
 
 @pytest.fixture
+def fixed_costs(monkeypatch):
+    """Generators built in the test use the drafter policy's fixed cost model (verify(T) = 1 +
+    0.15 (T - 1), a draft 0.5) instead of timings, so which drafters and how many drafts a step
+    takes do not vary with this machine's load from run to run."""
+    import swiftkern.generate as generate_module
+
+    policy = generate_module.DrafterPolicy
+    monkeypatch.setattr(generate_module, "DrafterPolicy", lambda *a, **k: policy(*a, **dict(k, measure=False)))
+
+
+@pytest.fixture
 def uninitialized_is_poison():
     """Every new uninitialized tensor (torch.empty, and at::empty inside the C++ kernels) holds NaN
     or the largest integer while the test runs, so an output element a kernel forgets to write

@@ -144,15 +144,13 @@ def test_bad_arrivals_are_refused(tiny):
             gen.generate(PROMPTS[:2], max_new_tokens=2, arrive_at=bad)
 
 
-def test_layer_set_search_with_arrivals_is_greedy_identical_to_ar(monkeypatch):
+def test_layer_set_search_with_arrivals_is_greedy_identical_to_ar(monkeypatch, fixed_costs):
     """The on-the-fly search reads the batch's first row; rows that come and go (an empty batch
-    waiting for the last arrival included) leave its tokens those of ar."""
-    import swiftkern.generate as generate_module
+    waiting for the last arrival included) leave its tokens those of ar. Fixed drafter costs: the
+    search must not hang on this machine's load."""
     from swiftkern.tuner import OnTheFlyTuner
 
     monkeypatch.setattr(OnTheFlyTuner, "_draft_cost", lambda self, *a: 0.0)  # no ratio dropped for speed
-    policy = generate_module.DrafterPolicy  # fixed costs: the search must not hang on this machine's load
-    monkeypatch.setattr(generate_module, "DrafterPolicy", lambda *a, **k: policy(*a, **dict(k, measure=False)))
     hf = tiny_model("llama", num_hidden_layers=6)
     ar = Generator(hf).generate(PROMPTS, max_new_tokens=60, eos_token_id=[]).tokens
     gen = Generator(hf, mode="self-spec", layer_set="auto", eps=0.0,

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from swiftkern import ops, reference
 from swiftkern.errors import SwiftkernError
-from triton_cases import assert_close
+from triton_cases import assert_close, check_move_ending_at_the_last_position
 
 pytestmark = pytest.mark.usefixtures("uninitialized_is_poison")  # conftest: unwritten outputs fail
 
@@ -284,16 +284,8 @@ def test_kv_compact_closed_form_overlapping_move():
 
 
 def test_kv_compact_wrapper_moves_up_to_the_last_position():
-    """ops.kv_compact (the checked wrapper, on CPU the C++ kernel) takes dst_start + counts == S
-    and moves as the closed form says; int64 counts are converted."""
-    k, v = kv_cache(2, 2, 3, 6, 4, torch.float32, 2)
-    before_k, before_v = k.clone(), v.clone()
-    ops.kv_compact(k, v, torch.tensor([[5, 0, 3], [1, 2, 4]]), torch.tensor([3, 6]), torch.tensor([3, 0]))
-    # row 0: entries 5, 0, 3 land at 3, 4, 5 (two sources inside the destination); row 1 keeps all
-    assert torch.equal(k[:, 0, :, 3:], before_k[:, 0, :, [5, 0, 3]])
-    assert torch.equal(v[:, 0, :, 3:], before_v[:, 0, :, [5, 0, 3]])
-    assert torch.equal(k[:, 0, :, :3], before_k[:, 0, :, :3]) and torch.equal(k[:, 1], before_k[:, 1])
-    assert torch.equal(v[:, 1], before_v[:, 1])
+    """ops.kv_compact (the checked wrapper, on CPU the C++ kernel) at the end of the cache."""
+    check_move_ending_at_the_last_position("cpu")
 
 
 # ---------------------------------------------------------------- bad input and opcheck

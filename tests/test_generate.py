@@ -172,16 +172,12 @@ def test_a_stop_string_given_alone_is_one_string_not_its_letters():
 @pytest.mark.parametrize("mode", [dict(mode="self-spec", drafter="layer-skip", layer_set="mlp:1", eps=0.0, k_max=4),
                                   dict(mode="deterministic", drafter="self-spec", layer_set="mlp:1", eps=0.0, k_max=4)],
                          ids=["self-spec", "deterministic-self-spec"])
-def test_a_stop_string_inside_accepted_drafts_ends_the_output_there(mode, monkeypatch):
+def test_a_stop_string_inside_accepted_drafts_ends_the_output_there(mode, fixed_costs):
     """Speculative steps commit several tokens at once: wherever a stop string ends (at every
     place of the free output that a string first reaches), the output ends right after it, as
     greedy decoding's free output cut there; some of those places are inside a step's commit
     (asserted from the streamed commits). The drafter policy runs on its fixed cost model
     (timings would make how many drafts a step takes vary from run to run)."""
-    import swiftkern.generate as generate_module
-
-    policy = generate_module.DrafterPolicy
-    monkeypatch.setattr(generate_module, "DrafterPolicy", lambda *a, **k: policy(*a, **dict(k, measure=False)))
     hf = tiny_model("llama")
     free = Generator(hf, _LetterTokenizer()).generate([[1, 2]], max_new_tokens=24, eos_token_id=[]).tokens[0]
     text = _LetterTokenizer().decode(free)

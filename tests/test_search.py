@@ -13,18 +13,6 @@ PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [
 SMALL_SEARCH = dict(window=8, steps_per_window=8, time_fraction=100.0)
 
 
-@pytest.fixture
-def fixed_costs(monkeypatch):
-    """Generators built in the test use the drafter policy's fixed cost model (verify(T) = 1 +
-    0.15 (T - 1), a draft 0.5) instead of timings: what these tests check is the tuner's
-    decisions, and on a loaded machine noisy verify costs made no ratio pay, even with free
-    drafts (a flaky "layer skip off")."""
-    import swiftkern.generate as generate_module
-
-    policy = generate_module.DrafterPolicy
-    monkeypatch.setattr(generate_module, "DrafterPolicy", lambda *a, **k: policy(*a, **dict(k, measure=False)))
-
-
 def _slow_matchness(sm, context, layer_set, window):
     """Per position j of the window: prefill the full model on the context before the window,
     decode the window's tokens one at a time with the layer set skipped, compare the top-1."""
@@ -80,7 +68,7 @@ def test_one_layer_set_per_row_equals_separate_forwards():
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("drafter,skip_ratio", [("auto", "auto"), ("layer-skip", 0.3)])
-def test_on_the_fly_search_is_greedy_identical_to_ar(arch, drafter, skip_ratio, tmp_path, monkeypatch):
+def test_on_the_fly_search_is_greedy_identical_to_ar(arch, drafter, skip_ratio, tmp_path, monkeypatch, fixed_costs):
     from swiftkern.tuner import OnTheFlyTuner
 
     monkeypatch.setenv("SWIFTKERN_CACHE_DIR", str(tmp_path))
@@ -88,10 +76,6 @@ def test_on_the_fly_search_is_greedy_identical_to_ar(arch, drafter, skip_ratio, 
     # ratio is dropped for speed), the drafter policy's fixed cost model (on a loaded machine
     # noisy verify costs made no ratio pay, even with free drafts) and no time cap (below)
     monkeypatch.setattr(OnTheFlyTuner, "_draft_cost", lambda self, *a: 0.0)
-    import swiftkern.generate as generate_module
-
-    policy = generate_module.DrafterPolicy
-    monkeypatch.setattr(generate_module, "DrafterPolicy", lambda *a, **k: policy(*a, **dict(k, measure=False)))
     hf = tiny_model(arch, num_hidden_layers=6)
     ar = Generator(hf).generate(PROMPTS, max_new_tokens=60, eos_token_id=[]).tokens
     gen = Generator(hf, mode="self-spec", drafter=drafter, layer_set="auto", skip_ratio=skip_ratio, eps=0.0,

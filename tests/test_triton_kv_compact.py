@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from swiftkern import ops, reference
 from swiftkern.errors import SwiftkernError
-from triton_cases import DEVICE, FEW, backend, opcheck, triton_op
+from triton_cases import DEVICE, FEW, backend, check_move_ending_at_the_last_position, opcheck, triton_op
 
 
 def cache(L, B, H, S, D, dtype, seed):
@@ -53,17 +53,8 @@ def test_wrapper_on_the_model_cache_layout():
 
 
 def test_a_move_may_end_at_the_last_position():
-    """dst_start + counts == S is in range (the wrapper's check) and moves as the closed form says:
-    row 0's entries 5, 0, 3 land at 3, 4, 5 (sources inside the destination), row 1 keeps all."""
-    k, v = cache(2, 2, 3, 6, 8, torch.float32, 4)
-    before_k, before_v = k.clone(), v.clone()
-    src = torch.tensor([[5, 0, 3], [1, 2, 4]], device=DEVICE)
     with backend("triton"):
-        ops.kv_compact(k, v, src, torch.tensor([3, 6], device=DEVICE), torch.tensor([3, 0], device=DEVICE))
-    assert torch.equal(k[:, 0, :, 3:], before_k[:, 0, :, [5, 0, 3]])
-    assert torch.equal(v[:, 0, :, 3:], before_v[:, 0, :, [5, 0, 3]])
-    assert torch.equal(k[:, 0, :, :3], before_k[:, 0, :, :3]) and torch.equal(k[:, 1], before_k[:, 1])
-    assert torch.equal(v[:, 1], before_v[:, 1])
+        check_move_ending_at_the_last_position(DEVICE)
 
 
 def test_strided_index_tensors_match_reference():

@@ -73,3 +73,18 @@ def opcheck(op, args) -> None:
 
 
 needs_gpu = pytest.mark.skipif(not NATIVE, reason="needs a CUDA GPU (the interpreter tests cover the kernels on CPU)")
+
+
+def check_move_ending_at_the_last_position(device) -> None:
+    """ops.kv_compact (whichever backend is in use) with dst_start + counts == S, which is in
+    range, and int64 counts, which the wrapper converts, moves as the closed form says: row 0's
+    entries 5, 0, 3 land at 3, 4, 5 (two sources inside the destination), row 1 keeps all."""
+    g = torch.Generator().manual_seed(4)
+    k, v = (torch.randn(2, 2, 3, 6, 8, generator=g).to(device) for _ in range(2))
+    before_k, before_v = k.clone(), v.clone()
+    ops.kv_compact(k, v, torch.tensor([[5, 0, 3], [1, 2, 4]], device=device), torch.tensor([3, 6], device=device),
+                   torch.tensor([3, 0], device=device))
+    assert torch.equal(k[:, 0, :, 3:], before_k[:, 0, :, [5, 0, 3]])
+    assert torch.equal(v[:, 0, :, 3:], before_v[:, 0, :, [5, 0, 3]])
+    assert torch.equal(k[:, 0, :, :3], before_k[:, 0, :, :3]) and torch.equal(k[:, 1], before_k[:, 1])
+    assert torch.equal(v[:, 1], before_v[:, 1])
