@@ -159,7 +159,8 @@ def vocab_plan(rows: int, vocab: int, device: torch.device, splits: int | None =
 
 @dataclass(frozen=True)
 class AttentionPlan:
-    """verify_attention: programs over (row x kv head, query block, key split)."""
+    """verify_attention: programs over (row x kv head, query block, key split), then one
+    combine program per query row when there are several splits."""
     block_m: int  # query rows per program (query heads of one kv head x new tokens)
     block_n: int  # keys per inner step
     block_d: int
@@ -168,16 +169,24 @@ class AttentionPlan:
     chunk: int  # keys per split, a multiple of block_n
     num_warps: int
     num_stages: int
+    block_s: int  # splits one combine program holds (a power of two >= 2)
+    combine_warps: int
 
 
 INVARIANT_BLOCK_M = 16  # query rows per program of the invariant plan, whatever the shapes
 
 
 def attention_plan(batch: int, kv_heads: int, group: int, q_len: int, max_keys: int, head_dim: int,
-                   device: torch.device, splits: int | None = None, invariant: bool = False) -> AttentionPlan:
+                   device: torch.device, splits: int | None = None, invariant: bool = False,
+                   fp32: bool = False) -> AttentionPlan:
     """Queries of one kv head are ``group * q_len`` rows (token-major), tiled by up to 64;
     keys up to ``max_keys`` are split so that all programs together fill the GPU, each split at
     least two key blocks long. ``splits`` forces a split count (tests).
+
+    ``fp32``: float32 inputs on a GPU (IEEE float32 dots, whose operands take twice the
+    registers of bf16 ones): 16 query rows x 32 keys on 8 warps, the one tile ``compile_check``
+    finds unspilled on sm_80 and sm_90a for head dims 64 and 128 (32- and 64-row float32 tiles
+    spill there). The interpreter keeps the larger tiles, so its tests still cover them.
 
     ``invariant``: one plan whatever the batch, q_len and key count (query tiles of
     INVARIANT_BLOCK_M rows, one split, fixed warps; the key block follows the head dim alone),
@@ -186,8 +195,11 @@ def attention_plan(batch: int, kv_heads: int, group: int, q_len: int, max_keys: 
     block_m = INVARIANT_BLOCK_M if invariant else max(16, min(64, next_pow2(rows)))
     block_d = max(16, next_pow2(head_dim))
     block_n = 64 if block_d <= 64 else 32
+    num_warps = 4 if invariant or block_m * block_d <= 4096 else 8
     if interpreting():
         block_n = 32
+    elif fp32 and not invariant:
+        block_m, block_n, num_warps = 16, 32, 8
     m_blocks = cdiv(rows, block_m)
     key_blocks = max(1, cdiv(max_keys, block_n))
     if invariant:
@@ -198,8 +210,10 @@ def attention_plan(batch: int, kv_heads: int, group: int, q_len: int, max_keys: 
     splits = max(1, min(int(splits), key_blocks))
     chunk = cdiv(key_blocks, splits) * block_n
     splits = cdiv(max(max_keys, 1), chunk)
-    return AttentionPlan(block_m, block_n, block_d, m_blocks, splits, chunk,
-                         num_warps=4 if invariant or block_m * block_d <= 4096 else 8, num_stages=2)
+    block_s = max(2, next_pow2(splits))
+    # one warp per 2048 partial values a combine program holds, up to 4 (fewer spill: compile_check)
+    combine_warps = min(4, max(1, block_s * block_d // 2048))
+    return AttentionPlan(block_m, block_n, block_d, m_blocks, splits, chunk, num_warps, 2, block_s, combine_warps)
 
 
 @dataclass(frozen=True)

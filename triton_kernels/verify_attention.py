@@ -149,7 +149,7 @@ def verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if out.numel() == 0:
         return out
     group = Hq // Hkv
-    plan = attention_plan(B, Hkv, group, T, S, D, q.device, num_splits, invariant)
+    plan = attention_plan(B, Hkv, group, T, S, D, q.device, num_splits, invariant, fp32=q.dtype == torch.float32)
     fp32_dot = q.dtype == torch.float32 or interpreting()
     split = plan.splits > 1
     if split:
@@ -167,7 +167,7 @@ def verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if split:
         _combine_kernel[(B * Hq * T,)](
             mid_o, mid_lse, out, *out.stride(), Hq, T, D, plan.splits,
-            BLOCK_S=max(2, triton.next_power_of_2(plan.splits)), BLOCK_D=plan.block_d, num_warps=1)
+            BLOCK_S=plan.block_s, BLOCK_D=plan.block_d, num_warps=plan.combine_warps)
     return out
 
 
