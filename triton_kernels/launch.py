@@ -35,6 +35,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# Set by ``compile_check.recording`` while it records launches on meta tensors instead of running
+# them: the SM count of the GPU it compiles for (None: meta tensors are refused).
+COMPILE_ONLY = {"sms": None}
+
+
 @functools.lru_cache(maxsize=None)
 def num_sms(device_type: str, index: int | None = 0) -> int:
     """Streaming multiprocessors of the GPU (2 under the interpreter, to keep grids small)."""
@@ -44,6 +49,8 @@ def num_sms(device_type: str, index: int | None = 0) -> int:
 
 
 def _sms(device: torch.device) -> int:
+    if device.type == "meta" and COMPILE_ONLY["sms"]:
+        return COMPILE_ONLY["sms"]
     return num_sms(device.type, device.index)
 
 
@@ -96,6 +103,8 @@ def check_device(op: str, **tensors) -> torch.device:
     require(len(set(devices.values())) == 1, op, "all inputs must be on one device, got "
             + ", ".join(f"{n} on {d}" for n, d in devices.items()))
     device = next(iter(devices.values()))
+    if device.type == "meta" and COMPILE_ONLY["sms"]:
+        return device
     if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
         raise SwiftkernError(f"{op}: the Triton kernels run on CUDA tensors (or on the CPU with "
                              f"TRITON_INTERPRET=1), got {device}; use the reference or cpp backend there")

@@ -1,0 +1,138 @@
+"""Every Triton kernel compiles for sm_80 and sm_90a in the launch plans a GPU run uses, with no
+GPU: ``swiftkern.triton_kernels.compile_check``, run as its own process (this one runs Triton in
+interpreter mode, whose kernels cannot be compiled). Plus the check's own power: kernels the
+interpreter runs fine but a GPU cannot (a loop-carried type change, too much shared memory, a
+grid past CUDA's limits, spilled registers) each fail it with their reason."""
+
+import importlib
+import json
+import os
+import pkgutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
+                                reason="on a GPU machine the native tests compile and run every kernel")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def run_outside_interpreter(*argv: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, *argv], env=env, cwd=HERE, capture_output=True, text=True, timeout=1800)
+
+
+def jit_kernels() -> set[str]:
+    """The @triton.jit kernels (``_*_kernel``) of swiftkern.triton_kernels, found here, where
+    they are interpreter functions, independently of compile_check's own list."""
+    import swiftkern.triton_kernels as package
+
+    names = set()
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        names |= {n for n, obj in vars(module).items()
+                  if n.endswith("_kernel") and type(obj).__name__ in ("JITFunction", "InterpretedFunction")}
+    return names
+
+
+def test_every_kernel_compiles_for_sm80_and_sm90a_within_the_limits(tmp_path):
+    from swiftkern.triton_kernels.compile_check import MAX_GRID, SPILL_LIMIT, TARGETS
+
+    report_path = tmp_path / "compile.json"
+    run = run_outside_interpreter("-m", "swiftkern.triton_kernels.compile_check", "--json", str(report_path), "--quiet")
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-4000:]
+    report = json.loads(report_path.read_text())
+    assert report["failures"] == []
+    kernels = jit_kernels()
+    assert len(kernels) >= 11 and set(report["kernels"]) == kernels
+    compiled = {(launch["target"], launch["kernel"]) for launch in report["launches"]}
+    assert compiled == {(t.name, k) for t in TARGETS.values() for k in kernels}
+    limits = {t.name: t.max_shared for t in TARGETS.values()}
+    for launch in report["launches"]:
+        assert launch["shared"] <= limits[launch["target"]], launch
+        assert 0 <= launch["spill_bytes"] <= SPILL_LIMIT and 0 < launch["registers"] <= 255, launch
+        assert all(g <= m for grid in launch["grids"] for g, m in zip(grid, MAX_GRID)), launch
+    # the plans are a GPU's, not the interpreter's (2 SMs): on 108 / 132 SMs a single SmolLM2
+    # decode row splits its 32768 keys over more than 64 programs
+    splits = {(launch["target"], int(launch["constexprs"]["BLOCK_S"])) for launch in report["launches"]
+              if launch["kernel"] == "_combine_kernel"}
+    assert {("sm_80", 128), ("sm_90a", 128)} <= splits
+
+
+# ------------------------------------------------------------------------- the check's power
+
+@triton.jit
+def _loop_type_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    total = 0  # an int32 that the loop turns into a float32: the compiler refuses it
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        total += tl.sum(tl.load(x_ptr + offs, mask=offs < n, other=0.0))
+    tl.store(out_ptr, total)
+
+
+@triton.jit
+def _big_dot_kernel(a_ptr, out_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    a = tl.load(a_ptr + offs[:, None] * BLOCK + offs[None, :])
+    tl.store(out_ptr + offs[:, None] * BLOCK + offs[None, :], tl.dot(a, a))
+
+
+@triton.jit
+def _copy_kernel(x_ptr, out_ptr, BLOCK: tl.constexpr):
+    offs = (tl.program_id(0) + tl.program_id(1)) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs))
+
+
+@triton.jit
+def _wide_row_kernel(x_ptr, out_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs)
+    tl.store(out_ptr + offs, tl.cumsum(x * x, axis=0) / tl.sum(x, axis=0))
+
+
+def test_the_interpreter_runs_a_kernel_the_compiler_refuses():
+    """The gap compile_check closes: the interpreter sums fine where the compiler stops."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs the interpreter (conftest sets it without a GPU)")
+    x = torch.randn(300)
+    out = torch.empty(1)
+    _loop_type_kernel[(1,)](x, out, x.numel(), BLOCK=64)
+    torch.testing.assert_close(out[0], x.sum(), rtol=1e-5, atol=1e-5)
+
+
+CASES_SCRIPT = """
+import json, sys
+import torch
+sys.path.insert(0, {here!r})
+import test_triton_compile as t
+from swiftkern.triton_kernels import compile_check as cc
+
+m = lambda *shape: torch.empty(shape, device="meta")
+cases = [
+    ("loop-type", lambda x: t._loop_type_kernel[(1,)](x, x, x.numel(), BLOCK=64), (m(300),)),
+    ("big-dot", lambda a: t._big_dot_kernel[(1,)](a, a, BLOCK=256, num_stages=1), (m(256, 256),)),
+    ("grid", lambda x: t._copy_kernel[(1, 70000)](x, x, BLOCK=128), (m(128),)),
+    ("wide-row", lambda x: t._wide_row_kernel[(1,)](x, x, BLOCK=65536, num_warps=1), (m(65536),)),
+    ("fine", lambda x: t._copy_kernel[(4, 2)](x, x, BLOCK=128), (m(1024),)),
+]
+launches, failures = cc.check([cc.TARGETS[90]], verbose=False, case_list=cases)
+print(json.dumps(failures))
+"""
+
+
+def test_compile_check_fails_each_kernel_a_gpu_cannot_run_with_its_reason():
+    run = run_outside_interpreter("-c", CASES_SCRIPT.format(here=HERE))
+    assert run.returncode == 0, run.stderr[-4000:]
+    failures = json.loads(run.stdout.strip().splitlines()[-1])
+    by_case = {label: [f for f in failures if f.startswith(f"sm_90a {label}:")]
+               for label in ("loop-type", "big-dot", "grid", "wide-row", "fine")}
+    assert sum(map(len, by_case.values())) == len(failures) and by_case["fine"] == [], failures
+    assert any("Loop-carried variable total" in f for f in by_case["loop-type"]), failures
+    assert any("524288 bytes of shared memory, more than the 232448" in f for f in by_case["big-dot"]), failures
+    assert any("axis 1 = 70000 > 65535" in f for f in by_case["grid"]), failures
+    assert any("_wide_row_kernel spills" in f for f in by_case["wide-row"]), failures

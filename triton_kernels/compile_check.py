@@ -1,0 +1,343 @@
+"""Compile every Triton kernel for a GPU, on a machine without one.
+
+    python -m swiftkern.triton_kernels.compile_check [--arch 80 --arch 90] [--json PATH]
+
+The interpreter tests (``TRITON_INTERPRET=1``) check what the kernels compute, but the
+interpreter runs each program as numpy: it accepts code the compiler refuses (a loop-carried
+value that changes type, a block that is not a power of two, a dtype the hardware lacks), and
+it runs its own small launch plans (``launch.interpreting()``), never the ones a GPU gets.
+
+This module runs each launcher on meta tensors of the shapes the model runner uses on a GPU
+(SmolLM2 and Llama-3-8B; decode, verification and replay; batch 1 to 32; caches up to 32768
+keys; float32, bfloat16, float16), with the launch plans of the target GPU (its SM count
+decides the key and vocabulary splits). Each launch is compiled by Triton itself, the way
+``kernel[grid](...)`` compiles it on a GPU (the same argument specialization, options and
+cache), down to a cubin for the target, and not launched. A launch fails the check when:
+
+- Triton cannot compile it for the target (the error is shown with the case);
+- its shared memory exceeds what one block may use on the target (Triton would raise
+  OutOfResources at the first launch);
+- its grid exceeds CUDA's limits (2^31 - 1 programs on axis 0, 65535 on axes 1 and 2);
+- it spills more than ``SPILL_LIMIT`` bytes of registers per thread to local memory (read by
+  the ``cuobjdump`` and ``ptxas`` Triton ships): a plan that spills is a slow plan, and the fix
+  is in ``launch.py``'s plans. A few bytes are the register allocator's noise, not a plan that
+  does not fit.
+
+Triton must be imported with ``TRITON_INTERPRET`` unset or 0 (the
+kernels are then ``JITFunction``s), so run this as its own process; the test suite does.
+Exit status: 0 when every launch of every case passes on every target, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .launch import COMPILE_ONLY, interpreting
+
+META = torch.device("meta")
+
+
+@dataclass(frozen=True)
+class Target:
+    """A GPU to compile for: its compute capability, SM count and shared memory per block."""
+    arch: int
+    sms: int
+    max_shared: int  # bytes one block may use (the opt-in maximum)
+
+    @property
+    def name(self) -> str:
+        return f"sm_{self.arch}" + ("a" if self.arch == 90 else "")
+
+
+TARGETS = {
+    80: Target(80, 108, 166912),  # A100: 163 KiB
+    90: Target(90, 132, 232448),  # H100 / H200: 227 KiB
+}
+MAX_GRID = (2 ** 31 - 1, 65535, 65535)
+SPILL_LIMIT = 32  # bytes of spill stores per thread a compiled kernel may have
+
+
+@dataclass
+class Launch:
+    """One compiled kernel of one target, with every case that launched it."""
+    kernel: str
+    target: str
+    constexprs: dict
+    signature: dict
+    num_warps: int
+    num_stages: int
+    shared: int
+    registers: int
+    spill_bytes: int
+    cases: list = field(default_factory=list)
+    grids: list = field(default_factory=list)
+
+
+# ------------------------------------------------------------------------- recording
+
+class _CompileOnlyDriver:
+    """Stands in for Triton's CUDA driver: one device per target, no stream, the target's
+    compute capability. Triton's JIT asks it nothing else when it compiles without launching."""
+
+    def __init__(self, target: Target):
+        from triton.backends.compiler import GPUTarget
+
+        self.device = 1000 + target.arch  # a device id of its own: the JIT caches per device
+        self.gpu_target = GPUTarget("cuda", target.arch, 32)
+
+    def get_current_device(self):
+        return self.device
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return self.gpu_target
+
+
+@contextlib.contextmanager
+def recording(target: Target, on_launch):
+    """Inside this block the launchers accept meta tensors and plan for ``target``; each
+    ``kernel[grid](...)`` compiles for ``target`` (through Triton's own JIT path, warm-up mode:
+    nothing is launched) and calls ``on_launch(jit_function, grid, compiled_kernel)``."""
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    if interpreting():
+        raise RuntimeError("compile_check needs TRITON_INTERPRET unset or 0 when triton is first imported "
+                           "(run it as its own process: python -m swiftkern.triton_kernels.compile_check)")
+    real_run = JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        compiled = real_run(self, *args, grid=grid, warmup=True, **kwargs)
+        on_launch(self, tuple(grid), compiled)
+        return compiled
+
+    saved_driver, saved_sms = driver._active, COMPILE_ONLY["sms"]
+    driver.set_active(_CompileOnlyDriver(target))
+    COMPILE_ONLY["sms"] = target.sms
+    JITFunction.run = compile_only
+    try:
+        yield
+    finally:
+        JITFunction.run = real_run
+        COMPILE_ONLY["sms"] = saved_sms
+        driver._active = saved_driver
+
+
+# ------------------------------------------------------------------------- cases
+
+MODELS = {  # hidden, query heads, kv heads, head dim, MLP width, vocabulary, layers
+    "smollm2": dict(H=576, Hq=9, Hkv=3, D=64, I=1536, V=49152, L=30),
+    "llama3-8b": dict(H=4096, Hq=32, Hkv=8, D=128, I=14336, V=128256, L=32),
+}
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+BATCHES = (1, 8, 32)
+NEW_TOKENS = (1, 9, 33)  # decode, verification of 8 drafts, a deterministic replay window of 32
+CACHE_KEYS = (512, 4096, 32768)
+
+
+def _m(*shape, dtype=torch.float32) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=META)
+
+
+def _heads(B: int, T: int, H: int, D: int, dtype) -> torch.Tensor:
+    """[B, H, T, D] as the model makes it: a transposed view of a [B, T, H, D] projection."""
+    return _m(B, T, H, D, dtype=dtype).transpose(1, 2)
+
+
+def cases():
+    """(label, launcher, args) triples: one launcher on meta tensors of one shape the model
+    runner uses on a GPU (meta tensors hold no memory, so the args are built up front)."""
+    from . import KERNELS
+    from .bi_matmul import bi_matmul
+
+    k = {name: fn for name, (fn, _) in KERNELS.items()}
+    i64, i32 = torch.int64, torch.int32
+    for model, c in MODELS.items():
+        H, Hq, Hkv, D, I, V, L = (c[x] for x in ("H", "Hq", "Hkv", "D", "I", "V", "L"))
+        for dt in DTYPES:
+            tag = f"{model} {str(dt).removeprefix('torch.')}"
+            for rows in (1, 32 * 9):
+                x = _m(rows, H, dtype=dt)
+                yield f"rms_norm {tag} rows={rows}", k["rms_norm"], (x, _m(H, dtype=dt), 1e-5)
+                yield f"fused_add_rms_norm {tag} rows={rows}", k["fused_add_rms_norm"], (x, _m(rows, H, dtype=dt),
+                                                                                        _m(H, dtype=dt), 1e-5)
+                yield f"silu_mul {tag} rows={rows}", k["silu_mul"], (_m(rows, I, dtype=dt), _m(rows, I, dtype=dt))
+            for B in BATCHES:
+                for T in NEW_TOKENS:
+                    yield f"rope_kv_append {tag} B={B} T={T}", k["rope_kv_append"], (
+                        _heads(B, T, Hq, D, dt), _heads(B, T, Hkv, D, dt), _heads(B, T, Hkv, D, dt),
+                        _m(B, T, D, dtype=dt), _m(B, T, D, dtype=dt), _m(B, Hkv, 4096, D, dtype=dt),
+                        _m(B, Hkv, 4096, D, dtype=dt), _m(B, T, dtype=i64))
+                    for S in CACHE_KEYS:
+                        for name in ("verify_attention", "verify_attention_invariant"):
+                            yield f"{name} {tag} B={B} T={T} S={S}", k[name], (
+                                _heads(B, T, Hq, D, dt), _m(B, Hkv, S, D, dtype=dt), _m(B, Hkv, S, D, dtype=dt),
+                                _m(B, dtype=i64), D ** -0.5)
+                for M in (9, 33):
+                    yield f"kv_compact {tag} B={B} M={M}", k["kv_compact"], (
+                        _m(L, B, Hkv, 4096, D, dtype=dt), _m(L, B, Hkv, 4096, D, dtype=dt),
+                        _m(B, M, dtype=i64), _m(B, dtype=i64), _m(B, dtype=i32))
+            for rows in (1, 33 * 8):  # one decode token; a replay of 8 windows of 33
+                for n_out, n_in in ((Hq * D, H), (I, H), (H, I), (V, H)):
+                    # the model multiplies by a [N, K] weight's transposed view
+                    yield f"bi_matmul {tag} M={rows} N={n_out} K={n_in}", bi_matmul, (
+                        _m(rows, n_in, dtype=dt), _m(n_out, n_in, dtype=dt).t())
+        for B, K in ((1, 4), (8, 8), (32, 8)):
+            for dt in (torch.float32, torch.bfloat16):
+                yield f"greedy_accept {model} logits {str(dt).removeprefix('torch.')} B={B} K={K}", (
+                    k["greedy_accept"]), (_m(B, K, dtype=i64), _m(B, K + 1, V, dtype=dt), _m(B, dtype=i32))
+            for has_q in (False, True):
+                yield f"rejection_sample {model} B={B} K={K} draft_probs={has_q}", k["rejection_sample"], (
+                    _m(B, K, dtype=i64), _m(B, K, V) if has_q else None, _m(B, K + 1, V), _m(B, dtype=i32),
+                    _m(B, K), _m(B, K + 1))
+
+
+def all_kernels() -> set[str]:
+    """Names of every @triton.jit kernel in swiftkern.triton_kernels' modules."""
+    import importlib
+    import pkgutil
+
+    from triton.runtime.jit import JITFunction
+
+    from .. import triton_kernels as package
+
+    names = set()
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        names |= {name for name, obj in vars(module).items()
+                  if isinstance(obj, JITFunction) and name.endswith("_kernel")}
+    return names
+
+
+# ------------------------------------------------------------------------- checking
+
+def _resource_usage(compiled, target: Target) -> tuple[int, int]:
+    """(registers per thread, bytes of spill stores) of one compiled kernel. The registers come
+    from the cubin (``cuobjdump -res-usage``); where it shows a stack frame, the spill stores
+    are read from ``ptxas -v`` on the kernel's PTX (a stack frame alone is not a spill)."""
+    from triton import knobs
+    from triton.backends.nvidia.compiler import get_ptxas  # the ptxas Triton compiled this target with
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin, ptx = os.path.join(tmp, "k.cubin"), os.path.join(tmp, "k.ptx")
+        with open(cubin, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        text = subprocess.run([knobs.nvidia.cuobjdump.path, "-res-usage", cubin], capture_output=True,
+                              text=True, check=True).stdout
+        found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", text)
+        if not found:
+            raise RuntimeError(f"cuobjdump -res-usage printed no REG/STACK/LOCAL line:\n{text}")
+        registers, frame = int(found.group(1)), int(found.group(2)) + int(found.group(3))
+        if not frame:
+            return registers, 0
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        log = subprocess.run([get_ptxas(target.arch).path, "-v", f"--gpu-name={target.name}", ptx, "-o",
+                              os.path.join(tmp, "v.cubin")], capture_output=True, text=True, check=True).stderr
+    spills = re.search(r"(\d+) bytes spill stores", log)
+    if not spills:
+        raise RuntimeError(f"ptxas -v printed no spill count:\n{log}")
+    return registers, int(spills.group(1))
+
+
+def check(targets: list[Target], verbose: bool = True, case_list=None) -> tuple[list[Launch], list[str]]:
+    """Compile every launch of every case (``cases()``, or ``case_list``: (label, launcher,
+    args) triples) for each target -> (compiled kernels, failures)."""
+    launches: dict[tuple, Launch] = {}
+    failures: list[str] = []
+    all_cases = list(cases() if case_list is None else case_list)
+    for target in targets:
+        current = {"case": None}
+
+        def on_launch(fn, grid, compiled, target=target):
+            meta = compiled.metadata
+            key = (fn.__name__, target.name, compiled.hash)
+            if key not in launches:
+                regs, spills = _resource_usage(compiled, target)
+                constexprs = {fn.arg_names[path[0]]: repr(v) for path, v in compiled.src.constants.items()}
+                launches[key] = Launch(fn.__name__, target.name, constexprs, dict(compiled.src.signature),
+                                       meta.num_warps, meta.num_stages, meta.shared, regs, spills)
+                if spills > SPILL_LIMIT:
+                    failures.append(f"{target.name} {current['case']}: {fn.__name__} spills {spills} bytes of "
+                                    f"registers ({regs} registers per thread, {meta.num_warps} warps, {constexprs})")
+                if meta.shared > target.max_shared:
+                    failures.append(f"{target.name} {current['case']}: {fn.__name__} needs {meta.shared} bytes of "
+                                    f"shared memory, more than the {target.max_shared} one block may use")
+            launches[key].cases.append(current["case"])
+            launches[key].grids.append(list(grid))
+            over = [f"axis {i} = {g} > {m}" for i, (g, m) in enumerate(zip(grid, MAX_GRID)) if g > m]
+            if over:
+                failures.append(f"{target.name} {current['case']}: {fn.__name__} grid {grid} past CUDA's limit "
+                                f"({', '.join(over)})")
+
+        with recording(target, on_launch):
+            for i, (label, launcher, args) in enumerate(all_cases):
+                current["case"] = label
+                if verbose:
+                    print(f"\r{target.name}: case {i + 1}/{len(all_cases)}, {len(launches)} kernels compiled",
+                          end="", file=sys.stderr, flush=True)
+                try:
+                    launcher(*args)
+                except Exception as e:  # noqa: BLE001 - every failing case is reported, not just the first
+                    failures.append(f"{target.name} {label}: {type(e).__name__}: {str(e).strip()[:2000]}")
+        if verbose:
+            print(file=sys.stderr)
+    return list(launches.values()), failures
+
+
+def table(launches: list[Launch]) -> str:
+    rows = [("target", "kernel", "pointers", "warps", "stages", "shared B", "regs", "spill B", "cases", "constexprs")]
+    for t in sorted(launches, key=lambda t: (t.target, t.kernel, str(t.constexprs), str(t.signature))):
+        pointers = ",".join(sorted({v[1:] for v in t.signature.values() if v.startswith("*")}))
+        rows.append((t.target, t.kernel, pointers, str(t.num_warps), str(t.num_stages), str(t.shared), str(t.registers),
+                     str(t.spill_bytes), str(len(t.cases)),
+                     " ".join(f"{k}={v}" for k, v in t.constexprs.items())))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m swiftkern.triton_kernels.compile_check",
+        description="Compile every swiftkern Triton kernel, in the launch plans the model runner uses on a "
+                    "GPU, for GPU targets (no GPU needed): fails on a compile error, shared memory over the "
+                    "target's per-block limit, a grid past CUDA's limits, or spilled registers.")
+    parser.add_argument("--arch", type=int, action="append", choices=sorted(TARGETS),
+                        help="compute capability to compile for (repeat; default: 80 and 90)")
+    parser.add_argument("--json", metavar="PATH", help="write the compiled kernels and the failures as JSON")
+    parser.add_argument("--quiet", action="store_true", help="no progress line")
+    args = parser.parse_args(argv)
+    targets = [TARGETS[a] for a in (args.arch or sorted(TARGETS))]
+    import triton
+
+    launches, failures = check(targets, verbose=not args.quiet)
+    print(f"triton {triton.__version__}, torch {torch.__version__}: {len(launches)} compiled kernels")
+    print(table(launches))
+    missing = {(t.name, k) for t in targets for k in all_kernels()} - {(t.target, t.kernel) for t in launches}
+    failures += [f"{name}: no case launches {kernel}; add one to compile_check.cases()"
+                 for name, kernel in sorted(missing)]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"triton": triton.__version__, "targets": [asdict(t) for t in targets],
+                       "kernels": sorted(all_kernels()), "launches": [asdict(t) for t in launches],
+                       "failures": failures}, f, indent=1)
+    for failure in failures:
+        print(f"FAIL {failure}")
+    print(f"{len(failures)} failures" if failures else "all launches compile within the targets' limits")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
