@@ -6,7 +6,9 @@
 B rows of K = 8 drafts over V = 49152 (SmolLM2) and 128256 (Llama 3) logits. `acc=all`: every
 draft matches its target, so every kernel must scan all K+1 positions (the worst case for the
 CPU kernel, which stops scanning a row at its first mismatch); `acc=0`: the first draft is
-wrong. Bytes per call: the logits a kernel must read when every position is needed.
+wrong. Bytes per call: the logits a kernel must read when every position is needed. On a GPU,
+``triton-pps<n>`` rows time the Triton kernel with its vocabulary split aimed at n programs per
+SM (its plan aims at 2): the data for choosing that count.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from bench.kernel_bench import PRINT_KEYS, Case, default_dtype, run_cases, standalone  # noqa: E402, F401
+from bench.kernel_bench import (PRINT_KEYS, Case, default_dtype, run_cases, standalone,  # noqa: E402, F401
+                                vocab_split_sweep)
 
 ROUTINE = "greedy_accept"
+ROWS_AND_VOCAB = lambda draft, logits, num_draft: (logits.shape[0] * logits.shape[1], logits.shape[2])  # noqa: E731
 
 
 def cases(args) -> list[Case]:
@@ -48,7 +52,8 @@ def cases(args) -> list[Case]:
 
 
 def run(args) -> list[dict]:
-    return run_cases(ROUTINE, ROUTINE, cases(args), args)
+    sweep = vocab_split_sweep(ROUTINE, args.device, ROWS_AND_VOCAB)
+    return run_cases(ROUTINE, ROUTINE, cases(args), args, extra=sweep)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ B rows of K = 8 drafts over V = 49152 (SmolLM2) and 128256 (Llama 3) float32 pro
 with draft probabilities (`q`) or a greedy draft (`q=none`, one-hot). Target probabilities are
 a sharpened copy of the draft's, so some drafts are accepted and some rejected. Bytes per call:
 the rows a kernel must read for its draws (one target row, and one draft row with q, per row).
+On a GPU, ``triton-pps<n>`` rows force the Triton kernel's vocabulary split to aim at n
+programs per SM (its plan aims at 2).
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from bench.kernel_bench import PRINT_KEYS, Case, run_cases, standalone  # noqa: E402, F401
+from bench.kernel_bench import PRINT_KEYS, Case, run_cases, standalone, vocab_split_sweep  # noqa: E402, F401
 
 ROUTINE = "rejection_sample"
+ROWS_AND_VOCAB = lambda draft, q, p, *rest: (p.shape[0], p.shape[2])  # noqa: E731
 
 
 def cases(args) -> list[Case]:
@@ -50,7 +53,8 @@ def cases(args) -> list[Case]:
 
 
 def run(args) -> list[dict]:
-    return run_cases(ROUTINE, ROUTINE, cases(args), args)
+    sweep = vocab_split_sweep(ROUTINE, args.device, ROWS_AND_VOCAB)
+    return run_cases(ROUTINE, ROUTINE, cases(args), args, extra=sweep)
 
 
 if __name__ == "__main__":

@@ -71,6 +71,31 @@ def providers(op: str, device: str, extra: dict | None = None, wanted=None) -> d
     return found
 
 
+SPLIT_SWEEP = (4, 8, 16)  # programs per SM tried beside the plan's own (launch.VOCAB_PROGRAMS_PER_SM)
+
+
+def vocab_split_sweep(op: str, device: str, rows_and_vocab: Callable) -> dict:
+    """On a GPU, providers ``triton-pps<n>``: the Triton kernel of ``op`` with its vocabulary
+    split forced to aim at n programs per SM instead of its plan's, so that one run shows which
+    count streams the logits fastest. ``rows_and_vocab(*args)`` -> (reductions, V) of a call."""
+    if not device.startswith("cuda"):
+        return {}
+    try:
+        from swiftkern.triton_kernels import KERNELS
+        from swiftkern.triton_kernels.launch import vocab_plan
+    except ImportError:
+        return {}
+    launcher = KERNELS[op][0]
+
+    def forced(n: int):
+        def fn(*args):
+            rows, vocab = rows_and_vocab(*args)
+            plan = vocab_plan(rows, vocab, torch.device(device), programs_per_sm=n)
+            return launcher(*args, num_splits=plan.splits)
+        return fn
+    return {f"triton-pps{n}": forced(n) for n in SPLIT_SWEEP}
+
+
 def _as_list(out) -> list:
     if out is None:
         return []

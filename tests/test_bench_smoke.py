@@ -130,3 +130,45 @@ def test_gpu_rows_go_to_a_file_of_their_own(tmp_path, monkeypatch):
     cpu = common.append_csv("greedy_accept", [dict(row, device="cpu: A")])
     assert os.path.basename(cpu) == "greedy_accept.csv" and sorted(os.listdir(tmp_path)) == [
         "greedy_accept-nvidia-h100-80gb-hbm3.csv", "greedy_accept.csv"]
+
+
+def test_vocab_split_sweep_providers_force_the_split_they_name(monkeypatch):
+    """The GPU sweep providers (triton-pps<n>) run the Triton kernel with the split of an n
+    programs-per-SM plan (here under the interpreter, on a stand-in SM count) and give the
+    reference's tokens; on the CPU there are none."""
+    import torch
+
+    sys.path.insert(0, ROOT)
+    from bench import bench_greedy_accept, bench_rejection_sample
+    from bench.kernel_bench import SPLIT_SWEEP, vocab_split_sweep
+    from swiftkern import reference
+    from swiftkern.triton_kernels import greedy_accept as greedy_module
+    from swiftkern.triton_kernels import launch, rejection_sample as rejection_module
+
+    assert vocab_split_sweep("greedy_accept", "cpu", None) == {}
+    monkeypatch.setattr(launch, "num_sms", lambda device_type, index=0: 3)
+    B, K, V = 2, 3, 40 * 8192  # 40 vocabulary blocks of the interpreter's plan (8192 wide)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(B, K + 1, V, generator=g)
+    draft = logits[:, :K].argmax(-1)
+    draft[1, 1] = (draft[1, 1] + 1) % V
+    num_draft = torch.tensor([3, 3], dtype=torch.int32)
+    probs = torch.softmax(logits * 3, -1)
+    u_acc, u_smp = torch.rand(B, K, generator=g), torch.rand(B, K + 1, generator=g)
+    for bench, module, args, want in (
+            (bench_greedy_accept, greedy_module, (draft, logits, num_draft),
+             reference.greedy_accept(draft, logits, num_draft)),
+            (bench_rejection_sample, rejection_module, (draft, probs[:, :K], probs, num_draft, u_acc, u_smp),
+             reference.rejection_sample(draft, probs[:, :K], probs, num_draft, u_acc, u_smp))):
+        seen = []
+        real = module.vocab_plan
+        monkeypatch.setattr(module, "vocab_plan", lambda *a, **k: seen.append(k.get("splits") or a[3]) or real(*a, **k))
+        sweep = vocab_split_sweep(bench.ROUTINE, "cuda", bench.ROWS_AND_VOCAB)
+        assert sorted(sweep) == sorted(f"triton-pps{n}" for n in SPLIT_SWEEP)
+        for n in SPLIT_SWEEP:
+            seen.clear()
+            out = sweep[f"triton-pps{n}"](*args)
+            rows = B * (K + 1) if bench is bench_greedy_accept else B
+            # closed form of the plan: ceil(n * SMs / rows) splits, at most a quarter of the blocks
+            assert seen == [min(-(-n * 3 // rows), 40 // 4)], (n, seen)
+            assert all(torch.equal(o, w) for o, w in zip(out, want))

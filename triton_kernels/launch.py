@@ -153,13 +153,17 @@ class VocabPlan:
     num_warps: int
 
 
-def vocab_plan(rows: int, vocab: int, device: torch.device, splits: int | None = None) -> VocabPlan:
+VOCAB_PROGRAMS_PER_SM = 2  # the programs per SM vocab_plan aims at (bench: a sweep of others)
+
+
+def vocab_plan(rows: int, vocab: int, device: torch.device, splits: int | None = None,
+               programs_per_sm: int = VOCAB_PROGRAMS_PER_SM) -> VocabPlan:
     """Split each of ``rows`` vocabulary reductions so that rows * splits fills the GPU
-    (about 2 programs per SM), each chunk at least 4 blocks long."""
+    (about ``programs_per_sm`` programs per SM), each chunk at least 4 blocks long."""
     block = min(next_pow2(vocab), 1024 if not interpreting() else 8192)
     blocks = cdiv(vocab, block)
     if splits is None:
-        want = max(1, cdiv(2 * _sms(device), max(rows, 1)))
+        want = max(1, cdiv(programs_per_sm * _sms(device), max(rows, 1)))
         splits = min(want, max(1, blocks // 4))
     splits = max(1, min(int(splits), blocks))
     chunk = cdiv(blocks, splits) * block
