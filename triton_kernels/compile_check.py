@@ -8,8 +8,8 @@ value that changes type, a block that is not a power of two, a dtype the hardwar
 it runs its own small launch plans (``launch.interpreting()``), never the ones a GPU gets.
 
 This module runs each launcher on meta tensors of the shapes the model runner uses on a GPU
-(SmolLM2 and Llama-3-8B; decode, verification and replay; batch 1 to 32; caches up to 32768
-keys; float32, bfloat16, float16), with the launch plans of the target GPU (its SM count
+(SmolLM2, Llama-3-8B, Qwen2-0.5B and the tests' tiny models with one kv head; decode,
+verification and replay; batch 1 to 32; caches up to 32768 keys; float32, bfloat16, float16), with the launch plans of the target GPU (its SM count
 decides the key and vocabulary splits). Each launch is compiled by Triton itself, the way
 ``kernel[grid](...)`` compiles it on a GPU (the same argument specialization, options and
 cache), down to a cubin for the target, and not launched. A launch fails the check when:
@@ -140,6 +140,8 @@ def recording(target: Target, on_launch):
 MODELS = {  # hidden, query heads, kv heads, head dim, MLP width, vocabulary, layers
     "smollm2": dict(H=576, Hq=9, Hkv=3, D=64, I=1536, V=49152, L=30),
     "llama3-8b": dict(H=4096, Hq=32, Hkv=8, D=128, I=14336, V=128256, L=32),
+    "qwen2-0.5b": dict(H=896, Hq=14, Hkv=2, D=64, I=4864, V=151936, L=24),
+    "tiny-mqa": dict(H=64, Hq=4, Hkv=1, D=16, I=96, V=301, L=4),  # the tests' tiny models, one kv head
 }
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BATCHES = (1, 8, 32)
