@@ -20,8 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from bench.kernel_bench import (PRINT_KEYS, Case, default_dtype, run_cases, standalone,  # noqa: E402, F401
-                                vocab_split_sweep)
+from bench.kernel_bench import PRINT_KEYS, Case, default_dtype, run_cases, standalone  # noqa: E402, F401
 
 ROUTINE = "greedy_accept"
 ROWS_AND_VOCAB = lambda draft, logits, num_draft: (logits.shape[0] * logits.shape[1], logits.shape[2])  # noqa: E731
@@ -52,8 +51,7 @@ def cases(args) -> list[Case]:
 
 
 def run(args) -> list[dict]:
-    sweep = vocab_split_sweep(ROUTINE, args.device, ROWS_AND_VOCAB)
-    return run_cases(ROUTINE, ROUTINE, cases(args), args, extra=sweep)
+    return run_cases(ROUTINE, ROUTINE, cases(args), args, split_sweep=ROWS_AND_VOCAB)
 
 
 if __name__ == "__main__":

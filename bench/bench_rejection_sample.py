@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from bench.kernel_bench import PRINT_KEYS, Case, run_cases, standalone, vocab_split_sweep  # noqa: E402, F401
+from bench.kernel_bench import PRINT_KEYS, Case, run_cases, standalone  # noqa: E402, F401
 
 ROUTINE = "rejection_sample"
 ROWS_AND_VOCAB = lambda draft, q, p, *rest: (p.shape[0], p.shape[2])  # noqa: E731
@@ -53,8 +53,7 @@ def cases(args) -> list[Case]:
 
 
 def run(args) -> list[dict]:
-    sweep = vocab_split_sweep(ROUTINE, args.device, ROWS_AND_VOCAB)
-    return run_cases(ROUTINE, ROUTINE, cases(args), args, extra=sweep)
+    return run_cases(ROUTINE, ROUTINE, cases(args), args, split_sweep=ROWS_AND_VOCAB)
 
 
 if __name__ == "__main__":

@@ -113,10 +113,14 @@ def check(op: str, name: str, got, want, atol: float, rtol: float) -> None:
 
 
 def run_cases(routine: str, op: str, cases: list[Case], args, extra: dict | None = None,
-              tol: tuple[float, float] = (2e-2, 2e-2)) -> list[dict]:
+              tol: tuple[float, float] = (2e-2, 2e-2), split_sweep: Callable | None = None) -> list[dict]:
     """Time every provider on every case (interleaved) -> rows for bench/results/<routine>.csv.
-    Prints the device's measured copy bandwidth first (the ceiling of memory-bound ops)."""
+    Prints the device's measured copy bandwidth first (the ceiling of memory-bound ops).
+    ``split_sweep``: an op with a vocabulary split also gets ``vocab_split_sweep``'s providers,
+    given its (reductions, V) of a call."""
     print(f"copy bandwidth on {common.device_name(args.device)}: {common.copy_bandwidth_gbs(args.device):.1f} GB/s")
+    if split_sweep is not None:
+        extra = dict(extra or {}, **vocab_split_sweep(op, args.device, split_sweep))
     fns_of = providers(op, args.device, extra, args.providers)
     reps = args.reps or (3 if args.smoke else 20)
     rows = []
