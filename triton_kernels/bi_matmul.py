@@ -26,7 +26,7 @@ SCHEMA = "(Tensor a, Tensor b) -> Tensor"
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one binary for every M (a row's bits must not depend on M)
 def _bi_matmul_kernel(
     a_ptr,  # [M, K]
     b_ptr,  # [K, N]

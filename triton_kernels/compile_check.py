@@ -18,6 +18,8 @@ cache), down to a cubin for the target, and not launched. A launch fails the che
 - its shared memory exceeds what one block may use on the target (Triton would raise
   OutOfResources at the first launch);
 - its grid exceeds CUDA's limits (2^31 - 1 programs on axis 0, 65535 on axes 1 and 2);
+- one of the deterministic verifier's ops compiles to more than one binary across the shapes
+  the verifier meets (``verifier_cases``): batch invariance must not rest on a specialization;
 - it spills more than ``SPILL_LIMIT`` bytes of registers per thread to local memory (read by
   the ``cuobjdump`` and ``ptxas`` Triton ships): a plan that spills is a slow plan, and the fix
   is in ``launch.py``'s plans. A few bytes are the register allocator's noise, not a plan that
@@ -39,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
+from itertools import chain
 
 import torch
 
@@ -206,6 +209,45 @@ def cases():
                     _m(B, K), _m(B, K + 1))
 
 
+VERIFIER_SHAPES = ((1, 2, 4096), (1, 33, 4096), (4, 33, 4096), (16, 33, 4160), (1, 64, 4096), (2, 100, 4160))
+VERIFIER_PREFIX = "verifier "
+
+
+def verifier_cases():
+    """The deterministic verifier's ops on a GPU (its fused set: the norms, silu_mul, rope,
+    the invariant attention, bi_matmul) at the shapes it meets: verify passes of any batch and
+    window, prefill-long rows, caches of two sizes -> (label, launcher, args) triples labelled
+    ``verifier <model> <dtype> ...``. ``check`` requires each op to compile to one binary per
+    model, dtype and target across them: a row's bits then cannot depend on the batch, the
+    window or the prompt length through a specialization on a shape value."""
+    from . import KERNELS
+    from .bi_matmul import bi_matmul
+
+    k = {name: fn for name, (fn, _) in KERNELS.items()}
+    for model in ("smollm2", "llama3-8b", "tiny-mqa"):
+        H, Hq, Hkv, D, I = (MODELS[model][x] for x in ("H", "Hq", "Hkv", "D", "I"))
+        for dt in (torch.float32, torch.bfloat16):
+            tag = f"{VERIFIER_PREFIX}{model} {str(dt).removeprefix('torch.')}"
+            for B, T, S in VERIFIER_SHAPES:
+                shape = f"B={B} T={T} S={S}"
+                rows = B * T
+                x = _m(rows, H, dtype=dt)
+                yield f"{tag} rms_norm {shape}", k["rms_norm"], (x, _m(H, dtype=dt), 1e-5)
+                yield f"{tag} fused_add_rms_norm {shape}", k["fused_add_rms_norm"], (x, _m(rows, H, dtype=dt),
+                                                                                    _m(H, dtype=dt), 1e-5)
+                yield f"{tag} silu_mul {shape}", k["silu_mul"], (_m(rows, I, dtype=dt), _m(rows, I, dtype=dt))
+                yield f"{tag} rope_kv_append {shape}", k["rope_kv_append"], (
+                    _heads(B, T, Hq, D, dt), _heads(B, T, Hkv, D, dt), _heads(B, T, Hkv, D, dt), _m(B, T, D, dtype=dt),
+                    _m(B, T, D, dtype=dt), _m(B, Hkv, S, D, dtype=dt), _m(B, Hkv, S, D, dtype=dt),
+                    _m(B, T, dtype=torch.int64))
+                yield f"{tag} verify_attention_invariant {shape}", k["verify_attention_invariant"], (
+                    _heads(B, T, Hq, D, dt), _m(B, Hkv, S, D, dtype=dt), _m(B, Hkv, S, D, dtype=dt),
+                    _m(B, dtype=torch.int64), D ** -0.5)
+                for n_out, n_in in ((Hq * D, H), (I, H), (H, I)):
+                    yield f"{tag} bi_matmul:N={n_out},K={n_in} {shape}", bi_matmul, (
+                        _m(rows, n_in, dtype=dt), _m(n_out, n_in, dtype=dt).t())
+
+
 def all_kernels() -> set[str]:
     """Names of every @triton.jit kernel in swiftkern.triton_kernels' modules."""
     import importlib
@@ -259,7 +301,8 @@ def check(targets: list[Target], verbose: bool = True, case_list=None) -> tuple[
     args) triples) for each target -> (compiled kernels, failures)."""
     launches: dict[tuple, Launch] = {}
     failures: list[str] = []
-    all_cases = list(cases() if case_list is None else case_list)
+    all_cases = list(chain(cases(), verifier_cases()) if case_list is None else case_list)
+    binaries: dict[tuple, set] = {}  # (target, kernel, verifier model and dtype, op) -> compiled hashes
     for target in targets:
         current = {"case": None}
 
@@ -279,6 +322,9 @@ def check(targets: list[Target], verbose: bool = True, case_list=None) -> tuple[
                                     f"shared memory, more than the {target.max_shared} one block may use")
             launches[key].cases.append(current["case"])
             launches[key].grids.append(list(grid))
+            if current["case"].startswith(VERIFIER_PREFIX):  # "verifier <model> <dtype> <op> ...shape"
+                group = (target.name, fn.__name__, *current["case"].split()[1:4])
+                binaries.setdefault(group, set()).add(compiled.hash)
             over = [f"axis {i} = {g} > {m}" for i, (g, m) in enumerate(zip(grid, MAX_GRID)) if g > m]
             if over:
                 failures.append(f"{target.name} {current['case']}: {fn.__name__} grid {grid} past CUDA's limit "
@@ -296,6 +342,10 @@ def check(targets: list[Target], verbose: bool = True, case_list=None) -> tuple[
                     failures.append(f"{target.name} {label}: {type(e).__name__}: {str(e).strip()[:2000]}")
         if verbose:
             print(file=sys.stderr)
+    failures += [f"{target} {VERIFIER_PREFIX}{model} {dtype} {op}: {kernel} compiles to {len(hashes)} binaries across "
+                 f"the verifier's shapes {VERIFIER_SHAPES} (a specialization on a shape value: a row's bits could "
+                 "depend on the batch or window; mark the argument do_not_specialize)"
+                 for (target, kernel, model, dtype, op), hashes in sorted(binaries.items()) if len(hashes) > 1]
     return list(launches.values()), failures
 
 

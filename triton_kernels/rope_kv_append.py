@@ -25,7 +25,7 @@ def _rotate(x1, x2, c1, c2, s1, s2, DTYPE: tl.constexpr):
     return (a1 - b1).to(DTYPE), (a2 + b2).to(DTYPE)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "sp_b"])  # one binary for every T (the invariant verifier's set)
 def _rope_kv_append_kernel(
     q_ptr, sq_b, sq_h, sq_t, sq_d,  # [B, Hq, T, D]
     k_ptr, sk_b, sk_h, sk_t, sk_d,  # [B, Hkv, T, D]
