@@ -20,6 +20,9 @@ cache), down to a cubin for the target, and not launched. A launch fails the che
 - its grid exceeds CUDA's limits (2^31 - 1 programs on axis 0, 65535 on axes 1 and 2);
 - one of the deterministic verifier's ops compiles to more than one binary across the shapes
   the verifier meets (``verifier_cases``): batch invariance must not rest on a specialization;
+- a memory-bound kernel of ``WIDE_LOAD_KERNELS`` issues no 16-byte global load at a real
+  model's shape (a lost vectorization: an unaligned or unspecialized size, a plan with too many
+  threads per row);
 - it spills more than ``SPILL_LIMIT`` bytes of registers per thread to local memory (read by
   the ``cuobjdump`` and ``ptxas`` Triton ships): a plan that spills is a slow plan, and the fix
   is in ``launch.py``'s plans. A few bytes are the register allocator's noise, not a plan that
@@ -68,6 +71,11 @@ TARGETS = {
 }
 MAX_GRID = (2 ** 31 - 1, 65535, 65535)
 SPILL_LIMIT = 32  # bytes of spill stores per thread a compiled kernel may have
+# memory-bound kernels that must load 16 bytes per access at the real models' shapes (the tiny
+# test model's rows are too short for it); rope_kv_append moves 8 bytes at head dim 64 in 16 bits
+WIDE_LOAD_KERNELS = frozenset(("_silu_mul_kernel", "_fused_add_rms_norm_kernel", "_argmax_kernel",
+                               "_chunk_sums_kernel", "_draw_kernel", "_kv_compact_kernel", "_verify_attention_kernel"))
+WIDE_LOAD = re.compile(r"ld\.global(\.\w+)*\.(v4\.(b32|u32|f32)|v2\.(b64|u64|f64))")
 
 
 @dataclass
@@ -82,6 +90,7 @@ class Launch:
     shared: int
     registers: int
     spill_bytes: int
+    wide_loads: bool  # some global load moves 16 bytes
     cases: list = field(default_factory=list)
     grids: list = field(default_factory=list)
 
@@ -313,13 +322,19 @@ def check(targets: list[Target], verbose: bool = True, case_list=None) -> tuple[
                 regs, spills = _resource_usage(compiled, target)
                 constexprs = {fn.arg_names[path[0]]: repr(v) for path, v in compiled.src.constants.items()}
                 launches[key] = Launch(fn.__name__, target.name, constexprs, dict(compiled.src.signature),
-                                       meta.num_warps, meta.num_stages, meta.shared, regs, spills)
+                                       meta.num_warps, meta.num_stages, meta.shared, regs, spills,
+                                       bool(WIDE_LOAD.search(compiled.asm["ptx"])))
                 if spills > SPILL_LIMIT:
                     failures.append(f"{target.name} {current['case']}: {fn.__name__} spills {spills} bytes of "
                                     f"registers ({regs} registers per thread, {meta.num_warps} warps, {constexprs})")
                 if meta.shared > target.max_shared:
                     failures.append(f"{target.name} {current['case']}: {fn.__name__} needs {meta.shared} bytes of "
                                     f"shared memory, more than the {target.max_shared} one block may use")
+            model = current["case"].split()[1] if len(current["case"].split()) > 1 else ""
+            if (fn.__name__ in WIDE_LOAD_KERNELS and model in MODELS and model != "tiny-mqa"
+                    and not launches[key].wide_loads):
+                failures.append(f"{target.name} {current['case']}: {fn.__name__} has no 16-byte global load "
+                                "(a memory-bound kernel at a real model's shape; see its PTX)")
             launches[key].cases.append(current["case"])
             launches[key].grids.append(list(grid))
             if current["case"].startswith(VERIFIER_PREFIX):  # "verifier <model> <dtype> <op> ...shape"
@@ -350,11 +365,12 @@ def check(targets: list[Target], verbose: bool = True, case_list=None) -> tuple[
 
 
 def table(launches: list[Launch]) -> str:
-    rows = [("target", "kernel", "pointers", "warps", "stages", "shared B", "regs", "spill B", "cases", "constexprs")]
+    rows = [("target", "kernel", "pointers", "warps", "stages", "shared B", "regs", "spill B", "16B loads", "cases",
+             "constexprs")]
     for t in sorted(launches, key=lambda t: (t.target, t.kernel, str(t.constexprs), str(t.signature))):
         pointers = ",".join(sorted({v[1:] for v in t.signature.values() if v.startswith("*")}))
         rows.append((t.target, t.kernel, pointers, str(t.num_warps), str(t.num_stages), str(t.shared), str(t.registers),
-                     str(t.spill_bytes), str(len(t.cases)),
+                     str(t.spill_bytes), "yes" if t.wide_loads else "no", str(len(t.cases)),
                      " ".join(f"{k}={v}" for k, v in t.constexprs.items())))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows)

@@ -13,7 +13,7 @@ import triton.language as tl
 from .launch import check_device, check_float, elementwise_plan, empty_like, require
 
 
-@triton.jit(do_not_specialize=["n"])  # one binary for every size (the invariant verifier's set)
+@triton.jit
 def _silu_mul_kernel(
     gate_ptr,  # [n] flat
     up_ptr,  # [n] flat
