@@ -48,7 +48,7 @@ from itertools import chain
 
 import torch
 
-from .launch import COMPILE_ONLY, interpreting
+from .launch import gpu_launch_plans, interpreting
 
 META = torch.device("meta")
 
@@ -135,15 +135,14 @@ def recording(target: Target, on_launch):
         on_launch(self, tuple(grid), compiled)
         return compiled
 
-    saved_driver, saved_sms = driver._active, COMPILE_ONLY["sms"]
+    saved_driver = driver._active
     driver.set_active(_CompileOnlyDriver(target))
-    COMPILE_ONLY["sms"] = target.sms
     JITFunction.run = compile_only
     try:
-        yield
+        with gpu_launch_plans(target.sms):
+            yield
     finally:
         JITFunction.run = real_run
-        COMPILE_ONLY["sms"] = saved_sms
         driver._active = saved_driver
 
 

@@ -35,9 +35,28 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-# Set by ``compile_check.recording`` while it records launches on meta tensors instead of running
-# them: the SM count of the GPU it compiles for (None: meta tensors are refused).
-COMPILE_ONLY = {"sms": None}
+# A GPU's launch plans where none runs: the SM count of the GPU stood for, or None. Set by
+# ``gpu_launch_plans``: compile_check (which records launches on meta tensors instead of running
+# them) and the tests that run a GPU's plans in the interpreter.
+GPU_PLANS = {"sms": None}
+
+
+@contextlib.contextmanager
+def gpu_launch_plans(sms: int):
+    """Inside this block the launchers plan as on a GPU with ``sms`` SMs, also under the
+    interpreter (whose own plans are smaller, so its tests alone never run a GPU's), and accept
+    meta tensors (compile_check records their launches without running them)."""
+    before = GPU_PLANS["sms"]
+    GPU_PLANS["sms"] = int(sms)
+    try:
+        yield
+    finally:
+        GPU_PLANS["sms"] = before
+
+
+def _interpreter_plans() -> bool:
+    """The interpreter's small plans: under TRITON_INTERPRET=1 outside ``gpu_launch_plans``."""
+    return interpreting() and not GPU_PLANS["sms"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -49,8 +68,8 @@ def num_sms(device_type: str, index: int | None = 0) -> int:
 
 
 def _sms(device: torch.device) -> int:
-    if device.type == "meta" and COMPILE_ONLY["sms"]:
-        return COMPILE_ONLY["sms"]
+    if GPU_PLANS["sms"]:
+        return GPU_PLANS["sms"]
     return num_sms(device.type, device.index)
 
 
@@ -103,7 +122,7 @@ def check_device(op: str, **tensors) -> torch.device:
     require(len(set(devices.values())) == 1, op, "all inputs must be on one device, got "
             + ", ".join(f"{n} on {d}" for n, d in devices.items()))
     device = next(iter(devices.values()))
-    if device.type == "meta" and COMPILE_ONLY["sms"]:
+    if device.type == "meta" and GPU_PLANS["sms"]:
         return device
     if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
         raise SwiftkernError(f"{op}: the Triton kernels run on CUDA tensors (or on the CPU with "
@@ -140,7 +159,7 @@ class ElementwisePlan:
 
 
 def elementwise_plan(numel: int) -> ElementwisePlan:
-    block = 1024 if not interpreting() else max(16, min(4096, next_pow2(numel)))
+    block = max(16, min(4096, next_pow2(numel))) if _interpreter_plans() else 1024
     return ElementwisePlan(block, max(1, cdiv(numel, block)), 4)
 
 
@@ -160,7 +179,7 @@ def vocab_plan(rows: int, vocab: int, device: torch.device, splits: int | None =
                programs_per_sm: int = VOCAB_PROGRAMS_PER_SM) -> VocabPlan:
     """Split each of ``rows`` vocabulary reductions so that rows * splits fills the GPU
     (about ``programs_per_sm`` programs per SM), each chunk at least 4 blocks long."""
-    block = min(next_pow2(vocab), 1024 if not interpreting() else 8192)
+    block = min(next_pow2(vocab), 8192 if _interpreter_plans() else 1024)
     blocks = cdiv(vocab, block)
     if splits is None:
         want = max(1, cdiv(programs_per_sm * _sms(device), max(rows, 1)))
@@ -209,7 +228,7 @@ def attention_plan(batch: int, kv_heads: int, group: int, q_len: int, max_keys: 
     block_d = max(16, next_pow2(head_dim))
     block_n = 64 if block_d <= 64 else 32
     num_warps = 4 if invariant or block_m * block_d <= 4096 else 8
-    if interpreting():
+    if _interpreter_plans():
         block_n = 32
     elif fp32 and not invariant:
         block_m, block_n, num_warps = 16, 32, 8

@@ -1,0 +1,102 @@
+"""The launch plans a GPU gets, run by the interpreter against the reference.
+
+The interpreter plans its own small launches (``launch.interpreting()``: wider vocabulary
+blocks, 32-key attention blocks, 2 SMs), so its tests alone never run the GPU branches of
+``launch.py``: 1024-wide elementwise and vocabulary blocks, 64-key attention blocks, the float32
+attention tile, and the key and vocabulary splits that 132 SMs ask for. Inside
+``gpu_launch_plans(132)`` the launchers plan as on an H100 while the interpreter runs the
+kernels, so a plan that drops or repeats work fails here, not first on a GPU.
+"""
+
+import pytest
+import torch
+
+from swiftkern import reference
+from swiftkern.triton_kernels import launch
+from swiftkern.triton_kernels.greedy_accept import greedy_accept
+from swiftkern.triton_kernels.rejection_sample import rejection_sample
+from swiftkern.triton_kernels.silu_mul import silu_mul
+from swiftkern.triton_kernels.verify_attention import verify_attention, verify_attention_invariant
+from test_triton_verify_attention import case, want
+from triton_cases import DEVICE, NATIVE, assert_close, poisoned
+
+pytestmark = pytest.mark.skipif(NATIVE, reason="on a GPU the native tests run its own plans")
+H100_SMS = 132
+
+
+@pytest.fixture
+def h100_plans():
+    with launch.gpu_launch_plans(H100_SMS), poisoned():
+        yield
+
+
+def test_the_plans_are_a_gpus_inside_and_the_interpreters_outside():
+    cpu = torch.device("cpu")
+    outside = launch.vocab_plan(9, 49152, cpu), launch.attention_plan(1, 3, 3, 1, 4096, 64, cpu)
+    with launch.gpu_launch_plans(H100_SMS):
+        inside = launch.vocab_plan(9, 49152, cpu), launch.attention_plan(1, 3, 3, 1, 4096, 64, cpu)
+        fp32 = launch.attention_plan(1, 3, 3, 9, 4096, 64, cpu, fp32=True)
+    assert (outside[0].block, outside[1].block_n) == (8192, 32)
+    # closed forms: 1024-wide blocks, 48 of them, splits = min(ceil(2 * 132 / 9), 48 // 4)
+    assert (inside[0].block, inside[0].splits, inside[0].chunk) == (1024, 12, 4096)
+    # 64-key blocks for head dim 64; splits = min(ceil(2 * 132 / 3), 64 // 2) = 32 of 128 keys
+    assert (inside[1].block_n, inside[1].splits, inside[1].chunk, inside[1].block_s) == (64, 32, 128, 32)
+    assert (fp32.block_m, fp32.block_n, fp32.num_warps) == (16, 32, 8)
+    assert launch.GPU_PLANS["sms"] is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# (decode over 2304 keys: 18 key splits, more than 16 for the combine; verification; MQA)
+@pytest.mark.parametrize("heads,T,lens,S", [((9, 3), 1, [2200, 1], 2304), ((9, 3), 9, [9, 520], 704),
+                                            ((4, 1), 5, [300], 704)])
+def test_verify_attention_in_gpu_plans_matches_reference(h100_plans, dtype, heads, T, lens, S):
+    D = 64
+    q, k, v, cache_lens, stale = case(lens, *heads, T, D, S, dtype, seed=T)
+    plan = launch.attention_plan(len(lens), heads[1], heads[0] // heads[1], T, S, D, q.device,
+                                 fp32=dtype == torch.float32)
+    assert plan.splits > 1 and plan.block_n == (32 if dtype == torch.float32 else 64)
+    assert_close("verify_attention", verify_attention(q, k, v, cache_lens, D ** -0.5),
+                 want(q, k, v, cache_lens, stale, D ** -0.5))
+    # the invariant plan: one split, the GPU's 64-key blocks
+    assert_close("verify_attention", verify_attention_invariant(q, k, v, cache_lens, D ** -0.5),
+                 want(q, k, v, cache_lens, stale, D ** -0.5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_accept_in_gpu_plans_matches_reference(h100_plans, dtype):
+    # 49 vocabulary blocks of 1024; min(ceil(264 / 15), 49 // 4) = 12 splits asked, in chunks of
+    # ceil(49 / 12) = 5 blocks: 10 chunks of 5120, the last one short
+    B, K, V = 3, 4, 50000
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(B, K + 1, V, generator=g).to(dtype)
+    logits[1, 2, V - 1] = 50.0  # the argmax in the last, partial block
+    logits[2, 0, 5120] = 50.0  # ... at a chunk's first element
+    draft = logits[:, :K].float().argmax(-1)
+    draft[0, 1] = (draft[0, 1] + 1) % V
+    nd = torch.tensor([4, 4, 2], dtype=torch.int32)
+    assert launch.vocab_plan(B * (K + 1), V, torch.device(DEVICE)).splits == 10
+    out, acc = greedy_accept(draft, logits, nd)
+    want_out, want_acc = reference.greedy_accept(draft, logits, nd)
+    assert torch.equal(out, want_out) and torch.equal(acc, want_acc)
+
+
+@pytest.mark.parametrize("with_q", [True, False])
+def test_rejection_sample_in_gpu_plans_matches_reference(h100_plans, with_q):
+    B, K, V = 4, 3, 50000
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(B, K + 1, V, generator=g) * 3
+    p = torch.softmax(logits, -1)
+    q = torch.softmax(logits[:, :K] + torch.randn(B, K, V, generator=g), -1) if with_q else None
+    draft = torch.multinomial(p[:, :K].reshape(-1, V), 1, generator=g).view(B, K)
+    nd = torch.tensor([3, 0, 2, 3], dtype=torch.int32)
+    u_acc, u_smp = torch.rand(B, K, generator=g), torch.rand(B, K + 1, generator=g)
+    assert launch.vocab_plan(B, V, torch.device(DEVICE)).splits == 10  # as greedy's: 12 asked, 10 chunks of 5120
+    out, acc = rejection_sample(draft, q, p, nd, u_acc, u_smp)
+    want_out, want_acc = reference.rejection_sample(draft, q, p, nd, u_acc, u_smp)
+    assert torch.equal(out, want_out) and torch.equal(acc, want_acc)
+
+
+def test_silu_mul_in_gpu_plans_matches_reference(h100_plans):
+    gate, up = torch.randn(3, 4099), torch.randn(3, 4099)  # 13 blocks of 1024, the last partial
+    assert launch.elementwise_plan(gate.numel()).block == 1024
+    assert_close("silu_mul", silu_mul(gate, up), reference.silu_mul(gate, up))
