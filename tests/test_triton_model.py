@@ -5,12 +5,14 @@ Tiny random models: logits against the reference backend, greedy tokens against 
 ar and self-spec greedy on the GPU, token-identical to HF greedy on the GPU.
 """
 
+import contextlib
+
 import pytest
 import torch
 
 from conftest import tiny_model
 from swiftkern import Generator, LayerSet, SkipModel, ops
-from triton_cases import DEVICE, backend, needs_gpu
+from triton_cases import DEVICE, NATIVE, backend, needs_gpu
 
 LAYER_OPS = ("rms_norm", "fused_add_rms_norm", "silu_mul", "rope_kv_append", "verify_attention")
 
@@ -41,8 +43,20 @@ def run_steps(model, layer_set):
     return logits, cache
 
 
+@pytest.fixture(params=["own", "h100"])
+def plans(request):
+    """The launch plans of the device the kernels run on, and (without a GPU) an H100's, run by
+    the interpreter (test_triton_gpu_plans.py)."""
+    if request.param == "h100" and NATIVE:
+        pytest.skip("on a GPU the kernels run its own plans")
+    from swiftkern.triton_kernels.launch import gpu_launch_plans
+
+    with gpu_launch_plans(132) if request.param == "h100" else contextlib.nullcontext():
+        yield request.param
+
+
 @pytest.mark.parametrize("layer_set", [None, "attn:1|mlp:1,2", "attn:1,2|mlp:2"])
-def test_forward_matches_the_reference_backend(layer_set):
+def test_forward_matches_the_reference_backend(layer_set, plans):
     model = SkipModel.from_hf(tiny_model("llama", num_hidden_layers=4).to(DEVICE))
     ls = LayerSet.parse(layer_set, 4) if layer_set else None
     with backend("reference"):
@@ -56,7 +70,7 @@ def test_forward_matches_the_reference_backend(layer_set):
         torch.testing.assert_close(got_cache.k[:, b, :, :n], want_cache.k[:, b, :, :n], atol=1e-5, rtol=1e-5)
 
 
-def test_ar_and_self_spec_greedy_match_hf():
+def test_ar_and_self_spec_greedy_match_hf(plans):
     hf = tiny_model("llama", num_hidden_layers=4).to(DEVICE)
     prompt = [5, 17, 99, 3, 250, 7]
     want = hf_greedy_on(hf, prompt, 10)
