@@ -216,9 +216,10 @@ def attention_plan(batch: int, kv_heads: int, group: int, q_len: int, max_keys: 
     least two key blocks long. ``splits`` forces a split count (tests).
 
     ``fp32``: float32 inputs on a GPU (IEEE float32 dots, whose operands take twice the
-    registers of bf16 ones): 16 query rows x 32 keys on 8 warps, the one tile ``compile_check``
-    finds unspilled on sm_80 and sm_90a for head dims 64 and 128 (32- and 64-row float32 tiles
-    spill there). The interpreter keeps the larger tiles, so its tests still cover them.
+    registers of bf16 ones): 16 query rows x 32 keys on 8 warps, the one tile of seven tried
+    that stays within ``compile_check``'s spill limit on sm_80 and sm_90a at head dims 64 and 128
+    (32- and 64-row float32 tiles spilled there). The interpreter's own plans keep the larger
+    tiles, so its tests still cover them.
 
     ``invariant``: one plan whatever the batch, q_len and key count (query tiles of
     INVARIANT_BLOCK_M rows, one split, fixed warps; the key block follows the head dim alone),
