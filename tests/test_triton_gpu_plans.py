@@ -8,6 +8,9 @@ attention tile, and the key and vocabulary splits that 132 SMs ask for. Inside
 kernels, so a plan that drops or repeats work fails here, not first on a GPU.
 """
 
+import contextlib
+import itertools
+
 import pytest
 import torch
 
@@ -100,3 +103,24 @@ def test_silu_mul_in_gpu_plans_matches_reference(h100_plans):
     gate, up = torch.randn(3, 4099), torch.randn(3, 4099)  # 13 blocks of 1024, the last partial
     assert launch.elementwise_plan(gate.numel()).block == 1024
     assert_close("silu_mul", silu_mul(gate, up), reference.silu_mul(gate, up))
+
+
+@pytest.mark.parametrize("sms", [None, 108, 132])
+@pytest.mark.parametrize("head_dim", [16, 40, 64, 128])
+def test_the_invariant_attention_plan_is_one_plan_whatever_the_shapes(sms, head_dim):
+    """What shapes the invariant kernel (tiles, splits, warps) does not move with the batch, the
+    GQA group, the new tokens, the keys or the dtype, on the interpreter's plans (sms None) and on
+    a GPU's: the verifier's bits rest on it (compile_check adds: one binary)."""
+    cpu = torch.device("cpu")
+    shaping = ("block_m", "block_n", "block_d", "splits", "num_warps", "num_stages")
+
+    def plan(*args, **kw):
+        p = launch.attention_plan(*args, device=cpu, invariant=True, **kw)
+        return tuple(getattr(p, f) for f in shaping)
+
+    with launch.gpu_launch_plans(sms) if sms else contextlib.nullcontext():
+        first = plan(1, 1, 1, 1, 1, head_dim)
+        for batch, kv_heads, group, q_len, keys, fp32 in itertools.product(
+                (1, 7, 64), (1, 8), (1, 3, 7), (1, 2, 33, 100), (1, 100, 4096, 32768), (False, True)):
+            assert plan(batch, kv_heads, group, q_len, keys, head_dim, fp32=fp32) == first
+    assert first[0] == launch.INVARIANT_BLOCK_M and first[3] == 1
