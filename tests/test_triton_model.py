@@ -5,14 +5,12 @@ Tiny random models: logits against the reference backend, greedy tokens against 
 ar and self-spec greedy on the GPU, token-identical to HF greedy on the GPU.
 """
 
-import contextlib
-
 import pytest
 import torch
 
 from conftest import tiny_model
 from swiftkern import Generator, LayerSet, SkipModel, ops
-from triton_cases import DEVICE, NATIVE, backend, needs_gpu
+from triton_cases import DEVICE, backend, needs_gpu, plans  # noqa: F401 (plans: a fixture)
 
 LAYER_OPS = ("rms_norm", "fused_add_rms_norm", "silu_mul", "rope_kv_append", "verify_attention")
 
@@ -41,18 +39,6 @@ def run_steps(model, layer_set):
                                 layer_set=layer_set))
     logits.append(model.forward(torch.tensor([[30], [31], [32]], device=DEVICE), cache, layer_set=layer_set))
     return logits, cache
-
-
-@pytest.fixture(params=["own", "h100"])
-def plans(request):
-    """The launch plans of the device the kernels run on, and (without a GPU) an H100's, run by
-    the interpreter (test_triton_gpu_plans.py)."""
-    if request.param == "h100" and NATIVE:
-        pytest.skip("on a GPU the kernels run its own plans")
-    from swiftkern.triton_kernels.launch import gpu_launch_plans
-
-    with gpu_launch_plans(132) if request.param == "h100" else contextlib.nullcontext():
-        yield request.param
 
 
 @pytest.mark.parametrize("layer_set", [None, "attn:1|mlp:1,2", "attn:1,2|mlp:2"])

@@ -2,7 +2,8 @@
 the interpreter on CPU, natively on a GPU): a slot's logits are the same bits alone and beside
 other slots, in float32 and bfloat16 (and not with a launch plan that follows the pass's key
 length: the negative control), and the loop's logprobs equal scoring prompt + output from
-scratch (decode = prefill), as with the portable set; and close to the portable set's logits."""
+scratch (decode = prefill), as with the portable set; and close to the portable set's logits.
+Without a GPU the first and the last also run in an H100's launch plans (``plans``)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from swiftkern import Generator, SkipModel
 from swiftkern.triton_kernels.verify_attention import verify_attention as launch
 from swiftkern.verifier import Slot, Verifier
 from swiftkern.verifier_kernels import attention_from_cache_lens
-from triton_cases import DEVICE, backend
+from triton_cases import DEVICE, backend, plans  # noqa: F401 (plans: a fixture)
 
 
 def _tiny(dtype):
@@ -58,7 +59,7 @@ def _slot_logits(verifier, model, slots, row):
     return logits[n:n + len(slots[row].want)]
 
 
-def test_a_slot_has_the_same_bits_alone_and_beside_others(tiny):
+def test_a_slot_has_the_same_bits_alone_and_beside_others(tiny, plans):
     with backend("triton"):
         verifier = Verifier(tiny, window=8, verify_batch=3, kernels="fused")
         assert verifier.kernels.name == "fused (triton)"
@@ -87,7 +88,7 @@ def test_negative_control_a_plan_that_follows_the_key_length_changes_the_bits(ti
         assert not torch.equal(_slot_logits(verifier, tiny_fp32, others, 1), alone)
 
 
-def test_decode_equals_prefill(tiny_fp32):
+def test_decode_equals_prefill(tiny_fp32, plans):
     prompts = [[4, 77, 31], list(range(10, 40))]
     with backend("triton"):
         out = Generator(tiny_fp32, mode="deterministic", window=4, verify_batch=2, replay="always",

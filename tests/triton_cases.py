@@ -75,6 +75,18 @@ def opcheck(op, args) -> None:
 needs_gpu = pytest.mark.skipif(not NATIVE, reason="needs a CUDA GPU (the interpreter tests cover the kernels on CPU)")
 
 
+@pytest.fixture(params=["own", "h100"])
+def plans(request):
+    """A test using it runs twice: in the launch plans of the device the kernels run on, and
+    (without a GPU) in an H100's, run by the interpreter (see test_triton_gpu_plans.py)."""
+    if request.param == "h100" and NATIVE:
+        pytest.skip("on a GPU the kernels run its own plans")
+    from swiftkern.triton_kernels.launch import gpu_launch_plans
+
+    with gpu_launch_plans(132) if request.param == "h100" else contextlib.nullcontext():
+        yield request.param
+
+
 def check_move_ending_at_the_last_position(device) -> None:
     """ops.kv_compact (whichever backend is in use) with dst_start + counts == S, which is in
     range, and int64 counts, which the wrapper converts, moves as the closed form says: row 0's
