@@ -8,9 +8,10 @@ value that changes type, a block that is not a power of two, a dtype the hardwar
 it runs its own small launch plans (``launch.interpreting()``), never the ones a GPU gets.
 
 This module runs each launcher on meta tensors of the shapes the model runner uses on a GPU
-(SmolLM2, Llama-3-8B, Qwen2-0.5B and the tests' tiny models with one kv head; decode,
-verification and replay; batch 1 to 32; caches up to 32768 keys; float32, bfloat16, float16), with the launch plans of the target GPU (its SM count
-decides the key and vocabulary splits). Each launch is compiled by Triton itself, the way
+(``compile_cases``: SmolLM2, Llama-3-8B, Qwen2-0.5B and the tests' tiny models with one kv
+head; decode, verification and replay; batch 1 to 32; caches up to 32768 keys; float32,
+bfloat16, float16), with the launch plans of the target GPU (its SM count decides the key and
+vocabulary splits). Each launch is compiled by Triton itself, the way
 ``kernel[grid](...)`` compiles it on a GPU (the same argument specialization, options and
 cache), down to a cubin for the target, and not launched. A launch fails the check when:
 
@@ -48,10 +49,8 @@ from itertools import chain
 
 import torch
 
+from .compile_cases import MODELS, VERIFIER_PREFIX, VERIFIER_SHAPES, cases, verifier_cases
 from .launch import gpu_launch_plans, interpreting
-
-META = torch.device("meta")
-
 
 @dataclass(frozen=True)
 class Target:
@@ -144,116 +143,6 @@ def recording(target: Target, on_launch):
     finally:
         JITFunction.run = real_run
         driver._active = saved_driver
-
-
-# ------------------------------------------------------------------------- cases
-
-MODELS = {  # hidden, query heads, kv heads, head dim, MLP width, vocabulary, layers
-    "smollm2": dict(H=576, Hq=9, Hkv=3, D=64, I=1536, V=49152, L=30),
-    "llama3-8b": dict(H=4096, Hq=32, Hkv=8, D=128, I=14336, V=128256, L=32),
-    "qwen2-0.5b": dict(H=896, Hq=14, Hkv=2, D=64, I=4864, V=151936, L=24),
-    "tiny-mqa": dict(H=64, Hq=4, Hkv=1, D=16, I=96, V=301, L=4),  # the tests' tiny models, one kv head
-}
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-BATCHES = (1, 8, 32)
-NEW_TOKENS = (1, 9, 33)  # decode, verification of 8 drafts, a deterministic replay window of 32
-CACHE_KEYS = (512, 4096, 32768)
-
-
-def _m(*shape, dtype=torch.float32) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype, device=META)
-
-
-def _heads(B: int, T: int, H: int, D: int, dtype) -> torch.Tensor:
-    """[B, H, T, D] as the model makes it: a transposed view of a [B, T, H, D] projection."""
-    return _m(B, T, H, D, dtype=dtype).transpose(1, 2)
-
-
-def cases():
-    """(label, launcher, args) triples: one launcher on meta tensors of one shape the model
-    runner uses on a GPU (meta tensors hold no memory, so the args are built up front)."""
-    from . import KERNELS
-    from .bi_matmul import bi_matmul
-
-    k = {name: fn for name, (fn, _) in KERNELS.items()}
-    i64, i32 = torch.int64, torch.int32
-    for model, c in MODELS.items():
-        H, Hq, Hkv, D, I, V, L = (c[x] for x in ("H", "Hq", "Hkv", "D", "I", "V", "L"))
-        for dt in DTYPES:
-            tag = f"{model} {str(dt).removeprefix('torch.')}"
-            for rows in (1, 32 * 9):
-                x = _m(rows, H, dtype=dt)
-                yield f"rms_norm {tag} rows={rows}", k["rms_norm"], (x, _m(H, dtype=dt), 1e-5)
-                yield f"fused_add_rms_norm {tag} rows={rows}", k["fused_add_rms_norm"], (x, _m(rows, H, dtype=dt),
-                                                                                        _m(H, dtype=dt), 1e-5)
-                yield f"silu_mul {tag} rows={rows}", k["silu_mul"], (_m(rows, I, dtype=dt), _m(rows, I, dtype=dt))
-            for B in BATCHES:
-                for T in NEW_TOKENS:
-                    yield f"rope_kv_append {tag} B={B} T={T}", k["rope_kv_append"], (
-                        _heads(B, T, Hq, D, dt), _heads(B, T, Hkv, D, dt), _heads(B, T, Hkv, D, dt),
-                        _m(B, T, D, dtype=dt), _m(B, T, D, dtype=dt), _m(B, Hkv, 4096, D, dtype=dt),
-                        _m(B, Hkv, 4096, D, dtype=dt), _m(B, T, dtype=i64))
-                    for S in CACHE_KEYS:
-                        for name in ("verify_attention", "verify_attention_invariant"):
-                            yield f"{name} {tag} B={B} T={T} S={S}", k[name], (
-                                _heads(B, T, Hq, D, dt), _m(B, Hkv, S, D, dtype=dt), _m(B, Hkv, S, D, dtype=dt),
-                                _m(B, dtype=i64), D ** -0.5)
-                for M in (9, 33):
-                    yield f"kv_compact {tag} B={B} M={M}", k["kv_compact"], (
-                        _m(L, B, Hkv, 4096, D, dtype=dt), _m(L, B, Hkv, 4096, D, dtype=dt),
-                        _m(B, M, dtype=i64), _m(B, dtype=i64), _m(B, dtype=i32))
-            for rows in (1, 33 * 8):  # one decode token; a replay of 8 windows of 33
-                for n_out, n_in in ((Hq * D, H), (I, H), (H, I), (V, H)):
-                    # the model multiplies by a [N, K] weight's transposed view
-                    yield f"bi_matmul {tag} M={rows} N={n_out} K={n_in}", bi_matmul, (
-                        _m(rows, n_in, dtype=dt), _m(n_out, n_in, dtype=dt).t())
-        for B, K in ((1, 4), (8, 8), (32, 8)):
-            for dt in (torch.float32, torch.bfloat16):
-                yield f"greedy_accept {model} logits {str(dt).removeprefix('torch.')} B={B} K={K}", (
-                    k["greedy_accept"]), (_m(B, K, dtype=i64), _m(B, K + 1, V, dtype=dt), _m(B, dtype=i32))
-            for has_q in (False, True):
-                yield f"rejection_sample {model} B={B} K={K} draft_probs={has_q}", k["rejection_sample"], (
-                    _m(B, K, dtype=i64), _m(B, K, V) if has_q else None, _m(B, K + 1, V), _m(B, dtype=i32),
-                    _m(B, K), _m(B, K + 1))
-
-
-VERIFIER_SHAPES = ((1, 2, 4096), (1, 33, 4096), (4, 33, 4096), (16, 33, 4160), (1, 64, 4096), (2, 100, 4160))
-VERIFIER_PREFIX = "verifier "
-
-
-def verifier_cases():
-    """The deterministic verifier's ops on a GPU (its fused set: the norms, silu_mul, rope,
-    the invariant attention, bi_matmul) at the shapes it meets: verify passes of any batch and
-    window, prefill-long rows, caches of two sizes -> (label, launcher, args) triples labelled
-    ``verifier <model> <dtype> ...``. ``check`` requires each op to compile to one binary per
-    model, dtype and target across them: a row's bits then cannot depend on the batch, the
-    window or the prompt length through a specialization on a shape value."""
-    from . import KERNELS
-    from .bi_matmul import bi_matmul
-
-    k = {name: fn for name, (fn, _) in KERNELS.items()}
-    for model in ("smollm2", "llama3-8b", "tiny-mqa"):
-        H, Hq, Hkv, D, I = (MODELS[model][x] for x in ("H", "Hq", "Hkv", "D", "I"))
-        for dt in (torch.float32, torch.bfloat16):
-            tag = f"{VERIFIER_PREFIX}{model} {str(dt).removeprefix('torch.')}"
-            for B, T, S in VERIFIER_SHAPES:
-                shape = f"B={B} T={T} S={S}"
-                rows = B * T
-                x = _m(rows, H, dtype=dt)
-                yield f"{tag} rms_norm {shape}", k["rms_norm"], (x, _m(H, dtype=dt), 1e-5)
-                yield f"{tag} fused_add_rms_norm {shape}", k["fused_add_rms_norm"], (x, _m(rows, H, dtype=dt),
-                                                                                    _m(H, dtype=dt), 1e-5)
-                yield f"{tag} silu_mul {shape}", k["silu_mul"], (_m(rows, I, dtype=dt), _m(rows, I, dtype=dt))
-                yield f"{tag} rope_kv_append {shape}", k["rope_kv_append"], (
-                    _heads(B, T, Hq, D, dt), _heads(B, T, Hkv, D, dt), _heads(B, T, Hkv, D, dt), _m(B, T, D, dtype=dt),
-                    _m(B, T, D, dtype=dt), _m(B, Hkv, S, D, dtype=dt), _m(B, Hkv, S, D, dtype=dt),
-                    _m(B, T, dtype=torch.int64))
-                yield f"{tag} verify_attention_invariant {shape}", k["verify_attention_invariant"], (
-                    _heads(B, T, Hq, D, dt), _m(B, Hkv, S, D, dtype=dt), _m(B, Hkv, S, D, dtype=dt),
-                    _m(B, dtype=torch.int64), D ** -0.5)
-                for n_out, n_in in ((Hq * D, H), (I, H), (H, I)):
-                    yield f"{tag} bi_matmul:N={n_out},K={n_in} {shape}", bi_matmul, (
-                        _m(rows, n_in, dtype=dt), _m(n_out, n_in, dtype=dt).t())
 
 
 def all_kernels() -> set[str]:
