@@ -83,7 +83,8 @@ def vocab_split_sweep(op: str, device: str, rows_and_vocab: Callable) -> dict:
     try:
         from swiftkern.triton_kernels import KERNELS
         from swiftkern.triton_kernels.launch import vocab_plan
-    except ImportError:
+    except ImportError as e:
+        print(f"note: no triton-pps rows for {op}: swiftkern.triton_kernels cannot be imported ({e})")
         return {}
     launcher = KERNELS[op][0]
 

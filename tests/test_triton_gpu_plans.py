@@ -21,10 +21,9 @@ from swiftkern.triton_kernels.rejection_sample import rejection_sample
 from swiftkern.triton_kernels.silu_mul import silu_mul
 from swiftkern.triton_kernels.verify_attention import verify_attention, verify_attention_invariant
 from test_triton_verify_attention import case, want
-from triton_cases import DEVICE, NATIVE, assert_close, poisoned
+from triton_cases import DEVICE, H100_SMS, NATIVE, assert_close, poisoned
 
 pytestmark = pytest.mark.skipif(NATIVE, reason="on a GPU the native tests run its own plans")
-H100_SMS = 132
 
 
 @pytest.fixture

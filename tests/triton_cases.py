@@ -75,6 +75,9 @@ def opcheck(op, args) -> None:
 needs_gpu = pytest.mark.skipif(not NATIVE, reason="needs a CUDA GPU (the interpreter tests cover the kernels on CPU)")
 
 
+H100_SMS = 132  # the streaming multiprocessors of the GPU whose launch plans the interpreter runs
+
+
 @pytest.fixture(params=["own", "h100"])
 def plans(request):
     """A test using it runs twice: in the launch plans of the device the kernels run on, and
@@ -83,7 +86,7 @@ def plans(request):
         pytest.skip("on a GPU the kernels run its own plans")
     from swiftkern.triton_kernels.launch import gpu_launch_plans
 
-    with gpu_launch_plans(132) if request.param == "h100" else contextlib.nullcontext():
+    with gpu_launch_plans(H100_SMS) if request.param == "h100" else contextlib.nullcontext():
         yield request.param
 
 
