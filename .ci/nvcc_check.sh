@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # CUDA compile check for machines without a GPU: `nvcc -c` every torch-free kernel file
 # (csrc/*.cu) for sm_80 and sm_90a with the flags torch's CUDA build uses, warnings as errors;
-# then a syntax check of the torch-side CUDA wrappers (csrc/ops_cuda.cpp, csrc/bindings.cpp with
+# every kernel's registers as ptxas reports them (-Xptxas -v): more than SPILL_LIMIT bytes of
+# spill stores per thread fails (32, the limit swiftkern.triton_kernels.compile_check sets); then a syntax check of the torch-side CUDA wrappers (csrc/ops_cuda.cpp, csrc/bindings.cpp with
 # SWIFTKERN_WITH_CUDA) against torch's and CUDA's headers when a torch is importable.
 # No nvcc: an error under CI=true, else skipped with a message. NVCC and PYTHON override the tools.
 set -euo pipefail
@@ -27,7 +28,23 @@ ls csrc/*.cu | xargs -P "$(nproc)" -I{} sh -c '
     -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__ \
     -D__CUDA_NO_HALF2_OPERATORS__ -DSWIFTKERN_WITH_CUDA \
     -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90a,code=sm_90a \
-    -c {} -o "$out/$(basename {}).o" && echo "nvcc_check: ok {} (sm_80, sm_90a)"'
+    -Xptxas -v -c {} -o "$out/$(basename {}).o" 2> "$out/$(basename {}).ptxas" \
+    || { cat "$out/$(basename {}).ptxas" >&2; exit 255; }
+  echo "nvcc_check: ok {} (sm_80, sm_90a)"'
+
+# ptxas -v: "Compiling entry function 'NAME' for 'sm_XX'", then "... N bytes spill stores ..."
+SPILL_LIMIT=32
+spills=$(cat "$out"/*.ptxas | awk -v limit="$SPILL_LIMIT" '
+  /Compiling entry function/ { split($0, q, "\047"); name = q[2]; arch = q[4] }
+  /bytes spill stores/ { n = $(NF - 7) + 0; if (n > limit) print "  " name " (" arch "): " n " bytes of spill stores" }')
+if [ -n "$spills" ]; then
+  if command -v c++filt > /dev/null; then spills=$(echo "$spills" | c++filt); fi
+  echo "nvcc_check: kernels spill more than $SPILL_LIMIT bytes of registers per thread to local memory:" >&2
+  echo "$spills" >&2
+  echo "nvcc_check: keep less per thread in registers (see csrc/fused_add_rms_norm.cu's kIters = 0) or lower the block size" >&2
+  exit 1
+fi
+echo "nvcc_check: no kernel spills more than $SPILL_LIMIT bytes per thread ($(grep -c 'Compiling entry' "$out"/*.ptxas | awk -F: '{s += $2} END {print s}') kernels, sm_80 and sm_90a)"
 
 PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 if inc=$("$PYTHON" -c "import torch.utils.cpp_extension as c, sysconfig; print(' '.join(c.include_paths() + [sysconfig.get_paths()['include']]))" 2>/dev/null); then

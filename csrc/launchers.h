@@ -68,7 +68,6 @@ struct FusedAddRmsNormArgs {
   void* new_residual; int64_t nr_s;
   DType dtype; int64_t N, H; float eps;
 };
-int64_t fused_add_rms_norm_max_hidden(DType dtype);
 cudaError_t fused_add_rms_norm(const FusedAddRmsNormArgs& a, cudaStream_t stream);
 
 // rope_kv_append: q [B, Hq, T, D], k and v [B, Hkv, T, D], cos and sin [B, T, D], caches
