@@ -8,13 +8,16 @@ draft matches its target, so every kernel must scan all K+1 positions (the worst
 CPU kernel, which stops scanning a row at its first mismatch); `acc=0`: the first draft is
 wrong. Bytes per call: the logits a kernel must read when every position is needed. On a GPU,
 ``triton-pps<n>`` rows time the Triton kernel with its vocabulary split aimed at n programs per
-SM (its plan aims at 2): the data for choosing that count.
+SM (its plan aims at 2): the data for choosing that count; a ``cuda-split`` row times the CUDA
+kernel with its vocabulary split on (SWIFTKERN_CUDA_GREEDY_SPLIT=1, off by default until a GPU
+has run it).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from unittest import mock
 
 import torch
 
@@ -50,8 +53,17 @@ def cases(args) -> list[Case]:
     return out
 
 
+def cuda_split(*args):
+    """The CUDA kernel with SWIFTKERN_CUDA_GREEDY_SPLIT=1 while it launches (a graph captured
+    here replays the split launches)."""
+    with mock.patch.dict(os.environ, {"SWIFTKERN_CUDA_GREEDY_SPLIT": "1"}):
+        return torch.ops.swiftkern.greedy_accept(*args)
+
+
 def run(args) -> list[dict]:
-    return run_cases(ROUTINE, ROUTINE, cases(args), args, split_sweep=ROWS_AND_VOCAB)
+    from swiftkern.ops import registry
+    extra = {"cuda-split": cuda_split} if args.device.startswith("cuda") and registry.COMPILED[ROUTINE]["cuda"] == "cuda" else {}
+    return run_cases(ROUTINE, ROUTINE, cases(args), args, extra=extra, split_sweep=ROWS_AND_VOCAB)
 
 
 if __name__ == "__main__":

@@ -76,6 +76,19 @@ inline T div_up(T a, T b) { return (a + b - 1) / b; }
 // The launch error of the last kernel (a bad configuration), cleared so it is reported once.
 inline cudaError_t last_launch_error() { return cudaGetLastError(); }
 
+// The current device's SM count, asked of the driver once per device (0 if it cannot say).
+inline int current_device_sms() {
+  constexpr int kDevices = 64;
+  static int cached[kDevices] = {};  // a race writes the same value
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 0;
+  if (device < kDevices && cached[device] > 0) return cached[device];
+  int sms = 0;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) sms = 0;
+  if (device < kDevices) cached[device] = sms;
+  return sms;
+}
+
 // ---------------------------------------------------------------- reductions over a block
 // Block sizes are multiples of 32, at most 1024. `scratch` is __shared__ storage of at least 32
 // values; the functions synchronize the block and may be called back to back.

@@ -1,26 +1,50 @@
 // Launcher of greedy_accept (kernels in greedy_accept.cuh): the argmax kernel over every needed
-// (row, position), then the per-row walk, both on `stream`.
+// (row, position) and vocabulary chunk, then the per-row walk, all on `stream`.
+#include <cstdlib>
+#include <cstring>
+
 #include "greedy_accept.cuh"
 
 namespace swiftkern {
 namespace cuda {
 
+bool greedy_vocab_split_enabled() {
+  const char* v = std::getenv("SWIFTKERN_CUDA_GREEDY_SPLIT");
+  return v != nullptr && std::strcmp(v, "1") == 0;
+}
+
+int64_t greedy_vocab_chunks(int64_t positions, int64_t V, int sms) {
+  const int64_t want = div_up<int64_t>(kGreedyBlocksPerSm * static_cast<int64_t>(sms), positions);
+  const int64_t most = V / kGreedyMinChunk;
+  const int64_t chunks = want < most ? want : most;
+  return chunks > 1 ? chunks : 1;
+}
+
 cudaError_t greedy_accept(const GreedyAcceptArgs& a, cudaStream_t stream) {
   if (a.B == 0) return cudaSuccess;
   constexpr int kThreads = 256;
-  const int64_t blocks = a.B * (a.K + 1);
-  if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  const int64_t positions = a.B * (a.K + 1);
+  if (positions > 0x7fffffff || a.V > 0xffffffffLL) return cudaErrorInvalidConfiguration;
+  // chunks of a multiple of 8 elements (a chunk starts as 16-byte aligned as its row), none empty
+  const int64_t want = greedy_vocab_split_enabled() ? greedy_vocab_chunks(positions, a.V, current_device_sms()) : 1;
+  const int64_t chunk = div_up<int64_t>(div_up<int64_t>(a.V, want), 8) * 8;
+  const int64_t chunks = div_up<int64_t>(a.V, chunk);
+  if (chunks > 1) {
+    const cudaError_t err = cudaMemsetAsync(a.out, 0, positions * sizeof(int64_t), stream);
+    if (err != cudaSuccess) return err;
+  }
+  const dim3 grid(static_cast<unsigned>(positions), static_cast<unsigned>(chunks));
   const cudaError_t err = dispatch_dtype(a.logits_dtype, [&](auto ty) {
     using Ty = decltype(ty);
-    greedy_argmax_kernel<Ty, kThreads><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+    greedy_argmax_kernel<Ty, kThreads><<<grid, kThreads, 0, stream>>>(
         static_cast<const typename Ty::Storage*>(a.logits), a.logits_sb, a.logits_sk, a.num_draft,
-        a.num_draft_s, a.out, a.K, a.V);
+        a.num_draft_s, a.out, a.K, a.V, chunk);
     return last_launch_error();
   });
   if (err != cudaSuccess) return err;
   constexpr int kRows = 128;
   greedy_finalize_kernel<<<static_cast<unsigned>(div_up<int64_t>(a.B, kRows)), kRows, 0, stream>>>(
-      a.draft, a.draft_sb, a.draft_sk, a.num_draft, a.num_draft_s, a.out, a.num_accepted, a.B, a.K);
+      a.draft, a.draft_sb, a.draft_sk, a.num_draft, a.num_draft_s, a.out, a.num_accepted, a.B, a.K, chunks > 1);
   return last_launch_error();
 }
 

@@ -1,12 +1,16 @@
-// greedy_accept kernels: one block per verified position computes the row's argmax (fp32,
-// torch.argmax's rules), then one thread per row walks its drafts. No [B, K+1, V] temporary:
-// the target token of position j is written straight into out[b, j], which the walk turns into
-// the final row (accepted drafts equal their targets, so only the tail changes to -1).
+// greedy_accept kernels: blocks over (verified position, vocabulary chunk) compute the row's
+// argmax (fp32, torch.argmax's rules), then one thread per row walks its drafts. No [B, K+1, V]
+// temporary: the target token of position j goes straight into out[b, j], which the walk turns
+// into the final row (accepted drafts equal their targets, so only the tail changes to -1). With
+// one chunk a row (many rows) out[b, j] gets the index; with several (few rows: the vocabulary
+// split so the GPU fills up) each chunk's best is atomicMax-ed into out[b, j] as an
+// argmax_key (zeroed first) and the walk turns the keys into indices.
 //
 // Argmax rules (as torch.argmax): the first NaN wins over everything; otherwise the largest
 // value, ties to the lowest index; a row of -inf gives 0.
 #pragma once
 
+#include "argmax_key.h"
 #include "cuda_common.cuh"
 
 namespace swiftkern {
@@ -80,32 +84,41 @@ __device__ __forceinline__ ArgBest row_argmax(const typename Ty::Storage* row, i
   return block_argmax<kThreads>(best);
 }
 
-// grid: B * (K+1) blocks, block (b, j) = blockIdx.x / (K+1), % (K+1). Positions past num_draft[b]
-// are never needed and are skipped.
+// grid: (B * (K+1), chunks) blocks; block (b, j) = blockIdx.x / (K+1), % (K+1) reads
+// logits[b, j, c * chunk : (c+1) * chunk] for c = blockIdx.y. Positions past num_draft[b] are
+// never needed and are skipped.
 template <class Ty, int kThreads>
 __global__ void __launch_bounds__(kThreads)
 greedy_argmax_kernel(const typename Ty::Storage* __restrict__ logits, int64_t l_sb, int64_t l_sk,
                      const int32_t* __restrict__ num_draft, int64_t n_s, int64_t* __restrict__ out,
-                     int64_t K, int64_t V) {
+                     int64_t K, int64_t V, int64_t chunk) {
   const int64_t b = blockIdx.x / (K + 1), j = blockIdx.x % (K + 1);
   const int32_t nd = num_draft[b * n_s];
   SWIFTKERN_DEVICE_REQUIRE(nd >= 0 && nd <= K, "greedy_accept: num_draft[%lld] = %d is outside [0, K = %lld]\n",
                            static_cast<long long>(b), nd, static_cast<long long>(K));
   if (j > nd) return;
-  const ArgBest best = row_argmax<Ty, kThreads>(logits + b * l_sb + j * l_sk, V);
-  if (threadIdx.x == 0) out[b * (K + 1) + j] = best.index;
+  const int64_t start = static_cast<int64_t>(blockIdx.y) * chunk;
+  const int64_t n = V - start < chunk ? V - start : chunk;
+  const ArgBest best = row_argmax<Ty, kThreads>(logits + b * l_sb + j * l_sk + start, n);
+  if (threadIdx.x != 0) return;
+  int64_t* o = out + b * (K + 1) + j;
+  if (gridDim.y == 1) *o = best.index;
+  else atomicMax(reinterpret_cast<unsigned long long*>(o), argmax_key(best.value, start + best.index));
 }
 
-// One thread per row: out[b, :] holds the targets of positions 0..num_draft[b]; keep the drafts
-// that match (they equal their targets), the target at the first mismatch, then -1.
+// One thread per row: out[b, :] holds the targets of positions 0..num_draft[b] (as argmax_keys
+// when `keyed`); keep the drafts that match (they equal their targets), the target at the first
+// mismatch, then -1.
 __global__ void greedy_finalize_kernel(const int64_t* __restrict__ draft, int64_t d_sb, int64_t d_sk,
                                        const int32_t* __restrict__ num_draft, int64_t n_s,
                                        int64_t* __restrict__ out, int32_t* __restrict__ num_accepted,
-                                       int64_t B, int64_t K) {
+                                       int64_t B, int64_t K, bool keyed) {
   const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (b >= B) return;
   const int64_t nd = num_draft[b * n_s];
   int64_t* o = out + b * (K + 1);
+  if (keyed)
+    for (int64_t i = 0; i <= nd; ++i) o[i] = argmax_key_index(static_cast<uint64_t>(o[i]));
   int64_t a = 0;
   while (a < nd && draft[b * d_sb + a * d_sk] == o[a]) ++a;
   for (int64_t i = a + 1; i <= K; ++i) o[i] = -1;

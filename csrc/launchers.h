@@ -24,6 +24,15 @@ struct GreedyAcceptArgs {
   int64_t B, K, V;
 };
 cudaError_t greedy_accept(const GreedyAcceptArgs& a, cudaStream_t stream);
+// Vocabulary chunks a position's argmax is split into: enough blocks for kGreedyBlocksPerSm per
+// SM when there are few positions (B * (K+1)), each chunk at least kGreedyMinChunk elements; 1
+// when the positions alone fill the GPU (one block a row streamed at 93 % of an H100's copy
+// bandwidth at B = 256, K = 8, V = 128256, but 9 blocks at B = 1 left it at 3 %).
+// The split is off unless SWIFTKERN_CUDA_GREEDY_SPLIT=1 (read at each launch) until a GPU has run
+// it: SWIFTKERN_BACKEND=auto takes this kernel wherever the extension is built.
+constexpr int64_t kGreedyBlocksPerSm = 2, kGreedyMinChunk = 8192;
+int64_t greedy_vocab_chunks(int64_t positions, int64_t V, int sms);
+bool greedy_vocab_split_enabled();
 
 // rejection_sample: draft [B, K] int64; draft_probs [B, K, V] float32 or null (one-hot draft);
 // target_probs [B, K+1, V] float32 (V contiguous); num_draft [B] int32; u_accept [B, K] and

@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -54,16 +55,22 @@ def test_gpu_machine_has_the_cuda_build():
 
 # ---------------------------------------------------------------- greedy_accept
 
+def greedy_vocab_split(on: bool):
+    """SWIFTKERN_CUDA_GREEDY_SPLIT=1 (read by the launcher at each call) turns on the CUDA
+    greedy_accept's vocabulary split for few rows; off by default until a GPU has run it."""
+    return mock.patch.dict(os.environ, {"SWIFTKERN_CUDA_GREEDY_SPLIT": "1" if on else "0"})
+
+
 @DRAWN
 @given(B=st.integers(0, 6), K=st.integers(0, 9), V=st.sampled_from([1, 3, 8, 33, 1001, 49152]),
-       dtype=st.sampled_from(DTYPES), offset=st.integers(0, 7), data=st.data())
-def test_greedy_accept_matches_reference(B, K, V, dtype, offset, data):
+       dtype=st.sampled_from(DTYPES), offset=st.integers(0, 7), split=st.booleans(), data=st.data())
+def test_greedy_accept_matches_reference(B, K, V, dtype, offset, split, data):
     """Odd V and a storage offset put rows at every 16-byte misalignment (head, vectors, tail);
     ties, NaN, a row of -inf and signed zeros (-0.0 == 0.0: the lower index) follow torch.argmax."""
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 999)))
     flat = torch.randn(offset + B * (K + 1) * V, generator=g)
     logits = flat[offset:].view(B, K + 1, V).to(dtype)
-    special = data.draw(st.sampled_from(["none", "tie", "nan", "-inf", "signed-zero"]))
+    special = data.draw(st.sampled_from(["none", "tie", "nan", "nans", "-inf", "signed-zero"]))
     if B and special == "tie":
         logits[..., V // 2] = logits[..., 0] = 50
     elif B and special == "signed-zero" and V > 2:  # -0.0 == 0.0: the lower index wins
@@ -71,6 +78,9 @@ def test_greedy_accept_matches_reference(B, K, V, dtype, offset, data):
         logits[0, 0, 1], logits[0, 0, V - 1] = -0.0, 0.0
     elif B and special == "nan":
         logits[0, 0, V - 1] = float("nan")
+    elif B and special == "nans" and V > 2:  # the first NaN wins, whatever the sign bits
+        logits[0, 0, V // 2] = float("nan")
+        logits[0, 0, V - 1] = -float("nan")
     elif B and special == "-inf":
         logits[0] = float("-inf")
     target = logits.float().argmax(-1)
@@ -82,9 +92,40 @@ def test_greedy_accept_matches_reference(B, K, V, dtype, offset, data):
     num_draft = torch.tensor([data.draw(st.integers(0, K)) for _ in range(B)], dtype=torch.int32)
     cuda_logits = torch.empty(offset + logits.numel(), dtype=dtype, device=DEV)[offset:].view_as(logits)
     cuda_logits.copy_(logits)  # keep the misalignment on the device
-    out, acc = OPS.greedy_accept(draft.to(DEV), cuda_logits, num_draft.to(DEV))
+    with greedy_vocab_split(split):
+        out, acc = OPS.greedy_accept(draft.to(DEV), cuda_logits, num_draft.to(DEV))
     want, want_acc = reference.greedy_accept(draft, logits, num_draft)
     assert out.device.type == "cuda"
+    assert torch.equal(out.cpu(), want) and torch.equal(acc.cpu(), want_acc)
+
+
+@pytest.mark.parametrize("B, V", [(1, 49152), (1, 128256), (2, 128256), (8, 128256), (3, 16392)])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("split", [True, False])
+def test_greedy_accept_vocabulary_split(B, V, dtype, split):
+    """Few rows, with the split on: each position's argmax is split over vocabulary chunks
+    (greedy_vocab_chunks, 15 chunks at B = 1, V = 128256 on 132 SMs) combined by atomicMax of
+    argmax_key (tests/test_argmax_key.py checks the key on the CPU); off: one block a position. Equal maxima,
+    NaNs and signed zeros sit far apart (first / middle / last chunk), so a combine that broke
+    torch.argmax's rules across chunks picks another token."""
+    K = 8
+    g = torch.Generator().manual_seed(V + B)
+    logits = torch.randn(B, K + 1, V, generator=g).to(dtype)
+    logits[0, 0, 1] = logits[0, 0, V - 1] = logits[0, 0, V // 2] = 40  # ties: index 1
+    logits[0, 1, V - 2] = -float("nan")
+    logits[0, 1, V // 2 + 3] = float("nan")  # the first NaN: V // 2 + 3
+    logits[0, 2] = -1
+    logits[0, 2, 5], logits[0, 2, V - 5] = -0.0, 0.0  # -0.0 == 0.0: index 5
+    logits[0, 3] = float("-inf")  # index 0
+    logits[-1, 4, V - 1] = 60  # the last element of the last chunk
+    target = logits.float().argmax(-1)  # [B, K+1]
+    draft = target[:, :K].clone()
+    draft[:, 6] = (draft[:, 6] + 1) % V  # every row rejects at 6
+    num_draft = torch.full((B,), K, dtype=torch.int32)
+    with greedy_vocab_split(split):
+        out, acc = OPS.greedy_accept(draft.to(DEV), logits.to(DEV), num_draft.to(DEV))
+    want, want_acc = reference.greedy_accept(draft, logits, num_draft)
+    assert want_acc.tolist() == [6] * B and want[0, :4].tolist() == [1, V // 2 + 3, 5, 0]
     assert torch.equal(out.cpu(), want) and torch.equal(acc.cpu(), want_acc)
 
 
