@@ -1,11 +1,15 @@
 // The torch-side CUDA wrappers: check arguments, allocate outputs, call the torch-free launchers
 // (csrc/launchers.h) on the current stream of the inputs' device, and check the launch. Compiled
 // only in the CUDA build (setup.py defines SWIFTKERN_WITH_CUDA); registered in bindings.cpp.
-#ifdef SWIFTKERN_WITH_CUDA
+// SWIFTKERN_CUDA_EMULATION (tests/cuda_emu): the same wrappers over CPU tensors, the kernels run by
+// a CPU emulation of CUDA's threads, so tests run this file and the kernels without a GPU.
+#if defined(SWIFTKERN_WITH_CUDA) || defined(SWIFTKERN_CUDA_EMULATION)
 
 #include <ATen/ATen.h>
+#ifndef SWIFTKERN_CUDA_EMULATION
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#endif
 
 #include <limits>
 #include <optional>
@@ -30,7 +34,17 @@ void check_launch(cudaError_t err, const char* op) {
   TORCH_CHECK(err == cudaSuccess, op, " (CUDA kernel): launch failed: ", cudaGetErrorString(err));
 }
 
+#ifdef SWIFTKERN_CUDA_EMULATION
+constexpr c10::DeviceType kDevice = c10::DeviceType::CPU;
+struct DeviceGuard {
+  explicit DeviceGuard(const c10::Device&) {}
+};
+cudaStream_t stream_of(const at::Tensor&) { return nullptr; }
+#else
+constexpr c10::DeviceType kDevice = c10::DeviceType::CUDA;
+using DeviceGuard = c10::cuda::CUDAGuard;
 cudaStream_t stream_of(const at::Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
+#endif
 
 }  // namespace
 
@@ -46,7 +60,7 @@ std::tuple<at::Tensor, at::Tensor> greedy_accept_cuda(const at::Tensor& draft_to
               "greedy_accept: target_logits must be [B, K+1, V] = [", B, ", ", K + 1, ", V] and num_draft [B] for "
               "draft_tokens ", draft_tokens.sizes(), ", got ", target_logits.sizes(), " and ", num_draft.sizes());
   TORCH_CHECK(V > 0 && V <= std::numeric_limits<int32_t>::max(), "greedy_accept: V must be in [1, 2^31), got ", V);
-  checks::same_device("greedy_accept", c10::DeviceType::CUDA,
+  checks::same_device("greedy_accept", kDevice,
                       {{"draft_tokens", &draft_tokens}, {"target_logits", &target_logits}, {"num_draft", &num_draft}});
   TORCH_CHECK(draft_tokens.scalar_type() == at::kLong && num_draft.scalar_type() == at::kInt,
               "greedy_accept: draft_tokens must be int64 and num_draft int32, got ", draft_tokens.scalar_type(),
@@ -55,7 +69,7 @@ std::tuple<at::Tensor, at::Tensor> greedy_accept_cuda(const at::Tensor& draft_to
               "greedy_accept: target_logits must be float32, bfloat16 or float16, got ", target_logits.scalar_type());
   TORCH_CHECK(target_logits.stride(2) == 1 || V == 1, "greedy_accept: target_logits must be contiguous along V, "
               "got strides ", target_logits.strides(), "; call .contiguous() first");
-  const c10::cuda::CUDAGuard guard(draft_tokens.device());
+  const DeviceGuard guard(draft_tokens.device());
   auto out = at::empty({B, K + 1}, draft_tokens.options());
   auto num_accepted = at::empty({B}, num_draft.options());
   const cuda::GreedyAcceptArgs a{draft_tokens.data_ptr<int64_t>(), draft_tokens.stride(0), draft_tokens.stride(1),
@@ -87,11 +101,11 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_cuda(const at::Tensor& draft
                   u_sample.sizes() == at::IntArrayRef({B, K + 1}),
               "rejection_sample: num_draft must be [B], u_accept [B, K], u_sample [B, K+1] for B = ", B, ", K = ", K,
               ", got ", num_draft.sizes(), ", ", u_accept.sizes(), ", ", u_sample.sizes());
-  checks::same_device("rejection_sample", c10::DeviceType::CUDA,
+  checks::same_device("rejection_sample", kDevice,
                       {{"draft_tokens", &draft_tokens}, {"target_probs", &target_probs}, {"num_draft", &num_draft},
                        {"u_accept", &u_accept}, {"u_sample", &u_sample}});
   if (has_q)
-    checks::same_device("rejection_sample", c10::DeviceType::CUDA,
+    checks::same_device("rejection_sample", kDevice,
                         {{"draft_tokens", &draft_tokens}, {"draft_probs", &*draft_probs}});
   TORCH_CHECK(draft_tokens.scalar_type() == at::kLong && num_draft.scalar_type() == at::kInt,
               "rejection_sample: draft_tokens must be int64 and num_draft int32, got ", draft_tokens.scalar_type(),
@@ -103,7 +117,7 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_cuda(const at::Tensor& draft
   TORCH_CHECK((target_probs.stride(2) == 1 && (!has_q || draft_probs->stride(2) == 1)) || V == 1,
               "rejection_sample: target_probs and draft_probs must be contiguous along V; call .contiguous() first");
   TORCH_CHECK(V <= std::numeric_limits<int32_t>::max(), "rejection_sample: V must be < 2^31, got ", V);
-  const c10::cuda::CUDAGuard guard(draft_tokens.device());
+  const DeviceGuard guard(draft_tokens.device());
   auto out = at::empty({B, K + 1}, draft_tokens.options());
   auto num_accepted = at::empty({B}, num_draft.options());
   const float* q = has_q ? draft_probs->data_ptr<float>() : nullptr;
@@ -122,11 +136,11 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_cuda(const at::Tensor& draft
 std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_cuda(const at::Tensor& x, const at::Tensor& residual,
                                                            const at::Tensor& weight, double eps) {
   checks::fused_add_rms_norm(x, residual, weight);
-  checks::same_device("fused_add_rms_norm", c10::DeviceType::CUDA,
+  checks::same_device("fused_add_rms_norm", kDevice,
                       {{"x", &x}, {"residual", &residual}, {"weight", &weight}});
   const int64_t H = x.size(-1);
   const auto dt = kernel_dtype(x.scalar_type());
-  const c10::cuda::CUDAGuard guard(x.device());
+  const DeviceGuard guard(x.device());
   auto normed = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
   auto new_residual = at::empty_like(normed);
   if (x.numel() == 0) return {normed, new_residual};
@@ -144,10 +158,10 @@ at::Tensor rope_kv_append_cuda(const at::Tensor& q, const at::Tensor& k, const a
                                const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
                                const at::Tensor& positions) {
   checks::rope_kv_append(q, k, v, cos, sin, k_cache, v_cache, positions);
-  checks::same_device("rope_kv_append", c10::DeviceType::CUDA,
+  checks::same_device("rope_kv_append", kDevice,
                       {{"q", &q}, {"k", &k}, {"v", &v}, {"cos", &cos}, {"sin", &sin}, {"k_cache", &k_cache},
                        {"v_cache", &v_cache}, {"positions", &positions}});
-  const c10::cuda::CUDAGuard guard(q.device());
+  const DeviceGuard guard(q.device());
   at::Tensor out = at::empty(q.sizes(), q.options());  // contiguous, as the op's fake impl says
   const int64_t B = q.size(0), T = q.size(2), D = q.size(3);
   if (B * T == 0) return out;
@@ -170,10 +184,10 @@ at::Tensor rope_kv_append_cuda(const at::Tensor& q, const at::Tensor& k, const a
 void kv_compact_cuda(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& src_positions,
                      const at::Tensor& dst_start, const at::Tensor& counts) {
   checks::kv_compact(k_cache, v_cache, src_positions, dst_start, counts);
-  checks::same_device("kv_compact", c10::DeviceType::CUDA,
+  checks::same_device("kv_compact", kDevice,
                       {{"k_cache", &k_cache}, {"v_cache", &v_cache}, {"src_positions", &src_positions},
                        {"dst_start", &dst_start}, {"counts", &counts}});
-  const c10::cuda::CUDAGuard guard(k_cache.device());
+  const DeviceGuard guard(k_cache.device());
   cuda::KvCompactArgs a{k_cache.data_ptr(), v_cache.data_ptr(), static_cast<int64_t>(k_cache.element_size()),
                         k_cache.size(0), k_cache.size(1), k_cache.size(2), k_cache.size(3), k_cache.size(4),
                         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
@@ -191,4 +205,4 @@ void kv_compact_cuda(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& s
 
 }  // namespace swiftkern
 
-#endif  // SWIFTKERN_WITH_CUDA
+#endif  // SWIFTKERN_WITH_CUDA || SWIFTKERN_CUDA_EMULATION

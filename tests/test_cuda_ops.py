@@ -1,14 +1,22 @@
-"""The CUDA kernels of swiftkern._C (torch.ops.swiftkern.<op> on CUDA tensors) against
-swiftkern/reference.py, on a GPU machine; every test is skipped with the reason without one.
+"""The CUDA kernels of swiftkern._C (torch.ops.swiftkern.<op>) against swiftkern/reference.py.
+
+Every kernel test runs twice, through the ``kernels`` fixture: ``gpu`` (torch.ops.swiftkern on
+CUDA tensors; skipped, with the reason, without a GPU or a CUDA build) and ``emulated`` (the
+same wrappers of csrc/ops_cuda.cpp, launchers and kernels compiled by the host compiler against
+tests/cuda_emu, a CPU emulation of CUDA's threads, barriers and warp shuffles; on every machine,
+so CI runs the CUDA code without a GPU). The emulation checks what the kernels compute and how
+they are launched, not races, the memory model or timing.
 
 Acceptance ops must give the same tokens as the reference on the CPU (float64 sequential sums,
 which the CUDA rejection_sample reproduces exactly, falling back to the serial chain when its
 parallel sums cannot decide). Moves are bit-exact; fp32 rope is bit-exact; norms within the
-shared tolerance table. Device-side index checks are exercised in a subprocess (they stop the
-kernel, which poisons the CUDA context). ``test_compute_sanitizer_memcheck`` runs this file once
-under compute-sanitizer's memcheck when the tool is on PATH.
+shared tolerance table. Device-side index checks are exercised in a subprocess on a GPU (they
+stop the kernel, which poisons the CUDA context) and in-process in the emulation.
+``test_compute_sanitizer_memcheck`` runs this file's GPU tests once under compute-sanitizer's
+memcheck when the tool is on PATH.
 """
 
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -21,26 +29,40 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from swiftkern import ops, reference
+from cuda_emu.build import emulated_cuda_ops
 from triton_cases import assert_close
 
 HAS_GPU = torch.cuda.is_available()
 BUILT_CUDA = ops.registry.extension is not None and bool(ops.registry.extension.build_info().get("cuda"))
 UNDER_SANITIZER = os.environ.get("SWIFTKERN_UNDER_SANITIZER") == "1"
-pytestmark = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
-DEV = "cuda"
+NEEDS_GPU = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 DRAWN = settings(max_examples=12 if UNDER_SANITIZER else 40, deadline=None, derandomize=True,
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-OPS = torch.ops.swiftkern
+CPU_KERNELS = torch.ops.swiftkern  # on CPU tensors: the C++ CPU kernels (or the reference)
 
 
-@pytest.fixture(autouse=True)
-def _cuda_kernels_built(request):
-    if request.node.name != "test_gpu_machine_has_the_cuda_build" and not BUILT_CUDA:
-        pytest.skip("swiftkern._C was built without CUDA kernels (rebuild with a CUDA torch and nvcc: "
-                    "pip install --no-build-isolation -e .)")
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    ops: object  # .greedy_accept, .rejection_sample, .kv_compact, .fused_add_rms_norm, .rope_kv_append
+    device: str  # where their tensors live
 
 
+@pytest.fixture(scope="module", params=["gpu", "emulated"])
+def kernels(request) -> Kernels:
+    if request.param == "gpu":
+        if not HAS_GPU:
+            pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)")
+        if not BUILT_CUDA:
+            pytest.skip("swiftkern._C was built without CUDA kernels (rebuild with a CUDA torch and nvcc: "
+                        "pip install --no-build-isolation -e .)")
+        return Kernels(torch.ops.swiftkern, "cuda")
+    if UNDER_SANITIZER:
+        pytest.skip("compute-sanitizer checks the GPU kernels only")
+    return Kernels(emulated_cuda_ops(), "cpu")
+
+
+@NEEDS_GPU
 def test_gpu_machine_has_the_cuda_build():
     """On a GPU machine the extension must carry the CUDA kernels (unless built without on purpose)."""
     if os.environ.get("SWIFTKERN_BUILD_EXT") == "0":
@@ -64,7 +86,7 @@ def greedy_vocab_split(on: bool):
 @DRAWN
 @given(B=st.integers(0, 6), K=st.integers(0, 9), V=st.sampled_from([1, 3, 8, 33, 1001, 49152]),
        dtype=st.sampled_from(DTYPES), offset=st.integers(0, 7), split=st.booleans(), data=st.data())
-def test_greedy_accept_matches_reference(B, K, V, dtype, offset, split, data):
+def test_greedy_accept_matches_reference(kernels, B, K, V, dtype, offset, split, data):
     """Odd V and a storage offset put rows at every 16-byte misalignment (head, vectors, tail);
     ties, NaN, a row of -inf and signed zeros (-0.0 == 0.0: the lower index) follow torch.argmax."""
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 999)))
@@ -90,19 +112,19 @@ def test_greedy_accept_matches_reference(B, K, V, dtype, offset, split, data):
         if miss < K:
             draft[b, miss] = (draft[b, miss] + 1) % V if V > 1 else 3
     num_draft = torch.tensor([data.draw(st.integers(0, K)) for _ in range(B)], dtype=torch.int32)
-    cuda_logits = torch.empty(offset + logits.numel(), dtype=dtype, device=DEV)[offset:].view_as(logits)
+    cuda_logits = torch.empty(offset + logits.numel(), dtype=dtype, device=kernels.device)[offset:].view_as(logits)
     cuda_logits.copy_(logits)  # keep the misalignment on the device
     with greedy_vocab_split(split):
-        out, acc = OPS.greedy_accept(draft.to(DEV), cuda_logits, num_draft.to(DEV))
+        out, acc = kernels.ops.greedy_accept(draft.to(kernels.device), cuda_logits, num_draft.to(kernels.device))
     want, want_acc = reference.greedy_accept(draft, logits, num_draft)
-    assert out.device.type == "cuda"
+    assert out.device.type == kernels.device
     assert torch.equal(out.cpu(), want) and torch.equal(acc.cpu(), want_acc)
 
 
 @pytest.mark.parametrize("B, V", [(1, 49152), (1, 128256), (2, 128256), (8, 128256), (3, 16392)])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("split", [True, False])
-def test_greedy_accept_vocabulary_split(B, V, dtype, split):
+def test_greedy_accept_vocabulary_split(kernels, B, V, dtype, split):
     """Few rows, with the split on: each position's argmax is split over vocabulary chunks
     (greedy_vocab_chunks, 15 chunks at B = 1, V = 128256 on 132 SMs) combined by atomicMax of
     argmax_key (tests/test_argmax_key.py checks the key on the CPU); off: one block a position. Equal maxima,
@@ -123,7 +145,7 @@ def test_greedy_accept_vocabulary_split(B, V, dtype, split):
     draft[:, 6] = (draft[:, 6] + 1) % V  # every row rejects at 6
     num_draft = torch.full((B,), K, dtype=torch.int32)
     with greedy_vocab_split(split):
-        out, acc = OPS.greedy_accept(draft.to(DEV), logits.to(DEV), num_draft.to(DEV))
+        out, acc = kernels.ops.greedy_accept(draft.to(kernels.device), logits.to(kernels.device), num_draft.to(kernels.device))
     want, want_acc = reference.greedy_accept(draft, logits, num_draft)
     assert want_acc.tolist() == [6] * B and want[0, :4].tolist() == [1, V // 2 + 3, 5, 0]
     assert torch.equal(out.cpu(), want) and torch.equal(acc.cpu(), want_acc)
@@ -139,30 +161,30 @@ def rejection_case(B, K, V, with_q, seed, sharp=3.0):
     return draft, q, p, torch.rand(B, K, generator=g), torch.rand(B, K + 1, generator=g)
 
 
-def same_tokens_as_reference(draft, q, p, num_draft, ua, us):
+def same_tokens_as_reference(kernels, draft, q, p, num_draft, ua, us):
     args = (draft, q, p, num_draft, ua, us)
-    out, acc = OPS.rejection_sample(*(a.to(DEV) if a is not None else None for a in args))
+    out, acc = kernels.ops.rejection_sample(*(a.to(kernels.device) if a is not None else None for a in args))
     want, want_acc = reference.rejection_sample(*args)
     assert torch.equal(out.cpu(), want) and torch.equal(acc.cpu(), want_acc)
-    cpu_out, _ = OPS.rejection_sample(*args)  # the CPU kernel: the same chain of float64 sums
+    cpu_out, _ = CPU_KERNELS.rejection_sample(*args)  # the CPU kernel: the same chain of float64 sums
     assert torch.equal(out.cpu(), cpu_out)
 
 
 @DRAWN
 @given(B=st.integers(0, 5), K=st.integers(0, 6), V=st.sampled_from([1, 2, 7, 1025, 4099, 49152]),
        with_q=st.booleans(), seed=st.integers(0, 2**16), data=st.data())
-def test_rejection_sample_matches_reference(B, K, V, with_q, seed, data):
+def test_rejection_sample_matches_reference(kernels, B, K, V, with_q, seed, data):
     draft, q, p, ua, us = rejection_case(B, K, V, with_q, seed)
     if data.draw(st.booleans()) and B:
         p[0][torch.rand(K + 1, V) < 0.5] = 0.0  # exact zeros, unnormalized rows
     if with_q and B and K and data.draw(st.booleans()):
         q[0, 0] = p[0, 0]  # an all-zero residual: drawn from p
     num_draft = torch.tensor([data.draw(st.integers(0, K)) for _ in range(B)], dtype=torch.int32)
-    same_tokens_as_reference(draft, q, p, num_draft, ua, us)
+    same_tokens_as_reference(kernels, draft, q, p, num_draft, ua, us)
 
 
 @pytest.mark.parametrize("with_q", [False, True])
-def test_rejection_sample_exact_boundaries_take_the_serial_path(with_q):
+def test_rejection_sample_exact_boundaries_take_the_serial_path(kernels, with_q):
     """Dyadic weights put u * total exactly on a running sum: the parallel sums cannot decide
     (the margin test fails), and the serial chain must give the reference's token."""
     V, B = 4096, 8
@@ -170,11 +192,11 @@ def test_rejection_sample_exact_boundaries_take_the_serial_path(with_q):
     p[:, 0, :4] = torch.tensor([0.5, 0.25, 0.125, 0.125])  # running sums 0.5, 0.75, 0.875, 1 exactly
     us = torch.tensor([0.0, 0.5, 0.75, 0.875, 0.25, 1 - 2**-24, 0.4999999, 0.6]).unsqueeze(1)
     q = torch.zeros(B, 0, V) if with_q else None
-    same_tokens_as_reference(torch.empty(B, 0, dtype=torch.int64), q, p, torch.zeros(B, dtype=torch.int32),
+    same_tokens_as_reference(kernels, torch.empty(B, 0, dtype=torch.int64), q, p, torch.zeros(B, dtype=torch.int32),
                              torch.empty(B, 0), us)
 
 
-def test_rejection_sample_negative_and_nan_weights_follow_the_cpu_kernel():
+def test_rejection_sample_negative_and_nan_weights_follow_the_cpu_kernel(kernels):
     """Not probabilities (negative, NaN): no defined sample, but the CUDA kernel's serial path
     gives the CPU kernel's token."""
     B, V = 4, 3000
@@ -182,14 +204,14 @@ def test_rejection_sample_negative_and_nan_weights_follow_the_cpu_kernel():
     p[1, 0, 17] = float("nan")
     args = (torch.empty(B, 0, dtype=torch.int64), None, p, torch.zeros(B, dtype=torch.int32), torch.empty(B, 0),
             torch.rand(B, 1))
-    out, acc = OPS.rejection_sample(*(a.to(DEV) if a is not None else None for a in args))
-    want, want_acc = OPS.rejection_sample(*args)
+    out, acc = kernels.ops.rejection_sample(*(a.to(kernels.device) if a is not None else None for a in args))
+    want, want_acc = CPU_KERNELS.rejection_sample(*args)
     assert torch.equal(out.cpu(), want) and torch.equal(acc.cpu(), want_acc)
 
 
-def test_rejection_sample_large_batch_vocab_49152():
+def test_rejection_sample_large_batch_vocab_49152(kernels):
     draft, q, p, ua, us = rejection_case(64, 8, 49152, True, 7, sharp=6.0)
-    same_tokens_as_reference(draft, q, p, torch.randint(0, 9, (64,), dtype=torch.int32), ua, us)
+    same_tokens_as_reference(kernels, draft, q, p, torch.randint(0, 9, (64,), dtype=torch.int32), ua, us)
 
 
 # ---------------------------------------------------------------- kv_compact
@@ -197,7 +219,7 @@ def test_rejection_sample_large_batch_vocab_49152():
 @DRAWN
 @given(L=st.integers(1, 3), B=st.integers(1, 4), H=st.sampled_from([1, 3]), D=st.sampled_from([1, 3, 8, 64, 256]),
        M=st.sampled_from([0, 1, 5, 64]), dtype=st.sampled_from(DTYPES), data=st.data())
-def test_kv_compact_matches_reference(L, B, H, D, M, dtype, data):
+def test_kv_compact_matches_reference(kernels, L, B, H, D, M, dtype, data):
     """M x D x size above 48 KiB (M = 64, D = 256, fp32) takes the workspace path."""
     S = max(M, 1) + data.draw(st.integers(0, 10))
     src, dst, counts = [], [], []
@@ -212,10 +234,10 @@ def test_kv_compact_matches_reference(L, B, H, D, M, dtype, data):
     k, v = (torch.randn(L, B, H, S, D, generator=g).to(dtype) for _ in range(2))
     want_k, want_v = k.clone(), v.clone()
     reference.kv_compact(want_k, want_v, src, dst, counts)
-    ck, cv = k.to(DEV), v.to(DEV)
+    ck, cv = k.to(kernels.device), v.to(kernels.device)
     if data.draw(st.booleans()):  # strides of a longer cache
         ck, cv = (torch.cat([t, t], dim=3)[:, :, :, :S] for t in (ck, cv))
-    OPS.kv_compact(ck, cv, src.to(DEV), dst.to(DEV), counts.to(DEV))
+    kernels.ops.kv_compact(ck, cv, src.to(kernels.device), dst.to(kernels.device), counts.to(kernels.device))
     assert torch.equal(ck.cpu(), want_k) and torch.equal(cv.cpu(), want_v)
 
 
@@ -225,24 +247,24 @@ def test_kv_compact_matches_reference(L, B, H, D, M, dtype, data):
 @given(rows=st.sampled_from([(0,), (1,), (3,), (2, 5)]),
        hidden=st.sampled_from([1, 7, 64, 576, 577, 4096, 8192, 20001, 40000, 65537]), dtype=st.sampled_from(DTYPES),
        eps=st.sampled_from([1e-6, 1e-5, 0.5]), seed=st.integers(0, 2**16))
-def test_fused_add_rms_norm_matches_reference(rows, hidden, dtype, eps, seed):
+def test_fused_add_rms_norm_matches_reference(kernels, rows, hidden, dtype, eps, seed):
     """576: 16-byte path; 577: scalar path; 20001: scalar read back (more than 16 values a thread);
     40000: 16-byte read back (more than 4 or 8 chunks a thread); 65537: scalar, past the old limit."""
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(*rows, hidden, generator=g) * 3).to(dtype)
     res = torch.randn(*rows, hidden, generator=g).to(dtype)
     w = (1 + torch.randn(hidden, generator=g) / 4).to(dtype)
-    normed, new_res = OPS.fused_add_rms_norm(x.to(DEV), res.to(DEV), w.to(DEV), eps)
+    normed, new_res = kernels.ops.fused_add_rms_norm(x.to(kernels.device), res.to(kernels.device), w.to(kernels.device), eps)
     want_normed, want_res = reference.fused_add_rms_norm(x, res, w, eps)
     assert torch.equal(new_res.cpu(), want_res)  # one rounding of the same sum
     assert_close("fused_add_rms_norm", normed.cpu(), want_normed)
 
 
-def test_fused_add_rms_norm_strided_rows():
-    x = torch.randn(6, 2 * 576, device=DEV)
-    res = torch.randn(6, 2 * 576, device=DEV)
-    w = torch.rand(576, device=DEV) + 0.5
-    normed, new_res = OPS.fused_add_rms_norm(x[:, ::2], res[:, 576:], w, 1e-5)
+def test_fused_add_rms_norm_strided_rows(kernels):
+    x = torch.randn(6, 2 * 576, device=kernels.device)
+    res = torch.randn(6, 2 * 576, device=kernels.device)
+    w = torch.rand(576, device=kernels.device) + 0.5
+    normed, new_res = kernels.ops.fused_add_rms_norm(x[:, ::2], res[:, 576:], w, 1e-5)
     want = reference.fused_add_rms_norm(x[:, ::2], res[:, 576:], w, 1e-5)
     assert torch.equal(new_res, want[1])
     assert_close("fused_add_rms_norm", normed, want[0])
@@ -266,15 +288,15 @@ def rope_case(B, Hq, Hkv, T, D, S, dtype, seed):
 @DRAWN
 @given(B=st.integers(1, 4), heads=st.sampled_from([(9, 3), (32, 8), (2, 1)]), T=st.integers(1, 9),
        D=st.sampled_from([2, 6, 16, 64, 128]), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 999))
-def test_rope_kv_append_matches_reference(B, heads, T, D, dtype, seed):
+def test_rope_kv_append_matches_reference(kernels, B, heads, T, D, dtype, seed):
     """D 2 and 6: scalar path; 16+: 16-byte path (fp32 D 16 too)."""
     S = T + 7
     q, k, v, cos, sin, cache, positions = rope_case(B, *heads, T, D, S, dtype, seed)
     want_cache = cache.clone()
     want_q = reference.rope_kv_append(q, k, v, cos, sin, want_cache[0], want_cache[1], positions)
-    dev_cache = cache.to(DEV)
-    got_q = OPS.rope_kv_append(q.to(DEV), k.to(DEV), v.to(DEV), cos.to(DEV), sin.to(DEV), dev_cache[0],
-                               dev_cache[1], positions.to(DEV))
+    dev_cache = cache.to(kernels.device)
+    got_q = kernels.ops.rope_kv_append(q.to(kernels.device), k.to(kernels.device), v.to(kernels.device), cos.to(kernels.device), sin.to(kernels.device), dev_cache[0],
+                               dev_cache[1], positions.to(kernels.device))
     got_q, got_cache = got_q.cpu(), dev_cache.cpu()
     if dtype == torch.float32:  # products rounded separately, as torch: bit-identical
         assert torch.equal(got_q, want_q) and torch.equal(got_cache.nan_to_num(7.0), want_cache.nan_to_num(7.0))
@@ -287,44 +309,63 @@ def test_rope_kv_append_matches_reference(B, heads, T, D, dtype, seed):
 
 # ---------------------------------------------------------------- opcheck, device checks, sanitizer
 
+@NEEDS_GPU
+@pytest.mark.skipif(not BUILT_CUDA, reason="swiftkern._C was built without CUDA kernels")
 def test_opcheck_all_cuda_ops():
     draft, q, p, ua, us = rejection_case(2, 3, 100, True, 1)
     nd = torch.tensor([3, 1], dtype=torch.int32)
-    to = lambda *ts: tuple(t.to(DEV) if t is not None else None for t in ts)  # noqa: E731
-    torch.library.opcheck(OPS.rejection_sample, to(draft, q, p, nd, ua, us))
-    torch.library.opcheck(OPS.greedy_accept, to(draft, p, nd))
-    k, v = torch.randn(2, 2, 3, 8, 16, device=DEV), torch.randn(2, 2, 3, 8, 16, device=DEV)
-    torch.library.opcheck(OPS.kv_compact, (k, v) + to(torch.tensor([[3, 4], [1, 0]]), torch.tensor([1, 0]),
+    to = lambda *ts: tuple(t.to("cuda") if t is not None else None for t in ts)  # noqa: E731
+    torch.library.opcheck(torch.ops.swiftkern.rejection_sample, to(draft, q, p, nd, ua, us))
+    torch.library.opcheck(torch.ops.swiftkern.greedy_accept, to(draft, p, nd))
+    k, v = torch.randn(2, 2, 3, 8, 16, device="cuda"), torch.randn(2, 2, 3, 8, 16, device="cuda")
+    torch.library.opcheck(torch.ops.swiftkern.kv_compact, (k, v) + to(torch.tensor([[3, 4], [1, 0]]), torch.tensor([1, 0]),
                                                       torch.tensor([2, 1], dtype=torch.int32)))
     rq, rk, rv, cos, sin, cache, positions = rope_case(2, 4, 2, 2, 8, 6, torch.bfloat16, 3)
-    cache = cache.to(DEV)
-    torch.library.opcheck(OPS.rope_kv_append, to(rq, rk, rv, cos, sin) + (cache[0], cache[1]) + to(positions))
-    x = torch.randn(3, 64, device=DEV, dtype=torch.bfloat16)
-    torch.library.opcheck(OPS.fused_add_rms_norm, (x, x.clone(), torch.ones(64, device=DEV, dtype=torch.bfloat16), 1e-5))
+    cache = cache.to("cuda")
+    torch.library.opcheck(torch.ops.swiftkern.rope_kv_append, to(rq, rk, rv, cos, sin) + (cache[0], cache[1]) + to(positions))
+    x = torch.randn(3, 64, device="cuda", dtype=torch.bfloat16)
+    torch.library.opcheck(torch.ops.swiftkern.fused_add_rms_norm, (x, x.clone(), torch.ones(64, device="cuda", dtype=torch.bfloat16), 1e-5))
 
 
+# (op, its arguments as an expression on device {dev}, what the kernel says): an index out of range
+DEVICE_SIDE_CHECKS = [
+    ("rope_kv_append", "*[torch.zeros(1, 1, 1, 8, device={dev})] * 3, *[torch.zeros(1, 1, 8, device={dev})] * 2, "
+     "*torch.zeros(2, 1, 1, 4, 8, device={dev}), torch.tensor([[9]], device={dev})", "positions[0, 0] = 9 is outside"),
+    ("kv_compact", "torch.zeros(1, 1, 1, 4, 2, device={dev}), torch.zeros(1, 1, 1, 4, 2, device={dev}), "
+     "torch.tensor([[7]], device={dev}), torch.tensor([0], device={dev}), "
+     "torch.tensor([1], dtype=torch.int32, device={dev})", "src_positions[0, 0] = 7 is outside"),
+    ("greedy_accept", "torch.zeros(1, 2, dtype=torch.int64, device={dev}), torch.zeros(1, 3, 5, device={dev}), "
+     "torch.tensor([4], dtype=torch.int32, device={dev})", "num_draft[0] = 4 is outside"),
+]
+
+
+@NEEDS_GPU
+@pytest.mark.skipif(not BUILT_CUDA, reason="swiftkern._C was built without CUDA kernels")
 @pytest.mark.skipif(UNDER_SANITIZER, reason="stops a kernel on purpose")
-@pytest.mark.parametrize("call, message", [
-    ("torch.ops.swiftkern.rope_kv_append(*[torch.zeros(1, 1, 1, 8, device='cuda')] * 3, "
-     "*[torch.zeros(1, 1, 8, device='cuda')] * 2, *torch.zeros(2, 1, 1, 4, 8, device='cuda'), "
-     "torch.tensor([[9]], device='cuda'))", "positions[0, 0] = 9 is outside"),
-    ("torch.ops.swiftkern.kv_compact(torch.zeros(1, 1, 1, 4, 2, device='cuda'), torch.zeros(1, 1, 1, 4, 2, device='cuda'), "
-     "torch.tensor([[7]], device='cuda'), torch.tensor([0], device='cuda'), "
-     "torch.tensor([1], dtype=torch.int32, device='cuda'))", "src_positions[0, 0] = 7 is outside"),
-    ("torch.ops.swiftkern.greedy_accept(torch.zeros(1, 2, dtype=torch.int64, device='cuda'), "
-     "torch.zeros(1, 3, 5, device='cuda'), torch.tensor([4], dtype=torch.int32, device='cuda'))",
-     "num_draft[0] = 4 is outside"),
-])
-def test_device_side_index_checks_stop_the_kernel(call, message):
+@pytest.mark.parametrize("op, args, message", DEVICE_SIDE_CHECKS)
+def test_device_side_index_checks_stop_the_kernel(op, args, message):
     """The kernel prints what is wrong and traps; the host sees the launch failure at the sync.
     (CUDA documents no flush of device printf after a trap, so the failure alone also counts.)"""
-    code = f"import torch, swiftkern.ops\n{call}\ntorch.cuda.synchronize()\nprint('no error')\n"
+    code = (f"import torch, swiftkern.ops\ntorch.ops.swiftkern.{op}({args.format(dev=repr('cuda'))})\n"
+            "torch.cuda.synchronize()\nprint('no error')\n")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     text = run.stdout + run.stderr
     assert run.returncode != 0 and "no error" not in run.stdout, text
     assert message in text or "unspecified launch failure" in text, text
 
 
+@pytest.mark.skipif(UNDER_SANITIZER, reason="compute-sanitizer checks the GPU kernels only")
+@pytest.mark.parametrize("op, args, message", DEVICE_SIDE_CHECKS)
+def test_device_side_index_checks_stop_the_emulated_kernel(op, args, message, capfd):
+    """In the emulation the trap ends the launch, which the wrapper reports as CUDA's launch
+    failure, after the kernel's own message."""
+    emulated = emulated_cuda_ops()
+    with pytest.raises(RuntimeError, match="unspecified launch failure"):
+        getattr(emulated, op)(*eval(f"({args.format(dev=repr('cpu'))},)"))
+    assert message in capfd.readouterr().out
+
+
+@NEEDS_GPU
 @pytest.mark.skipif(UNDER_SANITIZER, reason="already running under compute-sanitizer")
 @pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="compute-sanitizer is not on PATH")
 def test_compute_sanitizer_memcheck():

@@ -1,0 +1,3 @@
+// Stands in for CUDA's cuda_fp16.h in the CPU emulation (see emu.h).
+#pragma once
+#include "emu.h"
