@@ -19,6 +19,8 @@
 #include <tuple>
 #include <vector>
 
+#include "ops_cuda.h"
+
 #ifdef SWIFTKERN_WITH_CUDA
 #include <cuda_runtime_api.h>  // CUDART_VERSION
 #endif
@@ -70,21 +72,6 @@ at::Tensor verify_attention_invariant_cpu(const at::Tensor& q, const at::Tensor&
                                           const at::Tensor& cache_lens, double scale);
 void kv_compact_cpu(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& src_positions,
                     const at::Tensor& dst_start, const at::Tensor& counts);
-#ifdef SWIFTKERN_WITH_CUDA  // csrc/ops_cuda.cpp
-std::tuple<at::Tensor, at::Tensor> greedy_accept_cuda(const at::Tensor& draft_tokens, const at::Tensor& target_logits,
-                                                      const at::Tensor& num_draft);
-std::tuple<at::Tensor, at::Tensor> rejection_sample_cuda(const at::Tensor& draft_tokens,
-                                                         const std::optional<at::Tensor>& draft_probs,
-                                                         const at::Tensor& target_probs, const at::Tensor& num_draft,
-                                                         const at::Tensor& u_accept, const at::Tensor& u_sample);
-std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_cuda(const at::Tensor& x, const at::Tensor& residual,
-                                                           const at::Tensor& weight, double eps);
-at::Tensor rope_kv_append_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
-                               const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
-                               const at::Tensor& positions);
-void kv_compact_cuda(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& src_positions,
-                     const at::Tensor& dst_start, const at::Tensor& counts);
-#endif
 
 // The ops with a compiled kernel per device (what build_info() reports).
 constexpr const char* kCpuKernels[] = {"greedy_accept", "rejection_sample", "skinny_linear", "rms_norm",

@@ -17,6 +17,7 @@
 
 #include "launchers.h"
 #include "op_checks.h"
+#include "ops_cuda.h"
 
 namespace swiftkern {
 namespace {
