@@ -1,5 +1,5 @@
-// Launcher of kv_compact (kernel in kv_compact.cuh): picks the copy unit and the staged or the
-// workspace path, on `stream`.
+// Launcher of kv_compact (kernels in kv_compact.cuh): picks the copy unit and the register, the
+// staged or the workspace path, on `stream`.
 #include "kv_compact.cuh"
 
 namespace swiftkern {
@@ -25,6 +25,11 @@ int copy_unit(const KvCompactArgs& a) {
 template <class U>
 cudaError_t launch(const KvCompactArgs& a, cudaStream_t stream) {
   const int64_t units = row_bytes(a) / static_cast<int64_t>(sizeof(U));
+  if (a.M * units <= kRegisterUnits * kThreads) {
+    kv_compact_registers_kernel<U><<<static_cast<unsigned>(a.L * a.B * a.H), kThreads, 0, stream>>>(
+        a, static_cast<int>(units));
+    return last_launch_error();
+  }
   const dim3 grid(static_cast<unsigned>(a.L * a.B * a.H), 2);
   const int64_t staged = a.M * row_bytes(a);
   if (staged <= kMaxStagedBytes) {

@@ -1,10 +1,12 @@
-// kv_compact kernel: one block per (cache, layer, row, head) slice moves that slice's kept
-// entries. Entries are copied as raw bytes in the widest unit (16, 8, 4, 2 or 1 bytes) that the
-// row size, base pointers and strides allow, so every dtype works the same way.
+// kv_compact kernels: entries are copied as raw bytes in the widest unit (16, 8, 4, 2 or 1 bytes)
+// that the row size, base pointers and strides allow, so every dtype works the same way.
 //
-// Sources may overlap destinations, so all reads of a slice finish before its writes: through
-// shared memory in one kernel (kStaged) when M entries fit, else through a global workspace with
-// a gather kernel then a scatter kernel (stream order separates them).
+// Sources may overlap destinations, so all reads of a slice finish before its writes. The usual
+// case (a verification's K+1 entries: at most kRegisterUnits units a thread) is
+// kv_compact_registers_kernel: one block per (layer, row, head) holds both caches' kept entries
+// in registers across one barrier. Larger slices take kv_compact_kernel, one block per (cache,
+// layer, row, head): through shared memory (kStaged) when M entries fit, else through a global
+// workspace with a gather kernel then a scatter kernel (stream order separates them).
 #pragma once
 
 #include "cuda_common.cuh"
@@ -13,6 +15,64 @@ namespace swiftkern {
 namespace cuda {
 
 enum KvCompactMode : int { kStaged = 0, kGather = 1, kScatter = 2 };
+
+constexpr int kRegisterUnits = 4;  // copy units a thread holds per cache in kv_compact_registers_kernel
+
+// Entry i, unit c of the units e = threadIdx.x, threadIdx.x + blockDim.x, ... of a slice whose
+// entries are row_units units long, stepped without a division per unit.
+struct UnitCursor {
+  int i, c, di, dc, row_units;
+  __device__ __forceinline__ UnitCursor(int row_units_)
+      : i(static_cast<int>(threadIdx.x) / row_units_), c(static_cast<int>(threadIdx.x) % row_units_),
+        di(static_cast<int>(blockDim.x) / row_units_), dc(static_cast<int>(blockDim.x) % row_units_),
+        row_units(row_units_) {}
+  __device__ __forceinline__ void next() {
+    i += di;
+    c += dc;
+    if (c >= row_units) { c -= row_units; ++i; }
+  }
+};
+
+// grid: L * B * H blocks; block (l, b, h) moves the kept entries of both caches. Needs
+// counts[b] * row_units <= kRegisterUnits * blockDim.x (the launcher checks M * row_units).
+template <class U>
+__global__ void kv_compact_registers_kernel(KvCompactArgs a, int row_units) {
+  const int64_t slice = blockIdx.x;  // (l, b, h), h fastest
+  const int64_t h = slice % a.H, b = (slice / a.H) % a.B, l = slice / (a.H * a.B);
+  const int64_t n = a.counts[b * a.counts_s];
+  const int64_t start = a.dst_start[b * a.dst_s];
+  SWIFTKERN_DEVICE_REQUIRE(n >= 0 && n <= a.M && start >= 0 && start + n <= a.S,
+                           "kv_compact: row %lld moves counts = %lld entries to [%lld, %lld), outside the "
+                           "cache (S = %lld) or more than M = %lld\n",
+                           static_cast<long long>(b), static_cast<long long>(n), static_cast<long long>(start),
+                           static_cast<long long>(start + n), static_cast<long long>(a.S),
+                           static_cast<long long>(a.M));
+  if (n == 0) return;
+  const int64_t offset = (l * a.s_l + b * a.s_b + h * a.s_h) * a.elem_bytes;
+  U* k = reinterpret_cast<U*>(static_cast<char*>(a.k_cache) + offset);
+  U* v = reinterpret_cast<U*>(static_cast<char*>(a.v_cache) + offset);
+  const int64_t pos_units = a.s_s * a.elem_bytes / static_cast<int64_t>(sizeof(U));
+  U k_units[kRegisterUnits], v_units[kRegisterUnits];
+  UnitCursor at(row_units);
+#pragma unroll
+  for (int r = 0; r < kRegisterUnits; ++r, at.next()) {
+    if (at.i >= n) break;
+    const int64_t src = a.src[b * a.src_sb + at.i * a.src_sm];
+    SWIFTKERN_DEVICE_REQUIRE(src >= 0 && src < a.S, "kv_compact: src_positions[%lld, %lld] = %lld is outside [0, S = %lld)\n",
+                             static_cast<long long>(b), static_cast<long long>(at.i), static_cast<long long>(src),
+                             static_cast<long long>(a.S));
+    k_units[r] = k[src * pos_units + at.c];
+    v_units[r] = v[src * pos_units + at.c];
+  }
+  __syncthreads();  // every source read before any destination is written
+  UnitCursor to(row_units);
+#pragma unroll
+  for (int r = 0; r < kRegisterUnits; ++r, to.next()) {
+    if (to.i >= n) break;
+    k[(start + to.i) * pos_units + to.c] = k_units[r];
+    v[(start + to.i) * pos_units + to.c] = v_units[r];
+  }
+}
 
 template <class U, int kMode>
 __global__ void kv_compact_kernel(KvCompactArgs a, int64_t row_units) {
