@@ -89,6 +89,7 @@ def greedy_vocab_split(on: bool):
 def test_greedy_accept_matches_reference(kernels, B, K, V, dtype, offset, split, data):
     """Odd V and a storage offset put rows at every 16-byte misalignment (head, vectors, tail);
     ties, NaN, a row of -inf and signed zeros (-0.0 == 0.0: the lower index) follow torch.argmax."""
+    dev = kernels.device
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 999)))
     flat = torch.randn(offset + B * (K + 1) * V, generator=g)
     logits = flat[offset:].view(B, K + 1, V).to(dtype)
@@ -112,12 +113,12 @@ def test_greedy_accept_matches_reference(kernels, B, K, V, dtype, offset, split,
         if miss < K:
             draft[b, miss] = (draft[b, miss] + 1) % V if V > 1 else 3
     num_draft = torch.tensor([data.draw(st.integers(0, K)) for _ in range(B)], dtype=torch.int32)
-    cuda_logits = torch.empty(offset + logits.numel(), dtype=dtype, device=kernels.device)[offset:].view_as(logits)
+    cuda_logits = torch.empty(offset + logits.numel(), dtype=dtype, device=dev)[offset:].view_as(logits)
     cuda_logits.copy_(logits)  # keep the misalignment on the device
     with greedy_vocab_split(split):
-        out, acc = kernels.ops.greedy_accept(draft.to(kernels.device), cuda_logits, num_draft.to(kernels.device))
+        out, acc = kernels.ops.greedy_accept(draft.to(dev), cuda_logits, num_draft.to(dev))
     want, want_acc = reference.greedy_accept(draft, logits, num_draft)
-    assert out.device.type == kernels.device
+    assert out.device.type == dev
     assert torch.equal(out.cpu(), want) and torch.equal(acc.cpu(), want_acc)
 
 
@@ -127,9 +128,10 @@ def test_greedy_accept_matches_reference(kernels, B, K, V, dtype, offset, split,
 def test_greedy_accept_vocabulary_split(kernels, B, V, dtype, split):
     """Few rows, with the split on: each position's argmax is split over vocabulary chunks
     (greedy_vocab_chunks, 15 chunks at B = 1, V = 128256 on 132 SMs) combined by atomicMax of
-    argmax_key (tests/test_argmax_key.py checks the key on the CPU); off: one block a position. Equal maxima,
-    NaNs and signed zeros sit far apart (first / middle / last chunk), so a combine that broke
-    torch.argmax's rules across chunks picks another token."""
+    argmax_key (tests/test_argmax_key.py checks the key alone); off: one block a position.
+    Equal maxima, NaNs and signed zeros sit far apart (first / middle / last chunk), so a
+    combine that broke torch.argmax's rules across chunks picks another token."""
+    dev = kernels.device
     K = 8
     g = torch.Generator().manual_seed(V + B)
     logits = torch.randn(B, K + 1, V, generator=g).to(dtype)
@@ -145,7 +147,7 @@ def test_greedy_accept_vocabulary_split(kernels, B, V, dtype, split):
     draft[:, 6] = (draft[:, 6] + 1) % V  # every row rejects at 6
     num_draft = torch.full((B,), K, dtype=torch.int32)
     with greedy_vocab_split(split):
-        out, acc = kernels.ops.greedy_accept(draft.to(kernels.device), logits.to(kernels.device), num_draft.to(kernels.device))
+        out, acc = kernels.ops.greedy_accept(draft.to(dev), logits.to(dev), num_draft.to(dev))
     want, want_acc = reference.greedy_accept(draft, logits, num_draft)
     assert want_acc.tolist() == [6] * B and want[0, :4].tolist() == [1, V // 2 + 3, 5, 0]
     assert torch.equal(out.cpu(), want) and torch.equal(acc.cpu(), want_acc)
@@ -221,6 +223,7 @@ def test_rejection_sample_large_batch_vocab_49152(kernels):
        M=st.sampled_from([0, 1, 5, 64]), dtype=st.sampled_from(DTYPES), data=st.data())
 def test_kv_compact_matches_reference(kernels, L, B, H, D, M, dtype, data):
     """M x D x size above 48 KiB (M = 64, D = 256, fp32) takes the workspace path."""
+    dev = kernels.device
     S = max(M, 1) + data.draw(st.integers(0, 10))
     src, dst, counts = [], [], []
     for _ in range(B):
@@ -234,10 +237,10 @@ def test_kv_compact_matches_reference(kernels, L, B, H, D, M, dtype, data):
     k, v = (torch.randn(L, B, H, S, D, generator=g).to(dtype) for _ in range(2))
     want_k, want_v = k.clone(), v.clone()
     reference.kv_compact(want_k, want_v, src, dst, counts)
-    ck, cv = k.to(kernels.device), v.to(kernels.device)
+    ck, cv = k.to(dev), v.to(dev)
     if data.draw(st.booleans()):  # strides of a longer cache
         ck, cv = (torch.cat([t, t], dim=3)[:, :, :, :S] for t in (ck, cv))
-    kernels.ops.kv_compact(ck, cv, src.to(kernels.device), dst.to(kernels.device), counts.to(kernels.device))
+    kernels.ops.kv_compact(ck, cv, src.to(dev), dst.to(dev), counts.to(dev))
     assert torch.equal(ck.cpu(), want_k) and torch.equal(cv.cpu(), want_v)
 
 
@@ -250,20 +253,22 @@ def test_kv_compact_matches_reference(kernels, L, B, H, D, M, dtype, data):
 def test_fused_add_rms_norm_matches_reference(kernels, rows, hidden, dtype, eps, seed):
     """576: 16-byte path; 577: scalar path; 20001: scalar read back (more than 16 values a thread);
     40000: 16-byte read back (more than 4 or 8 chunks a thread); 65537: scalar, past the old limit."""
+    dev = kernels.device
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(*rows, hidden, generator=g) * 3).to(dtype)
     res = torch.randn(*rows, hidden, generator=g).to(dtype)
     w = (1 + torch.randn(hidden, generator=g) / 4).to(dtype)
-    normed, new_res = kernels.ops.fused_add_rms_norm(x.to(kernels.device), res.to(kernels.device), w.to(kernels.device), eps)
+    normed, new_res = kernels.ops.fused_add_rms_norm(x.to(dev), res.to(dev), w.to(dev), eps)
     want_normed, want_res = reference.fused_add_rms_norm(x, res, w, eps)
     assert torch.equal(new_res.cpu(), want_res)  # one rounding of the same sum
     assert_close("fused_add_rms_norm", normed.cpu(), want_normed)
 
 
 def test_fused_add_rms_norm_strided_rows(kernels):
-    x = torch.randn(6, 2 * 576, device=kernels.device)
-    res = torch.randn(6, 2 * 576, device=kernels.device)
-    w = torch.rand(576, device=kernels.device) + 0.5
+    dev = kernels.device
+    x = torch.randn(6, 2 * 576, device=dev)
+    res = torch.randn(6, 2 * 576, device=dev)
+    w = torch.rand(576, device=dev) + 0.5
     normed, new_res = kernels.ops.fused_add_rms_norm(x[:, ::2], res[:, 576:], w, 1e-5)
     want = reference.fused_add_rms_norm(x[:, ::2], res[:, 576:], w, 1e-5)
     assert torch.equal(new_res, want[1])
@@ -290,13 +295,14 @@ def rope_case(B, Hq, Hkv, T, D, S, dtype, seed):
        D=st.sampled_from([2, 6, 16, 64, 128]), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 999))
 def test_rope_kv_append_matches_reference(kernels, B, heads, T, D, dtype, seed):
     """D 2 and 6: scalar path; 16+: 16-byte path (fp32 D 16 too)."""
+    dev = kernels.device
     S = T + 7
     q, k, v, cos, sin, cache, positions = rope_case(B, *heads, T, D, S, dtype, seed)
     want_cache = cache.clone()
     want_q = reference.rope_kv_append(q, k, v, cos, sin, want_cache[0], want_cache[1], positions)
-    dev_cache = cache.to(kernels.device)
-    got_q = kernels.ops.rope_kv_append(q.to(kernels.device), k.to(kernels.device), v.to(kernels.device), cos.to(kernels.device), sin.to(kernels.device), dev_cache[0],
-                               dev_cache[1], positions.to(kernels.device))
+    dev_cache = cache.to(dev)
+    got_q = kernels.ops.rope_kv_append(q.to(dev), k.to(dev), v.to(dev), cos.to(dev), sin.to(dev), dev_cache[0],
+                                       dev_cache[1], positions.to(dev))
     got_q, got_cache = got_q.cpu(), dev_cache.cpu()
     if dtype == torch.float32:  # products rounded separately, as torch: bit-identical
         assert torch.equal(got_q, want_q) and torch.equal(got_cache.nan_to_num(7.0), want_cache.nan_to_num(7.0))
