@@ -53,7 +53,9 @@ pytest_gpu() {  # name, timeout, pytest args...
 }
 
 stage_tests() {
-  pytest_gpu tests 330 -n 6 -m "not slow" --deselect tests/test_cuda_ops.py::test_compute_sanitizer_memcheck \
+  # the CUDA emulation's tests (-k emulated) run on the CPU machine; here only the GPU's
+  pytest_gpu tests 330 -n 6 -m "not slow" -k "not (test_cuda_ops and emulated)" \
+    --deselect tests/test_cuda_ops.py::test_compute_sanitizer_memcheck \
     tests/test_cuda_ops.py tests/test_triton_*.py tests/test_bi_matmul.py tests/test_greedy_accept.py \
     tests/test_rejection_sample.py tests/test_deterministic_gpu.py tests/test_cuda_graphs.py
 }
