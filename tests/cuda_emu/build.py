@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import re
+import shutil
+import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -47,6 +50,10 @@ def emulated_cuda_ops(verbose: bool = False):
     rope_kv_append, kv_compact with torch.ops.swiftkern's arguments, on CPU tensors)."""
     from torch.utils.cpp_extension import load
 
+    # the ninja that `pip install ninja` put beside this interpreter, when the venv is not on PATH
+    bin_dir = os.path.dirname(sys.executable)
+    if shutil.which("ninja") is None and shutil.which("ninja", path=bin_dir):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     files = sources()
     digest = hashlib.sha256("".join(k + v for k, v in sorted(files.items())).encode()).hexdigest()[:16]
     folder = ROOT / "build" / "cuda_emu" / digest
