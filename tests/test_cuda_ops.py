@@ -48,18 +48,25 @@ class Kernels:
     device: str  # where their tensors live
 
 
-@pytest.fixture(scope="module", params=["gpu", "emulated"])
-def kernels(request) -> Kernels:
+@pytest.fixture(scope="module", params=["gpu", "emulated", "emulated-warps"])
+def kernels(request):
+    """gpu: the real kernels. emulated: the emulation's lockstep schedule (every thread to its
+    next barrier, then the barriers open). emulated-warps: one warp at a time, the last first,
+    each as far as it can go, so a warp rewrites shared memory before the others have read it
+    wherever a __syncthreads is missing (SWIFTKERN_EMULATED_SCHEDULE=warps)."""
     if request.param == "gpu":
         if not HAS_GPU:
             pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)")
         if not BUILT_CUDA:
             pytest.skip("swiftkern._C was built without CUDA kernels (rebuild with a CUDA torch and nvcc: "
                         "pip install --no-build-isolation -e .)")
-        return Kernels(torch.ops.swiftkern, "cuda")
+        yield Kernels(torch.ops.swiftkern, "cuda")
+        return
     if UNDER_SANITIZER:
         pytest.skip("compute-sanitizer checks the GPU kernels only")
-    return Kernels(emulated_cuda_ops(), "cpu")
+    schedule = "warps" if request.param == "emulated-warps" else "lockstep"
+    with mock.patch.dict(os.environ, {"SWIFTKERN_EMULATED_SCHEDULE": schedule}):
+        yield Kernels(emulated_cuda_ops(), "cpu")
 
 
 @NEEDS_GPU

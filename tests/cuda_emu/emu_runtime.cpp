@@ -5,6 +5,7 @@
 // finish: that is reported and the process stops, as a hung kernel would need stopping.
 #include <ucontext.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <memory>
 #include <stdexcept>
@@ -26,7 +27,6 @@ struct Fiber {
   dim3 index;
   State state = State::kDone;
   uint64_t published = 0;  // the value a warp shuffle publishes
-  int exchange_phase = 0;  // 1: published, waiting for the warp; 2: read, waiting again
 };
 
 struct Machine {
@@ -60,24 +60,25 @@ void wait(State at) {
   swapcontext(&me().context, &m.scheduler);
 }
 
-// Opens the barriers every live thread waiting on has reached; false when none can open.
-bool open_barriers(unsigned threads) {
+// Opens warp w's shuffle barrier if every live lane of it waits there.
+bool open_warp(unsigned w, unsigned threads) {
   Machine& m = machine();
-  bool opened = false;
-  for (unsigned w = 0; w * 32 < threads; ++w) {  // a warp whose live lanes all wait at a shuffle
-    bool all = true, any = false;
-    for (unsigned t = w * 32; t < threads && t < (w + 1) * 32; ++t) {
-      const State s = m.fibers[t].state;
-      if (s == State::kDone) continue;
-      any = true;
-      all = all && s == State::kAtWarpBarrier;
-    }
-    if (!any || !all) continue;
-    for (unsigned t = w * 32; t < threads && t < (w + 1) * 32; ++t)
-      if (m.fibers[t].state == State::kAtWarpBarrier) m.fibers[t].state = State::kRunnable;
-    opened = true;
+  bool all = true, any = false;
+  for (unsigned t = w * 32; t < threads && t < (w + 1) * 32; ++t) {
+    const State s = m.fibers[t].state;
+    if (s == State::kDone) continue;
+    any = true;
+    all = all && s == State::kAtWarpBarrier;
   }
-  if (opened) return true;
+  if (!any || !all) return false;
+  for (unsigned t = w * 32; t < threads && t < (w + 1) * 32; ++t)
+    if (m.fibers[t].state == State::kAtWarpBarrier) m.fibers[t].state = State::kRunnable;
+  return true;
+}
+
+// Opens the block barrier if every live thread waits there.
+bool open_block(unsigned threads) {
+  Machine& m = machine();
   bool all = true, any = false;
   for (unsigned t = 0; t < threads; ++t) {
     const State s = m.fibers[t].state;
@@ -91,7 +92,26 @@ bool open_barriers(unsigned threads) {
   return true;
 }
 
-void run_block(unsigned threads) {
+// Runs the runnable threads of [first, last) once each, in order; false if none was runnable.
+bool run_threads(unsigned first, unsigned last) {
+  Machine& m = machine();
+  bool ran = false;
+  for (unsigned t = first; t < last && !m.trapped; ++t) {
+    if (m.fibers[t].state != State::kRunnable) continue;
+    m.current = static_cast<int>(t);
+    swapcontext(&m.scheduler, &m.fibers[t].context);
+    ran = true;
+  }
+  return ran;
+}
+
+// Two schedules (SWIFTKERN_EMULATED_SCHEDULE, read per launch):
+//   "lockstep" (default): every thread runs to its next barrier before any barrier opens;
+//   "warps": one warp at a time, the last first, each as far as it can go (its shuffles open as
+//     soon as its lanes arrive) before the next starts: a warp gets ahead of the others up to
+//     the block barrier, so shared memory one warp rewrites before another has read it (a missing
+//     __syncthreads) changes the result.
+void run_block(unsigned threads, bool by_warps) {
   Machine& m = machine();
   const dim3 size = m.block_size;
   for (unsigned t = 0; t < threads; ++t) {
@@ -99,30 +119,30 @@ void run_block(unsigned threads) {
     if (!f.stack) f.stack.reset(new char[kStackBytes]);
     f.index = dim3(t % size.x, (t / size.x) % size.y, t / (size.x * size.y));
     f.state = State::kRunnable;
-    f.exchange_phase = 0;
     getcontext(&f.context);
     f.context.uc_stack.ss_sp = f.stack.get();
     f.context.uc_stack.ss_size = kStackBytes;
     f.context.uc_link = &m.scheduler;
     makecontext(&f.context, fiber_main, 0);
   }
+  const unsigned warps = (threads + 31) / 32;
   for (;;) {
-    bool ran = false;
-    for (unsigned t = 0; t < threads && !m.trapped; ++t) {
-      if (m.fibers[t].state != State::kRunnable) continue;
-      m.current = static_cast<int>(t);
-      swapcontext(&m.scheduler, &m.fibers[t].context);
-      ran = true;
+    bool progress = false;
+    if (by_warps) {
+      for (unsigned w = warps; w-- > 0 && !m.trapped;)
+        while (run_threads(w * 32, std::min(threads, (w + 1) * 32)) || open_warp(w, threads)) progress = true;
+    } else {
+      progress = run_threads(0, threads);
+      for (unsigned w = 0; w < warps; ++w) progress = open_warp(w, threads) || progress;
     }
     if (m.trapped) return;
     bool live = false;
     for (unsigned t = 0; t < threads; ++t) live = live || m.fibers[t].state != State::kDone;
     if (!live) return;
-    if (!open_barriers(threads) && !ran) {
-      std::fprintf(stderr, "emu: block (%u, %u, %u) hangs: its live threads wait at different barriers\n",
-                   m.block_index.x, m.block_index.y, m.block_index.z);
-      std::abort();
-    }
+    if (open_block(threads) || progress) continue;
+    std::fprintf(stderr, "emu: block (%u, %u, %u) hangs: its live threads wait at different barriers\n",
+                 m.block_index.x, m.block_index.y, m.block_index.z);
+    std::abort();
   }
 }
 
@@ -173,11 +193,13 @@ void Launch::run(void (*body)(void*), void* context) const {
   m.block_size = block;
   m.grid_size = grid;
   m.trapped = false;
+  const char* schedule = std::getenv("SWIFTKERN_EMULATED_SCHEDULE");
+  const bool by_warps = schedule != nullptr && std::strcmp(schedule, "warps") == 0;
   for (unsigned z = 0; z < grid.z; ++z)
     for (unsigned y = 0; y < grid.y; ++y)
       for (unsigned x = 0; x < grid.x; ++x) {
         m.block_index = dim3(x, y, z);
-        run_block(static_cast<unsigned>(threads));
+        run_block(static_cast<unsigned>(threads), by_warps);
         if (m.trapped) {
           m.last_error = cudaErrorLaunchFailure;
           return;
