@@ -3,7 +3,10 @@ host compiler against this folder's stand-ins for CUDA's headers (emu.h), so the
 CPU tensors. The sources are copied with two rewrites the preprocessor cannot make:
 ``kernel<<<grid, block, smem, stream>>>(args)`` becomes
 ``::emu::Launch(grid, block, smem, stream).kernel(&kernel)(args)``, and
-``extern __shared__ T name[];`` a pointer to the launch's dynamic shared memory. Built once per
+``extern __shared__ T name[];`` a pointer to the launch's dynamic shared memory; and every
+``__shared__`` declaration is followed by a call that fills it with garbage once per block (as
+a GPU leaves it), so a kernel that reads shared memory before writing it in a block fails
+instead of reading the last block's values. Built once per
 content of those sources (a hash names the build folder under build/cuda_emu)."""
 
 from __future__ import annotations
@@ -24,10 +27,16 @@ LAUNCH = re.compile(r"([A-Za-z_][\w:]*(?:<[^<>;()]*>)?)\s*<<<(.*?)>>>\s*\(")
 DYNAMIC_SHARED = re.compile(r"extern\s+__shared__\s+(?:__align__\(\d+\)\s+)?([\w ]+?)\s+(\w+)\[\];")
 
 
+STATIC_SHARED = re.compile(r"^(\s*)__shared__\s+([\w:<> ]+?)\s+(\w+)((?:\[[^\]]+\])*);", re.M)
+
+
 def rewrite(source: str) -> str:
     source = LAUNCH.sub(lambda m: f"::emu::Launch({m.group(2)}).kernel(&{m.group(1)})(", source)
-    return DYNAMIC_SHARED.sub(lambda m: f"{m.group(1)}* {m.group(2)} = static_cast<{m.group(1)}*>(::emu::dynamic_shared());",
-                              source)
+    source = DYNAMIC_SHARED.sub(
+        lambda m: f"{m.group(1)}* {m.group(2)} = static_cast<{m.group(1)}*>(::emu::dynamic_shared());", source)
+    # each block's first thread to get there fills the block's static shared memory with garbage
+    return STATIC_SHARED.sub(lambda m: f"{m.group(1)}__shared__ {m.group(2)} {m.group(3)}{m.group(4)}; "
+                                       f"::emu::fresh_shared(&{m.group(3)}, sizeof({m.group(3)}));", source)
 
 
 def sources() -> dict[str, str]:

@@ -62,6 +62,8 @@ const dim3& block_idx();
 const dim3& block_dim();
 const dim3& grid_dim();
 void* dynamic_shared();
+// Fills [p, p + bytes) with garbage the first time it is called in a block (a static __shared__).
+void fresh_shared(void* p, size_t bytes);
 void sync_block();
 // Every live lane of the caller's warp publishes `bits`, then gets lane `src`'s (its own when src
 // is outside the warp).

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <memory>
 #include <stdexcept>
+#include <unordered_map>
 #include <vector>
 
 #include "emu.h"
@@ -38,6 +39,8 @@ struct Machine {
   void (*body)(void*) = nullptr;
   void* context = nullptr;
   bool trapped = false;
+  uint64_t block_serial = 0;  // counts blocks run, from 1
+  std::unordered_map<void*, uint64_t> shared_filled;  // static __shared__ -> the block that last filled it
   cudaError_t last_error = cudaSuccess;
 };
 
@@ -153,6 +156,14 @@ const dim3& block_idx() { return machine().block_index; }
 const dim3& block_dim() { return machine().block_size; }
 const dim3& grid_dim() { return machine().grid_size; }
 void* dynamic_shared() { return machine().shared_memory.data(); }
+
+void fresh_shared(void* p, size_t bytes) {
+  Machine& m = machine();
+  uint64_t& filled = m.shared_filled[p];
+  if (filled == m.block_serial) return;
+  filled = m.block_serial;
+  std::memset(p, 0xff, bytes);  // NaN as a float or double, -1 as an integer
+}
 void sync_block() { wait(State::kAtBlockBarrier); }
 
 uint64_t warp_exchange(uint64_t bits, int src) {
@@ -187,7 +198,7 @@ void Launch::run(void (*body)(void*), void* context) const {
     return;
   }
   if (m.fibers.size() < threads) m.fibers.resize(kMaxThreads);
-  m.shared_memory.assign(shared_bytes, 0xcd);  // not zero: a kernel must write before it reads
+  m.shared_memory.assign(shared_bytes, 0xff);  // garbage: a kernel must write before it reads
   m.body = body;
   m.context = context;
   m.block_size = block;
@@ -199,6 +210,7 @@ void Launch::run(void (*body)(void*), void* context) const {
     for (unsigned y = 0; y < grid.y; ++y)
       for (unsigned x = 0; x < grid.x; ++x) {
         m.block_index = dim3(x, y, z);
+        ++m.block_serial;
         run_block(static_cast<unsigned>(threads), by_warps);
         if (m.trapped) {
           m.last_error = cudaErrorLaunchFailure;
