@@ -6,10 +6,13 @@
 // `extern __shared__ T name[]` into a pointer to the launch's dynamic shared memory.
 //
 // How a launch runs (emu_runtime.cpp): blocks one after another; a block's threads as fibers
-// (ucontext) on the calling thread, switched at __syncthreads and warp shuffles. __shared__ is
-// `static` (one block at a time, so a static is that block's shared memory). What it checks: the
-// kernels' arithmetic, indexing, launch plans and barriers (a barrier some threads never reach is
-// reported). What it does not: data races, the memory model, timing.
+// (ucontext) on the calling thread, switched at __syncthreads and warp shuffles, in the schedule
+// SWIFTKERN_EMULATED_SCHEDULE names (lockstep, or warps: one warp at a time, which exposes a
+// missing __syncthreads). __shared__ is `static` (one block at a time, so a static is that
+// block's shared memory), filled with 0xff bytes when a block starts using it. What it checks:
+// the kernels' arithmetic, indexing, launch plans and barriers (a barrier some threads never
+// reach is reported). What it does not: races between truly concurrent threads, the memory
+// model, timing.
 #pragma once
 
 #include <cmath>
