@@ -33,24 +33,42 @@ struct UnitCursor {
   }
 };
 
+// Block blockIdx.x's (layer, row, head) slice (h fastest), its row's count of kept entries and
+// their destination start.
+struct CompactSlice {
+  int64_t l, b, h, n, start;
+  __device__ __forceinline__ explicit CompactSlice(const KvCompactArgs& a) {
+    const int64_t slice = blockIdx.x;
+    h = slice % a.H;
+    b = (slice / a.H) % a.B;
+    l = slice / (a.H * a.B);
+    n = a.counts[b * a.counts_s];
+    start = a.dst_start[b * a.dst_s];
+  }
+  __device__ __forceinline__ void require_in_cache(const KvCompactArgs& a) const {
+    SWIFTKERN_DEVICE_REQUIRE(n >= 0 && n <= a.M && start >= 0 && start + n <= a.S,
+                             "kv_compact: row %lld moves counts = %lld entries to [%lld, %lld), outside the "
+                             "cache (S = %lld) or more than M = %lld\n",
+                             static_cast<long long>(b), static_cast<long long>(n), static_cast<long long>(start),
+                             static_cast<long long>(start + n), static_cast<long long>(a.S),
+                             static_cast<long long>(a.M));
+  }
+  // the slice's first byte in a cache
+  __device__ __forceinline__ char* base(void* cache, const KvCompactArgs& a) const {
+    return static_cast<char*>(cache) + (l * a.s_l + b * a.s_b + h * a.s_h) * a.elem_bytes;
+  }
+};
+
 // grid: L * B * H blocks; block (l, b, h) moves the kept entries of both caches. Needs
 // counts[b] * row_units <= kRegisterUnits * blockDim.x (the launcher checks M * row_units).
 template <class U>
 __global__ void kv_compact_registers_kernel(KvCompactArgs a, int row_units) {
-  const int64_t slice = blockIdx.x;  // (l, b, h), h fastest
-  const int64_t h = slice % a.H, b = (slice / a.H) % a.B, l = slice / (a.H * a.B);
-  const int64_t n = a.counts[b * a.counts_s];
-  const int64_t start = a.dst_start[b * a.dst_s];
-  SWIFTKERN_DEVICE_REQUIRE(n >= 0 && n <= a.M && start >= 0 && start + n <= a.S,
-                           "kv_compact: row %lld moves counts = %lld entries to [%lld, %lld), outside the "
-                           "cache (S = %lld) or more than M = %lld\n",
-                           static_cast<long long>(b), static_cast<long long>(n), static_cast<long long>(start),
-                           static_cast<long long>(start + n), static_cast<long long>(a.S),
-                           static_cast<long long>(a.M));
+  const CompactSlice sl(a);
+  sl.require_in_cache(a);
+  const int64_t n = sl.n, start = sl.start, b = sl.b;
   if (n == 0) return;
-  const int64_t offset = (l * a.s_l + b * a.s_b + h * a.s_h) * a.elem_bytes;
-  U* k = reinterpret_cast<U*>(static_cast<char*>(a.k_cache) + offset);
-  U* v = reinterpret_cast<U*>(static_cast<char*>(a.v_cache) + offset);
+  U* k = reinterpret_cast<U*>(sl.base(a.k_cache, a));
+  U* v = reinterpret_cast<U*>(sl.base(a.v_cache, a));
   const int64_t pos_units = a.s_s * a.elem_bytes / static_cast<int64_t>(sizeof(U));
   U k_units[kRegisterUnits], v_units[kRegisterUnits];
   UnitCursor at(row_units);
@@ -77,21 +95,12 @@ __global__ void kv_compact_registers_kernel(KvCompactArgs a, int row_units) {
 template <class U, int kMode>
 __global__ void kv_compact_kernel(KvCompactArgs a, int64_t row_units) {
   extern __shared__ __align__(16) unsigned char kv_smem[];
-  const int64_t slice = blockIdx.x;  // (l, b, h), h fastest
-  const int64_t h = slice % a.H, b = (slice / a.H) % a.B, l = slice / (a.H * a.B);
-  const int64_t n = a.counts[b * a.counts_s];
-  const int64_t start = a.dst_start[b * a.dst_s];
-  if (kMode != kScatter)
-    SWIFTKERN_DEVICE_REQUIRE(n >= 0 && n <= a.M && start >= 0 && start + n <= a.S,
-                             "kv_compact: row %lld moves counts = %lld entries to [%lld, %lld), outside the "
-                             "cache (S = %lld) or more than M = %lld\n",
-                             static_cast<long long>(b), static_cast<long long>(n), static_cast<long long>(start),
-                             static_cast<long long>(start + n), static_cast<long long>(a.S),
-                             static_cast<long long>(a.M));
+  const CompactSlice sl(a);
+  if (kMode != kScatter) sl.require_in_cache(a);
+  const int64_t n = sl.n, start = sl.start, b = sl.b, slice = blockIdx.x;
   if (n == 0) return;
   const int64_t eb = a.elem_bytes;
-  char* cache = static_cast<char*>(blockIdx.y == 0 ? a.k_cache : a.v_cache);
-  U* base = reinterpret_cast<U*>(cache + (l * a.s_l + b * a.s_b + h * a.s_h) * eb);
+  U* base = reinterpret_cast<U*>(sl.base(blockIdx.y == 0 ? a.k_cache : a.v_cache, a));
   const int64_t pos_units = a.s_s * eb / static_cast<int64_t>(sizeof(U));
   U* buf = kMode == kStaged
                ? reinterpret_cast<U*>(kv_smem)
