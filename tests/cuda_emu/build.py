@@ -23,10 +23,11 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 CSRC = ROOT / "csrc"
 
+# kernel<<<config>>>(   ->   ::emu::Launch(config).kernel(&kernel)(
 LAUNCH = re.compile(r"([A-Za-z_][\w:]*(?:<[^<>;()]*>)?)\s*<<<(.*?)>>>\s*\(")
+# extern __shared__ [__align__(n)] T name[];   ->   T* name = <the launch's dynamic shared memory>;
 DYNAMIC_SHARED = re.compile(r"extern\s+__shared__\s+(?:__align__\(\d+\)\s+)?([\w ]+?)\s+(\w+)\[\];")
-
-
+# __shared__ T name[...];   ->   the same, then ::emu::fresh_shared(&name, sizeof(name));
 STATIC_SHARED = re.compile(r"^(\s*)__shared__\s+([\w:<> ]+?)\s+(\w+)((?:\[[^\]]+\])*);", re.M)
 
 
