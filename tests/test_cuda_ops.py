@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 
 from swiftkern import ops, reference
 from cuda_emu.build import emulated_cuda_ops
-from triton_cases import assert_close
+from triton_cases import assert_close, rope_reference_rounded
 
 HAS_GPU = torch.cuda.is_available()
 BUILT_CUDA = ops.registry.extension is not None and bool(ops.registry.extension.build_info().get("cuda"))
@@ -301,23 +301,21 @@ def rope_case(B, Hq, Hkv, T, D, S, dtype, seed):
 @given(B=st.integers(1, 4), heads=st.sampled_from([(9, 3), (32, 8), (2, 1)]), T=st.integers(1, 9),
        D=st.sampled_from([2, 6, 16, 64, 128]), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 999))
 def test_rope_kv_append_matches_reference(kernels, B, heads, T, D, dtype, seed):
-    """D 2 and 6: scalar path; 16+: 16-byte path (fp32 D 16 too)."""
+    """D 2 and 6: scalar path; 16+: 16-byte path (fp32 D 16 too). The kernel computes in fp32 as
+    torch does (each product rounded, then the sum) and rounds once to the dtype, so its output is
+    the float32 reference on the same inputs, rounded: bit for bit in every dtype. (Against the
+    reference run in bf16, seed 2, B 2, heads 32/8, T 6, D 64 was 0.03 off: see
+    triton_cases.rope_reference_rounded.)"""
     dev = kernels.device
     S = T + 7
     q, k, v, cos, sin, cache, positions = rope_case(B, *heads, T, D, S, dtype, seed)
-    want_cache = cache.clone()
-    want_q = reference.rope_kv_append(q, k, v, cos, sin, want_cache[0], want_cache[1], positions)
+    want_q, want_cache = rope_reference_rounded(q, k, v, cos, sin, cache, positions)
     dev_cache = cache.to(dev)
     got_q = kernels.ops.rope_kv_append(q.to(dev), k.to(dev), v.to(dev), cos.to(dev), sin.to(dev), dev_cache[0],
                                        dev_cache[1], positions.to(dev))
     got_q, got_cache = got_q.cpu(), dev_cache.cpu()
-    if dtype == torch.float32:  # products rounded separately, as torch: bit-identical
-        assert torch.equal(got_q, want_q) and torch.equal(got_cache.nan_to_num(7.0), want_cache.nan_to_num(7.0))
-    else:
-        assert_close("rope_kv_append", got_q, want_q)
-        assert_close("rope_kv_append", got_cache, want_cache, equal_nan=True)
-    assert torch.equal(got_cache[1].nan_to_num(7.0), want_cache[1].nan_to_num(7.0))
-    assert int(got_cache.isnan().sum()) == int(want_cache.isnan().sum())
+    assert torch.equal(got_q, want_q)
+    assert torch.equal(got_cache.nan_to_num(7.0), want_cache.nan_to_num(7.0))  # unwritten slots stay NaN
 
 
 # ---------------------------------------------------------------- opcheck, device checks, sanitizer

@@ -5,9 +5,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from swiftkern import ops, reference
+from swiftkern import ops
 from swiftkern.errors import SwiftkernError
-from triton_cases import DEVICE, FEW, assert_close, backend, opcheck, poisoned, triton_op
+from triton_cases import DEVICE, FEW, assert_close, backend, opcheck, poisoned, rope_reference_rounded, triton_op
 
 
 def rotary(B, T, D, positions, dtype):
@@ -42,8 +42,7 @@ def test_matches_reference(B, heads, T, D, dtype, scattered, data):
     starts = data.draw(st.lists(st.integers(0, S - T), min_size=B, max_size=B))
     q, k, v, cos, sin, cache, positions = case(B, *heads, T, D, S, starts, dtype, data.draw(st.integers(0, 99)),
                                                scattered)
-    want_cache = cache.clone()
-    want_q = reference.rope_kv_append(q, k, v, cos, sin, want_cache[0], want_cache[1], positions)
+    want_q, want_cache = rope_reference_rounded(q, k, v, cos, sin, cache, positions)
     with poisoned():
         got_q = triton_op("rope_kv_append")(q, k, v, cos, sin, cache[0], cache[1], positions)
     assert_close("rope_kv_append", got_q, want_q)
@@ -56,8 +55,7 @@ def test_scattered_positions(dtype):
     """Each token to its own position, out of order (the op's contract: any position per token):
     every row of the cache written where its position says, nothing else."""
     q, k, v, cos, sin, cache, positions = case(3, 9, 3, 5, 64, 24, [0, 0, 0], dtype, 7, scattered=True)
-    want_cache = cache.clone()
-    want_q = reference.rope_kv_append(q, k, v, cos, sin, want_cache[0], want_cache[1], positions)
+    want_q, want_cache = rope_reference_rounded(q, k, v, cos, sin, cache, positions)
     with poisoned():
         got_q = triton_op("rope_kv_append")(q, k, v, cos, sin, cache[0], cache[1], positions)
     assert_close("rope_kv_append", got_q, want_q)
@@ -67,8 +65,7 @@ def test_scattered_positions(dtype):
 
 def test_wrapper_with_uniform_start_and_contiguous_cache_dtype():
     q, k, v, cos, sin, cache, positions = case(2, 9, 3, 3, 64, 10, [4, 4], torch.float32, 1)
-    want_cache = cache.clone()
-    want_q = reference.rope_kv_append(q, k, v, cos, sin, want_cache[0], want_cache[1], positions, 4)
+    want_q, want_cache = rope_reference_rounded(q, k, v, cos, sin, cache, positions, 4)
     with backend("triton"):
         got_q = ops.rope_kv_append(q, k, v, cos, sin, cache[0], cache[1], positions, uniform_start=4)
     assert_close("rope_kv_append", got_q, want_q)

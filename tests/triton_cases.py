@@ -12,7 +12,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-from swiftkern import ops
+from swiftkern import ops, reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NATIVE = DEVICE == "cuda"
@@ -34,6 +34,18 @@ TOLERANCES = {
     # per unit of sqrt(K): both accumulate K products in fp32, in different orders
     "bi_matmul": {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2), torch.float16: (2e-3, 2e-3)},
 }
+
+
+def rope_reference_rounded(q, k, v, cos, sin, cache, positions, *hint):
+    """reference.rope_kv_append computed in float32 on the same inputs, rounded once to their
+    dtype -> (q rotated, cache [2, B, Hkv, S, D]). What a kernel that computes in fp32 and rounds
+    once should give (the CUDA kernel bit for bit). The reference run in bf16 rounds each product
+    and the sum: it can be 1.5 units in the last place of the products away from this, more than
+    any fixed tolerance where the products cancel (0.03 at |q| ~ 4)."""
+    cache32 = cache.float()
+    q_rot = reference.rope_kv_append(q.float(), k.float(), v.float(), cos.float(), sin.float(), cache32[0],
+                                     cache32[1], positions, *hint)
+    return q_rot.to(q.dtype), cache32.to(cache.dtype)
 
 
 def assert_close(op: str, got: torch.Tensor, want: torch.Tensor, **kw) -> None:
