@@ -35,6 +35,7 @@ from triton_cases import assert_close, rope_reference_rounded
 HAS_GPU = torch.cuda.is_available()
 BUILT_CUDA = ops.registry.extension is not None and bool(ops.registry.extension.build_info().get("cuda"))
 UNDER_SANITIZER = os.environ.get("SWIFTKERN_UNDER_SANITIZER") == "1"
+UNDER_ASAN = os.environ.get("SWIFTKERN_EMULATED_ASAN") == "1"  # test_emulated_kernels_under_address_sanitizer's run
 NEEDS_GPU = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 DRAWN = settings(max_examples=12 if UNDER_SANITIZER else 40, deadline=None, derandomize=True,
@@ -374,6 +375,35 @@ def test_device_side_index_checks_stop_the_emulated_kernel(op, args, message, ca
     with pytest.raises(RuntimeError, match="unspecified launch failure"):
         getattr(emulated, op)(*eval(f"({args.format(dev=repr('cpu'))},)"))
     assert message in capfd.readouterr().out
+
+
+def _libasan() -> str | None:
+    """The host compiler's AddressSanitizer runtime, or None."""
+    cxx = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
+    if cxx is None:
+        return None
+    path = subprocess.run([cxx, "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
+    return path if os.path.isabs(path) and os.path.exists(path) else None
+
+
+@pytest.mark.skipif(UNDER_SANITIZER or UNDER_ASAN, reason="already running under a sanitizer")
+def test_emulated_kernels_under_address_sanitizer(tmp_path):
+    """This file's emulated kernel tests (the lockstep schedule), with the emulation built with
+    -fsanitize=address and libasan preloaded: no read or write outside the tensors, the CPU's
+    stand-in for compute-sanitizer's memcheck. (The device-side check tests are left out: the
+    C++ exception they end in trips ASan's preloaded interceptor.)"""
+    libasan = _libasan()
+    if libasan is None:
+        pytest.skip("the host compiler has no libasan.so (c++ -print-file-name=libasan.so)")
+    env = dict(os.environ, SWIFTKERN_EMULATED_ASAN="1", LD_PRELOAD=libasan,
+               ASAN_OPTIONS=f"detect_leaks=0:log_path={tmp_path / 'asan'}")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
+                          "-k", "emulated and not emulated-warps and not index_checks"],
+                         capture_output=True, text=True, timeout=1200, env=env,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    reports = "".join(p.read_text() for p in tmp_path.glob("asan*"))
+    assert "ERROR: AddressSanitizer" not in reports, reports[:6000]
+    assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-4000:] + run.stderr[-4000:]
 
 
 @NEEDS_GPU

@@ -65,7 +65,11 @@ def emulated_cuda_ops(verbose: bool = False):
     if shutil.which("ninja") is None and shutil.which("ninja", path=bin_dir):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     files = sources()
-    digest = hashlib.sha256("".join(k + v for k, v in sorted(files.items())).encode()).hexdigest()[:16]
+    flags = ["-O1", "-ffp-contract=off", "-DSWIFTKERN_CUDA_EMULATION", "-Wno-unknown-pragmas"]
+    if os.environ.get("SWIFTKERN_EMULATED_ASAN") == "1":  # for a process run with libasan preloaded
+        flags += ["-fsanitize=address", "-fno-omit-frame-pointer"]
+    digest = hashlib.sha256("".join(k + v for k, v in sorted(files.items())).encode() + str(flags).encode())
+    digest = digest.hexdigest()[:16]
     folder = ROOT / "build" / "cuda_emu" / digest
     src_dir = folder / "src"
     src_dir.mkdir(parents=True, exist_ok=True)
@@ -75,9 +79,7 @@ def emulated_cuda_ops(verbose: bool = False):
             path.write_text(text)
     compiled = [str(src_dir / n) for n in files if n.endswith(".cpp")]
     return load(name="swiftkern_cuda_emu", sources=compiled, build_directory=str(folder),
-                extra_cflags=["-O1", "-ffp-contract=off", "-DSWIFTKERN_CUDA_EMULATION",
-                              "-Wno-unknown-pragmas", f"-I{src_dir}"],
-                verbose=verbose)
+                extra_cflags=flags + [f"-I{src_dir}"], verbose=verbose)
 
 
 if __name__ == "__main__":
