@@ -1,14 +1,15 @@
 // The CPU emulation's scheduler (see emu.h): a launch runs its blocks one after another and a
 // block's threads as fibers on the calling thread. A fiber runs until it reaches __syncthreads,
 // a warp shuffle or its end; a barrier opens when every live thread of the block (of the warp,
-// for a shuffle) has reached it. A block where live threads wait at different barriers can never
-// finish: that is reported and the process stops, as a hung kernel would need stopping.
+// for a shuffle) has reached it, in one of two schedules (run_block). A block where live threads
+// wait at different barriers can never finish: that is reported and the process stops, as a hung
+// kernel would need stopping. Static shared memory is filled with 0xff bytes per block
+// (fresh_shared), the dynamic one before each block.
 #include <ucontext.h>
 
 #include <algorithm>
 #include <cstdlib>
 #include <memory>
-#include <stdexcept>
 #include <unordered_map>
 #include <vector>
 
@@ -198,7 +199,7 @@ void Launch::run(void (*body)(void*), void* context) const {
     return;
   }
   if (m.fibers.size() < threads) m.fibers.resize(kMaxThreads);
-  m.shared_memory.assign(shared_bytes, 0xff);  // garbage: a kernel must write before it reads
+  m.shared_memory.assign(shared_bytes, 0xff);  // and again before each block: a kernel must write before it reads
   m.body = body;
   m.context = context;
   m.block_size = block;
@@ -211,6 +212,7 @@ void Launch::run(void (*body)(void*), void* context) const {
       for (unsigned x = 0; x < grid.x; ++x) {
         m.block_index = dim3(x, y, z);
         ++m.block_serial;
+        std::fill(m.shared_memory.begin(), m.shared_memory.end(), 0xff);
         run_block(static_cast<unsigned>(threads), by_warps);
         if (m.trapped) {
           m.last_error = cudaErrorLaunchFailure;
