@@ -62,7 +62,8 @@ def cuda_split(*args):
 
 def run(args) -> list[dict]:
     from swiftkern.ops import registry
-    extra = {"cuda-split": cuda_split} if args.device.startswith("cuda") and registry.COMPILED[ROUTINE]["cuda"] == "cuda" else {}
+    cuda_built = args.device.startswith("cuda") and registry.COMPILED[ROUTINE]["cuda"] == "cuda"
+    extra = {"cuda-split": cuda_split} if cuda_built else {}
     return run_cases(ROUTINE, ROUTINE, cases(args), args, extra=extra, split_sweep=ROWS_AND_VOCAB)
 
 

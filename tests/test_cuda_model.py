@@ -28,7 +28,8 @@ def cuda_kernels_emulated():
     (a second CPU registration, removed on exit) -> {op: calls}. The C++ decoder stack, which
     calls the CPU kernels directly, is off meanwhile."""
     if ops.registry.extension is None:
-        pytest.skip(f"swiftkern._C is {ops.registry.EXTENSION_STATUS}: torch.ops.swiftkern has no CPU kernels to replace")
+        pytest.skip(f"swiftkern._C is {ops.registry.EXTENSION_STATUS}: "
+                    "torch.ops.swiftkern has no CPU kernels to replace")
     emulated = emulated_cuda_ops()
     calls = collections.Counter()
 

@@ -324,19 +324,20 @@ def test_rope_kv_append_matches_reference(kernels, B, heads, T, D, dtype, seed):
 @NEEDS_GPU
 @pytest.mark.skipif(not BUILT_CUDA, reason="swiftkern._C was built without CUDA kernels")
 def test_opcheck_all_cuda_ops():
+    cuda = torch.ops.swiftkern
     draft, q, p, ua, us = rejection_case(2, 3, 100, True, 1)
     nd = torch.tensor([3, 1], dtype=torch.int32)
     to = lambda *ts: tuple(t.to("cuda") if t is not None else None for t in ts)  # noqa: E731
-    torch.library.opcheck(torch.ops.swiftkern.rejection_sample, to(draft, q, p, nd, ua, us))
-    torch.library.opcheck(torch.ops.swiftkern.greedy_accept, to(draft, p, nd))
+    torch.library.opcheck(cuda.rejection_sample, to(draft, q, p, nd, ua, us))
+    torch.library.opcheck(cuda.greedy_accept, to(draft, p, nd))
     k, v = torch.randn(2, 2, 3, 8, 16, device="cuda"), torch.randn(2, 2, 3, 8, 16, device="cuda")
-    torch.library.opcheck(torch.ops.swiftkern.kv_compact, (k, v) + to(torch.tensor([[3, 4], [1, 0]]), torch.tensor([1, 0]),
-                                                      torch.tensor([2, 1], dtype=torch.int32)))
+    torch.library.opcheck(cuda.kv_compact, (k, v) + to(torch.tensor([[3, 4], [1, 0]]), torch.tensor([1, 0]),
+                                                       torch.tensor([2, 1], dtype=torch.int32)))
     rq, rk, rv, cos, sin, cache, positions = rope_case(2, 4, 2, 2, 8, 6, torch.bfloat16, 3)
     cache = cache.to("cuda")
-    torch.library.opcheck(torch.ops.swiftkern.rope_kv_append, to(rq, rk, rv, cos, sin) + (cache[0], cache[1]) + to(positions))
+    torch.library.opcheck(cuda.rope_kv_append, to(rq, rk, rv, cos, sin) + (cache[0], cache[1]) + to(positions))
     x = torch.randn(3, 64, device="cuda", dtype=torch.bfloat16)
-    torch.library.opcheck(torch.ops.swiftkern.fused_add_rms_norm, (x, x.clone(), torch.ones(64, device="cuda", dtype=torch.bfloat16), 1e-5))
+    torch.library.opcheck(cuda.fused_add_rms_norm, (x, x.clone(), torch.ones_like(x[0]), 1e-5))
 
 
 # (op, its arguments as an expression on device {dev}, what the kernel says): an index out of range
