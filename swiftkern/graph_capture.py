@@ -15,6 +15,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import SwiftkernError
+from .launch_log import LaunchLog, first_difference
 
 
 class CudaGraph:
@@ -87,17 +88,30 @@ def no_host_reads():
 
 class EmulatedGraph:
     """A stand-in for ``CudaGraph`` where there is no GPU (tests): ``capture`` keeps fn,
-    ``replay`` calls it again on the same static buffers, under ``no_host_reads()``. With the
-    cache's host lengths hidden while fn runs (``GraphRunner`` does that for both kinds), a
-    body that read host state or tensor values, which a real capture would bake in or refuse,
-    fails here too."""
+    ``replay`` calls it again on the same static buffers, under ``no_host_reads()``, and checks
+    that it launched what the first replay (the capture's stand-in) did: the same ops with the
+    same host values, reading and writing the same addresses (``launch_log``). A real graph
+    would replay the capture's launches whatever the host state is now, so a body whose
+    launches depend on host state outside the graph's key fails here. With the cache's host
+    lengths hidden while fn runs (``GraphRunner`` does that for both kinds), a body that read
+    them fails too."""
 
     def __init__(self, pool=None, stream=None):
         self.fn = None
+        self.launches = None  # what the capture launched: launch_log.LaunchLog.launches
 
     def capture(self, fn) -> None:
         self.fn = fn
 
     def replay(self) -> torch.Tensor:
-        with no_host_reads():
-            return self.fn()
+        with no_host_reads(), LaunchLog() as log:
+            out = self.fn()
+        if self.launches is None:
+            self.launches = log.launches
+        else:
+            difference = first_difference(self.launches, log.launches)
+            if difference is not None:
+                raise SwiftkernError(f"a replay launched differently from its capture: {difference}; a CUDA "
+                                     "graph would replay the captured launches: what changed must be in the "
+                                     "graph's key or read from a static input tensor")
+        return out

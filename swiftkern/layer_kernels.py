@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 
 from . import ops, reference
+from .launch_log import opaque_call
 
 _CACHE: dict = {}
 
@@ -108,8 +109,9 @@ def _stack_for(invariant: bool) -> Callable | None:
 
     def stack(hidden, weights, skip, k_cache, v_cache, cos, sin, positions, cache_lens, max_len, num_heads,
               num_kv_heads, head_dim, eps, scale, packed):
-        return run(hidden, weights, skip, k_cache, v_cache, cos, sin, positions, cache_lens, max_len, num_heads,
-                   num_kv_heads, head_dim, eps, scale, rows, invariant, packed, packed_rows)
+        return opaque_call("decoder_stack", run, hidden, weights, skip, k_cache, v_cache, cos, sin, positions,
+                           cache_lens, max_len, num_heads, num_kv_heads, head_dim, eps, scale, rows, invariant,
+                           packed, packed_rows)
     return stack
 
 

@@ -2,7 +2,8 @@
 
 On the CPU the runner's bookkeeping runs with ``EmulatedGraph`` (capture keeps the body, replay
 calls it again on the static buffers, the cache's host lengths hidden so a body that read them
-fails): forwards through the runner give the logits of plain forwards, and generation gives the
+fails, and every replay must launch what the capture did: the same ops, host values and
+addresses, as a real graph would replay them; planted changes outside a graph's key fail): forwards through the runner give the logits of plain forwards, and generation gives the
 same tokens in every mode. On a GPU (skipped without one) real graphs replay: their logits equal
 the emulated runner's bit for bit (the same kernels on the same static buffers; only the
 launches differ), and SmolLM2's greedy tokens equal HF's.
@@ -361,3 +362,59 @@ def test_arrivals_through_the_runner_give_the_same_tokens(tiny, kw):
     graphed = Generator(tiny, cuda_graphs=runner, **kw).generate(prompts, max_new_tokens=16, eos_token_id=[],
                                                                  arrive_at=arrive)
     assert graphed.tokens == plain.tokens and graphed.stats["cuda_graphs"]["replays"] > 0
+
+
+def _decode_steps_then(model, runner, change, steps_before=3, backend="auto"):
+    """Decode steps of one key through ``runner`` (the first eager, the second captured, then
+    replays), then ``change()`` (host state outside the key), then one more step."""
+    cache = model.new_cache(2, 64)
+    tokens = torch.tensor([[3], [5]])
+    with model.cuda_graphs(runner):
+        for _ in range(steps_before):
+            model.forward(tokens, cache)
+        assert runner.replays == steps_before - 1
+        change()
+        model.forward(tokens, cache)
+
+
+def test_emulated_replay_refuses_launches_that_follow_a_changed_attribute(tiny, backend, monkeypatch):
+    """A real graph replays its capture's launches: an eps changed on the model after the capture
+    would not reach them, so a replay that launched with the new one is refused."""
+    runner = GraphRunner(tiny, EmulatedGraph)
+    with pytest.raises(SwiftkernError, match="launched differently from its capture"):
+        _decode_steps_then(tiny, runner, lambda: monkeypatch.setattr(tiny, "eps", tiny.eps * 2))
+
+
+def test_emulated_replay_refuses_a_weight_moved_to_a_new_address(tiny, backend, monkeypatch):
+    """A real graph reads the weights at the addresses captured: a final norm weight replaced by a
+    new tensor after the capture would not be read (nor an old one freed noticed)."""
+    runner = GraphRunner(tiny, EmulatedGraph)
+    with pytest.raises(SwiftkernError, match="launched differently from its capture"):
+        _decode_steps_then(tiny, runner, lambda: monkeypatch.setattr(tiny, "final_norm", tiny.final_norm * 2))
+
+
+def test_emulated_replay_refuses_triton_launches_that_changed(tiny):
+    """Triton launches are logged with their grids and options: GPU launch plans entered after the
+    capture (other block sizes and splits) change the launches of a replay, which is refused."""
+    from swiftkern.triton_kernels import launch
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton runs on CPU tensors only under TRITON_INTERPRET=1 (conftest sets it without a GPU)")
+    ops.set_backend("triton")
+    plans = launch.gpu_launch_plans(132)
+    try:
+        with pytest.raises(SwiftkernError, match=r"launched differently from its capture: launch \d+ "
+                                                 r"\(triton:"):
+            _decode_steps_then(tiny, GraphRunner(tiny, EmulatedGraph), plans.__enter__)
+    finally:
+        plans.__exit__(None, None, None)
+        ops.set_backend("auto")
+
+
+def test_emulated_replay_accepts_unchanged_state(tiny):
+    """The control for the three above: the same steps with nothing changed replay without
+    complaint (the tensors made inside are matched by the launch that made them, not by
+    address)."""
+    runner = GraphRunner(tiny, EmulatedGraph)
+    _decode_steps_then(tiny, runner, lambda: None)
+    assert runner.replays == 3

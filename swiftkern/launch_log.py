@@ -1,0 +1,167 @@
+"""The launches a graphed body makes, in the terms a CUDA graph bakes in (for ``EmulatedGraph``).
+
+A CUDA graph replays the launches its capture recorded with the arguments they had then: every
+host value (a size, a flag, an eps, a grid) and the address of every tensor it reads or writes
+that was not made inside the graph. ``EmulatedGraph`` reruns the body instead, so a body whose
+launches follow host state outside the graph's key (an attribute changed since the capture, a
+table reallocated at a new address) is right on the CPU and wrong from a real graph.
+``LaunchLog`` records each launch as such a signature, so the emulation can compare every
+replay's launches with its capture's:
+
+- every aten and ``torch.ops.swiftkern`` op (a ``TorchDispatchMode``), with its arguments;
+- Triton launches (``JITFunction.run``, and the interpreter's ``InterpretedFunction.run``), with
+  the grid and the launch options;
+- calls that launch work outside both (``opaque_call``: the C++ decoder stack), whose inner ops
+  are not logged one by one.
+
+A tensor argument is named by where it comes from: made inside the body, by the position of the
+launch that made it (its address may change from run to run, as a graph's pool would not let
+it); else by its address, shape, strides and dtype.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+_ACTIVE: list = []  # the LaunchLog recording now, if any
+
+
+class LaunchLog(TorchDispatchMode):
+    """``with LaunchLog() as log: body()`` -> ``log.launches``: one (name, arguments) tuple of
+    plain values per launch, in launch order; two runs of a body launch alike when their
+    lists are equal."""
+
+    def __init__(self):
+        super().__init__()
+        self.launches: list = []
+        self._made: dict = {}  # id(tensor) -> (launch index, output index)
+        self._keep: list = []  # the tensors in _made, alive while recording so ids stay unique
+        self._paused = 0
+
+    def __enter__(self):
+        if _ACTIVE:
+            raise RuntimeError("LaunchLog does not nest")
+        _ACTIVE.append(self)
+        self._patches = _patch_triton_launches()
+        self._patches.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._patches.__exit__(*exc)
+            _ACTIVE.clear()
+            self._made, self._keep = {}, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self._paused:
+            return func(*args, **kwargs)
+        return self._record(str(func), lambda: func(*args, **kwargs), (args, kwargs))
+
+    def _record(self, name: str, run, arguments):
+        index = len(self.launches)
+        self.launches.append((name, self._signature(arguments)))
+        self._paused += 1
+        try:
+            out = run()
+        finally:
+            self._paused -= 1
+        inputs = {id(t) for t in tree_leaves(arguments) if isinstance(t, torch.Tensor)}
+        made = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        for j, t in enumerate(made):
+            if id(t) not in inputs and id(t) not in self._made:
+                self._made[id(t)] = (index, j)
+                self._keep.append(t)
+        return out
+
+    def _signature(self, x):
+        if isinstance(x, torch.Tensor):
+            where = self._made.get(id(x))
+            if where is None:
+                where = ("at", x.data_ptr(), str(x.device))
+            return ("tensor", where, tuple(x.shape), x.stride(), x.storage_offset(), str(x.dtype))
+        if isinstance(x, (list, tuple)):
+            return tuple(self._signature(y) for y in x)
+        if isinstance(x, dict):
+            return tuple((k, self._signature(v)) for k, v in sorted(x.items()))
+        if isinstance(x, float):
+            return ("float", repr(x))  # exact: repr round-trips
+        if x is None or isinstance(x, (bool, int, str)):
+            return (type(x).__name__, x)
+        if isinstance(x, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
+            return (type(x).__name__, str(x))
+        if callable(x):  # a Triton grid function: the launch's sizes are in its other arguments
+            return ("callable", getattr(x, "__qualname__", type(x).__name__))
+        value = getattr(x, "value", None)  # triton.language.constexpr
+        return (type(x).__name__, self._signature(value) if value is not None else repr(x))
+
+
+def first_difference(captured: list, now: list) -> str | None:
+    """Where two ``LaunchLog.launches`` lists first differ, in words (None: they are equal):
+    the launch, its name and the argument (a path of indices into its arguments) with both
+    values."""
+    for i, (a, b) in enumerate(zip(captured, now)):
+        if a == b:
+            continue
+        if a[0] != b[0]:
+            return f"launch {i} was {a[0]}, now {b[0]}"
+        path, x, y = _first_leaf_difference(a[1], b[1], ())
+        return f"launch {i} ({a[0]}), argument {'.'.join(map(str, path))}: {x} at the capture, now {y}"
+    if len(captured) != len(now):
+        return f"{len(captured)} launches at the capture, now {len(now)}"
+    return None
+
+
+def _first_leaf_difference(a, b, path: tuple):
+    leaf = lambda v: not isinstance(v, tuple) or not v or isinstance(v[0], str)  # noqa: E731 (tagged values)
+    if leaf(a) or leaf(b) or len(a) != len(b):
+        return path, a, b
+    for j, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return _first_leaf_difference(x, y, path + (j,))
+    return path, a, b
+
+
+def opaque_call(name: str, fn, *args):
+    """fn(*args), logged as one launch named ``name`` while a LaunchLog records (its inner ops
+    are not logged; the tensors it returns count as made by it)."""
+    if not _ACTIVE or _ACTIVE[0]._paused:
+        return fn(*args)
+    return _ACTIVE[0]._record(name, lambda: fn(*args), args)
+
+
+@contextlib.contextmanager
+def _patch_triton_launches():
+    """Triton's launch entry points logged as launches while a LaunchLog records."""
+    classes = []
+    try:
+        from triton.runtime.jit import JITFunction
+        classes.append(JITFunction)
+        from triton.runtime.interpreter import InterpretedFunction
+        classes.append(InterpretedFunction)
+    except ImportError:
+        pass
+    saved = [(cls, cls.__dict__["run"]) for cls in classes if "run" in cls.__dict__]
+
+    def logged(original):
+        def run(self, *args, grid, warmup, **kwargs):
+            launch = lambda: original(self, *args, grid=grid, warmup=warmup, **kwargs)  # noqa: E731
+            if not _ACTIVE or _ACTIVE[0]._paused or warmup:
+                return launch()
+            name = "triton:" + getattr(getattr(self, "fn", None), "__name__", type(self).__name__)
+            return _ACTIVE[0]._record(name, launch, (args, grid, kwargs))
+        return run
+
+    for cls, original in saved:
+        cls.run = logged(original)
+    try:
+        yield
+    finally:
+        for cls, original in saved:
+            cls.run = original
