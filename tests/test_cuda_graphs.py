@@ -418,3 +418,19 @@ def test_emulated_replay_accepts_unchanged_state(tiny):
     runner = GraphRunner(tiny, EmulatedGraph)
     _decode_steps_then(tiny, runner, lambda: None)
     assert runner.replays == 3
+
+
+def test_verifier_kernel_sets_sharing_a_runner_get_their_own_graphs(tiny):
+    """Two deterministic Generators with other verifier kernel sets (portable: torch compositions,
+    fused: one kernel per op) sharing one runner: each replays graphs of its own set's launches
+    and gets the tokens and logprobs it gets without graphs."""
+    kw = dict(mode="deterministic", replay="always", window=8, verify_batch=2)
+    prompts = [[5, 17, 99, 3, 42, 8], [7, 7, 21]]
+    runner = GraphRunner(tiny, EmulatedGraph)
+    for kernels in ("portable", "fused", "portable"):
+        plain = Generator(tiny, verifier_kernels=kernels, **kw).generate(prompts, max_new_tokens=24, eos_token_id=[])
+        graphed = Generator(tiny, verifier_kernels=kernels, cuda_graphs=runner, **kw).generate(
+            prompts, max_new_tokens=24, eos_token_id=[])
+        assert graphed.tokens == plain.tokens
+        assert all(torch.equal(a, b) for a, b in zip(plain.logprobs, graphed.logprobs))
+    assert runner.stats()["replays_by_kind"]["verify"] > 3
