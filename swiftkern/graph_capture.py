@@ -1,9 +1,13 @@
 """How one forward is recorded and replayed: a CUDA graph, or its emulation on the CPU (tests).
 
-``CudaGraph`` and ``EmulatedGraph`` share one interface, ``capture(fn)`` then ``replay()`` ->
-the output; ``cuda_graphs.GraphRunner`` takes either. The emulation reruns fn under
+``CudaGraph``, ``EmulatedGraph`` and ``RecordedGraph`` share one interface, ``capture(fn)`` then
+``replay()`` -> the output; ``cuda_graphs.GraphRunner`` takes any. Both emulations run fn under
 ``no_host_reads()``, which refuses what a real capture refuses (a read of a tensor's value on
 the host is a device sync), so a body that would fail to capture on a GPU fails on the CPU too.
+``EmulatedGraph`` reruns fn at every replay and refuses one that launches other than the
+capture did (host values, addresses: ``launch_log``), naming the launch and argument;
+``RecordedGraph`` replays the captured launches as a graph does (fn's Python once, the same
+output tensor), so what a caller does with a replay is tested as on a GPU.
 """
 
 from __future__ import annotations
@@ -115,3 +119,26 @@ class EmulatedGraph:
                                      "graph would replay the captured launches: what changed must be in the "
                                      "graph's key or read from a static input tensor")
         return out
+
+
+class RecordedGraph:
+    """The stand-in closest to a CUDA graph (tests): ``capture`` runs fn once under
+    ``no_host_reads()`` and records its launches (``launch_log``), then leaves behind what a
+    capture does (nothing launched: the state fn changed put back, its own tensors garbage);
+    ``replay`` launches the recorded launches again, with the arguments and tensors they had
+    then, and returns the same output tensor every time. fn's Python runs once, at the
+    capture, as with a real graph: a caller that needs Python to run per call, or that keeps
+    a replay's output past the next replay, fails here as on a GPU."""
+
+    def __init__(self, pool=None, stream=None):
+        self.tape, self.out = None, None
+
+    def capture(self, fn) -> None:
+        with no_host_reads(), LaunchLog(as_capture=True) as log:
+            self.out = fn()
+        self.tape = log.tape
+
+    def replay(self) -> torch.Tensor:
+        for launch in self.tape:
+            launch()
+        return self.out

@@ -22,6 +22,7 @@ it); else by its address, shape, strides and dtype.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -33,13 +34,23 @@ _ACTIVE: list = []  # the LaunchLog recording now, if any
 class LaunchLog(TorchDispatchMode):
     """``with LaunchLog() as log: body()`` -> ``log.launches``: one (name, arguments) tuple of
     plain values per launch, in launch order; two runs of a body launch alike when their
-    lists are equal."""
+    lists are equal. ``log.tape``: one callable per launch that launches it again with the
+    same arguments (the same tensors) and copies what it returns into the tensors it returned
+    the first time, as a graph's replay rewrites its outputs in place.
 
-    def __init__(self):
+    ``LaunchLog(as_capture=True)`` leaves behind what a CUDA capture does, which launches
+    nothing: every tensor not made inside is put back as it was before (their storages saved
+    at first sight), and the storages of the tensors made inside are filled with 0xff bytes
+    (NaN, -1) until a replay writes them."""
+
+    def __init__(self, as_capture: bool = False):
         super().__init__()
         self.launches: list = []
+        self.tape: list = []
+        self.as_capture = as_capture
         self._made: dict = {}  # id(tensor) -> (launch index, output index)
         self._keep: list = []  # the tensors in _made, alive while recording so ids stay unique
+        self._saved: dict = {}  # storage address -> (its bytes, a copy): tensors not made inside
         self._paused = 0
 
     def __enter__(self):
@@ -56,7 +67,16 @@ class LaunchLog(TorchDispatchMode):
         finally:
             self._patches.__exit__(*exc)
             _ACTIVE.clear()
-            self._made, self._keep = {}, []
+            if self.as_capture:
+                self._undo()
+            self._made, self._keep, self._saved = {}, [], {}
+
+    def _undo(self) -> None:
+        for whole, copy in self._saved.values():
+            whole.copy_(copy)
+        for t in self._keep:
+            if _storage_key(t) not in self._saved:
+                _bytes(t).fill_(0xFF)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -67,17 +87,26 @@ class LaunchLog(TorchDispatchMode):
     def _record(self, name: str, run, arguments):
         index = len(self.launches)
         self.launches.append((name, self._signature(arguments)))
+        tensors = [t for t in tree_leaves(arguments) if isinstance(t, torch.Tensor)]
         self._paused += 1
         try:
+            if self.as_capture:
+                for t in tensors:
+                    if id(t) not in self._made and _storage_key(t) not in self._saved:
+                        whole = _bytes(t)
+                        self._saved[_storage_key(t)] = (whole, whole.clone())
             out = run()
         finally:
             self._paused -= 1
-        inputs = {id(t) for t in tree_leaves(arguments) if isinstance(t, torch.Tensor)}
+        inputs = {id(t) for t in tensors}
+        read = {_storage_key(t) for t in tensors}
         made = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         for j, t in enumerate(made):
             if id(t) not in inputs and id(t) not in self._made:
                 self._made[id(t)] = (index, j)
                 self._keep.append(t)
+        fresh = [(j, t) for j, t in enumerate(made) if _storage_key(t) not in read]  # not views or in place
+        self.tape.append(functools.partial(_launch_again, run, fresh))
         return out
 
     def _signature(self, x):
@@ -100,6 +129,24 @@ class LaunchLog(TorchDispatchMode):
             return ("callable", getattr(x, "__qualname__", type(x).__name__))
         value = getattr(x, "value", None)  # triton.language.constexpr
         return (type(x).__name__, self._signature(value) if value is not None else repr(x))
+
+
+def _launch_again(run, fresh: list) -> None:
+    out = run()
+    if fresh:
+        made = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        for j, target in fresh:
+            target.copy_(made[j])
+
+
+def _storage_key(t: torch.Tensor) -> tuple:
+    return (t.device, t.untyped_storage().data_ptr())
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """The whole storage under ``t``, as uint8 [nbytes]."""
+    storage = t.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, 0, (storage.nbytes(),), (1,))
 
 
 def first_difference(captured: list, now: list) -> str | None:

@@ -1,9 +1,11 @@
 """CUDA-graph replay (swiftkern/cuda_graphs.py).
 
-On the CPU the runner's bookkeeping runs with ``EmulatedGraph`` (capture keeps the body, replay
-calls it again on the static buffers, the cache's host lengths hidden so a body that read them
-fails, and every replay must launch what the capture did: the same ops, host values and
-addresses, as a real graph would replay them; planted changes outside a graph's key fail): forwards through the runner give the logits of plain forwards, and generation gives the
+On the CPU the runner's bookkeeping runs with two stand-ins for a graph (tests/test_graph_emulation.py
+checks them on small bodies): ``EmulatedGraph`` (capture keeps the body, replay calls it again
+on the static buffers, the cache's host lengths hidden so a body that read them fails, and every
+replay must launch what the capture did: the same ops, host values and addresses, as a real
+graph would replay them; planted changes outside a graph's key fail) and ``RecordedGraph`` (the
+captured launches replayed into the same output tensors, the body's Python run once): forwards through the runner give the logits of plain forwards, and generation gives the
 same tokens in every mode. On a GPU (skipped without one) real graphs replay: their logits equal
 the emulated runner's bit for bit (the same kernels on the same static buffers; only the
 launches differ), and SmolLM2's greedy tokens equal HF's.
@@ -20,7 +22,7 @@ from conftest import tiny_model
 from test_triton_model import hf_greedy_on
 from swiftkern import Generator, SkipModel, ops
 from swiftkern.cuda_graphs import MIN_SPAN, GraphRunner, attention_span
-from swiftkern.graph_capture import EmulatedGraph
+from swiftkern.graph_capture import EmulatedGraph, RecordedGraph
 from swiftkern.errors import SwiftkernError
 from swiftkern.layer_set import LayerSet
 
@@ -30,6 +32,13 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.fixture(scope="module")
 def tiny():
     return SkipModel(tiny_model("llama", seed=3))
+
+
+@pytest.fixture(params=[EmulatedGraph, RecordedGraph], ids=["rerun", "recorded"])
+def graph_type(request):
+    """rerun: the body runs again at every replay, which must launch what the capture did;
+    recorded: the capture's launches run again, the body's Python only at the capture."""
+    return request.param
 
 
 @pytest.fixture(params=["auto", "reference"])
@@ -83,8 +92,8 @@ def any_backend(request):
     ops.set_backend("auto")
 
 
-def test_runner_logits_match_plain_forward(tiny, any_backend):
-    runner = GraphRunner(tiny, EmulatedGraph)
+def test_runner_logits_match_plain_forward(tiny, any_backend, graph_type):
+    runner = GraphRunner(tiny, graph_type)
     plain = _steps(tiny, None, SCHEDULE)
     graphed = _steps(tiny, runner, SCHEDULE)
     for a, b in zip(plain, graphed):
@@ -97,7 +106,7 @@ def test_runner_logits_match_plain_forward(tiny, any_backend):
     assert stats["eager"] >= 1  # the first sight of each key
 
 
-def test_replays_follow_the_skip_plan_and_the_attention_span(tiny, backend):
+def test_replays_follow_the_skip_plan_and_the_attention_span(tiny, backend, graph_type):
     """A graph replays the skip plan and the attention span it was captured with, so both
     belong to its key: steps of one width alternate between the full model and two layer sets,
     and the rows grow past MIN_SPAN keys (a span of 64, then 128). Each step's logits must equal
@@ -105,7 +114,7 @@ def test_replays_follow_the_skip_plan_and_the_attention_span(tiny, backend):
     skips = [None, LayerSet.parse("attn:1|mlp:2", tiny.num_layers), LayerSet.parse("mlp:0,3", tiny.num_layers)]
     schedule = [1] * 12 + [3, 1, 3, 3, 1, 1]
     layer_sets = [skips[i % 3] for i in range(len(schedule))]
-    runner = GraphRunner(tiny, EmulatedGraph)
+    runner = GraphRunner(tiny, graph_type)
     plain = _steps(tiny, None, schedule, prompt_len=MIN_SPAN - 6, layer_sets=layer_sets)
     graphed = _steps(tiny, runner, schedule, prompt_len=MIN_SPAN - 6, layer_sets=layer_sets)
     for a, b in zip(plain, graphed):
@@ -179,8 +188,8 @@ def _generate(model, runner, **kw):
     dict(mode="deterministic", drafter="self-spec", layer_set="attn:1", replay="always", window=8,
          verify_batch=2),
 ], ids=["ar", "layer-skip", "lookup", "det", "det-self-spec"])
-def test_generation_through_the_runner_gives_the_same_tokens(tiny, backend, kw):
-    runner = GraphRunner(tiny, EmulatedGraph)
+def test_generation_through_the_runner_gives_the_same_tokens(tiny, backend, kw, graph_type):
+    runner = GraphRunner(tiny, graph_type)
     plain = _generate(tiny, None, **kw)
     graphed = _generate(tiny, runner, **kw)
     assert graphed.tokens == plain.tokens
@@ -191,7 +200,7 @@ def test_generation_through_the_runner_gives_the_same_tokens(tiny, backend, kw):
             assert torch.equal(a, b)
 
 
-def test_verifier_replays_follow_the_key_length():
+def test_verifier_replays_follow_the_key_length(graph_type):
     """The verifier's graphed passes are keyed on their key length (a power of two of key
     blocks): rows that grow past 64 and 128 keys take new graphs, and tokens and logprobs stay
     those of the replay without graphs."""
@@ -201,7 +210,7 @@ def test_verifier_replays_follow_the_key_length():
     gen = lambda graphs: Generator(model, mode="deterministic", replay="always", window=8, verify_batch=2,
                                    cuda_graphs=graphs)
     plain = gen(False).generate(prompts, **kw)
-    runner = GraphRunner(model, EmulatedGraph)
+    runner = GraphRunner(model, graph_type)
     graphed = gen(runner).generate(prompts, **kw)
     assert graphed.tokens == plain.tokens
     assert all(torch.equal(a, b) for a, b in zip(plain.logprobs, graphed.logprobs))
@@ -223,10 +232,10 @@ def test_cuda_graphs_refused_off_cuda(tiny):
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_real_graphs_equal_emulated_ones_bit_for_bit(dtype):
+def test_real_graphs_equal_emulated_ones_bit_for_bit(dtype, graph_type):
     model = SkipModel(tiny_model("llama", seed=3).to("cuda", dtype))
     real = GraphRunner(model)
-    emulated = GraphRunner(model, EmulatedGraph)
+    emulated = GraphRunner(model, graph_type)
     a = _steps(model, real, SCHEDULE)
     b = _steps(model, emulated, SCHEDULE)
     for x, y in zip(a, b):
@@ -252,11 +261,11 @@ def test_smollm2_with_cuda_graphs_equals_hf_greedy(kw):
     assert out.stats["cuda_graphs"]["replays"] > 0
 
 
-def test_generator_reuses_its_cache_and_graphs_across_calls(tiny):
+def test_generator_reuses_its_cache_and_graphs_across_calls(tiny, graph_type):
     """With a runner, later calls of the same shape replay earlier calls' graphs (the prefill's
     key, seen once per call, is captured on the second call): no capture on the third, and the
     same tokens as a run without graphs."""
-    runner = GraphRunner(tiny, EmulatedGraph)
+    runner = GraphRunner(tiny, graph_type)
     gen = Generator(tiny, cuda_graphs=runner)
     calls = [[[5, 17, 99, 3], [7, 7, 21, 4]], [[11, 12, 13, 14], [30, 31, 32, 33]], [[9, 8, 7, 6], [1, 2, 3, 4]]]
     outs, captures = [], []
@@ -268,10 +277,10 @@ def test_generator_reuses_its_cache_and_graphs_across_calls(tiny):
     assert captures[2] == captures[1], captures
 
 
-def test_a_smaller_batch_reuses_the_runners_cache(tiny):
+def test_a_smaller_batch_reuses_the_runners_cache(tiny, graph_type):
     """A later call with fewer requests takes the first rows of the cache the runner handed out
     (the same storage, which graphs are keyed on) and gives the tokens of a run without graphs."""
-    runner = GraphRunner(tiny, EmulatedGraph)
+    runner = GraphRunner(tiny, graph_type)
     gen = Generator(tiny, cuda_graphs=runner)
     gen.generate([[5, 17, 99, 3], [7, 7, 21, 4], [1, 2, 3]], max_new_tokens=12, eos_token_id=[])
     cache, address = runner.cache, runner.cache.k.data_ptr()
@@ -351,14 +360,14 @@ def test_emulated_replay_refuses_tensors_made_from_host_data(tiny, monkeypatch, 
 
 @pytest.mark.parametrize("kw", [dict(mode="ar"), dict(mode="deterministic", replay="always", window=8, verify_batch=2)],
                          ids=["ar", "det"])
-def test_arrivals_through_the_runner_give_the_same_tokens(tiny, kw):
+def test_arrivals_through_the_runner_give_the_same_tokens(tiny, kw, graph_type):
     """Requests joining mid-way take new cache rows (a new allocation past its capacity): the
     runner keys graphs on the storage and shape, so replays after an arrival read the cache in
     use, never a stale one."""
     prompts = [[5, 17, 99, 3, 42, 8], [7, 7, 21], list(range(30, 50)), [9, 9]]
     arrive = [0, 2, 2, 9]
     plain = Generator(tiny, **kw).generate(prompts, max_new_tokens=16, eos_token_id=[], arrive_at=arrive)
-    runner = GraphRunner(tiny, EmulatedGraph)
+    runner = GraphRunner(tiny, graph_type)
     graphed = Generator(tiny, cuda_graphs=runner, **kw).generate(prompts, max_new_tokens=16, eos_token_id=[],
                                                                  arrive_at=arrive)
     assert graphed.tokens == plain.tokens and graphed.stats["cuda_graphs"]["replays"] > 0
@@ -420,13 +429,13 @@ def test_emulated_replay_accepts_unchanged_state(tiny):
     assert runner.replays == 3
 
 
-def test_verifier_kernel_sets_sharing_a_runner_get_their_own_graphs(tiny):
+def test_verifier_kernel_sets_sharing_a_runner_get_their_own_graphs(tiny, graph_type):
     """Two deterministic Generators with other verifier kernel sets (portable: torch compositions,
     fused: one kernel per op) sharing one runner: each replays graphs of its own set's launches
     and gets the tokens and logprobs it gets without graphs."""
     kw = dict(mode="deterministic", replay="always", window=8, verify_batch=2)
     prompts = [[5, 17, 99, 3, 42, 8], [7, 7, 21]]
-    runner = GraphRunner(tiny, EmulatedGraph)
+    runner = GraphRunner(tiny, graph_type)
     for kernels in ("portable", "fused", "portable"):
         plain = Generator(tiny, verifier_kernels=kernels, **kw).generate(prompts, max_new_tokens=24, eos_token_id=[])
         graphed = Generator(tiny, verifier_kernels=kernels, cuda_graphs=runner, **kw).generate(
