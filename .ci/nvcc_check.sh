@@ -2,7 +2,8 @@
 # CUDA compile check for machines without a GPU: `nvcc -c` every torch-free kernel file
 # (csrc/*.cu) for sm_80 and sm_90a with the flags torch's CUDA build uses, warnings as errors;
 # every kernel's registers as ptxas reports them (-Xptxas -v): more than SPILL_LIMIT bytes of
-# spill stores per thread fails (32, the limit swiftkern.triton_kernels.compile_check sets); then a syntax check of the torch-side CUDA wrappers (csrc/ops_cuda.cpp, csrc/bindings.cpp with
+# spill stores per thread fails (32, the limit swiftkern.triton_kernels.compile_check sets); then
+# a syntax check of the torch-side CUDA wrappers (csrc/ops_cuda.cpp, csrc/bindings.cpp with
 # SWIFTKERN_WITH_CUDA) against torch's and CUDA's headers when a torch is importable.
 # No nvcc: an error under CI=true, else skipped with a message. NVCC and PYTHON override the tools.
 set -euo pipefail

@@ -1,4 +1,5 @@
-"""The launches a graphed body makes, in the terms a CUDA graph bakes in (for ``EmulatedGraph``).
+"""The launches a graphed body makes, in the terms a CUDA graph bakes in (for the CPU stand-ins
+``EmulatedGraph`` and ``RecordedGraph`` in graph_capture.py).
 
 A CUDA graph replays the launches its capture recorded with the arguments they had then: every
 host value (a size, a flag, an eps, a grid) and the address of every tensor it reads or writes
@@ -6,7 +7,8 @@ that was not made inside the graph. ``EmulatedGraph`` reruns the body instead, s
 launches follow host state outside the graph's key (an attribute changed since the capture, a
 table reallocated at a new address) is right on the CPU and wrong from a real graph.
 ``LaunchLog`` records each launch as such a signature, so the emulation can compare every
-replay's launches with its capture's:
+replay's launches with its capture's, and as a callable that launches it again (the tape
+``RecordedGraph`` replays):
 
 - every aten and ``torch.ops.swiftkern`` op (a ``TorchDispatchMode``), with its arguments;
 - Triton launches (``JITFunction.run``, and the interpreter's ``InterpretedFunction.run``), with
@@ -178,9 +180,15 @@ def _first_leaf_difference(a, b, path: tuple):
 def opaque_call(name: str, fn, *args):
     """fn(*args), logged as one launch named ``name`` while a LaunchLog records (its inner ops
     are not logged; the tensors it returns count as made by it)."""
+    return _launch(name, lambda: fn(*args), args)
+
+
+def _launch(name: str, run, arguments):
+    """run(), recorded as one launch of ``arguments`` by the LaunchLog recording now, if any
+    (and not inside another recorded launch)."""
     if not _ACTIVE or _ACTIVE[0]._paused:
-        return fn(*args)
-    return _ACTIVE[0]._record(name, lambda: fn(*args), args)
+        return run()
+    return _ACTIVE[0]._record(name, run, arguments)
 
 
 @contextlib.contextmanager
@@ -199,10 +207,10 @@ def _patch_triton_launches():
     def logged(original):
         def run(self, *args, grid, warmup, **kwargs):
             launch = lambda: original(self, *args, grid=grid, warmup=warmup, **kwargs)  # noqa: E731
-            if not _ACTIVE or _ACTIVE[0]._paused or warmup:
+            if warmup:  # compiles, launches nothing
                 return launch()
             name = "triton:" + getattr(getattr(self, "fn", None), "__name__", type(self).__name__)
-            return _ACTIVE[0]._record(name, launch, (args, grid, kwargs))
+            return _launch(name, launch, (args, grid, kwargs))
         return run
 
     for cls, original in saved:

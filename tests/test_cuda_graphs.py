@@ -1,11 +1,13 @@
 """CUDA-graph replay (swiftkern/cuda_graphs.py).
 
-On the CPU the runner's bookkeeping runs with two stand-ins for a graph (tests/test_graph_emulation.py
-checks them on small bodies): ``EmulatedGraph`` (capture keeps the body, replay calls it again
-on the static buffers, the cache's host lengths hidden so a body that read them fails, and every
-replay must launch what the capture did: the same ops, host values and addresses, as a real
-graph would replay them; planted changes outside a graph's key fail) and ``RecordedGraph`` (the
-captured launches replayed into the same output tensors, the body's Python run once): forwards through the runner give the logits of plain forwards, and generation gives the
+On the CPU the runner's bookkeeping runs with two stand-ins for a graph
+(tests/test_graph_emulation.py checks them on small bodies): ``EmulatedGraph`` (capture keeps
+the body, replay calls it again on the static buffers, the cache's host lengths hidden so a body
+that read them fails, and every replay must launch what the capture did: the same ops, host
+values and addresses, as a real graph would replay them; planted changes outside a graph's key
+fail) and ``RecordedGraph`` (the captured launches replayed into the same output tensors, the
+body's Python run once): forwards through the runner give the logits of plain forwards, and
+generation gives the
 same tokens in every mode. On a GPU (skipped without one) real graphs replay: their logits equal
 the emulated runner's bit for bit (the same kernels on the same static buffers; only the
 launches differ), and SmolLM2's greedy tokens equal HF's.
@@ -13,6 +15,7 @@ launches differ), and SmolLM2's greedy tokens equal HF's.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -373,7 +376,7 @@ def test_arrivals_through_the_runner_give_the_same_tokens(tiny, kw, graph_type):
     assert graphed.tokens == plain.tokens and graphed.stats["cuda_graphs"]["replays"] > 0
 
 
-def _decode_steps_then(model, runner, change, steps_before=3, backend="auto"):
+def _decode_steps_then(model, runner, change, steps_before=3):
     """Decode steps of one key through ``runner`` (the first eager, the second captured, then
     replays), then ``change()`` (host state outside the key), then one more step."""
     cache = model.new_cache(2, 64)
@@ -410,13 +413,12 @@ def test_emulated_replay_refuses_triton_launches_that_changed(tiny):
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton runs on CPU tensors only under TRITON_INTERPRET=1 (conftest sets it without a GPU)")
     ops.set_backend("triton")
-    plans = launch.gpu_launch_plans(132)
     try:
-        with pytest.raises(SwiftkernError, match=r"launched differently from its capture: launch \d+ "
-                                                 r"\(triton:"):
-            _decode_steps_then(tiny, GraphRunner(tiny, EmulatedGraph), plans.__enter__)
+        with contextlib.ExitStack() as after_capture, pytest.raises(
+                SwiftkernError, match=r"launched differently from its capture: launch \d+ \(triton:"):
+            _decode_steps_then(tiny, GraphRunner(tiny, EmulatedGraph),
+                               lambda: after_capture.enter_context(launch.gpu_launch_plans(132)))
     finally:
-        plans.__exit__(None, None, None)
         ops.set_backend("auto")
 
 
