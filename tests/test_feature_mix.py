@@ -1,0 +1,135 @@
+"""Every feature at once, drawn at random: a mode and drafter, a batch of prompts of any lengths
+(repetitive ones, so lookup drafts), arrivals while others decode, an EOS and a stop token that
+the output really meets, per-request deterministic flags, a streamer, any ``max_new_tokens``.
+Greedy, each request's tokens are HF greedy's for its prompt alone, cut at its first EOS / stop
+token; the streamer got exactly those tokens; the stats add up. Seeded sampling in mode
+deterministic: each request's tokens and logprobs are those it gets alone, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from conftest import hf_greedy, tiny_model
+from swiftkern import Generator, SkipModel
+from swiftkern.layer_kernels import invariant_kernels_available
+
+INVARIANT = invariant_kernels_available("cpu", torch.float32)
+SKIP = "attn:1|mlp:2"
+CONFIGS = {
+    "ar": dict(mode="ar"),
+    "self-spec-auto": dict(mode="self-spec", drafter="auto", layer_set=SKIP, k_max=5),
+    "self-spec-lookup": dict(mode="self-spec", drafter="lookup", k_max=3),
+    "self-spec-layer-skip": dict(mode="self-spec", drafter="layer-skip", layer_set=SKIP, eps=0.3, k_max=6),
+    "self-spec-none": dict(mode="self-spec", drafter="none"),
+    "det-replay-portable": dict(mode="deterministic", replay="always", window=3, verify_batch=2,
+                                verifier_kernels="portable"),
+    "det-replay-self-spec": dict(mode="deterministic", replay="always", window=5, verify_batch=3,
+                                 drafter="self-spec", layer_set=SKIP, eps=0.0, k_max=4),
+}
+if INVARIANT:
+    CONFIGS.update({
+        "det-replay-fused": dict(mode="deterministic", replay="always", window=4, verify_batch=1,
+                                 verifier_kernels="fused"),
+        "det-no-replay": dict(mode="deterministic", replay="auto"),
+        "det-no-replay-self-spec": dict(mode="deterministic", replay="auto", drafter="self-spec",
+                                        layer_set=SKIP, eps=0.0, k_max=4),
+    })
+DETERMINISTIC = [name for name in CONFIGS if name.startswith("det")]
+ALL_VERIFIED = {"det-replay-self-spec"}  # a replayed layer-skipped fast path refuses unverified requests
+STATE = {}
+
+
+def tiny():
+    if "model" not in STATE:
+        STATE["model"] = SkipModel(tiny_model("llama", num_hidden_layers=4))
+        STATE["generators"] = {}
+    return STATE["model"]
+
+
+def generator(name):
+    model = tiny()
+    if name not in STATE["generators"]:  # one per config: their drafter and search state carries over
+        STATE["generators"][name] = Generator(model, **CONFIGS[name])
+    return STATE["generators"][name]
+
+
+class Recorder:
+    def __init__(self, n):
+        self.tokens = [[] for _ in range(n)]
+
+    def __call__(self, request, tokens):
+        self.tokens[request].extend(int(t) for t in tokens)
+
+
+def draw_flags(data, name, n):
+    """Per-request ``deterministic`` flags where the config takes them, else all True."""
+    if name not in DETERMINISTIC or name in ALL_VERIFIED:
+        return [True] * n
+    return data.draw(st.lists(st.booleans(), min_size=n, max_size=n), label="flags")
+
+
+prompt = st.one_of(
+    st.lists(st.integers(3, 300), min_size=1, max_size=25),
+    st.tuples(st.lists(st.integers(3, 300), min_size=1, max_size=4), st.integers(2, 6)).map(lambda p: p[0] * p[1]),
+)
+
+
+@st.composite
+def batches(draw):
+    prompts = draw(st.lists(prompt, min_size=1, max_size=5))
+    arrive = None
+    if len(prompts) > 1 and draw(st.booleans()):
+        arrive = draw(st.lists(st.integers(0, 12), min_size=len(prompts), max_size=len(prompts)))
+        arrive[draw(st.integers(0, len(prompts) - 1))] = 0
+    return prompts, arrive
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(name=st.sampled_from(sorted(CONFIGS)), batch=batches(), max_new=st.integers(1, 18),
+       eos_at=st.one_of(st.none(), st.integers(0, 17)), stop_at=st.one_of(st.none(), st.integers(0, 17)),
+       data=st.data())
+def test_greedy_any_mix_is_hf_greedy_alone(name, batch, max_new, eos_at, stop_at, data):
+    prompts, arrive = batch
+    gen = generator(name)
+    hf = tiny().hf_model
+    # an EOS and a stop token taken from what the first prompt's output really holds
+    plain = hf_greedy(hf, prompts[0], 18, eos_token_id=[])
+    eos = [] if eos_at is None else [plain[eos_at]]
+    stop = [] if stop_at is None else [plain[stop_at]]
+    flags = draw_flags(data, name, len(prompts))
+    streamed = Recorder(len(prompts))
+    out = gen.generate(prompts, max_new_tokens=max_new, eos_token_id=eos, stop_token_ids=stop,
+                       deterministic=flags, streamer=streamed, arrive_at=arrive)
+    for i, p in enumerate(prompts):
+        assert out.tokens[i] == hf_greedy(hf, p, max_new, eos_token_id=eos + stop), (name, i)
+    assert streamed.tokens == out.tokens
+    assert out.stats["new_tokens"] == sum(map(len, out.tokens))
+    assert [r["new_tokens"] for r in out.request_stats] == list(map(len, out.tokens))
+    if name in DETERMINISTIC:
+        assert len(out.logprobs) == len(prompts)
+
+
+@pytest.mark.skipif(not DETERMINISTIC, reason="no deterministic config")
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(name=st.sampled_from(DETERMINISTIC), batch=batches(), max_new=st.integers(1, 14),
+       seed=st.integers(0, 2**31 - 1), temperature=st.sampled_from([0.7, 1.0, 1.6]),
+       top_k=st.sampled_from([0, 5]), top_p=st.sampled_from([1.0, 0.9]), data=st.data())
+def test_sampled_deterministic_any_mix_is_the_request_alone(name, batch, max_new, seed, temperature, top_k,
+                                                           top_p, data):
+    prompts, arrive = batch
+    gen = generator(name)
+    seeds = [seed + i for i in range(len(prompts))]
+    needle = data.draw(st.integers(0, len(prompts) - 1), label="needle")
+    flags = draw_flags(data, name, len(prompts))
+    flags[needle] = True
+    kw = dict(max_new_tokens=max_new, do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p,
+              eos_token_id=[])
+    streamed = Recorder(len(prompts))
+    out = gen.generate(prompts, seed=seeds, deterministic=flags, streamer=streamed, arrive_at=arrive, **kw)
+    alone = gen.generate([prompts[needle]], seed=seeds[needle], **kw)
+    assert out.tokens[needle] == alone.tokens[0], (name, needle)
+    assert torch.equal(out.logprobs[needle], alone.logprobs[0]), (name, needle)
+    assert streamed.tokens == out.tokens
+    assert all(len(t) == max_new for t in out.tokens)
