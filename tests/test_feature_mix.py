@@ -23,6 +23,8 @@ CONFIGS = {
     "self-spec-lookup": dict(mode="self-spec", drafter="lookup", k_max=3),
     "self-spec-layer-skip": dict(mode="self-spec", drafter="layer-skip", layer_set=SKIP, eps=0.3, k_max=6),
     "self-spec-none": dict(mode="self-spec", drafter="none"),
+    # the draft is the model: every draft accepted, so EOS and stops land inside long commits
+    "self-spec-full-draft": dict(mode="self-spec", drafter="layer-skip", layer_set="none", eps=0.0, k_max=5),
     "det-replay-portable": dict(mode="deterministic", replay="always", window=3, verify_batch=2,
                                 verifier_kernels="portable"),
     "det-replay-self-spec": dict(mode="deterministic", replay="always", window=5, verify_batch=3,
@@ -44,15 +46,13 @@ STATE = {}
 def tiny():
     if "model" not in STATE:
         STATE["model"] = SkipModel(tiny_model("llama", num_hidden_layers=4))
-        STATE["generators"] = {}
     return STATE["model"]
 
 
 def generator(name):
-    model = tiny()
-    if name not in STATE["generators"]:  # one per config: their drafter and search state carries over
-        STATE["generators"][name] = Generator(model, **CONFIGS[name])
-    return STATE["generators"][name]
+    """A new Generator each draw: a drafter's state carried over would make a failure flaky (and
+    so would timed drafter costs: the greedy test takes the fixed cost model)."""
+    return Generator(tiny(), **CONFIGS[name])
 
 
 def hf_full(prompt):
@@ -101,11 +101,12 @@ def batches(draw):
     return prompts, arrive
 
 
-@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=150, deadline=None, suppress_health_check=[
+    HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture])
 @given(name=st.sampled_from(sorted(CONFIGS)), batch=batches(), max_new=st.integers(1, 18),
        eos_at=st.one_of(st.none(), st.integers(0, 17)), stop_at=st.one_of(st.none(), st.integers(0, 17)),
        data=st.data())
-def test_greedy_any_mix_is_hf_greedy_alone(name, batch, max_new, eos_at, stop_at, data):
+def test_greedy_any_mix_is_hf_greedy_alone(fixed_costs, name, batch, max_new, eos_at, stop_at, data):
     prompts, arrive = batch
     gen = generator(name)
     # an EOS and a stop token taken from what the first prompt's output really holds
