@@ -1,6 +1,7 @@
 """Every feature at once, drawn at random: a mode and drafter, a batch of prompts of any lengths
 (repetitive ones, so lookup drafts), arrivals while others decode, an EOS and a stop token that
-the output really meets, per-request deterministic flags, a streamer, any ``max_new_tokens``.
+the output really meets, per-request deterministic flags, a streamer, any ``max_new_tokens``,
+the forwards replayed through CUDA graphs' CPU stand-ins or not.
 Greedy, each request's tokens are HF greedy's for its prompt alone, cut at its first EOS / stop
 token; the streamer got exactly those tokens; the stats add up. Seeded sampling in mode
 deterministic: each request's tokens and logprobs are those it gets alone, bit for bit."""
@@ -13,6 +14,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import hf_greedy, tiny_model
 from swiftkern import Generator, SkipModel
+from swiftkern.cuda_graphs import GraphRunner
+from swiftkern.graph_capture import EmulatedGraph, RecordedGraph
 from swiftkern.layer_kernels import invariant_kernels_available
 
 INVARIANT = invariant_kernels_available("cpu", torch.float32)
@@ -32,7 +35,8 @@ CONFIGS = {
 }
 if INVARIANT:
     CONFIGS.update({
-        "det-replay-fused": dict(mode="deterministic", replay="always", window=4, verify_batch=1,
+        # the portable config's shapes: a runner shared by both must still keep their graphs apart
+        "det-replay-fused": dict(mode="deterministic", replay="always", window=3, verify_batch=2,
                                  verifier_kernels="fused"),
         "det-no-replay": dict(mode="deterministic", replay="auto"),
         "det-no-replay-self-spec": dict(mode="deterministic", replay="auto", drafter="self-spec",
@@ -49,10 +53,12 @@ def tiny():
     return STATE["model"]
 
 
-def generator(name):
+def generator(name, graph_type=None):
     """A new Generator each draw: a drafter's state carried over would make a failure flaky (and
-    so would timed drafter costs: the greedy test takes the fixed cost model)."""
-    return Generator(tiny(), **CONFIGS[name])
+    so would timed drafter costs: the greedy test takes the fixed cost model). ``graph_type``: a
+    CPU stand-in for CUDA graphs (``graph_capture``), the forwards replayed through a new runner."""
+    graphs = False if graph_type is None else GraphRunner(tiny(), graph_type)
+    return Generator(tiny(), cuda_graphs=graphs, **CONFIGS[name])
 
 
 def hf_full(prompt):
@@ -105,10 +111,10 @@ def batches(draw):
     HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture])
 @given(name=st.sampled_from(sorted(CONFIGS)), batch=batches(), max_new=st.integers(1, 18),
        eos_at=st.one_of(st.none(), st.integers(0, 17)), stop_at=st.one_of(st.none(), st.integers(0, 17)),
-       data=st.data())
-def test_greedy_any_mix_is_hf_greedy_alone(fixed_costs, name, batch, max_new, eos_at, stop_at, data):
+       graph_type=st.sampled_from([None, None, EmulatedGraph, RecordedGraph]), data=st.data())
+def test_greedy_any_mix_is_hf_greedy_alone(fixed_costs, name, batch, max_new, eos_at, stop_at, graph_type, data):
     prompts, arrive = batch
-    gen = generator(name)
+    gen = generator(name, graph_type)
     # an EOS and a stop token taken from what the first prompt's output really holds
     plain = hf_full(prompts[0])
     eos = [] if eos_at is None else [plain[eos_at]]
@@ -148,3 +154,34 @@ def test_sampled_deterministic_any_mix_is_the_request_alone(name, batch, max_new
     assert torch.equal(out.logprobs[needle], alone.logprobs[0]), (name, needle)
     assert streamed.tokens == out.tokens
     assert all(len(t) == max_new for t in out.tokens)
+
+
+@pytest.mark.parametrize("graph_type", [EmulatedGraph, RecordedGraph], ids=["rerun", "recorded"])
+def test_one_graph_runner_shared_by_every_config_across_calls(fixed_costs, graph_type):
+    """A graph runner lives across calls and Generators (a server keeps one per model): one runner
+    shared by a Generator of every config, 60 calls in a seeded random order with batches that
+    shrink, grow and take arrivals, so graphs captured for one config and batch are met by
+    another (and evicted past ``max_graphs``). Each call's tokens are HF greedy's alone, and in
+    mode deterministic its logprobs those of the same config without graphs, bit for bit."""
+    import random
+
+    rng = random.Random(7)
+    runner = GraphRunner(tiny(), graph_type, max_graphs=24)
+    graphed = {name: Generator(tiny(), cuda_graphs=runner, **CONFIGS[name]) for name in CONFIGS}
+    for call in range(60):
+        name = rng.choice(sorted(CONFIGS))
+        n = rng.randint(1, 5)
+        prompts = [[rng.randrange(3, 301) for _ in range(rng.randint(1, 25))] for _ in range(n)]
+        arrive = None
+        if n > 1 and rng.random() < 0.5:
+            arrive = [rng.randint(0, 12) for _ in range(n)]
+            arrive[rng.randrange(n)] = 0
+        kw = dict(max_new_tokens=rng.randint(1, 18), eos_token_id=[], arrive_at=arrive)
+        out = graphed[name].generate(prompts, **kw)
+        for i, p in enumerate(prompts):
+            assert out.tokens[i] == cut(hf_full(p), kw["max_new_tokens"], []), (call, name, i)
+        if name in DETERMINISTIC:
+            plain = generator(name).generate(prompts, **kw)
+            assert all(torch.equal(a, b) for a, b in zip(out.logprobs, plain.logprobs)), (call, name)
+    stats = runner.stats()
+    assert stats["replays_by_kind"]["verify"] > 0 and stats["captures"] > 24  # evictions happened
