@@ -1,7 +1,7 @@
 """Every feature at once, drawn at random: a mode and drafter, a batch of prompts of any lengths
 (repetitive ones, so lookup drafts), arrivals while others decode, an EOS and a stop token that
 the output really meets, per-request deterministic flags, a streamer, any ``max_new_tokens``,
-the forwards replayed through CUDA graphs' CPU stand-ins or not.
+the forwards replayed through CUDA graphs' CPU stand-ins or not, five tiny model layouts.
 Greedy, each request's tokens are HF greedy's for its prompt alone, cut at its first EOS / stop
 token; the streamer got exactly those tokens; the stats add up. Seeded sampling in mode
 deterministic: each request's tokens and logprobs are those it gets alone, bit for bit."""
@@ -47,25 +47,35 @@ ALL_VERIFIED = {"det-replay-self-spec"}  # a replayed layer-skipped fast path re
 STATE = {}
 
 
-def tiny():
-    if "model" not in STATE:
-        STATE["model"] = SkipModel(tiny_model("llama", num_hidden_layers=4))
-    return STATE["model"]
+MODELS = {  # tiny random models of each family and attention layout the runner takes
+    "llama": ("llama", {}),
+    "qwen2": ("qwen2", {}),  # q/k/v biases
+    "mistral": ("mistral", {}),
+    "llama-mqa-tied": ("llama", dict(num_key_value_heads=1, tie_word_embeddings=True, seed=5)),
+    "llama-mha-5-layers": ("llama", dict(num_key_value_heads=4, num_hidden_layers=5, seed=9)),
+}
 
 
-def generator(name, graph_type=None):
+def tiny(model="llama"):
+    if model not in STATE:
+        arch, overrides = MODELS[model]
+        STATE[model] = SkipModel(tiny_model(arch, **dict(dict(num_hidden_layers=4), **overrides)))
+    return STATE[model]
+
+
+def generator(name, graph_type=None, model="llama"):
     """A new Generator each draw: a drafter's state carried over would make a failure flaky (and
     so would timed drafter costs: the greedy test takes the fixed cost model). ``graph_type``: a
     CPU stand-in for CUDA graphs (``graph_capture``), the forwards replayed through a new runner."""
-    graphs = False if graph_type is None else GraphRunner(tiny(), graph_type)
-    return Generator(tiny(), cuda_graphs=graphs, **CONFIGS[name])
+    graphs = False if graph_type is None else GraphRunner(tiny(model), graph_type)
+    return Generator(tiny(model), cuda_graphs=graphs, **CONFIGS[name])
 
 
-def hf_full(prompt):
+def hf_full(prompt, model="llama"):
     """HF greedy's 18 new tokens for ``prompt`` alone, no EOS (cached: HF generate is the slow part)."""
-    key = tuple(prompt)
+    key = (model, tuple(prompt))
     if key not in STATE.setdefault("hf", {}):
-        STATE["hf"][key] = hf_greedy(tiny().hf_model, prompt, 18, eos_token_id=[])
+        STATE["hf"][key] = hf_greedy(tiny(model).hf_model, prompt, 18, eos_token_id=[])
     return STATE["hf"][key]
 
 
@@ -111,12 +121,14 @@ def batches(draw):
     HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture])
 @given(name=st.sampled_from(sorted(CONFIGS)), batch=batches(), max_new=st.integers(1, 18),
        eos_at=st.one_of(st.none(), st.integers(0, 17)), stop_at=st.one_of(st.none(), st.integers(0, 17)),
-       graph_type=st.sampled_from([None, None, EmulatedGraph, RecordedGraph]), data=st.data())
-def test_greedy_any_mix_is_hf_greedy_alone(fixed_costs, name, batch, max_new, eos_at, stop_at, graph_type, data):
+       graph_type=st.sampled_from([None, None, EmulatedGraph, RecordedGraph]), model=st.sampled_from(sorted(MODELS)),
+       data=st.data())
+def test_greedy_any_mix_is_hf_greedy_alone(fixed_costs, name, batch, max_new, eos_at, stop_at, graph_type, model,
+                                          data):
     prompts, arrive = batch
-    gen = generator(name, graph_type)
+    gen = generator(name, graph_type, model)
     # an EOS and a stop token taken from what the first prompt's output really holds
-    plain = hf_full(prompts[0])
+    plain = hf_full(prompts[0], model)
     eos = [] if eos_at is None else [plain[eos_at]]
     stop = [] if stop_at is None else [plain[stop_at]]
     flags = draw_flags(data, name, len(prompts))
@@ -124,7 +136,7 @@ def test_greedy_any_mix_is_hf_greedy_alone(fixed_costs, name, batch, max_new, eo
     out = gen.generate(prompts, max_new_tokens=max_new, eos_token_id=eos, stop_token_ids=stop,
                        deterministic=flags, streamer=streamed, arrive_at=arrive)
     for i, p in enumerate(prompts):
-        assert out.tokens[i] == cut(hf_full(p), max_new, eos + stop), (name, i)
+        assert out.tokens[i] == cut(hf_full(p, model), max_new, eos + stop), (name, model, i)
     assert streamed.tokens == out.tokens
     assert out.stats["new_tokens"] == sum(map(len, out.tokens))
     assert [r["new_tokens"] for r in out.request_stats] == list(map(len, out.tokens))
@@ -136,11 +148,12 @@ def test_greedy_any_mix_is_hf_greedy_alone(fixed_costs, name, batch, max_new, eo
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(name=st.sampled_from(DETERMINISTIC), batch=batches(), max_new=st.integers(1, 14),
        seed=st.integers(0, 2**31 - 1), temperature=st.sampled_from([0.7, 1.0, 1.6]),
-       top_k=st.sampled_from([0, 5]), top_p=st.sampled_from([1.0, 0.9]), data=st.data())
+       top_k=st.sampled_from([0, 5]), top_p=st.sampled_from([1.0, 0.9]), model=st.sampled_from(sorted(MODELS)),
+       data=st.data())
 def test_sampled_deterministic_any_mix_is_the_request_alone(name, batch, max_new, seed, temperature, top_k,
-                                                           top_p, data):
+                                                           top_p, model, data):
     prompts, arrive = batch
-    gen = generator(name)
+    gen = generator(name, model=model)
     seeds = [seed + i for i in range(len(prompts))]
     needle = data.draw(st.integers(0, len(prompts) - 1), label="needle")
     flags = draw_flags(data, name, len(prompts))
