@@ -169,18 +169,14 @@ def test_sampled_deterministic_any_mix_is_the_request_alone(name, batch, max_new
     assert all(len(t) == max_new for t in out.tokens)
 
 
-@pytest.mark.parametrize("graph_type", [EmulatedGraph, RecordedGraph], ids=["rerun", "recorded"])
-def test_one_graph_runner_shared_by_every_config_across_calls(fixed_costs, graph_type):
-    """A graph runner lives across calls and Generators (a server keeps one per model): one runner
-    shared by a Generator of every config, 60 calls in a seeded random order with batches that
-    shrink, grow and take arrivals, so graphs captured for one config and batch are met by
-    another (and evicted past ``max_graphs``). Each call's tokens are HF greedy's alone, and in
-    mode deterministic its logprobs those of the same config without graphs, bit for bit."""
+def _calls_through_one_runner(model, runner, expected_tokens):
+    """60 seeded calls, each by the Generator of a random config, all sharing ``runner``;
+    ``expected_tokens(prompt, max_new)`` is what each request must get. Deterministic configs'
+    logprobs must equal the same config's without graphs, bit for bit."""
     import random
 
     rng = random.Random(7)
-    runner = GraphRunner(tiny(), graph_type, max_graphs=24)
-    graphed = {name: Generator(tiny(), cuda_graphs=runner, **CONFIGS[name]) for name in CONFIGS}
+    graphed = {name: Generator(model, cuda_graphs=runner, **CONFIGS[name]) for name in CONFIGS}
     for call in range(60):
         name = rng.choice(sorted(CONFIGS))
         n = rng.randint(1, 5)
@@ -192,9 +188,31 @@ def test_one_graph_runner_shared_by_every_config_across_calls(fixed_costs, graph
         kw = dict(max_new_tokens=rng.randint(1, 18), eos_token_id=[], arrive_at=arrive)
         out = graphed[name].generate(prompts, **kw)
         for i, p in enumerate(prompts):
-            assert out.tokens[i] == cut(hf_full(p), kw["max_new_tokens"], []), (call, name, i)
+            assert out.tokens[i] == expected_tokens(p, kw["max_new_tokens"]), (call, name, i)
         if name in DETERMINISTIC:
-            plain = generator(name).generate(prompts, **kw)
+            plain = Generator(model, **CONFIGS[name]).generate(prompts, **kw)
             assert all(torch.equal(a, b) for a, b in zip(out.logprobs, plain.logprobs)), (call, name)
     stats = runner.stats()
-    assert stats["replays_by_kind"]["verify"] > 0 and stats["captures"] > 24  # evictions happened
+    assert stats["replays_by_kind"]["verify"] > 0 and stats["captures"] > runner.max_graphs  # evictions
+
+
+@pytest.mark.parametrize("graph_type", [EmulatedGraph, RecordedGraph], ids=["rerun", "recorded"])
+def test_one_graph_runner_shared_by_every_config_across_calls(fixed_costs, graph_type):
+    """A graph runner lives across calls and Generators (a server keeps one per model): one runner
+    shared by a Generator of every config, 60 calls in a seeded random order with batches that
+    shrink, grow and take arrivals, so graphs captured for one config and batch are met by
+    another (and evicted past ``max_graphs``). Each call's tokens are HF greedy's alone, and in
+    mode deterministic its logprobs those of the same config without graphs, bit for bit."""
+    _calls_through_one_runner(tiny(), GraphRunner(tiny(), graph_type, max_graphs=24),
+                              lambda prompt, max_new: cut(hf_full(prompt), max_new, []))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_one_cuda_graph_runner_shared_by_every_config_on_the_gpu(fixed_costs):
+    """The same with real CUDA graphs on the GPU: each request's tokens are those the same
+    config gives it alone without graphs on the GPU (the same kernels, so the same bits)."""
+    model = SkipModel(tiny_model("llama", num_hidden_layers=4).to("cuda"))
+    alone = Generator(model)
+    _calls_through_one_runner(model, GraphRunner(model, max_graphs=24),
+                              lambda prompt, max_new: alone.generate([prompt], max_new_tokens=max_new,
+                                                                     eos_token_id=[]).tokens[0])
