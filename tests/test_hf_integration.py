@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import swiftkern
 from swiftkern.errors import SwiftkernError
@@ -66,6 +67,38 @@ def test_left_padded_batch_with_eos_equals_hf(llama, options):
     got = _hf(llama, ids, custom_generate=swift_generate, **kw, **options)
     assert (want[:, ids.shape[1]:] == 0).any(), "the test needs a row that finished early"
     assert torch.equal(got, want)
+
+
+_FAMILIES = {}
+ANY_MODE = MODES + [dict(swift_mode="self-spec", drafter="auto"),
+                    dict(swift_mode="self-spec", drafter="layer-skip", layer_set="none", eps=0.0, k_max=5),
+                    dict(swift_mode="deterministic", swift_kwargs=dict(window=3, verify_batch=2, replay="always"))]
+ROW = st.one_of(st.lists(st.integers(3, 300), min_size=1, max_size=20),
+                st.tuples(st.lists(st.integers(3, 300), min_size=1, max_size=4), st.integers(1, 8))
+                .map(lambda p: (p[0] * p[1])[:20]))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(arch=st.sampled_from(["llama", "mistral", "qwen2"]), options=st.sampled_from(ANY_MODE),
+       rows=st.lists(ROW, min_size=1, max_size=4), max_new=st.integers(1, 16),
+       eos_at=st.one_of(st.none(), st.tuples(st.integers(0, 3), st.integers(0, 15))))
+def test_any_left_padded_batch_equals_hf(arch, options, rows, max_new, eos_at):
+    """Drawn: a family, a mode (every drafter, deterministic), left-padded rows of any lengths
+    (repetitive ones, so lookup drafts), max_new_tokens, and an EOS that some row's output really
+    holds (rows then stop at different steps): the same tensor as HF greedy."""
+    if arch not in _FAMILIES:
+        _FAMILIES[arch] = tiny_model(arch, seed=1)
+    model = _FAMILIES[arch]
+    ids, mask = _left_pad(rows)
+    eos = None
+    if eos_at is not None:
+        free = _hf(model, ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False, eos_token_id=None,
+                   pad_token_id=0)
+        eos = int(free[eos_at[0] % len(rows), ids.shape[1] + eos_at[1] % max_new])
+    kw = dict(attention_mask=mask, max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    want = _hf(model, ids, **kw)
+    got = _hf(model, ids, custom_generate=swift_generate, **kw, **options)
+    assert got.shape == want.shape and torch.equal(got, want)
 
 
 def test_return_dict_and_max_length(llama):
