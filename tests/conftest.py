@@ -92,11 +92,15 @@ def hf_greedy(hf_model, prompt_ids, max_new_tokens, eos_token_id=None):
     with torch.no_grad():
         out = hf_model.generate(ids, **kwargs)[0, len(prompt_ids):].tolist()
     eos = hf_model.generation_config.eos_token_id if eos_token_id is None else eos_token_id
-    eos = {eos} if isinstance(eos, int) else set(eos or [])
-    for i, t in enumerate(out):  # HF pads finished rows; keep up to and including EOS
-        if t in eos:
-            return out[: i + 1]
-    return out
+    return until_stop(out, {eos} if isinstance(eos, int) else set(eos or []))  # HF pads finished rows
+
+
+def until_stop(tokens, stop_ids):
+    """``tokens`` up to and including the first one in ``stop_ids`` (all of them if none is)."""
+    for i, t in enumerate(tokens):
+        if t in stop_ids:
+            return tokens[: i + 1]
+    return tokens
 
 
 def expected_probs(logits, temperature, top_k, top_p):

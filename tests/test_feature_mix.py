@@ -8,11 +8,14 @@ deterministic: each request's tokens and logprobs are those it gets alone, bit f
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from conftest import hf_greedy, tiny_model
+from conftest import hf_greedy, tiny_model, until_stop
+from test_streaming import Recorder
 from swiftkern import Generator, SkipModel
 from swiftkern.cuda_graphs import GraphRunner
 from swiftkern.graph_capture import EmulatedGraph, RecordedGraph
@@ -44,8 +47,6 @@ if INVARIANT:
     })
 DETERMINISTIC = [name for name in CONFIGS if name.startswith("det")]
 ALL_VERIFIED = {"det-replay-self-spec"}  # a replayed layer-skipped fast path refuses unverified requests
-STATE = {}
-
 
 MODELS = {  # tiny random models of each family and attention layout the runner takes
     "llama": ("llama", {}),
@@ -56,11 +57,10 @@ MODELS = {  # tiny random models of each family and attention layout the runner 
 }
 
 
+@functools.cache
 def tiny(model="llama"):
-    if model not in STATE:
-        arch, overrides = MODELS[model]
-        STATE[model] = SkipModel(tiny_model(arch, **dict(dict(num_hidden_layers=4), **overrides)))
-    return STATE[model]
+    arch, overrides = MODELS[model]
+    return SkipModel(tiny_model(arch, **{"num_hidden_layers": 4, **overrides}))
 
 
 def generator(name, graph_type=None, model="llama"):
@@ -73,25 +73,17 @@ def generator(name, graph_type=None, model="llama"):
 
 def hf_full(prompt, model="llama"):
     """HF greedy's 18 new tokens for ``prompt`` alone, no EOS (cached: HF generate is the slow part)."""
-    key = (model, tuple(prompt))
-    if key not in STATE.setdefault("hf", {}):
-        STATE["hf"][key] = hf_greedy(tiny(model).hf_model, prompt, 18, eos_token_id=[])
-    return STATE["hf"][key]
+    return _hf_full(tuple(prompt), model)
+
+
+@functools.cache
+def _hf_full(prompt: tuple, model: str):
+    return hf_greedy(tiny(model).hf_model, list(prompt), 18, eos_token_id=[])
 
 
 def cut(tokens, max_new, stop_ids):
     """What greedy with these stop ids gives: the first ``max_new`` tokens, up to the first stop."""
-    tokens = tokens[:max_new]
-    ends = [i for i, t in enumerate(tokens) if t in stop_ids]
-    return tokens[: ends[0] + 1] if ends else tokens
-
-
-class Recorder:
-    def __init__(self, n):
-        self.tokens = [[] for _ in range(n)]
-
-    def __call__(self, request, tokens):
-        self.tokens[request].extend(int(t) for t in tokens)
+    return until_stop(tokens[:max_new], stop_ids)
 
 
 def draw_flags(data, name, n):
@@ -132,12 +124,12 @@ def test_greedy_any_mix_is_hf_greedy_alone(fixed_costs, name, batch, max_new, eo
     eos = [] if eos_at is None else [plain[eos_at]]
     stop = [] if stop_at is None else [plain[stop_at]]
     flags = draw_flags(data, name, len(prompts))
-    streamed = Recorder(len(prompts))
+    streamed = Recorder()
     out = gen.generate(prompts, max_new_tokens=max_new, eos_token_id=eos, stop_token_ids=stop,
                        deterministic=flags, streamer=streamed, arrive_at=arrive)
     for i, p in enumerate(prompts):
         assert out.tokens[i] == cut(hf_full(p, model), max_new, eos + stop), (name, model, i)
-    assert streamed.tokens == out.tokens
+    assert streamed.per_request(len(prompts)) == out.tokens
     assert out.stats["new_tokens"] == sum(map(len, out.tokens))
     assert [r["new_tokens"] for r in out.request_stats] == list(map(len, out.tokens))
     if name in DETERMINISTIC:
@@ -160,12 +152,12 @@ def test_sampled_deterministic_any_mix_is_the_request_alone(name, batch, max_new
     flags[needle] = True
     kw = dict(max_new_tokens=max_new, do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p,
               eos_token_id=[])
-    streamed = Recorder(len(prompts))
+    streamed = Recorder()
     out = gen.generate(prompts, seed=seeds, deterministic=flags, streamer=streamed, arrive_at=arrive, **kw)
     alone = gen.generate([prompts[needle]], seed=seeds[needle], **kw)
     assert out.tokens[needle] == alone.tokens[0], (name, needle)
     assert torch.equal(out.logprobs[needle], alone.logprobs[0]), (name, needle)
-    assert streamed.tokens == out.tokens
+    assert streamed.per_request(len(prompts)) == out.tokens
     assert all(len(t) == max_new for t in out.tokens)
 
 

@@ -1,5 +1,7 @@
 """The HF transformers backend (custom_generate) against plain HF generate."""
 
+import functools
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -69,7 +71,7 @@ def test_left_padded_batch_with_eos_equals_hf(llama, options):
     assert torch.equal(got, want)
 
 
-_FAMILIES = {}
+_family = functools.cache(lambda arch: tiny_model(arch, seed=1))
 ANY_MODE = MODES + [dict(swift_mode="self-spec", drafter="auto"),
                     dict(swift_mode="self-spec", drafter="layer-skip", layer_set="none", eps=0.0, k_max=5),
                     dict(swift_mode="deterministic", swift_kwargs=dict(window=3, verify_batch=2, replay="always"))]
@@ -86,9 +88,7 @@ def test_any_left_padded_batch_equals_hf(arch, options, rows, max_new, eos_at):
     """Drawn: a family, a mode (every drafter, deterministic), left-padded rows of any lengths
     (repetitive ones, so lookup drafts), max_new_tokens, and an EOS that some row's output really
     holds (rows then stop at different steps): the same tensor as HF greedy."""
-    if arch not in _FAMILIES:
-        _FAMILIES[arch] = tiny_model(arch, seed=1)
-    model = _FAMILIES[arch]
+    model = _family(arch)
     ids, mask = _left_pad(rows)
     eos = None
     if eos_at is not None:
