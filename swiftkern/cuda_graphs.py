@@ -138,7 +138,7 @@ class GraphRunner:
         key = ("forward", B, T, tuple(skip_attn), tuple(skip_mlp), span,
                None if logits_positions is None else tuple(logits_positions.shape), with_head,
                cache.k.data_ptr(), cache.v.data_ptr(), cache.lengths.data_ptr(), tuple(cache.k.shape),
-               cache.k.stride(), model.invariant, ops.backends.current_backend(), tokens.device)
+               cache.k.stride(), model.invariant, tokens.device)
 
         def body(tok, pos=None):
             hidden = model.forward_device(tok, cache, skip_attn, skip_mlp, span, None, pos)
@@ -153,9 +153,11 @@ class GraphRunner:
     def run(self, key: tuple, fn, inputs: tuple, restore: tuple = ()) -> torch.Tensor:
         """fn(*inputs) -> a tensor, where ``key`` (its first item names the kind of call) holds
         every host value and address fn depends on besides the tensors ``inputs`` (copied into
-        static buffers before a replay).
+        static buffers before a replay). The ops backend in use (it picks the kernels fn
+        launches) is added to every key here.
         ``restore``: tensors fn updates in place that a capture's warm-up run must put back.
         The first call for a key runs fn eagerly, the second captures it, later ones replay."""
+        key = key + (ops.backends.current_backend(),)
         entry = self.entries.get(key)
         if entry is None:  # first sight: eager, the same arithmetic as the graph will do
             self.entries[key] = _Entry()

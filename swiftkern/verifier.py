@@ -121,7 +121,7 @@ class Verifier:
         else:  # extra key blocks change no bit (bi_attention), so the key length is bucketed
             key_len = KEY_BLOCK * attention_span(key_blocks, -(-(cache.max_len + T) // KEY_BLOCK), minimum=1)
             key = ("verify", R, T, key_len, cache.k.data_ptr(), cache.v.data_ptr(), tuple(cache.k.shape),
-                   cache.k.stride(), self.kernels.name, ops.backends.current_backend())
+                   cache.k.stride(), self.kernels.name)
             hidden = runner.run(key, lambda *x: self._pass(cache, key_len, *x), inputs)
         wanted = torch.tensor([i * T + j for i, s in enumerate(slots) for j in s.want], dtype=torch.int64,
                               device=device)

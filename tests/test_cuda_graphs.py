@@ -61,12 +61,13 @@ def test_attention_span():
     assert [attention_span(n, 10, minimum=1) for n in (1, 2, 3, 5, 9)] == [1, 2, 4, 8, 10]  # the verifier's blocks
 
 
-def _steps(model, runner, schedule, seed=0, prompt_len=9, layer_sets=None):
+def _steps(model, runner, schedule, seed=0, prompt_len=9, layer_sets=None, cache=None):
     """Run forwards of the given token counts over a 3-row cache (rows of unequal lengths,
     a rollback after every verify-sized step) -> the list of logits. ``layer_sets``: the skip
-    plan of each step (None: the full model for all)."""
+    plan of each step (None: the full model for all). ``cache``: one to reuse (graphs are keyed
+    on its storage; default a new one)."""
     gen = torch.Generator().manual_seed(seed)
-    cache = model.new_cache(3, 200)
+    cache = model.new_cache(3, 200) if cache is None else cache
     cache.set_lengths([0, 0, 0])
     out = []
     with model.cuda_graphs(runner):
@@ -445,3 +446,24 @@ def test_verifier_kernel_sets_sharing_a_runner_get_their_own_graphs(tiny, graph_
         assert graphed.tokens == plain.tokens
         assert all(torch.equal(a, b) for a, b in zip(plain.logprobs, graphed.logprobs))
     assert runner.stats()["replays_by_kind"]["verify"] > 3
+
+
+def test_backends_sharing_a_runner_get_their_own_graphs(tiny, graph_type):
+    """The ops backend picks the kernels a forward launches, so every graph's key holds it
+    (``GraphRunner.run`` adds it): the C++ backend after the reference one on the same runner
+    replays its own graphs and gets the bits of a plain forward, not the reference's."""
+    runner = GraphRunner(tiny, graph_type)
+    cache = tiny.new_cache(3, 200)  # one storage: the keys differ by the backend alone
+    try:
+        for backend in ("reference", "auto", "reference", "auto"):
+            ops.set_backend(backend)
+            plain = _steps(tiny, None, SCHEDULE)
+            graphed = _steps(tiny, runner, SCHEDULE, cache=cache)
+            for a, b in zip(plain, graphed):
+                if backend == "auto":
+                    assert torch.equal(a, b)
+                else:  # SDPA over the span's masked keys rounds differently
+                    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    finally:
+        ops.set_backend("auto")
+    assert runner.stats()["replays"] >= 12
