@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numbers
 
+import numpy
+
 from .errors import SwiftkernError
 
 
@@ -22,6 +24,14 @@ def whole(name: str, value, lo: int | None = None, hi: int | None = None) -> int
         bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
         raise SwiftkernError(f"{name} must be {bounds}, got {value}")
     return value
+
+
+def flag(name: str, value) -> bool:
+    """``value`` as a bool; refuses anything but a bool (Python or numpy), such as "yes" or None,
+    which would otherwise pass as its truth value."""
+    if not isinstance(value, (bool, numpy.bool_)):
+        raise SwiftkernError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+    return bool(value)
 
 
 def real(name: str, value) -> float:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .arg_checks import real, token_ids, whole
+from .arg_checks import flag, real, token_ids, whole
 from .errors import SwiftkernError
 from .kv_cache import KVCache
 from .layer_set import LayerSet
@@ -22,7 +22,7 @@ from .batch_invariant import bi_token_logprob
 from .prompt_ids import encode_prompts
 from .prefill import admit_arrivals, prefill  # noqa: F401 (prefill: part of this module's API)
 from .requests import Requests
-from .sampling import SamplingParams, select_tokens
+from .sampling import SEED_RANGE, SamplingParams, select_tokens
 from .draft_head import DEFAULT_DRAFT_VOCAB, DraftHead
 from .drafter_policy import DrafterPolicy
 from . import layer_set_store
@@ -201,11 +201,14 @@ class Generator:
         self.draft_vocab = draft_vocab
         if isinstance(layer_set, str):
             layer_set = LayerSet.parse(layer_set, self.model.num_layers)
+        elif layer_set is not None and not isinstance(layer_set, LayerSet):
+            raise SwiftkernError(f"layer_set must be a LayerSet, its string form ('attn:3,5|mlp:4', 'none'), 'auto' "
+                                 f"or None, got {layer_set!r} ({type(layer_set).__name__})")
         if layer_set is not None and layer_set.num_layers != self.model.num_layers:
             raise SwiftkernError(f"layer set is for {layer_set.num_layers} layers, the model has "
                                  f"{self.model.num_layers}")
         self.layer_set = layer_set
-        self.k_max, self.eps, self.adaptive_eps = k_max, eps, adaptive_eps
+        self.k_max, self.eps, self.adaptive_eps = k_max, eps, flag("adaptive_eps", adaptive_eps)
         if isinstance(cuda_graphs, GraphRunner):
             self.graph_runner = cuda_graphs
         elif cuda_graphs is True:
@@ -284,7 +287,7 @@ class Generator:
     def encode(self, prompts, chat: bool = False) -> list[list[int]]:
         """str | list[str] | list[int] | list[list[int]] | integer tensor [T] or [B, T] -> token
         id lists (``prompt_ids.encode_prompts``: text through the tokenizer, ids checked)."""
-        return encode_prompts(prompts, self.tokenizer, self.model.vocab_size, chat)
+        return encode_prompts(prompts, self.tokenizer, self.model.vocab_size, flag("chat", chat))
 
     def _check_arrivals(self, arrive_at, n: int) -> list[int] | None:
         if arrive_at is None:
@@ -297,7 +300,7 @@ class Generator:
     def _stop_ids(self, eos_token_id, stop_token_ids) -> frozenset[int]:
         """The ids that end a row: the given ones (checked), else the model's or tokenizer's EOS."""
         V = self.model.vocab_size
-        stops = token_ids("stop_token_ids", list(stop_token_ids or ()), V)
+        stops = token_ids("stop_token_ids", [] if stop_token_ids is None else stop_token_ids, V)
         if eos_token_id is not None:
             return frozenset(stops + token_ids("eos_token_id", eos_token_id, V))
         eos = getattr(self.model.hf_model.generation_config, "eos_token_id", None)
@@ -362,9 +365,10 @@ class Generator:
 
         Greedy when ``do_sample`` is False; otherwise temperature → top-k → top-p, drawing
         with uniforms keyed on (seed, absolute position), so a prompt's output depends on its
-        seed alone. ``seed`` may be one int or one per prompt. Generation of a row stops after
-        an EOS token (``eos_token_id``, default the model's), a ``stop_token_ids`` token, a
-        ``stop`` string in its text, or ``max_new_tokens``. Mode deterministic: ``deterministic``
+        seed alone. ``seed`` may be one int or one per prompt, in [-2**63, 2**64) (s < 0 is the
+        seed 2**64 + s, as in torch). Generation of a row stops after an EOS token
+        (``eos_token_id``, default the model's), a ``stop_token_ids`` token (each one id or a
+        list), a ``stop`` string in its text, or ``max_new_tokens``. Mode deterministic: ``deterministic``
         (one bool or one per prompt) False lets a request skip verification (regular decoding);
         where no replay runs (``replay_elided()``) every request is deterministic at no cost and
         the flags change nothing. ``streamer(request, tokens)``: called with each request's
@@ -381,11 +385,12 @@ class Generator:
             raise SwiftkernError(f"streamer must be a callable streamer(request, tokens), got {type(streamer).__name__}")
         params = SamplingParams(do_sample, temperature, top_k, top_p)
         ids = self.encode(prompts, chat)
-        seeds = [whole("seed", s) for s in seed] if isinstance(seed, (list, tuple)) else [whole("seed", seed)] * len(ids)
+        seeds = [whole("seed", s, *SEED_RANGE) for s in (seed if isinstance(seed, (list, tuple)) else [seed] * len(ids))]
         if len(seeds) != len(ids):
             raise SwiftkernError(f"got {len(seeds)} seeds for {len(ids)} prompts")
         arrive_at = self._check_arrivals(arrive_at, len(ids))
-        verified = list(deterministic) if isinstance(deterministic, (list, tuple)) else [deterministic] * len(ids)
+        verified = [flag("deterministic", d) for d in
+                    (deterministic if isinstance(deterministic, (list, tuple)) else [deterministic] * len(ids))]
         if len(verified) != len(ids):
             raise SwiftkernError(f"got {len(verified)} deterministic flags for {len(ids)} prompts")
         if not all(verified) and self.mode != "deterministic":

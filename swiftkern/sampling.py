@@ -11,10 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .arg_checks import real, whole
+from .arg_checks import flag, real, whole
 from .errors import SwiftkernError
 
 _MASK64 = (1 << 64) - 1
+SEED_RANGE = (-(1 << 63), _MASK64)  # torch's seeds: s < 0 is the same seed as 2**64 + s
 
 
 def _splitmix64(x: int) -> int:
@@ -48,6 +49,7 @@ class SamplingParams:
     top_p: float = 1.0
 
     def __post_init__(self):
+        flag("do_sample", self.do_sample)
         real("temperature", self.temperature)  # a wrong kind is refused before the comparisons below
         real("top_p", self.top_p)
         whole("top_k", self.top_k)

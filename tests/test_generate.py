@@ -146,16 +146,34 @@ def test_scalar_arguments_of_the_wrong_kind_are_refused():
                           (dict(stop_token_ids=[10**6]), r"stop_token_ids entry must be in \[0, "),
                           (dict(do_sample=True, temperature="hot"), "temperature must be a number"),
                           (dict(do_sample=True, top_k=2.5), "top_k must be an integer"),
-                          (dict(stop=[""]), "stop must be a non-empty string")):
+                          (dict(stop=[""]), "stop must be a non-empty string"),
+                          (dict(do_sample="yes"), "do_sample must be True or False"),
+                          (dict(chat=None), "chat must be True or False"),
+                          (dict(deterministic="yes"), "deterministic must be True or False"),
+                          (dict(do_sample=True, seed=2**64), r"seed must be in \[-9223372036854775808, "),
+                          (dict(stop_token_ids="x"), "stop_token_ids entry must be an integer")):
         with pytest.raises(SwiftkernError, match=match):
             gen.generate([[1, 2]], **{"max_new_tokens": 4, **kwargs})
     for kwargs, match in ((dict(mode="self-spec", k_max=2.5), "k_max must be an integer"),
                           (dict(mode="deterministic", window=8.0), "window must be an integer"),
                           (dict(mode="ar", drafter="lookup"), "needs mode self-spec"),
                           (dict(mode="ar", layer_set="attn:1"), "would ignore layer_set"),
-                          (dict(mode="deterministic", layer_set="attn:1"), "would ignore layer_set")):
+                          (dict(mode="deterministic", layer_set="attn:1"), "would ignore layer_set"),
+                          (dict(mode="self-spec", layer_set=3), "layer_set must be a LayerSet, its string form"),
+                          (dict(mode="self-spec", adaptive_eps="yes"), "adaptive_eps must be True or False")):
         with pytest.raises(SwiftkernError, match=match):
             Generator(hf, **kwargs)
+
+
+def test_one_stop_id_and_seeds_at_the_ends_of_their_range():
+    """stop_token_ids takes one id as eos_token_id does; a seed s < 0 is 2**64 + s (torch's rule)."""
+    gen = Generator(tiny_model("llama"))
+    free = gen.generate([[5, 6]], max_new_tokens=8, eos_token_id=[]).tokens[0]
+    assert gen.generate([[5, 6]], max_new_tokens=8, eos_token_id=[], stop_token_ids=free[3]).tokens[0] == \
+        free[:free.index(free[3]) + 1]
+    draws = {s: gen.generate([[5, 6]], max_new_tokens=8, do_sample=True, seed=s).tokens[0]
+             for s in (-1, 2**64 - 1, -(2**63), 2**63)}
+    assert draws[-1] == draws[2**64 - 1] and draws[-(2**63)] == draws[2**63]
 
 
 def test_a_stop_string_given_alone_is_one_string_not_its_letters():

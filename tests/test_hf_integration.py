@@ -247,6 +247,19 @@ def test_model_inputs_the_caller_passed_are_refused(llama):
     assert _refusals(config, [], [], added, {}) == ["model inputs internal_state"]
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(swift_kwargs="window=4"), "swift_kwargs must be a dict"),
+    (dict(swift_kwargs=dict(mode="ar")), "pass the mode as swift_mode"),
+    (dict(swift_kwargs=dict(windw=4)), "Generator has no option 'windw'; it takes layer_set, k_max"),
+    (dict(layer_set="mlp:1", swift_kwargs=dict(layer_set="mlp:2")), "layer_set given twice"),
+    (dict(do_sample=True, seed="3"), "seed must be an integer"),
+    (dict(do_sample=True, seed=2**64), "seed must be in"),
+])
+def test_bad_swiftkern_options_are_refused(llama, kwargs, message):
+    with pytest.raises(SwiftkernError, match=message):
+        _hf(llama, torch.tensor(PROMPT), max_new_tokens=4, custom_generate=swift_generate, **kwargs)
+
+
 def test_unknown_mode_is_refused(llama):
     with pytest.raises(SwiftkernError, match="mode"):
         _hf(llama, torch.tensor(PROMPT), max_new_tokens=4, custom_generate=swift_generate, swift_mode="beam")

@@ -11,10 +11,14 @@ differences between transformers 4.56+ and 5.x live in ``compat.py``.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
+from ..arg_checks import whole
 from ..errors import SwiftkernError
 from ..generate import Generator
+from ..sampling import SEED_RANGE
 from . import compat
 
 # logits processors whose effect the Generator reproduces (HF's order: temperature, top-k, top-p)
@@ -120,6 +124,25 @@ def _sequences(input_ids: torch.Tensor, new_tokens: list[list[int]], pad: int | 
     return torch.cat([input_ids, new], dim=1)
 
 
+def _generator_options(swift_kwargs, **named) -> dict:
+    """The Generator keyword arguments: the named ones given (not None) and ``swift_kwargs``,
+    which must be a dict of other ``Generator`` parameters."""
+    options = {k: v for k, v in named.items() if v is not None}
+    if swift_kwargs is None:
+        return options
+    if not isinstance(swift_kwargs, dict):
+        raise SwiftkernError(f"swift_kwargs must be a dict of Generator options, got {type(swift_kwargs).__name__}")
+    accepted = [p for p in inspect.signature(Generator).parameters if p not in ("model", "tokenizer", "mode")]
+    for key in swift_kwargs:
+        if key == "mode":
+            raise SwiftkernError("swift_kwargs: pass the mode as swift_mode=..., not in swift_kwargs")
+        if key not in accepted:
+            raise SwiftkernError(f"swift_kwargs: Generator has no option {key!r}; it takes {', '.join(accepted)}")
+        if key in options:
+            raise SwiftkernError(f"{key} given twice, as {key}= and in swift_kwargs: give it once")
+    return {**options, **swift_kwargs}
+
+
 def _generator_for(model, swift_mode: str, options: dict, keep: bool) -> Generator:
     """The Generator for ``model`` with this mode and these options. keep: made on the first
     call and kept on the model (``model._swiftkern_generators``), so that what it learns while
@@ -199,16 +222,15 @@ def generate(model, input_ids: torch.Tensor | None = None, logits_processor=None
     eos, pad = compat.special_tokens(generation_config)
     if seed is None:
         seed = int(torch.randint(0, 2**62, (1,)).item()) if do_sample else 0
-    options = dict(layer_set=layer_set, drafter=drafter, k_max=k_max, eps=eps)
-    options = {k: v for k, v in options.items() if v is not None}
-    options.update(swift_kwargs or {})
+    seed = whole("seed", seed, *SEED_RANGE)
+    options = _generator_options(swift_kwargs, layer_set=layer_set, drafter=drafter, k_max=k_max, eps=eps)
     gen = _generator_for(model, swift_mode, options, keep=not do_sample)
 
     def put(request: int, tokens: list[int]) -> None:  # one put a token, as HF's own loop
         for t in tokens:
             streamer.put(torch.tensor([t]))
 
-    out = gen.generate(prompts, max_new_tokens=max_new_tokens, do_sample=do_sample, seed=[seed + b for b in
+    out = gen.generate(prompts, max_new_tokens=max_new_tokens, do_sample=do_sample, seed=[(seed + b) % (1 << 64) for b in
                        range(len(prompts))], eos_token_id=eos, streamer=put if streamer is not None else None,
                        **warp)
     if streamer is not None:

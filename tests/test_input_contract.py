@@ -1,0 +1,138 @@
+"""The public API's input contract, drawn: any input either works or is refused with a
+SwiftkernError, never another exception from inside swiftkern (a TypeError, AttributeError, ...).
+
+Each draw takes a valid configuration of every argument of ``Generator`` and ``generate`` (or
+of HF ``generate`` with ``custom_generate``) and spoils at most one of them with a value of the
+wrong kind or range; a valid draw must run and return one output per prompt.
+"""
+
+import traceback
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from conftest import tiny_model
+from swiftkern import Generator, SwiftkernError
+from swiftkern.integrations.transformers import generate as swift_generate
+
+V = 301  # tiny_model's vocabulary
+NAN, INF = float("nan"), float("inf")
+SETTINGS = settings(max_examples=120, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+
+GOOD = dict(
+    k_max=[1, 2, 5, 25], eps=[0.0, 0.5, 1.0], draft_vocab=[None, 1, 50, V, 8192], window=[1, 2, 32],
+    verify_batch=[1, 2, 4], skip_ratio=["auto", 0.2, 0.6], replay=["auto", "always"],
+    verifier_kernels=["auto", "portable", "fused"], adaptive_eps=[False, True], cuda_graphs=[False],
+    max_new_tokens=[1, 2, 6], temperature=[0.5, 1.0, 2.0], top_k=[0, 1, 5, V + 10], top_p=[1.0, 0.9, 1e-9],
+    seed=[0, 3, -1, 2**64 - 1], eos_token_id=[None, 2, [2, 3], []], stop_token_ids=[None, 5, [5], []],
+    chat=[False],
+)
+BAD = dict(
+    k_max=[0, -1, 1.5, True, "3", None], eps=[-0.1, 1.5, NAN, "0.5", None], draft_vocab=[0, -1, 2.5, "x", True],
+    window=[0, 1.5, None, True], verify_batch=[0, 2.5, None], skip_ratio=[0.0, 1.0, NAN, "x", None],
+    replay=["never", None], verifier_kernels=["z", None], adaptive_eps=["yes", None, 1], cuda_graphs=[True, "yes"],
+    max_new_tokens=[0, -1, 1.5, True, None, "4"], temperature=[0.0, -1.0, NAN, None, "1"], top_k=[-1, 2.5, None],
+    top_p=[0.0, 1.5, NAN, None], seed=[2**64, -(2**63) - 1, 1.5, "s", None, [1] * 7],
+    eos_token_id=[V, -1, 2.0, [2, V], "2"], stop_token_ids=[[V + 1], [-3], [1.0], V, "x"],
+    chat=["yes", None, 1], do_sample=["yes", None, 1],
+    layer_set=["attn:9", "mlp:a", "attn:1|attn:2", "foo", "attn:-1", "attn:0,1,2,3|mlp:0,1,2,3", 3, ["attn:1"]],
+    prompts=[[], [[]], "", [""], [[5] * 600], [[1.0, 2.0]], [[3, None]], [[V]], [[-1]], 5, None],
+    deterministic=["yes", None, [True] * 7], arrive_at=[[1] * 7, [-1] * 7, [1.5] * 7, "0", [0, None]],
+    streamer=["x", 3],
+)
+GENERATOR_ARGS = ("k_max", "eps", "draft_vocab", "window", "verify_batch", "skip_ratio", "replay",
+                  "verifier_kernels", "adaptive_eps", "cuda_graphs")
+GENERATE_ARGS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "eos_token_id", "stop_token_ids",
+                 "chat")
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("llama")
+
+
+def _modes(draw):
+    """A mode with a drafter and layer set that go together."""
+    mode = draw(st.sampled_from(["ar", "self-spec", "deterministic"]))
+    drafter = draw(st.sampled_from({"ar": ["auto", "none"], "self-spec": ["auto", "layer-skip", "lookup", "none"],
+                                    "deterministic": ["auto", "none", "self-spec"]}[mode]))
+    layered = (mode == "self-spec" and drafter in ("auto", "layer-skip")) or drafter == "self-spec"
+    sets = ["attn:1|mlp:2", "mlp:1", "none"] + (["auto"] if mode == "self-spec" and drafter != "lookup" else [])
+    return dict(mode=mode, drafter=drafter, layer_set=draw(st.sampled_from(sets)) if layered else None)
+
+
+def _swiftkern_frames(error: BaseException) -> bool:
+    return any("/swiftkern/" in frame.filename for frame in traceback.extract_tb(error.__traceback__))
+
+
+@SETTINGS
+@given(data=st.data())
+def test_any_generator_input_runs_or_is_refused_with_a_swiftkern_error(llama, data):
+    draw = data.draw
+    spoiled = draw(st.sampled_from([None] * 4 + sorted(BAD)))
+
+    def value(name):
+        return draw(st.sampled_from(BAD[name] if name == spoiled else GOOD[name]))
+
+    init = {**_modes(draw), **{name: value(name) for name in GENERATOR_ARGS}}
+    if spoiled == "layer_set":
+        init["layer_set"] = draw(st.sampled_from(BAD["layer_set"]))
+    n = draw(st.integers(1, 3))
+    prompts = [draw(st.lists(st.integers(3, V - 1), min_size=1, max_size=8)) for _ in range(n)]
+    if spoiled == "prompts":
+        prompts = draw(st.sampled_from(BAD["prompts"]))
+    call = {name: value(name) for name in GENERATE_ARGS}
+    call["do_sample"] = value("do_sample") if spoiled == "do_sample" else draw(st.booleans())
+    flags = [True, [i % 2 == 0 for i in range(n)]] if init["mode"] == "deterministic" and init["drafter"] != "self-spec" else [True]
+    call["deterministic"] = value("deterministic") if spoiled == "deterministic" else draw(st.sampled_from(flags))
+    call["arrive_at"] = value("arrive_at") if spoiled == "arrive_at" else draw(
+        st.sampled_from([None, [0] + [draw(st.integers(0, 4)) for _ in range(n - 1)]]))
+    if spoiled == "streamer":
+        call["streamer"] = value("streamer")
+    try:
+        out = Generator(llama, **init).generate(prompts, **call)
+    except SwiftkernError as e:
+        assert spoiled is not None, f"a valid draw refused: {e}: Generator({init}).generate({prompts}, {call})"
+        return
+    except Exception as e:  # noqa: BLE001 (the point: no other kind may come out)
+        raise AssertionError(f"{type(e).__name__} for Generator({init}).generate(..., {call})") from e
+    # the one spoiled value that runs: a temperature that greedy decoding ignores (as HF does)
+    assert spoiled is None or (spoiled == "temperature" and call["do_sample"] is False), \
+        f"spoiled {spoiled} ran: Generator({init}).generate({prompts}, {call})"
+    assert len(out.tokens) == len(prompts)
+
+
+HF_OPTIONS = dict(
+    max_new_tokens=[1, 4, 0, -1, 2.5], max_length=[12, 3, 600], do_sample=[True, False, "yes"],
+    temperature=[0.7, 0.0, -1.0, "x"], top_k=[0, 5, -1, 2.5], top_p=[0.9, 1.0, 0.0, 1.5],
+    num_beams=[1, 2], num_return_sequences=[1, 2], repetition_penalty=[1.0, 1.2], min_new_tokens=[0, 2],
+    eos_token_id=[2, [2, 3], V + 5, -1], pad_token_id=[0, V + 1], output_scores=[False, True],
+    return_dict_in_generate=[False, True], stop_strings=[["a"]],
+    swift_mode=["self-spec", "ar", "deterministic", "bogus"], drafter=["lookup", "layer-skip", "self-spec", "zz"],
+    layer_set=["attn:1|mlp:2", "auto", "bogus", 3], k_max=[3, 0], eps=[0.5, 2.0], seed=[5, -1, 2**70, "s"],
+    swift_kwargs=[{"window": 4}, {"bogus": 1}, {"mode": "ar"}, {"layer_set": "mlp:1"}, "x"],
+)
+
+
+@SETTINGS
+@given(data=st.data())
+def test_any_hf_generate_input_runs_or_is_refused_with_a_swiftkern_error(llama, data):
+    """HF's own checks may refuse first (a ValueError raised before swiftkern is reached)."""
+    draw = data.draw
+    n, T = draw(st.integers(1, 3)), draw(st.integers(1, 6))
+    ids = torch.tensor([draw(st.lists(st.integers(3, V - 1), min_size=T, max_size=T)) for _ in range(n)])
+    names = draw(st.lists(st.sampled_from(sorted(HF_OPTIONS)), max_size=5, unique=True))
+    kwargs = {name: draw(st.sampled_from(HF_OPTIONS[name])) for name in names}
+    if "max_length" not in kwargs:
+        kwargs.setdefault("max_new_tokens", 3)
+    try:
+        out = llama.generate(ids, attention_mask=torch.ones_like(ids), custom_generate=swift_generate, **kwargs)
+    except SwiftkernError:
+        return
+    except Exception as e:  # noqa: BLE001
+        if _swiftkern_frames(e):
+            raise AssertionError(f"{type(e).__name__} from swiftkern for generate(..., {kwargs})") from e
+        return
+    sequences = out.sequences if hasattr(out, "sequences") else out
+    assert sequences.shape[0] == n
