@@ -193,7 +193,7 @@ std::tuple<at::Tensor, at::Tensor> greedy_accept_cpu(const at::Tensor& draft_tok
   const auto dt = target_logits.scalar_type();
   TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
               "greedy_accept: target_logits must be float32, bfloat16 or float16, got ", dt);
-  TORCH_CHECK(target_logits.stride(2) == 1 || V == 1,
+  TORCH_CHECK(target_logits.stride(2) == 1 || V == 1 || target_logits.numel() == 0,
               "greedy_accept: target_logits must be contiguous along V (stride(2) == 1), got strides ",
               target_logits.strides(), "; call .contiguous() first");
 

@@ -68,7 +68,7 @@ std::tuple<at::Tensor, at::Tensor> greedy_accept_cuda(const at::Tensor& draft_to
               " and ", num_draft.scalar_type());
   TORCH_CHECK(checks::is_float_dtype(target_logits.scalar_type()),
               "greedy_accept: target_logits must be float32, bfloat16 or float16, got ", target_logits.scalar_type());
-  TORCH_CHECK(target_logits.stride(2) == 1 || V == 1, "greedy_accept: target_logits must be contiguous along V, "
+  TORCH_CHECK(target_logits.stride(2) == 1 || V == 1 || target_logits.numel() == 0, "greedy_accept: target_logits must be contiguous along V, "
               "got strides ", target_logits.strides(), "; call .contiguous() first");
   const DeviceGuard guard(draft_tokens.device());
   auto out = at::empty({B, K + 1}, draft_tokens.options());
@@ -115,7 +115,8 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_cuda(const at::Tensor& draft
                   u_accept.scalar_type() == at::kFloat && u_sample.scalar_type() == at::kFloat,
               "rejection_sample (CUDA kernel): probabilities and uniforms must be float32 "
               "(ops.rejection_sample converts bfloat16/float16 probabilities first)");
-  TORCH_CHECK((target_probs.stride(2) == 1 && (!has_q || draft_probs->stride(2) == 1)) || V == 1,
+  TORCH_CHECK(((target_probs.stride(2) == 1 || target_probs.numel() == 0) &&
+               (!has_q || draft_probs->stride(2) == 1 || draft_probs->numel() == 0)) || V == 1,
               "rejection_sample: target_probs and draft_probs must be contiguous along V; call .contiguous() first");
   TORCH_CHECK(V <= std::numeric_limits<int32_t>::max(), "rejection_sample: V must be < 2^31, got ", V);
   const DeviceGuard guard(draft_tokens.device());

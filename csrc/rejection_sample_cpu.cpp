@@ -186,11 +186,11 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_cpu(const at::Tensor& draft_
   TORCH_CHECK(u_accept.scalar_type() == at::kFloat && u_sample.scalar_type() == at::kFloat,
               "rejection_sample: u_accept and u_sample must be float32, got ", u_accept.scalar_type(), " and ",
               u_sample.scalar_type());
-  TORCH_CHECK(target_probs.stride(2) == 1 || V == 1,
+  TORCH_CHECK(target_probs.stride(2) == 1 || V == 1 || target_probs.numel() == 0,
               "rejection_sample: target_probs must be contiguous along V (stride(2) == 1), got strides ",
               target_probs.strides(), "; call .contiguous() first");
   if (has_q)
-    TORCH_CHECK(draft_probs->stride(2) == 1 || V == 1,
+    TORCH_CHECK(draft_probs->stride(2) == 1 || V == 1 || draft_probs->numel() == 0,
                 "rejection_sample: draft_probs must be contiguous along V (stride(2) == 1), got strides ",
                 draft_probs->strides(), "; call .contiguous() first");
 

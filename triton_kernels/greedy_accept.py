@@ -102,7 +102,8 @@ def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor, num_d
             f"target_logits must be [B, K+1, V] = [{B}, {K + 1}, V >= 1], got {tuple(target_logits.shape)}")
     require(target_logits.dtype in (torch.float32, torch.bfloat16, torch.float16), op,
             f"target_logits must be float32, bfloat16 or float16, got {target_logits.dtype}")
-    require(target_logits.stride(2) == 1, op, "target_logits must have unit stride over V (call .contiguous())")
+    require(target_logits.stride(2) == 1 or target_logits.shape[2] == 1 or target_logits.numel() == 0, op,
+            "target_logits must have unit stride over V (call .contiguous())")
     require(num_draft.shape == (B,) and num_draft.dtype == torch.int32, op,
             f"num_draft must be int32 [B] = [{B}], got {num_draft.dtype} {tuple(num_draft.shape)}")
     V = target_logits.shape[2]

@@ -153,7 +153,7 @@ def rejection_sample(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | Non
     for name, t, shape in (("target_probs", target_probs, (B, K + 1, V)), ("draft_probs", draft_probs, (B, K, V))):
         if t is None:
             continue
-        require(tuple(t.shape) == shape and t.dtype == torch.float32 and t.stride(2) == 1, op,
+        require(tuple(t.shape) == shape and t.dtype == torch.float32 and (t.stride(2) == 1 or V == 1 or t.numel() == 0), op,
                 f"{name} must be float32 {list(shape)} with unit stride over V, got {t.dtype} {tuple(t.shape)} "
                 f"strides {t.stride()}")
     for name, t, shape, dtype in (("num_draft", num_draft, (B,), torch.int32), ("u_accept", u_accept, (B, K), torch.float32),

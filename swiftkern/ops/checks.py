@@ -43,6 +43,18 @@ def check_shape(op: str, name: str, t: torch.Tensor, want: tuple, text: str) -> 
         raise SwiftkernError(f"{op}: {name} must be {text}, got shape {tuple(t.shape)}")
 
 
+def check_cache_layout(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor, one_layout: bool) -> None:
+    """The kernels' cache layout, whatever the backend: D contiguous (stride 1 along the last
+    dim) and, with ``one_layout``, k_cache and v_cache of equal strides (KVCache slices are)."""
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise SwiftkernError(f"{op}: {name} must be contiguous along D (stride 1 in the last dim), got strides "
+                                 f"{t.stride()}; pass slices of the KVCache tensors or .contiguous()")
+    if one_layout and k_cache.stride() != v_cache.stride():
+        raise SwiftkernError(f"{op}: k_cache and v_cache must share one layout, got strides {k_cache.stride()} and "
+                             f"{v_cache.stride()}; pass slices of the KVCache tensors or .contiguous()")
+
+
 def checking_values() -> bool:
     """Value checks need the data on the host: skipped while torch.compile traces."""
     return not torch.compiler.is_compiling()

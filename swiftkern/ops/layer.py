@@ -9,8 +9,8 @@ import torch
 from .. import reference
 from ..errors import SwiftkernError
 from .backends import resolve, run
-from .checks import (check_float, check_range, check_same_dtype, check_shape, check_tensors, checking_values,
-                     one_device)
+from .checks import (check_cache_layout, check_float, check_range, check_same_dtype, check_shape, check_tensors,
+                     checking_values, one_device)
 
 
 def _norm_args(op: str, x, weight, eps, residual=None) -> None:
@@ -122,6 +122,7 @@ def rope_kv_append(
     check_same_dtype(op, k_cache=k_cache, v_cache=v_cache)
     if positions.dtype != torch.int64:
         raise SwiftkernError(f"{op}: positions must be int64, got {positions.dtype}")
+    check_cache_layout(op, k_cache, v_cache, one_layout=False)
     S = k_cache.shape[2]
     if uniform_start is not None:
         if not 0 <= uniform_start <= S - T:
@@ -164,6 +165,7 @@ def _check_attention(op: str, q, k_cache, v_cache, cache_lens, max_len) -> torch
     check_same_dtype(op, q=q, k_cache=k_cache, v_cache=v_cache)
     if cache_lens.dtype != torch.int64:
         raise SwiftkernError(f"{op}: cache_lens must be int64, got {cache_lens.dtype}")
+    check_cache_layout(op, k_cache, v_cache, one_layout=True)
     if max_len is not None:
         if not T <= max_len <= S:
             raise SwiftkernError(f"{op}: max_len {max_len} must be in [T = {T}, S = {S}]")
@@ -241,6 +243,7 @@ def kv_compact(k_cache: torch.Tensor, v_cache: torch.Tensor, src_positions: torc
     check_shape(op, "v_cache", v_cache, tuple(k_cache.shape), f"the shape of k_cache {tuple(k_cache.shape)}")
     check_float(op, k_cache=k_cache, v_cache=v_cache)
     check_same_dtype(op, k_cache=k_cache, v_cache=v_cache)
+    check_cache_layout(op, k_cache, v_cache, one_layout=True)
     L, B, H, S, D = k_cache.shape
     check_shape(op, "src_positions", src_positions, (B, None), f"int64 [B, M] with B = {B}")
     check_shape(op, "dst_start", dst_start, (B,), f"int64 [B] = [{B}]")
@@ -260,7 +263,4 @@ def kv_compact(k_cache: torch.Tensor, v_cache: torch.Tensor, src_positions: torc
         if bool((used & ((src_positions < 0) | (src_positions >= S))).any()):
             raise SwiftkernError(f"{op}: the used src_positions must be in [0, S = {S})")
     counts = counts.to(torch.int32)
-    if k_cache.stride() != v_cache.stride():
-        raise SwiftkernError(f"{op}: k_cache and v_cache must share one layout, got strides "
-                             f"{k_cache.stride()} and {v_cache.stride()}")
     run(op, device, k_cache, v_cache, src_positions, dst_start, counts)
