@@ -58,7 +58,8 @@ stage_tests() {
     --deselect tests/test_cuda_ops.py::test_compute_sanitizer_memcheck \
     tests/test_cuda_ops.py tests/test_triton_*.py tests/test_bi_matmul.py tests/test_greedy_accept.py \
     tests/test_rejection_sample.py tests/test_deterministic_gpu.py tests/test_cuda_graphs.py \
-    tests/test_feature_mix.py::test_one_cuda_graph_runner_shared_by_every_config_on_the_gpu
+    tests/test_feature_mix.py::test_one_cuda_graph_runner_shared_by_every_config_on_the_gpu \
+    tests/test_op_views.py
 }
 
 stage_slow() {

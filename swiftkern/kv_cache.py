@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .arg_checks import whole
 from .errors import SwiftkernError
 
 
@@ -21,6 +22,7 @@ class KVCache:
 
     def __init__(self, num_layers: int, batch: int, num_kv_heads: int, max_len: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str):
+        batch, max_len = whole("KV cache batch", batch), whole("KV cache max_len", max_len)
         if batch < 1 or max_len < 1:
             raise SwiftkernError(f"KV cache needs batch >= 1 and max_len >= 1, got {batch}, {max_len}")
         shape = (num_layers, batch, num_kv_heads, max_len, head_dim)  # capacity = batch at first
@@ -75,7 +77,7 @@ class KVCache:
 
     def rollback(self, new_lengths) -> None:
         """Set per-row lengths (a list of ints or an int tensor [B]); never grows a row."""
-        new = [int(n) for n in (new_lengths.tolist() if torch.is_tensor(new_lengths) else new_lengths)]
+        new = [whole("rollback length", n) for n in (new_lengths.tolist() if torch.is_tensor(new_lengths) else new_lengths)]
         if len(new) != self.batch:
             raise SwiftkernError(f"rollback: got {len(new)} lengths for a batch of {self.batch}")
         bad = [(b, n, o) for b, (n, o) in enumerate(zip(new, self.host_lengths)) if not 0 <= n <= o]

@@ -289,10 +289,7 @@ class SkipModel:
         V'] in the model dtype. Advances the cache by T. Inside ``cuda_graphs(runner)`` the
         runner replays captured CUDA graphs where it can (``cuda_graphs.GraphRunner``).
         """
-        if tokens.dim() != 2 or tokens.shape[0] != cache.batch:
-            raise SwiftkernError(
-                f"forward: tokens must be [B, T] with B = cache batch {cache.batch}, got {tuple(tokens.shape)}"
-            )
+        self._check_forward_args(tokens, cache, layer_set, logits_positions)
         B, T = tokens.shape
         cache.check_room(T)
         skip_attn, skip_mlp = self._skip_plan(layer_set, B, tokens.device)
@@ -306,6 +303,39 @@ class SkipModel:
                                      logits_positions)
         cache.advance_host(T)
         return self.head_logits(hidden, head)
+
+    def _check_forward_args(self, tokens, cache, layer_set, logits_positions) -> None:
+        """``forward``'s inputs: kinds, shapes, dtypes and devices on the host (no device sync);
+        token ids and logits positions also by value where they sit on the CPU. On CUDA that
+        would cost a sync a step: there the Generator has checked the prompt's ids (and every
+        id it generates is in range), and an id out of range is a device-side assert."""
+        if not isinstance(cache, KVCache):
+            raise SwiftkernError(f"forward: cache must be a KVCache (model.new_cache(batch, max_len)), "
+                                 f"got {type(cache).__name__}")
+        if not torch.is_tensor(tokens) or tokens.dim() != 2 or tokens.shape[0] != cache.batch:
+            raise SwiftkernError(f"forward: tokens must be a tensor [B, T] with B = cache batch {cache.batch}, got "
+                                 f"{tuple(tokens.shape) if torch.is_tensor(tokens) else type(tokens).__name__}")
+        if tokens.dtype not in (torch.int64, torch.int32) or tokens.device != self.device:
+            raise SwiftkernError(f"forward: tokens must be int64 ids on the model's device {self.device}, got "
+                                 f"{tokens.dtype} on {tokens.device}")
+        sets = layer_set if isinstance(layer_set, (list, tuple)) else [layer_set]
+        if not all(ls is None or isinstance(ls, LayerSet) for ls in sets):
+            raise SwiftkernError(f"forward: layer_set must be None, a LayerSet (LayerSet.parse makes one from its "
+                                 f"string form) or a list of one per row, got {layer_set!r}")
+        B, T = tokens.shape
+        if logits_positions is not None and (not torch.is_tensor(logits_positions) or logits_positions.dim() != 2
+                                             or logits_positions.shape[0] != B
+                                             or logits_positions.dtype != torch.int64
+                                             or logits_positions.device != self.device):
+            raise SwiftkernError(f"forward: logits_positions must be int64 [B, P] with B = {B} on {self.device}, got "
+                                 f"{logits_positions!r}"[:300])
+        if self.device.type == "cpu":
+            for name, t, hi in (("tokens", tokens, self.vocab_size), ("logits_positions", logits_positions, T)):
+                if t is None or not t.numel():
+                    continue
+                lo, top = (int(v) for v in torch.aminmax(t))
+                if lo < 0 or top >= hi:
+                    raise SwiftkernError(f"forward: {name} must be in [0, {hi}), got min {lo}, max {top}")
 
     def forward_device(self, tokens: torch.Tensor, cache: KVCache, skip_attn: list, skip_mlp: list, max_len: int,
                        uniform_start: int | None, logits_positions: torch.Tensor | None) -> torch.Tensor:

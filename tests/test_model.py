@@ -98,3 +98,36 @@ def test_refuses_unsupported_models_and_bad_input():
         model.forward(torch.tensor([[1], [2]]), model.new_cache(1, 4))
     with pytest.raises(SwiftkernError, match="overflow"):
         model.forward(torch.tensor([[1] * 5]), model.new_cache(1, 4))
+
+
+@pytest.mark.parametrize("args, kwargs, match", [
+    ([torch.tensor([[1.0, 2.0]])], {}, "tokens must be int64 ids"),
+    ([[[1, 2]]], {}, r"tokens must be a tensor \[B, T\]"),
+    ([torch.tensor([[1, 301]])], {}, r"tokens must be in \[0, 301\), got min 1, max 301"),
+    ([torch.tensor([[-1, 2]])], {}, r"tokens must be in \[0, 301\)"),
+    ([torch.tensor([[1, 2]])], dict(layer_set="attn:1"), "layer_set must be None, a LayerSet"),
+    ([torch.tensor([[1, 2]])], dict(logits_positions=torch.tensor([[0.0]])), r"logits_positions must be int64 \[B, P\]"),
+    ([torch.tensor([[1, 2]])], dict(logits_positions=torch.tensor([1])), r"logits_positions must be int64 \[B, P\]"),
+    ([torch.tensor([[1, 2]])], dict(logits_positions=torch.tensor([[2]])), r"logits_positions must be in \[0, 2\)"),
+], ids=["float-ids", "list", "id-past-vocab", "negative-id", "layer-set-string", "float-positions",
+        "1-D-positions", "position-past-T"])
+def test_forward_refuses_what_it_cannot_run(args, kwargs, match):
+    """Each with a SwiftkernError before any kernel runs (they were a RuntimeError, IndexError
+    or AttributeError from inside), and the cache is left as it was."""
+    model = SkipModel.from_hf(tiny_model("llama"))
+    cache = model.new_cache(1, 8)
+    with pytest.raises(SwiftkernError, match=match):
+        model.forward(*args, cache, **kwargs)
+    assert cache.host_lengths == [0] and cache.lengths.tolist() == [0]
+
+
+def test_forward_and_cache_arguments_of_the_wrong_kind_are_refused():
+    model = SkipModel.from_hf(tiny_model("llama"))
+    cache = model.new_cache(1, 8)
+    with pytest.raises(SwiftkernError, match="cache must be a KVCache"):
+        model.forward(torch.tensor([[1]]), None)
+    for bad in (dict(batch=1.5, max_len=8), dict(batch=1, max_len="8")):
+        with pytest.raises(SwiftkernError, match="must be an integer"):
+            model.new_cache(**bad)
+    with pytest.raises(SwiftkernError, match="rollback length must be an integer"):
+        cache.rollback([0.5])
