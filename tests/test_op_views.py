@@ -97,10 +97,24 @@ def _calls(draw, device: str, dtype: torch.dtype):
     return op, getattr(ops, op), [rand(B, V)], []
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@settings(max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-@given(data=st.data(), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
-def test_odd_views_give_the_bits_of_contiguous_inputs(device, data, dtype):
+DTYPES = st.sampled_from([torch.float32, torch.bfloat16, torch.float16])
+DRAWS = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck))
+
+
+@settings(max_examples=300, **DRAWS)
+@given(data=st.data(), dtype=DTYPES)
+def test_odd_views_give_the_bits_of_contiguous_inputs(data, dtype):
+    _check_views("cpu", data, dtype)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+@settings(max_examples=60, **DRAWS)  # fewer: each new stride pattern may compile another Triton kernel
+@given(data=st.data(), dtype=DTYPES)
+def test_odd_views_give_the_bits_of_contiguous_inputs_on_the_gpu(data, dtype):
+    _check_views("cuda", data, dtype)
+
+
+def _check_views(device, data, dtype):
     name, fn, args, written = _calls(data.draw, device, dtype)
     views = [data.draw(st.sampled_from(VIEWS)) if torch.is_tensor(a) else None for a in args]
     plain = [a.clone() if torch.is_tensor(a) else a for a in args]
