@@ -68,6 +68,18 @@ def check_device(device) -> "torch.device":
     return dev
 
 
+def _model_dtype(dtype):
+    """None, or float32 / bfloat16 / float16 as a torch.dtype or its name -> a torch.dtype or None."""
+    import torch
+
+    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype is None or dtype in names.values():
+        return dtype
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in names:
+        return names[dtype.removeprefix("torch.")]
+    raise SwiftkernError(f"dtype must be float32, bfloat16 or float16 (a torch.dtype or its name), got {dtype!r}")
+
+
 def load_model(model="smollm2", dtype=None, device: str | None = None, pack_weights: bool | None = None):
     """Return ``(SkipModel, tokenizer)``.
 
@@ -81,10 +93,14 @@ def load_model(model="smollm2", dtype=None, device: str | None = None, pack_weig
 
     if device is not None:
         device = check_device(device)
+    dtype = _model_dtype(dtype)
     tokenizer = None
     if isinstance(model, str):
         path = smollm2_path() if model == "smollm2" else model
         hf_model, tokenizer = _from_pretrained(path, dtype or torch.float32)
+    elif dtype is not None:
+        raise SwiftkernError("dtype is for a model loaded from a name or path; convert an HF model object "
+                             "yourself (model.to(dtype)) before passing it")
     else:
         hf_model = model
     if device is not None:

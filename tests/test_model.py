@@ -131,3 +131,15 @@ def test_forward_and_cache_arguments_of_the_wrong_kind_are_refused():
             model.new_cache(**bad)
     with pytest.raises(SwiftkernError, match="rollback length must be an integer"):
         cache.rollback([0.5])
+
+
+def test_load_model_refuses_a_dtype_it_would_not_use():
+    import swiftkern
+
+    for dtype in ("tpu", 5, torch.int64):  # the second positional argument is the dtype, not the device
+        with pytest.raises(SwiftkernError, match="dtype must be float32, bfloat16 or float16"):
+            swiftkern.load_model("smollm2", dtype)
+    with pytest.raises(SwiftkernError, match="convert an HF model object yourself"):
+        swiftkern.load_model(tiny_model("llama"), dtype=torch.bfloat16)
+    model, tokenizer = swiftkern.load_model(tiny_model("llama"))
+    assert tokenizer is None and model.dtype == torch.float32

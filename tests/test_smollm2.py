@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from conftest import hf_greedy
 from swiftkern import Generator, cli
@@ -107,6 +108,7 @@ def test_load_model_from_a_local_folder(smollm2, tmp_path):
     ids = tok("The capital of France is")["input_ids"]
     out = Generator(model, tok).generate("The capital of France is", max_new_tokens=12, eos_token_id=[])
     assert out.tokens[0] == hf_greedy(hf, ids, 12, eos_token_id=[])
+    assert swiftkern.load_model(str(tmp_path), dtype="bfloat16")[0].dtype == torch.bfloat16
     (tmp_path / "empty").mkdir()
     with pytest.raises(swiftkern.SwiftkernError, match="no config.json"):
         swiftkern.load_model(str(tmp_path / "empty"))
