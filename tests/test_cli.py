@@ -5,8 +5,10 @@ import sys
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
 
-from swiftkern import cli
+from conftest import tiny_model
+from swiftkern import SkipModel, cli
 
 
 def run(*args):
@@ -151,3 +153,59 @@ def test_generate_options_reach_the_generator(monkeypatch):
                                 verifier_kernels="portable")
     assert seen["generate"] == dict(prompts=["hi there"], max_new_tokens=17, do_sample=True, temperature=0.7,
                                     top_k=13, top_p=0.85, seed=21, chat=True, streamer=None, arrive_at=None)
+
+
+class _CharTokenizer:
+    """Characters as token ids of tiny_model's vocabulary, with a chat template."""
+
+    eos_token_id = 2
+
+    def __call__(self, text):
+        return {"input_ids": [3 + ord(c) % 298 for c in text]}
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
+        return [1, *self(messages[0]["content"])["input_ids"], 4]
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(97 + int(t) % 26) for t in ids)
+
+
+_GENERATE_FLAGS = {
+    "--mode": ["ar", "self-spec", "deterministic"], "--drafter": ["auto", "layer-skip", "lookup", "none", "self-spec"],
+    "--layer-set": ["attn:1|mlp:2", "auto", "none", "attn:9"], "--k-max": ["1", "5"], "--eps": ["0.5", "1.5"],
+    "--window": ["1", "4"], "--verify-batch": ["1", "3"], "--replay": ["auto", "always"],
+    "--verifier-kernels": ["auto", "portable", "fused"], "--skip-ratio": ["auto", "0.3", "1"], "--draft-vocab": ["1", "50"],
+    "--temperature": ["0", "0.8", "-1"], "--top-k": ["0", "5", "-3"], "--top-p": ["1", "0.5", "0"],
+    "--seed": ["0", "-1", str(2**70)], "--max-new-tokens": ["1", "4", "600"], "--device": ["cpu", "mps"],
+}
+
+
+@settings(max_examples=150, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_any_generate_command_prints_or_exits_2_with_one_line(data, tmp_path_factory, monkeypatch, capsys):
+    """Drawn `swiftkern generate` flags (valid or not, prompt text or JSONL file) on a tiny model:
+    exit 0, or exit 2 with one error line on stderr, never a traceback."""
+    import swiftkern.loading
+
+    model = SkipModel.from_hf(tiny_model("llama"))
+    monkeypatch.setattr(swiftkern.loading, "load_model", lambda *a, **k: (model, _CharTokenizer()))
+    draw = data.draw
+    good = ['{"prompt": "hello there"}', '{"prompt": "abc abc abc", "arrive_at": 2}']  # drawn more often
+    lines = draw(st.sampled_from([good, good, good, ['{"prompt": "x", "arrive_at": -1}'], ['{"text": "hi"}'],
+                                  ['{"prompt": 5}'], ["no"]]))
+    path = tmp_path_factory.mktemp("prompts") / "p.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    argv = ["generate"] + draw(st.sampled_from([["--prompt", "hello world"], ["--prompt", "abc abc abc abc"],
+                                                ["--prompt", " "], ["--prompt", "x" * 700]] + [["--prompt-file", str(path)]] * 3))
+    for flag in draw(st.lists(st.sampled_from(sorted(_GENERATE_FLAGS)), max_size=5, unique=True)):
+        argv += [flag, draw(st.sampled_from(_GENERATE_FLAGS[flag]))]
+    argv += draw(st.lists(st.sampled_from(["--chat", "--json", "--stream", "--adaptive-eps", "--cuda-graphs"]),
+                          max_size=3, unique=True))
+    try:
+        code = cli.main(argv)
+    except SystemExit as e:  # argparse's own exit for a bad flag value
+        code = e.code
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and code in (0, 2), (argv, code, err)
+    if code == 2:
+        assert len(err.strip().splitlines()) == 1 and err.startswith("swiftkern: error: "), (argv, err)
