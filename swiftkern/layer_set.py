@@ -6,6 +6,7 @@ import json
 import random
 from dataclasses import dataclass
 
+from .arg_checks import whole
 from .errors import SwiftkernError
 
 
@@ -54,11 +55,15 @@ class LayerSet:
     skip_mlp: tuple[int, ...] = ()
 
     def __post_init__(self):
-        L = self.num_layers
+        L = whole("layer set: num_layers", self.num_layers)
         if L < 1:
             raise SwiftkernError(f"layer set: num_layers must be >= 1, got {L}")
         for name in ("skip_attn", "skip_mlp"):
-            idx = tuple(sorted(set(int(i) for i in getattr(self, name))))
+            given = getattr(self, name)
+            if isinstance(given, (str, bytes)) or not hasattr(given, "__iter__"):
+                raise SwiftkernError(f"layer set: {name} must be a sequence of layer indices, got {given!r} "
+                                     "(LayerSet.parse reads the string form)")
+            idx = tuple(sorted(set(whole(f"layer set: {name} entry", i) for i in given)))
             bad = [i for i in idx if not 0 <= i < L]
             if bad:
                 raise SwiftkernError(
@@ -120,6 +125,9 @@ class LayerSet:
     @classmethod
     def parse(cls, spec: str, num_layers: int) -> "LayerSet":
         """Parse the compact string, ``"none"``, or the JSON form (checked against num_layers)."""
+        if not isinstance(spec, str):
+            raise SwiftkernError(f"layer set must be a string ('attn:1,3-5|mlp:2', 'none' or JSON), got {spec!r}")
+        num_layers = whole("layer set: num_layers", num_layers)
         spec = spec.strip()
         if spec in ("", "none"):
             return cls(num_layers)
@@ -132,7 +140,9 @@ class LayerSet:
                 raise SwiftkernError(
                     f"layer set is for a {obj['num_layers']}-layer model, this model has {num_layers}"
                 )
-            return cls(num_layers, tuple(obj.get("skip_attn", ())), tuple(obj.get("skip_mlp", ())))
+            if not isinstance(obj, dict):
+                raise SwiftkernError(f"layer set: JSON must be an object with skip_attn and skip_mlp lists, got {spec!r}")
+            return cls(num_layers, obj.get("skip_attn", ()), obj.get("skip_mlp", ()))
         fields = {}
         for part in spec.split("|"):
             key, sep, value = part.partition(":")

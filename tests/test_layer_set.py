@@ -80,3 +80,21 @@ def test_random_keeps_both_ends_of_both_kinds_over_seeds(L, ratio):
         assert not {i for _, i in picked} & {0, L - 1}, ls
         seen |= picked
     assert seen == {(kind, i) for kind in ("attn", "mlp") for i in range(1, L - 1)}
+
+
+@pytest.mark.parametrize("make, msg", [
+    (lambda: LayerSet(4, (1.5,), ()), "skip_attn entry must be an integer, got 1.5"),  # was truncated to layer 1
+    (lambda: LayerSet(4, "12", ()), "skip_attn must be a sequence of layer indices"),  # was layers 1 and 2
+    (lambda: LayerSet(4, (True,), ()), "skip_attn entry must be an integer, got True"),
+    (lambda: LayerSet(4, None, ()), "skip_attn must be a sequence"),
+    (lambda: LayerSet(2.5), "num_layers must be an integer"),
+    (lambda: LayerSet("4"), "num_layers must be an integer"),
+    (lambda: LayerSet.parse(None, 4), "layer set must be a string"),
+    (lambda: LayerSet.parse("attn:1", "4"), "num_layers must be an integer"),
+    (lambda: LayerSet.parse('{"skip_attn": "x"}', 4), "skip_attn must be a sequence"),
+    (lambda: LayerSet.parse('{"skip_attn": [1.5]}', 4), "skip_attn entry must be an integer"),
+], ids=["float-index", "string-indices", "bool-index", "none-indices", "float-L", "string-L", "parse-none",
+        "parse-string-L", "json-string-indices", "json-float-index"])
+def test_arguments_of_the_wrong_kind_are_refused_not_truncated(make, msg):
+    with pytest.raises(SwiftkernError, match=msg):
+        make()
