@@ -27,7 +27,7 @@ from .draft_head import DEFAULT_DRAFT_VOCAB, DraftHead
 from .drafter_policy import DrafterPolicy
 from . import layer_set_store
 from .speculative import DraftPolicy, decode_self_spec
-from .tuner import OnTheFlyTuner
+from .tuner import OnTheFlyTuner, tuner_options
 from .deterministic import FastPath, decode_deterministic
 from .cuda_graphs import GraphRunner
 from .verifier_kernels import CHOICES as VERIFIER_KERNELS, verifier_kernels as verifier_kernels_for
@@ -193,7 +193,9 @@ class Generator:
         if not (skip_ratio == "auto" or (isinstance(skip_ratio, (int, float)) and 0 < skip_ratio < 1)):
             raise SwiftkernError(f"skip_ratio must be 'auto' or in (0, 1), got {skip_ratio!r}")
         self.skip_ratio = skip_ratio
-        self.search_options = dict(search_options or {})
+        self.search_options = tuner_options(search_options)
+        if self.search_options and not self.auto_layer_set:
+            raise SwiftkernError("search_options are for the search of layer_set='auto'; leave them out here")
         if mode == "self-spec" and drafter == "layer-skip" and layer_set is None and not self.auto_layer_set:
             raise SwiftkernError("drafter layer-skip needs a layer set (e.g. 'attn:3,5|mlp:4' or 'none')")
         if draft_vocab is not None:

@@ -31,13 +31,44 @@ from __future__ import annotations
 
 import time
 
+from .arg_checks import real, whole
 from .drafter_policy import DrafterPolicy, expected_tokens
+from .errors import SwiftkernError
 from .kv_cache import KVCache
 from .layer_set import LayerSet
 from .model import SkipModel
 from .search import LayerSetSearch, SearchConfig, matchness, skip_count
 
 AUTO_RATIOS = (0.1, 0.2, 0.3, 0.45)
+
+
+def tuner_options(options) -> dict:
+    """``Generator(search_options=)`` checked: None or a dict of ``OnTheFlyTuner`` keyword
+    arguments (window, steps_per_window, candidates_per_forward: int >= 1; time_fraction > 0;
+    restart_ratio >= 0; config: a SearchConfig; optimism: numbers) -> a dict."""
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise SwiftkernError(f"search_options must be a dict of tuner options, got {type(options).__name__}")
+    counts, numbers = ("window", "steps_per_window", "candidates_per_forward"), ("time_fraction", "restart_ratio")
+    for key, value in options.items():
+        if key in counts:
+            whole(f"search_options[{key!r}]", value, 1)
+        elif key in numbers:
+            lowest = 0.0 if key == "restart_ratio" else 1e-300  # time_fraction: > 0 (1e9: no cap)
+            if not real(f"search_options[{key!r}]", value) >= lowest:
+                raise SwiftkernError(f"search_options[{key!r}] must be {'>= 0' if lowest == 0 else '> 0'}, got {value}")
+        elif key == "config":
+            if not isinstance(value, SearchConfig):
+                raise SwiftkernError(f"search_options['config'] must be a swiftkern.search.SearchConfig, got {value!r}")
+        elif key == "optimism":
+            for v in value if isinstance(value, (tuple, list)) else (value,):
+                real("search_options['optimism'] entry", v)
+        else:
+            hint = " (give skip_ratio= to the Generator)" if key == "skip_ratio" else ""
+            raise SwiftkernError(f"search_options has no option {key!r}{hint}; it takes "
+                                 f"{', '.join(counts + numbers + ('config', 'optimism'))}")
+    return dict(options)
 
 
 class OnTheFlyTuner:

@@ -425,3 +425,23 @@ def test_offline_search_keeps_the_best_scored_set_of_each_ratio_and_the_fastest_
     assert record["skip_ratio"] == 0.2 and record["speedup"] == 1.4
     assert record["layer_set"] == record["table"][1]["layer_set"]
     assert str(layer_set_store.load(sm)["layer_set"]) == record["layer_set"]
+
+
+@pytest.mark.parametrize("options, msg", [
+    ("window=8", "search_options must be a dict"),
+    (dict(patience=5), "search_options has no option 'patience'; it takes window"),
+    (dict(skip_ratio=0.3), r"give skip_ratio= to the Generator"),
+    (dict(window=0), r"search_options\['window'\] must be >= 1"),
+    (dict(time_fraction=0.0), r"search_options\['time_fraction'\] must be > 0"),
+    (dict(restart_ratio="x"), r"search_options\['restart_ratio'\] must be a number"),
+    (dict(config="fast"), "must be a swiftkern.search.SearchConfig"),
+])
+def test_bad_search_options_are_refused_when_the_generator_is_made(options, msg):
+    """Not a TypeError from the tuner's constructor at the first generate (as they were)."""
+    with pytest.raises(SwiftkernError, match=msg):
+        Generator(tiny_model("llama"), mode="self-spec", layer_set="auto", search_options=options)
+
+
+def test_search_options_without_a_search_are_refused():
+    with pytest.raises(SwiftkernError, match="search_options are for the search of layer_set='auto'"):
+        Generator(tiny_model("llama"), mode="self-spec", layer_set="mlp:1", search_options=dict(window=8))
