@@ -26,7 +26,7 @@ GOOD = dict(
     verifier_kernels=["auto", "portable", "fused"], adaptive_eps=[False, True], cuda_graphs=[False],
     max_new_tokens=[1, 2, 6], temperature=[0.5, 1.0, 2.0], top_k=[0, 1, 5, V + 10], top_p=[1.0, 0.9, 1e-9],
     seed=[0, 3, -1, 2**64 - 1], eos_token_id=[None, 2, [2, 3], []], stop_token_ids=[None, 5, [5], []],
-    chat=[False],
+    chat=[False], search_options=[None],
 )
 BAD = dict(
     k_max=[0, -1, 1.5, True, "3", None], eps=[-0.1, 1.5, NAN, "0.5", None], draft_vocab=[0, -1, 2.5, "x", True],
@@ -39,10 +39,10 @@ BAD = dict(
     layer_set=["attn:9", "mlp:a", "attn:1|attn:2", "foo", "attn:-1", "attn:0,1,2,3|mlp:0,1,2,3", 3, ["attn:1"]],
     prompts=[[], [[]], "", [""], [[5] * 600], [[1.0, 2.0]], [[3, None]], [[V]], [[-1]], 5, None],
     deterministic=["yes", None, [True] * 7], arrive_at=[[1] * 7, [-1] * 7, [1.5] * 7, "0", [0, None]],
-    streamer=["x", 3],
+    streamer=["x", 3], search_options=[{"bogus": 1}, "x", {"window": 0}, {"skip_ratio": 0.3}],
 )
 GENERATOR_ARGS = ("k_max", "eps", "draft_vocab", "window", "verify_batch", "skip_ratio", "replay",
-                  "verifier_kernels", "adaptive_eps", "cuda_graphs")
+                  "verifier_kernels", "adaptive_eps", "cuda_graphs", "search_options")
 GENERATE_ARGS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "eos_token_id", "stop_token_ids",
                  "chat")
 
