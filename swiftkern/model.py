@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from . import ops, reference
 from .layer_kernels import LayerKernels, invariant_kernels_available
+from .arg_checks import flag
 from .errors import SwiftkernError
 from .kv_cache import KVCache
 from .layer_set import LayerSet
@@ -106,6 +107,8 @@ class SkipModel:
         return cls(hf_model, pack_weights)
 
     def _pack(self, pack_weights: bool | None) -> PackedSet | None:
+        if pack_weights is not None:
+            flag("pack_weights (None: where it pays)", pack_weights)
         if pack_weights is False:
             return None
         runs = self.device.type == "cpu" and self.dtype == torch.float32 and ops.packed_linear_fast()

@@ -18,6 +18,8 @@ from __future__ import annotations
 import sys
 from typing import Callable
 
+from .errors import SwiftkernError
+
 _INCOMPLETE = "\ufffd"  # what a tokenizer decodes a cut UTF-8 sequence to
 
 
@@ -32,6 +34,10 @@ class TextStream:
     """
 
     def __init__(self, tokenizer, write: Callable[[int, str], None] | None = None):
+        if not callable(getattr(tokenizer, "decode", None)):
+            raise SwiftkernError(f"TextStream needs a tokenizer with decode(ids), got {type(tokenizer).__name__}")
+        if write is not None and not callable(write):
+            raise SwiftkernError(f"TextStream: write must be a callable write(request, text), got {type(write).__name__}")
         self.tokenizer = tokenizer
         self.write = write or _to_stdout
         self.tokens: dict[int, list[int]] = {}

@@ -143,3 +143,8 @@ def test_load_model_refuses_a_dtype_it_would_not_use():
         swiftkern.load_model(tiny_model("llama"), dtype=torch.bfloat16)
     model, tokenizer = swiftkern.load_model(tiny_model("llama"))
     assert tokenizer is None and model.dtype == torch.float32
+
+
+def test_pack_weights_must_be_a_flag():
+    with pytest.raises(SwiftkernError, match=r"pack_weights \(None: where it pays\) must be True or False"):
+        SkipModel.from_hf(tiny_model("llama"), pack_weights="yes")

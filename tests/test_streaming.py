@@ -193,3 +193,12 @@ def test_cli_streams_the_text_of_smollm2(smollm2, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert code == 0 and out.startswith(f"### {prompt}\n{want.texts[0]}\n\n[self-spec]")
     assert sum(writes) == len(want.tokens[0]) and len(writes) > 1
+
+
+def test_a_text_stream_without_a_tokenizer_is_refused_when_made():
+    """Not an AttributeError at the first token, inside generate."""
+    for tokenizer in (None, 3):
+        with pytest.raises(SwiftkernError, match=r"TextStream needs a tokenizer with decode\(ids\)"):
+            TextStream(tokenizer)
+    with pytest.raises(SwiftkernError, match="write must be a callable"):
+        TextStream(ByteTokenizer(), write="stdout")
