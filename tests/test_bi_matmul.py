@@ -109,6 +109,7 @@ def test_ops_wrapper_runs_the_kernel_when_asked():
     ((4, 5), (6, 3), (torch.float32, torch.float32), "share K"),
     ((4, 5), (5, 3), (torch.float32, torch.float16), "share K, dtype"),
     ((4, 5, 1), (5, 3), (torch.float32, torch.float32), r"\[M, K\]"),
+    ((4, 5), (5, 3), (torch.int64, torch.int64), "a must be float32, bfloat16 or float16"),  # an int matmul ran
 ])
 def test_bad_input_says_what_is_wrong(a_shape, b_shape, dtypes, match):
     with pytest.raises(SwiftkernError, match=match):

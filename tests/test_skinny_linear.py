@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from swiftkern import ops, reference
+from swiftkern import SwiftkernError, ops, reference
 
 pytestmark = pytest.mark.usefixtures("uninitialized_is_poison")  # conftest: unwritten outputs fail
 
@@ -140,9 +140,16 @@ def test_bad_input_to_the_raw_op_raises(args, message):
 
 
 def test_bad_input_to_linear_raises():
+    """A SwiftkernError naming what is wrong, before any kernel (the C++ kernel's RuntimeError was
+    all a K mismatch got, a float64 weight got torch's, an int x ran)."""
     x, w, b = make((4,), 31, 5, True, 0)
-    with pytest.raises(RuntimeError):
-        ops.linear(x[:, :7], w, b)
+    for args, match in (((x[:, :7], w, b), r"x must be \[..., K\] and weight \[N, K\]"),
+                        ((x, w, b[:4]), r"bias must be \[N\] = \[5\]"),
+                        ((x, w.double(), b), "weight must be float32, bfloat16 or float16"),
+                        ((x.long(), w.long(), None), "x must be float32"),
+                        ((x, w.tolist(), b), "weight must be a torch.Tensor")):
+        with pytest.raises(SwiftkernError, match=match):
+            ops.linear(*args)
 
 
 @pytest.mark.parametrize("lead, K, N, bias", [((3,), 33, 577, True), ((2, 5), 7, 5, False), ((16,), 1, 1, True)])

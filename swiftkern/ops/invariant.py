@@ -8,7 +8,7 @@ import torch
 from .. import reference
 from ..errors import SwiftkernError
 from .backends import cpu_kernel, run
-from .checks import check_tensors
+from .checks import check_float, check_tensors
 
 
 def bi_exp(x: torch.Tensor) -> torch.Tensor:
@@ -63,6 +63,7 @@ def bi_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     op = "bi_matmul"
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() != 2 or b.dim() != 2:
         raise SwiftkernError(f"{op}: a must be a tensor [M, K] and b a tensor [K, N]")
+    check_float(op, a=a, b=b)
     if a.shape[1] != b.shape[0] or a.dtype != b.dtype or a.device != b.device:
         raise SwiftkernError(f"{op}: a {tuple(a.shape)} {a.dtype} on {a.device} and b {tuple(b.shape)} {b.dtype} "
                              f"on {b.device} must share K, dtype and device")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from .. import reference
+from ..arg_checks import real
 from ..errors import SwiftkernError
 from .backends import resolve, run
 from .checks import (check_cache_layout, check_float, check_range, check_same_dtype, check_shape, check_tensors,
@@ -199,6 +200,7 @@ def verify_attention(
     """
     op = "verify_attention"
     device = _check_attention(op, q, k_cache, v_cache, cache_lens, max_len)
+    scale = real(f"{op}: scale", scale)
     backend = resolve(op, device.type)
     if backend == "reference":
         return reference.verify_attention(q, k_cache, v_cache, cache_lens, scale, max_len, mask)
@@ -217,6 +219,7 @@ def verify_attention_invariant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     reference (torch's SDPA) has no such guarantee."""
     op = "verify_attention_invariant"
     _check_attention(op, q, k_cache, v_cache, cache_lens, None)
+    scale = real(f"{op}: scale", scale)
     return run(op, q.device, q, k_cache, v_cache, cache_lens, float(scale))
 
 

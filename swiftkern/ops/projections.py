@@ -9,7 +9,7 @@ from .. import reference
 from ..errors import SwiftkernError
 from . import registry
 from .backends import cpu_kernel, run
-from .checks import check_tensors, one_device
+from .checks import check_float, check_same_dtype, check_tensors, one_device
 
 
 # rows up to which ops.linear runs the C++ kernel on the CPU: a SmolLM2 forward of 20 / 26 / 32
@@ -35,6 +35,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     (``reference.skinny_linear``); the two agree to float32 rounding.
     ``backend_info()["kernels"]["skinny_linear"]`` says which kernel is built.
     """
+    op = "linear"
+    tensors = dict(x=x, weight=weight) if bias is None else dict(x=x, weight=weight, bias=bias)
+    check_tensors(op, **tensors)
+    one_device(op, **tensors)
+    check_float(op, **tensors)
+    check_same_dtype(op, **tensors)
+    if x.dim() < 1 or weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
+        raise SwiftkernError(f"{op}: x must be [..., K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise SwiftkernError(f"{op}: bias must be [N] = [{weight.shape[0]}], got {tuple(bias.shape)}")
     if cpu_kernel("skinny_linear", x.device.type) and skinny_fits(x, weight):
         return torch.ops.swiftkern.skinny_linear(x, weight, bias)
     return reference.skinny_linear(x, weight, bias)
