@@ -282,7 +282,7 @@ def cmd_search(args) -> int:
     if any(not p.strip() for p in prompts):
         raise SwiftkernError("a prompt is empty")
     from .loading import load_model
-    from .offline_search import search_layer_set
+    from .offline_search import acceptance_text, search_layer_set
 
     model, tokenizer = load_model(args.model, device=args.device)
     record = search_layer_set(model, tokenizer, prompts, skip_ratio=args.skip_ratio, budget_s=args.budget,
@@ -292,7 +292,7 @@ def cmd_search(args) -> int:
         print(json.dumps(record))
     else:
         print(f"best: {record['layer_set']} (skip ratio {record['skip_ratio']}) matchness {record['matchness']:.3f}, "
-              f"acceptance {record['acceptance_rate']:.2f}, x{record['speedup']:.2f} vs ar"
+              f"{acceptance_text(record)}, x{record['speedup']:.2f} vs ar"
               + (f"\nstored in {record['path']}" if "path" in record else ""))
     return 0
 

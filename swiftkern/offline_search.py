@@ -34,8 +34,9 @@ def search_layer_set(model, tokenizer, prompts: list[str], skip_ratio="auto", bu
 
     prompts: the texts to tune on; skip_ratio: a fraction or "auto" (each ratio of
     tuner.AUTO_RATIOS gets an equal share of ``budget_s``, the fastest measured one wins).
-    -> the record: layer_set (str), skip_ratio, matchness, acceptance_rate, mean_accepted,
-    speedup (self-spec tokens/s over ar tokens/s, measured), table (one row per ratio), path.
+    -> the record: layer_set (str), skip_ratio, matchness, acceptance_rate (0.0 when nothing
+    was drafted), drafted, mean_accepted, speedup (self-spec tokens/s over ar tokens/s,
+    measured), table (one row per ratio), path.
     """
     gen = Generator(model, tokenizer)
     ids = gen.encode(prompts)
@@ -68,12 +69,12 @@ def search_layer_set(model, tokenizer, prompts: list[str], skip_ratio="auto", bu
                "scored": search.steps, "stop": search.done() or "budget"}
         row.update(measure_speedup(model, tokenizer, ids, search.best, max_new_tokens, measure_repeats))
         log(f"r={ratio}: {row['layer_set']} matchness {row['matchness']:.3f} ({row['scored']} scored, "
-            f"{row['stop']}) | acceptance {row['acceptance_rate']:.2f}, accepted/verify "
+            f"{row['stop']}) | {acceptance_text(row)}, accepted/verify "
             f"{row['mean_accepted']:.2f} | x{row['speedup']:.2f} vs ar")
         table.append(row)
     best = max(table, key=lambda r: r["speedup"])
-    record = {k: best[k] for k in ("layer_set", "skip_ratio", "matchness", "acceptance_rate", "mean_accepted",
-                                   "speedup")}
+    record = {k: best[k] for k in ("layer_set", "skip_ratio", "matchness", "acceptance_rate", "drafted",
+                                   "mean_accepted", "speedup")}
     record.update(table=table, prompts=len(prompts), max_new_tokens=max_new_tokens, budget_s=budget_s)
     if save:
         from .layer_set import LayerSet
@@ -100,8 +101,14 @@ def measure_speedup(model, tokenizer, ids, layer_set, max_new_tokens, repeats=1)
             drafted += s.stats["drafted"]
             verifies += s.stats["row_verifies"]
     return {"speedup": round(t_ar / t_spec, 4) if t_spec else 0.0,
-            "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
+            "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0, "drafted": drafted,
             "mean_accepted": round(accepted / verifies, 4) if verifies else 0.0}
 
 
-__all__ = ["search_layer_set", "measure_speedup"]
+def acceptance_text(row: dict) -> str:
+    """'acceptance 0.83', or 'no drafts' where the draft was never confident enough to draft
+    (an acceptance rate of 0/0, stored as 0.0 as in the Generator's stats)."""
+    return f"acceptance {row['acceptance_rate']:.2f}" if row.get("drafted", 1) else "no drafts"
+
+
+__all__ = ["search_layer_set", "measure_speedup", "acceptance_text"]

@@ -409,7 +409,7 @@ def test_offline_search_keeps_the_best_scored_set_of_each_ratio_and_the_fastest_
     speeds = iter((1.1, 1.4, 0.8, 1.2))  # measured once per ratio, in the ladder's order
     monkeypatch.setattr(offline, "matchness", recording)
     monkeypatch.setattr(offline, "measure_speedup", lambda *a: dict(speedup=next(speeds), acceptance_rate=0.5,
-                                                                   mean_accepted=1.0))
+                                                                   drafted=8, mean_accepted=1.0))
     sm = SkipModel.from_hf(tiny_model("llama", num_hidden_layers=6))
     record = offline.search_layer_set(sm, None, PROMPTS[:2], skip_ratio="auto", budget_s=0.4, max_new_tokens=12,
                                       log=lambda *a: None)
@@ -445,3 +445,13 @@ def test_bad_search_options_are_refused_when_the_generator_is_made(options, msg)
 def test_search_options_without_a_search_are_refused():
     with pytest.raises(SwiftkernError, match="search_options are for the search of layer_set='auto'"):
         Generator(tiny_model("llama"), mode="self-spec", layer_set="mlp:1", search_options=dict(window=8))
+
+
+def test_a_search_report_says_no_drafts_rather_than_acceptance_zero():
+    """A set whose draft never drafted (its confidence stayed below eps) has an acceptance rate of
+    0/0: stored as 0.0 (as the Generator's stats), reported as 'no drafts', not 'acceptance 0.00'."""
+    from swiftkern.offline_search import acceptance_text
+
+    assert acceptance_text(dict(acceptance_rate=0.0, drafted=0)) == "no drafts"
+    assert acceptance_text(dict(acceptance_rate=0.4, drafted=5)) == "acceptance 0.40"
+    assert acceptance_text(dict(acceptance_rate=0.0, drafted=5)) == "acceptance 0.00"
