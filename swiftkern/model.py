@@ -319,7 +319,7 @@ class SkipModel:
             raise SwiftkernError(f"forward: tokens must be a tensor [B, T] with B = cache batch {cache.batch}, got "
                                  f"{tuple(tokens.shape) if torch.is_tensor(tokens) else type(tokens).__name__}")
         if tokens.dtype not in (torch.int64, torch.int32) or tokens.device != self.device:
-            raise SwiftkernError(f"forward: tokens must be int64 ids on the model's device {self.device}, got "
+            raise SwiftkernError(f"forward: tokens must be int64 (or int32) ids on the model's device {self.device}, got "
                                  f"{tokens.dtype} on {tokens.device}")
         sets = layer_set if isinstance(layer_set, (list, tuple)) else [layer_set]
         if not all(ls is None or isinstance(ls, LayerSet) for ls in sets):

@@ -50,14 +50,17 @@ def tuner_options(options) -> dict:
         return {}
     if not isinstance(options, dict):
         raise SwiftkernError(f"search_options must be a dict of tuner options, got {type(options).__name__}")
-    counts, numbers = ("window", "steps_per_window", "candidates_per_forward"), ("time_fraction", "restart_ratio")
+    counts = ("window", "steps_per_window", "candidates_per_forward")
     for key, value in options.items():
+        name = f"search_options[{key!r}]"
         if key in counts:
-            whole(f"search_options[{key!r}]", value, 1)
-        elif key in numbers:
-            lowest = 0.0 if key == "restart_ratio" else 1e-300  # time_fraction: > 0 (1e9: no cap)
-            if not real(f"search_options[{key!r}]", value) >= lowest:
-                raise SwiftkernError(f"search_options[{key!r}] must be {'>= 0' if lowest == 0 else '> 0'}, got {value}")
+            whole(name, value, 1)
+        elif key == "time_fraction":  # 1e9: no cap
+            if not real(name, value) > 0:
+                raise SwiftkernError(f"{name} must be > 0, got {value}")
+        elif key == "restart_ratio":
+            if not real(name, value) >= 0:
+                raise SwiftkernError(f"{name} must be >= 0, got {value}")
         elif key == "config":
             if not isinstance(value, SearchConfig):
                 raise SwiftkernError(f"search_options['config'] must be a swiftkern.search.SearchConfig, got {value!r}")
@@ -67,7 +70,7 @@ def tuner_options(options) -> dict:
         else:
             hint = " (give skip_ratio= to the Generator)" if key == "skip_ratio" else ""
             raise SwiftkernError(f"search_options has no option {key!r}{hint}; it takes "
-                                 f"{', '.join(counts + numbers + ('config', 'optimism'))}")
+                                 f"{', '.join(counts + ('time_fraction', 'restart_ratio', 'config', 'optimism'))}")
     return dict(options)
 
 

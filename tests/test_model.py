@@ -101,7 +101,7 @@ def test_refuses_unsupported_models_and_bad_input():
 
 
 @pytest.mark.parametrize("args, kwargs, match", [
-    ([torch.tensor([[1.0, 2.0]])], {}, "tokens must be int64 ids"),
+    ([torch.tensor([[1.0, 2.0]])], {}, r"tokens must be int64 \(or int32\) ids"),
     ([[[1, 2]]], {}, r"tokens must be a tensor \[B, T\]"),
     ([torch.tensor([[1, 301]])], {}, r"tokens must be in \[0, 301\), got min 1, max 301"),
     ([torch.tensor([[-1, 2]])], {}, r"tokens must be in \[0, 301\)"),

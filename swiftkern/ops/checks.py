@@ -37,6 +37,15 @@ def check_same_dtype(op: str, **tensors) -> None:
                              + ", ".join(f"{n} {d}" for n, d in dtypes.items()))
 
 
+def check_float_tensors(op: str, **tensors) -> torch.device:
+    """Tensors of one float dtype on one device (the checks above, in that order) -> the device."""
+    check_tensors(op, **tensors)
+    device = one_device(op, **tensors)
+    check_float(op, **tensors)
+    check_same_dtype(op, **tensors)
+    return device
+
+
 def check_shape(op: str, name: str, t: torch.Tensor, want: tuple, text: str) -> None:
     """want: a tuple of ints (None matches any size)."""
     if t.dim() != len(want) or any(w is not None and s != w for s, w in zip(t.shape, want)):

@@ -10,16 +10,13 @@ from .. import reference
 from ..arg_checks import real
 from ..errors import SwiftkernError
 from .backends import resolve, run
-from .checks import (check_cache_layout, check_float, check_range, check_same_dtype, check_shape, check_tensors,
-                     checking_values, one_device)
+from .checks import (check_cache_layout, check_float, check_float_tensors, check_range, check_same_dtype,
+                     check_shape, check_tensors, checking_values, one_device)
 
 
 def _norm_args(op: str, x, weight, eps, residual=None) -> None:
     tensors = {"x": x, "weight": weight} if residual is None else {"x": x, "residual": residual, "weight": weight}
-    check_tensors(op, **tensors)
-    one_device(op, **tensors)
-    check_float(op, **tensors)
-    check_same_dtype(op, **tensors)
+    check_float_tensors(op, **tensors)
     if x.dim() < 1 or x.shape[-1] < 1:
         raise SwiftkernError(f"{op}: x must be [..., H] with H >= 1, got shape {tuple(x.shape)}")
     check_shape(op, "weight", weight, (x.shape[-1],), f"[H] = [{x.shape[-1]}]")
@@ -71,10 +68,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     Runs ``backend_for("silu_mul", gate.device)``.
     """
     op = "silu_mul"
-    check_tensors(op, gate=gate, up=up)
-    one_device(op, gate=gate, up=up)
-    check_float(op, gate=gate, up=up)
-    check_same_dtype(op, gate=gate, up=up)
+    check_float_tensors(op, gate=gate, up=up)
     if gate.shape != up.shape:
         raise SwiftkernError(f"{op}: gate and up must have one shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
     return run(op, gate.device, gate, up)
@@ -206,7 +200,7 @@ def verify_attention(
         return reference.verify_attention(q, k_cache, v_cache, cache_lens, scale, max_len, mask)
     k_cache, v_cache = keys_in_use(k_cache, v_cache, max_len)
     ns = torch.ops.swiftkern_triton if backend == "triton" else torch.ops.swiftkern
-    return ns.verify_attention(q, k_cache, v_cache, cache_lens, float(scale))
+    return ns.verify_attention(q, k_cache, v_cache, cache_lens, scale)
 
 
 def verify_attention_invariant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -220,7 +214,7 @@ def verify_attention_invariant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     op = "verify_attention_invariant"
     _check_attention(op, q, k_cache, v_cache, cache_lens, None)
     scale = real(f"{op}: scale", scale)
-    return run(op, q.device, q, k_cache, v_cache, cache_lens, float(scale))
+    return run(op, q.device, q, k_cache, v_cache, cache_lens, scale)
 
 
 def kv_compact(k_cache: torch.Tensor, v_cache: torch.Tensor, src_positions: torch.Tensor,

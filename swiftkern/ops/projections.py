@@ -9,7 +9,7 @@ from .. import reference
 from ..errors import SwiftkernError
 from . import registry
 from .backends import cpu_kernel, run
-from .checks import check_float, check_same_dtype, check_tensors, one_device
+from .checks import check_float_tensors, check_tensors, one_device
 
 
 # rows up to which ops.linear runs the C++ kernel on the CPU: a SmolLM2 forward of 20 / 26 / 32
@@ -37,10 +37,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """
     op = "linear"
     tensors = dict(x=x, weight=weight) if bias is None else dict(x=x, weight=weight, bias=bias)
-    check_tensors(op, **tensors)
-    one_device(op, **tensors)
-    check_float(op, **tensors)
-    check_same_dtype(op, **tensors)
+    check_float_tensors(op, **tensors)
     if x.dim() < 1 or weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
         raise SwiftkernError(f"{op}: x must be [..., K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
