@@ -104,22 +104,21 @@ class GraphRunner:
         self.pool = torch.cuda.graph_pool_handle() if cuda else None
         self.stream = torch.cuda.Stream(model.device) if cuda else None
 
-    def new_cache(self, batch: int, needed: int):
-        """A KVCache for ``batch`` rows of at least ``needed`` positions: the one handed out last
-        when it has the rows and positions (graphs are keyed on the cache's storage, so a reused
-        cache reuses them across calls and Generators), else a new one of ``needed`` rounded up
-        to CACHE_STEP positions. A reused cache holds stale keys and values past every row's
-        length: finite model values, masked, overwritten."""
+    def new_cache(self, batch: int, needed: int, used: int | None = None):
+        """A KVCache for ``batch`` rows of at least ``needed`` positions (``used`` of them kept, as
+        in ``SkipModel.new_cache``): the one handed out last when it has the rows and positions
+        (graphs are keyed on the cache's storage, so a reused cache reuses them across calls and
+        Generators), else a new one of ``needed`` rounded up to CACHE_STEP positions. A reused
+        cache holds stale keys and values past every row's length: finite model values, masked,
+        overwritten."""
+        used = needed if used is None else used
         cache = self.cache
         if cache is not None and batch <= cache.capacity and needed <= cache.max_len < 2 * needed + CACHE_STEP:
+            self.model.check_positions(used)
             cache.reset(batch)
             return cache
-        try:
-            cache = self.model.new_cache(batch, -(-needed // CACHE_STEP) * CACHE_STEP)
-        except SwiftkernError:  # a sliding-window model's limit: the exact size may still fit
-            cache = self.model.new_cache(batch, needed)
-        self.cache = cache
-        return cache
+        self.cache = self.model.new_cache(batch, -(-needed // CACHE_STEP) * CACHE_STEP, used)
+        return self.cache
 
     def stats(self) -> dict:
         return {"graphs": len(self.entries), "captures": self.captures, "replays": self.replays,

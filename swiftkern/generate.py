@@ -236,11 +236,11 @@ class Generator:
             self._tuner_state.new_generation(chooser)
         return self._tuner_state
 
-    def _new_cache(self, batch: int, needed: int) -> KVCache:
+    def _new_cache(self, batch: int, needed: int, used: int) -> KVCache:
         """A fresh cache, or with CUDA graphs the runner's (``GraphRunner.new_cache``)."""
         if self.graph_runner is None:
-            return self.model.new_cache(batch, needed)
-        return self.graph_runner.new_cache(batch, needed)
+            return self.model.new_cache(batch, needed, used)
+        return self.graph_runner.new_cache(batch, needed, used)
 
     def reset_search(self) -> None:
         """Forget what the on-the-fly layer-set search found; the next call searches anew."""
@@ -409,7 +409,7 @@ class Generator:
         if self.mode == "deterministic":  # a window-wide replay, or (no replay, self-spec) a verify pass
             slack = max(self.window, self.k_max + 1)
         start = [r for r in range(len(ids)) if arrive_at is None or arrive_at[r] == 0]  # the first batch
-        cache = self._new_cache(len(start), longest + max_new_tokens + slack)
+        cache = self._new_cache(len(start), longest + max_new_tokens + slack, longest + max_new_tokens)
 
         invariant = self.replay_elided()
         graphs = self.model.cuda_graphs(self.graph_runner) if self.graph_runner else contextlib.nullcontext()

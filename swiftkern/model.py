@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from . import ops, reference
 from .layer_kernels import LayerKernels, invariant_kernels_available
-from .arg_checks import flag
+from .arg_checks import flag, whole
 from .errors import SwiftkernError
 from .kv_cache import KVCache
 from .layer_set import LayerSet
@@ -193,15 +193,24 @@ class SkipModel:
     def dtype(self) -> torch.dtype:
         return self.embed.dtype
 
-    def new_cache(self, batch: int, max_len: int) -> KVCache:
-        """A KV cache for ``batch`` rows of up to ``max_len`` positions each."""
-        if self.sliding_window is not None and max_len > self.sliding_window:
+    def new_cache(self, batch: int, max_len: int, used: int | None = None) -> KVCache:
+        """A KV cache for ``batch`` rows of up to ``max_len`` positions each. ``used``: how many
+        leading positions hold tokens whose outputs are kept (default ``max_len``); the rest only
+        padded passes write (a verify pass wider than a row's drafts, a replay window), and their
+        outputs are discarded. A sliding-window model needs ``used`` within its window."""
+        max_len = whole("KV cache max_len", max_len, 1)
+        self.check_positions(max_len if used is None else whole("KV cache used", used, 0, max_len))
+        return KVCache(self.num_layers, batch, self.num_kv_heads, max_len, self.head_dim,
+                       self.dtype, self.device)
+
+    def check_positions(self, used: int) -> None:
+        """Refuse ``used`` positions (prompt + new tokens) past a sliding window: swiftkern's
+        attention reads every key, which equals the model's only while no query is that far on."""
+        if self.sliding_window is not None and used > self.sliding_window:
             raise SwiftkernError(
                 f"this model uses sliding-window attention ({self.sliding_window} tokens), which "
                 f"swiftkern does not implement; keep prompt + max_new_tokens <= {self.sliding_window}"
             )
-        return KVCache(self.num_layers, batch, self.num_kv_heads, max_len, self.head_dim,
-                       self.dtype, self.device)
 
     def _skip_plan(self, layer_set, batch: int, device) -> tuple[list, list]:
         """Per layer, for attention and MLP: True (every row skips it), False (no row does), or

@@ -35,7 +35,7 @@ def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
     elif arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common))
     elif arch == "mistral":
-        model = MistralForCausalLM(MistralConfig(sliding_window=None, **common))
+        model = MistralForCausalLM(MistralConfig(**{"sliding_window": None, **common}))
     else:
         raise ValueError(arch)
     # random init gives near-uniform logits; scale up so greedy choices are not near-ties

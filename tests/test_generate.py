@@ -8,6 +8,8 @@ import torch
 
 from conftest import expected_probs, hf_greedy, tiny_model
 from swiftkern import Generator, SkipModel, SwiftkernError
+from swiftkern.cuda_graphs import GraphRunner
+from swiftkern.graph_capture import EmulatedGraph
 from swiftkern.sampling import SamplingParams, filter_logits, keyed_uniform, sample_from_weights
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [200]]
@@ -21,6 +23,34 @@ def test_greedy_matches_hf_batch_1_and_batched(arch):
     for p, r in zip(PROMPTS, refs):
         assert gen.generate([p], max_new_tokens=24, eos_token_id=[]).tokens[0] == r
     assert gen.generate(PROMPTS, max_new_tokens=24, eos_token_id=[]).tokens == refs
+
+
+@pytest.mark.parametrize("kw", [
+    dict(mode="ar"),
+    dict(mode="self-spec", drafter="lookup"),
+    dict(mode="self-spec", drafter="layer-skip", layer_set="attn:1|mlp:2", eps=0.0),
+    dict(mode="deterministic"),
+    dict(mode="deterministic", replay="always", window=16),
+    dict(mode="ar", cuda_graphs=EmulatedGraph),
+], ids=["ar", "lookup", "layer-skip", "det", "det-replay", "ar-graphs"])
+def test_a_sliding_window_model_runs_up_to_its_window(kw):
+    """Up to the window a sliding-window model attends to every key, as swiftkern does: prompt +
+    max_new_tokens = window gives HF greedy's tokens in every mode, though verify passes and
+    replay windows pad past it (their outputs discarded) and the graph runner rounds its cache
+    up; one token more is refused. (The padding and the rounding were refused before.)"""
+    window = 48
+    hf = tiny_model("mistral", sliding_window=window, max_position_embeddings=128)
+    model = SkipModel.from_hf(hf)
+    graphs = kw.pop("cuda_graphs", None)
+    gen = Generator(model, cuda_graphs=GraphRunner(model, graphs) if graphs else False, **kw)
+    prompt = list(range(3, 13)) * 3  # repetitive: lookup drafts
+    new = window - len(prompt)
+    assert gen.generate([prompt], max_new_tokens=new, eos_token_id=[]).tokens[0] == \
+        hf_greedy(hf, prompt, new, eos_token_id=[])
+    with pytest.raises(SwiftkernError, match=f"sliding-window attention \\({window} tokens\\)"):
+        gen.generate([prompt], max_new_tokens=new + 1, eos_token_id=[])
+    with pytest.raises(SwiftkernError, match="used"):
+        model.new_cache(1, 8, used=9)
 
 
 def test_eos_and_max_new_tokens_are_exact():
