@@ -102,6 +102,10 @@ def _prompts(input_ids: torch.Tensor, attention_mask, position_ids) -> list[list
                 raise SwiftkernError(
                     f"attention_mask row {b} is not left-padded (zeros, then ones up to the last token); "
                     "tokenize with padding_side='left' as for HF generate")
+    if position_ids is not None and position_ids.shape != input_ids.shape:  # HF makes them of the mask's
+        raise SwiftkernError(f"position_ids have shape {tuple(position_ids.shape)}, input_ids "
+                             f"{tuple(input_ids.shape)}; pass an attention_mask (and position_ids) of "
+                             "input_ids' shape, one row per prompt")
     prompts = []
     for b, n in enumerate(lengths):
         if position_ids is not None:
