@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 
 import torch
 
@@ -53,8 +54,8 @@ def save(model, layer_set: LayerSet, **results) -> str:
               "layer_set": str(layer_set), **results}
     path = path_for(model)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")  # a writer of its own: no collision
+    with os.fdopen(fd, "w") as f:
         json.dump(record, f, indent=1)
     os.replace(tmp, path)
     return path
@@ -68,11 +69,20 @@ def load_record(path: str, model) -> dict:
             record = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise SwiftkernError(f"layer-set file {path}: cannot read it ({e})") from None
+    redo = "delete it or run `swiftkern search` again"
+    if not isinstance(record, dict) or not isinstance(record.get("layer_set"), str):
+        raise SwiftkernError(f"layer-set file {path} is not a swiftkern search record (no layer_set string); {redo}")
+    if record.get("format", FORMAT) != FORMAT:
+        raise SwiftkernError(f"layer-set file {path} has format {record.get('format')!r}, this swiftkern "
+                             f"reads format {FORMAT}; {redo}")
     mine = fingerprint(model)
     if record.get("fingerprint") != mine:
         raise SwiftkernError(f"layer-set file {path} is for model {record.get('fingerprint')}, this model is {mine}; "
                              "run `swiftkern search` for this model")
-    record["layer_set"] = LayerSet.parse(record["layer_set"], model.num_layers)
+    try:
+        record["layer_set"] = LayerSet.parse(record["layer_set"], model.num_layers)
+    except SwiftkernError as e:
+        raise SwiftkernError(f"layer-set file {path}: {e}; {redo}") from None
     return record
 
 

@@ -120,6 +120,32 @@ def test_stored_layer_set_round_trips_and_is_refused_for_another_model(tmp_path,
     assert any(s.propose(1)[0] == ls for s in tuner.searches.values())
 
 
+@pytest.mark.parametrize("content,message", [
+    ("[]", "not a swiftkern search record"),
+    ('"attn:1"', "not a swiftkern search record"),
+    ('{{"fingerprint": "{fp}"}}', "not a swiftkern search record"),
+    ('{{"fingerprint": "{fp}", "layer_set": 5}}', "not a swiftkern search record"),
+    ('{{"fingerprint": "{fp}", "layer_set": "attn:1", "format": 2}}', "format 2"),
+    ('{{"fingerprint": "{fp}", "layer_set": "attn:99"}}', "outside"),
+    ("{{", "cannot read it"),
+], ids=["list", "string", "no-set", "set-not-a-string", "format", "bad-set", "not-json"])
+def test_a_malformed_stored_file_is_refused_naming_it(tmp_path, monkeypatch, content, message):
+    """A stored file that is not a record of this swiftkern (hand-edited, another version) is a
+    SwiftkernError naming the file, from the store and from a Generator that reads it; a list
+    or a record without its set was an AttributeError or KeyError, and another format was read."""
+    monkeypatch.setenv("SWIFTKERN_CACHE_DIR", str(tmp_path))
+    model = SkipModel.from_hf(tiny_model("llama"))
+    path = layer_set_store.save(model, LayerSet.parse("attn:1", 4))
+    with open(path, "w") as f:
+        f.write(content.format(fp=layer_set_store.fingerprint(model)))
+    with pytest.raises(SwiftkernError, match=message) as refused:
+        layer_set_store.load(model)
+    assert path in str(refused.value)
+    with pytest.raises(SwiftkernError, match=message):
+        Generator(model, mode="self-spec", layer_set="auto", search_options=SMALL_SEARCH).generate(
+            [[5, 6, 7]], max_new_tokens=4)
+
+
 def test_offline_search_stores_a_measured_set(tmp_path, monkeypatch):
     from swiftkern.offline_search import search_layer_set
 
