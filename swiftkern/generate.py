@@ -379,7 +379,8 @@ class Generator:
         ``arrive_at`` (one int per prompt, at least one 0): the decoding step at which each
         request joins the batch, as requests arrive at a server while others decode (dynamic
         batching; a step is a decode step, a draft-and-verify step of self-spec, or a fast step
-        of mode deterministic's replay); every mode.
+        of mode deterministic's replay); every mode. Calls on one model from several threads
+        run one at a time (``SkipModel.lock``).
         Returns ``GenerationOutput``.
         """
         max_new_tokens = whole("max_new_tokens", max_new_tokens, 1)
@@ -409,24 +410,24 @@ class Generator:
         if self.mode == "deterministic":  # a window-wide replay, or (no replay, self-spec) a verify pass
             slack = max(self.window, self.k_max + 1)
         start = [r for r in range(len(ids)) if arrive_at is None or arrive_at[r] == 0]  # the first batch
-        cache = self._new_cache(len(start), longest + max_new_tokens + slack, longest + max_new_tokens)
-
-        invariant = self.replay_elided()
-        graphs = self.model.cuda_graphs(self.graph_runner) if self.graph_runner else contextlib.nullcontext()
-        graph_stats = self.graph_runner.stats() if self.graph_runner else None
-        with self.model.batch_invariant() if invariant else contextlib.nullcontext(), graphs:
+        with self.model.lock:  # one call at a time on this model (its contexts, a runner's cache)
+            cache = self._new_cache(len(start), longest + max_new_tokens + slack, longest + max_new_tokens)
+            invariant = self.replay_elided()
+            graphs = self.model.cuda_graphs(self.graph_runner) if self.graph_runner else contextlib.nullcontext()
+            graph_stats = self.graph_runner.stats() if self.graph_runner else None
+            with self.model.batch_invariant() if invariant else contextlib.nullcontext(), graphs:
+                _sync(device)
+                t0 = time.perf_counter()
+                # deterministic mode with replay prefills through its verifier
+                replayed = self.mode == "deterministic" and not invariant
+                first_logits = prefill(self.model, cache, [ids[r] for r in start], per_row=invariant) if not replayed else None
+                _sync(device)
+                t1 = time.perf_counter()
+                requests = Requests(len(ids), max_new_tokens, stop_ids, self._stop_check(stop), streamer, arrive_at)
+                steps, spec_stats = self._decode(cache, first_logits, params, seeds, requests, ids, verified, invariant)
             _sync(device)
-            t0 = time.perf_counter()
-            # deterministic mode with replay prefills through its verifier
-            replayed = self.mode == "deterministic" and not invariant
-            first_logits = prefill(self.model, cache, [ids[r] for r in start], per_row=invariant) if not replayed else None
-            _sync(device)
-            t1 = time.perf_counter()
-            requests = Requests(len(ids), max_new_tokens, stop_ids, self._stop_check(stop), streamer, arrive_at)
-            steps, spec_stats = self._decode(cache, first_logits, params, seeds, requests, ids, verified, invariant)
-        _sync(device)
-        t2 = time.perf_counter()
-        return self._output(requests.out, ids, steps, spec_stats, (t0, t1, t2), graph_stats)
+            t2 = time.perf_counter()
+            return self._output(requests.out, ids, steps, spec_stats, (t0, t1, t2), graph_stats)
 
     def _output(self, tokens: list[list[int]], ids: list[list[int]], steps: int, spec_stats: dict,
                 times: tuple[float, float, float], graph_stats: dict | None) -> GenerationOutput:

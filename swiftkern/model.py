@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 
@@ -94,6 +95,9 @@ class SkipModel:
         self._rope_table: RopeTable | None = None
         self.graphs = None  # a cuda_graphs.GraphRunner inside cuda_graphs(), else None
         self._plans: dict = {}  # LayerSet or None -> _skip_plan's (attn, mlp) plan (lists of bools)
+        # held by a Generator's whole generate call: the contexts above and a graph runner's cache
+        # are this model's, so calls from several threads run one at a time
+        self.lock = threading.RLock()
 
     @classmethod
     def from_hf(cls, hf_model, pack_weights: bool | None = None) -> "SkipModel":

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 
 import pytest
 import torch
@@ -467,3 +468,43 @@ def test_backends_sharing_a_runner_get_their_own_graphs(tiny, graph_type):
     finally:
         ops.set_backend("auto")
     assert runner.stats()["replays"] >= 12
+
+
+def test_calls_from_threads_run_one_at_a_time(tiny, graph_type):
+    """Threads sharing a graphed Generator, beside a deterministic one, on one model: a runner's
+    cache and the model's graph and invariant contexts serve one call at a time (the model's
+    lock), so each call gets its tokens alone and counts only its own replays. Unlocked, the
+    runner handed its cache to two calls at once (an error from the launch log)."""
+    graphed = Generator(tiny, cuda_graphs=GraphRunner(tiny, graph_type))
+    det = Generator(tiny, mode="deterministic")
+    prompts = [[5, 17, 99, 3, 42, 8], [7, 7, 21], list(range(30, 50))]
+    alone = {(name, i): gen.generate([p], max_new_tokens=16, eos_token_id=[])
+             for name, gen in (("graphed", graphed), ("det", det)) for i, p in enumerate(prompts)}
+    results, errors = [], []
+
+    def work(t):
+        try:
+            for k in range(3):
+                name, i = ("graphed", "det")[t % 2], (t + k) % len(prompts)
+                gen = graphed if name == "graphed" else det
+                results.append(((name, i), gen.generate([prompts[i]], max_new_tokens=16, eos_token_id=[])))
+        except Exception as e:  # noqa: BLE001 - reported below, with the thread's result
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and len(results) == 12
+    for key, out in results:
+        assert out.tokens == alone[key].tokens
+        if key[0] == "det":
+            assert torch.equal(out.logprobs[0], alone[key].logprobs[0])
+        else:  # a call counts its own forwards: as many as alone
+            assert _forwards(out) == _forwards(alone[key])
+
+
+def _forwards(out) -> int:
+    """A call's forwards: replayed or eager (a capture is followed by the replay of its forward)."""
+    return out.stats["cuda_graphs"]["replays"] + out.stats["cuda_graphs"]["eager"]
