@@ -8,8 +8,9 @@ on the same padded shapes (q [B, Hq, T, D] against the cache sliced to the longe
 boolean mask for the per-row lengths and the causal chunk, enable_gqa) — the bar the Triton
 kernel must meet. Cases: decode (T = 1) and verification (T = 9) at batch 1, 8 and 32 with
 rows of unequal length around L = 512, 4096 and 32768 keys; heads as SmolLM2 (9/3, D 64) and
-Llama-3-8B (32/8, D 128). Bytes per call: the keys and values each row reads plus q and the
-output; FLOPs 4 * T * Hq * D per visible key.
+Llama-3-8B (32/8, D 128); on the CPU also a 2048-token prompt prefilled (T = L = 2048). Bytes
+per call: the keys and values each row reads plus q and the output; FLOPs 4 * Hq * D per
+(query, key) pair a query sees (causal within the T new tokens).
 """
 
 from __future__ import annotations
@@ -45,8 +46,9 @@ def cases(args) -> list[Case]:
     elif args.device.startswith("cuda"):
         grid = [(m, b, t, L) for m in HEADS for L in (512, 4096, 32768) for b in (1, 8, 32) for t in (1, 9)
                 if b * L <= 32 * 4096 or m == "smollm2"]
-    else:
+    else:  # and a 2048-token prompt prefilled (T = L: each query sees the keys up to its own)
         grid = [(m, b, t, L) for m in HEADS for L in (512, 4096) for b in (1, 8) for t in (1, 9)]
+        grid.append(("smollm2", 1, 2048, 2048))
     out = []
     for model, B, T, L in grid:
         Hq, Hkv, D = HEADS[model]
@@ -61,8 +63,9 @@ def cases(args) -> list[Case]:
             v_cache = torch.randn(B, Hkv, L, D, generator=g).to(dtype).to(dev)
             return q, k_cache, v_cache, lens.to(dev), D ** -0.5
         keys = int(lens.sum())
+        seen = int((T * (lens - T)).sum()) + B * T * (T + 1) // 2  # (query, key) pairs: causal within T
         moved = (2 * keys * Hkv * D + 2 * B * T * Hq * D) * dtype.itemsize
-        out.append(Case(f"{model} B={B} T={T} L={L}", make, bytes_moved=moved, flops=4.0 * keys * T * Hq * D))
+        out.append(Case(f"{model} B={B} T={T} L={L}", make, bytes_moved=moved, flops=4.0 * seen * Hq * D))
     return out
 
 
