@@ -77,45 +77,83 @@ void accumulate_values_portable(const float* p, const E* v, int64_t v_s, int64_t
 }
 
 #if defined(__x86_64__)
-__attribute__((target("avx512f"))) void scores_avx512(const float* q, const float* k, int64_t k_s, int64_t L,
-                                                      int64_t D, float scale, float* s) {
-  for (int64_t j = 0; j < L; ++j) {
-    const float* kj = k + j * k_s;
-    __m512 acc = _mm512_setzero_ps();
-    int64_t d = 0;
-    for (; d + 16 <= D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(kj + d), acc);
-    if (d < D) {
-      const __mmask16 m = static_cast<__mmask16>((1u << (D - d)) - 1u);
-      acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + d), _mm512_maskz_loadu_ps(m, kj + d), acc);
-    }
-    s[j] = _mm512_reduce_add_ps(acc) * scale;
+// q . k_j over D in 16-lane chunks: one fixed chain of FMAs (masked tail), reduced in a fixed order
+__attribute__((target("avx512f"))) inline float dot_avx512(const float* q, const float* kj, int64_t D) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(kj + d), acc);
+  if (d < D) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (D - d)) - 1u);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + d), _mm512_maskz_loadu_ps(m, kj + d), acc);
   }
+  return _mm512_reduce_add_ps(acc);
 }
 
+// Four keys at a time: four independent chains, each key's arithmetic that of dot_avx512 alone.
+__attribute__((target("avx512f"))) void scores_avx512(const float* q, const float* k, int64_t k_s, int64_t L,
+                                                      int64_t D, float scale, float* s) {
+  int64_t j = 0;
+  for (; j + 4 <= L; j += 4) {
+    const float *k0 = k + j * k_s, *k1 = k0 + k_s, *k2 = k1 + k_s, *k3 = k2 + k_s;
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t d = 0;
+    for (; d + 16 <= D; d += 16) {
+      const __m512 qd = _mm512_loadu_ps(q + d);
+      a0 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(k0 + d), a0);
+      a1 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(k1 + d), a1);
+      a2 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(k2 + d), a2);
+      a3 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(k3 + d), a3);
+    }
+    if (d < D) {
+      const __mmask16 m = static_cast<__mmask16>((1u << (D - d)) - 1u);
+      const __m512 qd = _mm512_maskz_loadu_ps(m, q + d);
+      a0 = _mm512_fmadd_ps(qd, _mm512_maskz_loadu_ps(m, k0 + d), a0);
+      a1 = _mm512_fmadd_ps(qd, _mm512_maskz_loadu_ps(m, k1 + d), a1);
+      a2 = _mm512_fmadd_ps(qd, _mm512_maskz_loadu_ps(m, k2 + d), a2);
+      a3 = _mm512_fmadd_ps(qd, _mm512_maskz_loadu_ps(m, k3 + d), a3);
+    }
+    s[j] = _mm512_reduce_add_ps(a0) * scale;
+    s[j + 1] = _mm512_reduce_add_ps(a1) * scale;
+    s[j + 2] = _mm512_reduce_add_ps(a2) * scale;
+    s[j + 3] = _mm512_reduce_add_ps(a3) * scale;
+  }
+  for (; j < L; ++j) s[j] = dot_avx512(q, k + j * k_s, D) * scale;
+}
+
+// acc[c * 16 ...] += sum_j p[j] * v_j[...] over R registers of columns (masks m; kWhole: every
+// mask full, plain loads), in key order: R independent chains
+template <int R, bool kWhole>
+__attribute__((target("avx512f"))) inline void values_columns(const float* p, const float* v, int64_t v_s, int64_t L,
+                                                              const __mmask16* m, float* a) {
+  __m512 r[R];
+  for (int c = 0; c < R; ++c) r[c] = _mm512_maskz_loadu_ps(m[c], a + 16 * c);
+  for (int64_t j = 0; j < L; ++j) {
+    const float* vj = v + j * v_s;
+    const __m512 pj = _mm512_set1_ps(p[j]);
+    for (int c = 0; c < R; ++c)
+      r[c] = _mm512_fmadd_ps(pj, kWhole ? _mm512_loadu_ps(vj + 16 * c) : _mm512_maskz_loadu_ps(m[c], vj + 16 * c), r[c]);
+  }
+  for (int c = 0; c < R; ++c) _mm512_mask_storeu_ps(a + 16 * c, m[c], r[c]);
+}
+
+// acc[d] += sum_j p[j] * v_j[d] in key order, D in chunks of 128 columns (8 registers: 8
+// independent chains), a last chunk of up to 64 in 4; each element's sum is the same sequence
+// whatever the chunking
 __attribute__((target("avx512f"))) void accumulate_values_avx512(const float* p, const float* v, int64_t v_s,
                                                                   int64_t L, int64_t D, float* acc) {
-  // D in chunks of 64 (4 registers): every key's row chunk is read once
-  for (int64_t d0 = 0; d0 < D; d0 += 64) {
-    __mmask16 m[4];
-    for (int c = 0; c < 4; ++c) {
+  for (int64_t d0 = 0; d0 < D;) {
+    const int64_t width = D - d0 > 64 ? 128 : 64;
+    __mmask16 m[8];
+    for (int c = 0; c < 8; ++c) {
       const int64_t n = std::clamp<int64_t>(D - d0 - 16 * c, 0, 16);
       m[c] = static_cast<__mmask16>(n == 16 ? 0xFFFFu : (1u << n) - 1u);
     }
-    float* a = acc + d0;
-    __m512 a0 = _mm512_maskz_loadu_ps(m[0], a), a1 = _mm512_maskz_loadu_ps(m[1], a + 16);
-    __m512 a2 = _mm512_maskz_loadu_ps(m[2], a + 32), a3 = _mm512_maskz_loadu_ps(m[3], a + 48);
-    for (int64_t j = 0; j < L; ++j) {
-      const float* vj = v + j * v_s + d0;
-      const __m512 pj = _mm512_set1_ps(p[j]);
-      a0 = _mm512_fmadd_ps(pj, _mm512_maskz_loadu_ps(m[0], vj), a0);
-      a1 = _mm512_fmadd_ps(pj, _mm512_maskz_loadu_ps(m[1], vj + 16), a1);
-      a2 = _mm512_fmadd_ps(pj, _mm512_maskz_loadu_ps(m[2], vj + 32), a2);
-      a3 = _mm512_fmadd_ps(pj, _mm512_maskz_loadu_ps(m[3], vj + 48), a3);
-    }
-    _mm512_mask_storeu_ps(a, m[0], a0);
-    _mm512_mask_storeu_ps(a + 16, m[1], a1);
-    _mm512_mask_storeu_ps(a + 32, m[2], a2);
-    _mm512_mask_storeu_ps(a + 48, m[3], a3);
+    const bool whole = D - d0 >= width;
+    if (width == 128)
+      whole ? values_columns<8, true>(p, v + d0, v_s, L, m, acc + d0) : values_columns<8, false>(p, v + d0, v_s, L, m, acc + d0);
+    else
+      whole ? values_columns<4, true>(p, v + d0, v_s, L, m, acc + d0) : values_columns<4, false>(p, v + d0, v_s, L, m, acc + d0);
+    d0 += width;
   }
 }
 
