@@ -98,6 +98,7 @@ class GraphRunner:
         self.max_graphs = max_graphs
         self.entries: OrderedDict = OrderedDict()
         self.cache = None  # the KVCache new_cache handed out last
+        self.cache_leased = False  # a generate call holds self.cache (lease)
         self.captures = self.replays = self.eager = 0
         self.replays_by_kind: dict = {}  # "forward" | "verify" -> replays
         cuda = graph_type is CudaGraph
@@ -107,18 +108,34 @@ class GraphRunner:
     def new_cache(self, batch: int, needed: int, used: int | None = None):
         """A KVCache for ``batch`` rows of at least ``needed`` positions (``used`` of them kept, as
         in ``SkipModel.new_cache``): the one handed out last when it has the rows and positions
-        (graphs are keyed on the cache's storage, so a reused cache reuses them across calls and
-        Generators), else a new one of ``needed`` rounded up to CACHE_STEP positions. A reused
-        cache holds stale keys and values past every row's length: finite model values, masked,
-        overwritten."""
+        and no call holds it (graphs are keyed on the cache's storage, so a reused cache reuses
+        them across calls and Generators), else a new one of ``needed`` rounded up to CACHE_STEP
+        positions. A reused cache holds stale keys and values past every row's length: finite
+        model values, masked, overwritten."""
         used = needed if used is None else used
         cache = self.cache
-        if cache is not None and batch <= cache.capacity and needed <= cache.max_len < 2 * needed + CACHE_STEP:
+        if (cache is not None and not self.cache_leased and batch <= cache.capacity
+                and needed <= cache.max_len < 2 * needed + CACHE_STEP):
             self.model.check_positions(used)
             cache.reset(batch)
             return cache
-        self.cache = self.model.new_cache(batch, -(-needed // CACHE_STEP) * CACHE_STEP, used)
-        return self.cache
+        cache = self.model.new_cache(batch, -(-needed // CACHE_STEP) * CACHE_STEP, used)
+        if not self.cache_leased:  # a call holds the kept one: this cache is the inner call's alone
+            self.cache = cache
+        return cache
+
+    @contextlib.contextmanager
+    def lease(self, batch: int, needed: int, used: int | None = None):
+        """``new_cache`` for one generate call, held until the context ends: a call made inside it
+        (a streamer's own generate on this model) gets a cache of its own instead of the one in
+        use. -> the KVCache."""
+        cache = self.new_cache(batch, needed, used)
+        outer = self.cache_leased
+        self.cache_leased = outer or cache is self.cache
+        try:
+            yield cache
+        finally:
+            self.cache_leased = outer
 
     def stats(self) -> dict:
         return {"graphs": len(self.entries), "captures": self.captures, "replays": self.replays,

@@ -236,11 +236,12 @@ class Generator:
             self._tuner_state.new_generation(chooser)
         return self._tuner_state
 
-    def _new_cache(self, batch: int, needed: int, used: int) -> KVCache:
-        """A fresh cache, or with CUDA graphs the runner's (``GraphRunner.new_cache``)."""
+    def _call_cache(self, batch: int, needed: int, used: int):
+        """A context holding this call's KVCache: a fresh one, or with CUDA graphs the runner's
+        (``GraphRunner.lease``)."""
         if self.graph_runner is None:
-            return self.model.new_cache(batch, needed, used)
-        return self.graph_runner.new_cache(batch, needed, used)
+            return contextlib.nullcontext(self.model.new_cache(batch, needed, used))
+        return self.graph_runner.lease(batch, needed, used)
 
     def reset_search(self) -> None:
         """Forget what the on-the-fly layer-set search found; the next call searches anew."""
@@ -380,7 +381,7 @@ class Generator:
         request joins the batch, as requests arrive at a server while others decode (dynamic
         batching; a step is a decode step, a draft-and-verify step of self-spec, or a fast step
         of mode deterministic's replay); every mode. Calls on one model from several threads
-        run one at a time (``SkipModel.lock``).
+        run one at a time (``SkipModel.lock``); a streamer may call ``generate`` itself.
         Returns ``GenerationOutput``.
         """
         max_new_tokens = whole("max_new_tokens", max_new_tokens, 1)
@@ -410,8 +411,10 @@ class Generator:
         if self.mode == "deterministic":  # a window-wide replay, or (no replay, self-spec) a verify pass
             slack = max(self.window, self.k_max + 1)
         start = [r for r in range(len(ids)) if arrive_at is None or arrive_at[r] == 0]  # the first batch
-        with self.model.lock:  # one call at a time on this model (its contexts, a runner's cache)
-            cache = self._new_cache(len(start), longest + max_new_tokens + slack, longest + max_new_tokens)
+        needed, used = longest + max_new_tokens + slack, longest + max_new_tokens
+        # one call at a time on this model (its contexts, a runner's cache); a call from inside
+        # this one (a streamer's) gets a cache of its own
+        with self.model.lock, self._call_cache(len(start), needed, used) as cache:
             invariant = self.replay_elided()
             graphs = self.model.cuda_graphs(self.graph_runner) if self.graph_runner else contextlib.nullcontext()
             graph_stats = self.graph_runner.stats() if self.graph_runner else None

@@ -508,3 +508,22 @@ def test_calls_from_threads_run_one_at_a_time(tiny, graph_type):
 def _forwards(out) -> int:
     """A call's forwards: replayed or eager (a capture is followed by the replay of its forward)."""
     return out.stats["cuda_graphs"]["replays"] + out.stats["cuda_graphs"]["eager"]
+
+
+@pytest.mark.parametrize("same", [True, False], ids=["same-generator", "other-generator"])
+def test_a_streamer_may_generate_on_the_same_model(tiny, graph_type, same):
+    """A streamer that calls generate on the model (the same graphed Generator, or another sharing
+    its runner) gets its own cache: both calls give their tokens alone. The runner handed the
+    inner call the cache the outer one was decoding in, and the outer call's tokens changed."""
+    outer = Generator(tiny, cuda_graphs=GraphRunner(tiny, graph_type))
+    inner = outer if same else Generator(tiny, mode="self-spec", drafter="lookup", cuda_graphs=outer.graph_runner)
+    first, second = [5, 17, 99, 3, 42, 8], list(range(30, 50))
+    alone = [g.generate([p], max_new_tokens=16, eos_token_id=[]).tokens[0] for g, p in ((outer, first), (inner, second))]
+    nested = []
+
+    def streamer(request, tokens):
+        if len(nested) < 3:
+            nested.append(inner.generate([second], max_new_tokens=16, eos_token_id=[]).tokens[0])
+
+    assert outer.generate([first], max_new_tokens=16, eos_token_id=[], streamer=streamer).tokens[0] == alone[0]
+    assert nested == [alone[1]] * 3
