@@ -300,6 +300,33 @@ float softmax_weights(float* s, int64_t L, ExpFn exp_fn) {
 }
 
 #if defined(__x86_64__)
+// softmax_weights in one vector pass after the max: the same max, bi_exp_avx512's exp (vector
+// for whole chunks of 16, scalar for the tail) and the same 16 lane sums in key order
+__attribute__((target("avx512f"))) float softmax_weights_avx512(float* s, int64_t L) {
+  __m512 vmx = _mm512_set1_ps(s[0]);
+  int64_t j = 0;
+  for (; j + 16 <= L; j += 16) vmx = _mm512_max_ps(_mm512_loadu_ps(s + j), vmx);
+  float mx = _mm512_reduce_max_ps(vmx);
+  for (; j < L; ++j) mx = std::max(mx, s[j]);
+  const __m512 vm = _mm512_set1_ps(mx);
+  __m512 sums = _mm512_setzero_ps();
+  for (j = 0; j + 16 <= L; j += 16) {
+    const __m512 p = bi_exp_avx512_vec(_mm512_sub_ps(_mm512_loadu_ps(s + j), vm));
+    _mm512_storeu_ps(s + j, p);
+    sums = _mm512_add_ps(sums, p);
+  }
+  alignas(64) float lane[16];
+  _mm512_store_ps(lane, sums);
+  for (; j < L; ++j) {  // j - 16 * (L / 16) = j % 16: the tail adds to lanes 0, 1, ...
+    s[j] -= mx;
+    bi_exp_scalar(s + j, s + j, 1);
+    lane[j % 16] += s[j];
+  }
+  float total = 0.0f;
+  for (int l = 0; l < 16; ++l) total += lane[l];
+  return total;
+}
+
 // The query heads of one kv head and the new tokens, flattened: u = g * T + i (query head
 // hkv * group + g, token i), in lane blocks of 16.
 void attend_lanes(const AttnShape& sh, const float* q, const float* k, const float* v, const int64_t* lens,
@@ -390,11 +417,14 @@ void attend(const AttnShape& sh, const E* q, const E* k, const E* v, const int64
   using ValuesFn = void (*)(const float*, const E*, int64_t, int64_t, int64_t, float*);
   ScoresFn scores_fn = scores_portable<E>;
   ValuesFn values_fn = accumulate_values_portable<E>;
+  auto weights_fn = [](float* s, int64_t L) { return softmax_weights(s, L, exp_fn); };
+  float (*softmax_fn)(float*, int64_t) = weights_fn;
 #if defined(__x86_64__)
   if constexpr (std::is_same_v<E, float>) {
     if (avx512) {
       scores_fn = scores_avx512;
       values_fn = accumulate_values_avx512;
+      softmax_fn = softmax_weights_avx512;
     }
   }
 #endif
@@ -415,7 +445,7 @@ void attend(const AttnShape& sh, const E* q, const E* k, const E* v, const int64
           scores_fn(qg, kb + j0 * sh.k_s, sh.k_s, n, sh.D, sh.scale, scores.data() + g * sh.S + j0);
         }
       }
-      for (int64_t g = 0; g < group; ++g) total[g] = softmax_weights(scores.data() + g * sh.S, L, exp_fn);
+      for (int64_t g = 0; g < group; ++g) total[g] = softmax_fn(scores.data() + g * sh.S, L);
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t j0 = 0; j0 < L; j0 += kKeyBlock) {
         const int64_t n = std::min(kKeyBlock, L - j0);
