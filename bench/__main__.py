@@ -50,6 +50,8 @@ def parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
     ap.add_argument("--plot", action="store_true", help="also write bench/results/<routine>.png (matplotlib)")
     ap.add_argument("--model", default="smollm2", help="model for end-to-end routines")
     ap.add_argument("--max-new-tokens", type=positive_int, default=128, help="end-to-end routines: tokens per prompt")
+    ap.add_argument("--context-tokens", type=positive_int, default=None,
+                    help="long_context: the document before each prompt, in tokens (default 2000)")
     ap.add_argument("--batch", type=positive_int, default=None, help="drafters: requests per batch (the prompts cycled; "
                     "default 1, each prompt on its own)")
     ap.add_argument("--interleave-verify", action="store_true",

@@ -25,7 +25,8 @@ Columns: tok_s (new tokens / median time), ratio_vs_hf (to hf-greedy, same promp
 mean_accepted (accepted drafts per verify pass; HF's from counted full-model forwards),
 tokens_equal_hf (the new tokens equal hf-greedy's). The prompts are bench/prompts.jsonl
 (one {"kind", "text"} per line; other routines reuse them through ``load_prompts``), sent
-through the chat template. ``--smoke``: a tiny random Llama, 8 tokens, one repetition.
+through the chat template (the routine long_context puts a document before each:
+``with_document``). ``--smoke``: a tiny random Llama, 8 tokens, one repetition.
 """
 
 from __future__ import annotations
@@ -167,7 +168,7 @@ def _load(args):
     return model.hf_model, tok, args.model
 
 
-def run(args) -> list[dict]:
+def run(args, routine: str = ROUTINE) -> list[dict]:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -183,17 +184,32 @@ def run(args) -> list[dict]:
         runs, skipped = providers(hf, tok, args.smoke, getattr(args, "cuda_graphs", False))
         if args.providers:
             runs = {k: v for k, v in runs.items() if k in args.providers or k == "hf-greedy"}
-        rows = _measure(hf, tok, model_name, runs, skipped, n, reps, args)
+        rows = _measure(hf, tok, model_name, runs, skipped, n, reps, args, routine)
     finally:
         hf.generation_config.eos_token_id = eos
     _summary(rows)
     return rows
 
 
-def _measure(hf, tok, model_name, runs, skipped, n, reps, args) -> list[dict]:
+def with_document(tok, text: str, tokens: int | None) -> str:
+    """``text`` after a document of about ``tokens`` tokens (the bench prompts' texts cycled,
+    cut at that many tokens), or ``text`` alone when ``tokens`` is None or there is no tokenizer."""
+    if not tokens or tok is None:
+        return text
+    texts = [p["text"] for p in load_prompts()]
+    doc: list[int] = []
+    for i in range(tokens):  # at least one token a text: never more than `tokens` texts
+        if len(doc) >= tokens:
+            break
+        doc += tok(texts[i % len(texts)] + "\n\n")["input_ids"]
+    return tok.decode(doc[:tokens]) + "\n\n" + text
+
+
+def _measure(hf, tok, model_name, runs, skipped, n, reps, args, routine: str) -> list[dict]:
     rows = []
     for prompt in load_prompts():
-        ids = encode(tok, prompt["text"], hf.config.vocab_size)
+        text = with_document(tok, prompt["text"], getattr(args, "context_tokens", None))
+        ids = encode(tok, text, hf.config.vocab_size)
         last = {}
 
         def timed(name):
@@ -215,7 +231,7 @@ def _measure(hf, tok, model_name, runs, skipped, n, reps, args) -> list[dict]:
             tokens, accepted = last[name]
             tok_s = n / (timing["median_ms"] * 1e-3)
             rows.append(common.row(
-                ROUTINE, name, args.device, hf.dtype, f"B=1 T={len(ids)} N={n}", timing, model=model_name,
+                routine, name, args.device, hf.dtype, f"B=1 T={len(ids)} N={n}", timing, model=model_name,
                 prompt_kind=prompt["kind"], new_tokens=n, reps=reps, tok_s=round(tok_s, 2),
                 ratio_vs_hf=round(tok_s / hf_tok_s, 3), mean_accepted=round(accepted, 3),
                 tokens_equal_hf=tokens == hf_tokens))
