@@ -4,9 +4,9 @@
 // Per query: scores s_j = scale * q . k_j for the keys it sees (j < cache_lens[b] - T + i + 1),
 // p_j = exp(s_j - max s) (cpu_exp.h), out = sum_j p_j v_j / sum_j p_j, all in fp32 (bf16/fp16
 // load and round once at the store). Two paths, by the queries that share a kv head (GQA group
-// x new tokens): below 8, one task per (row, kv head, token) walks the keys in blocks shared by
-// the group's queries, one query at a time; from 8 (fp32, AVX-512), tasks of 16 queries in the
-// lanes of a register. Each query's arithmetic is in a fixed order set by its own keys, so its
+// x new tokens): below 8, one task per (row, kv head, block of up to 8 tokens) walks the keys
+// in blocks shared by the block's queries, one query at a time; from 8 (fp32, AVX-512), tasks
+// of 16 queries in the lanes of a register. Each query's arithmetic is in a fixed order set by its own keys, so its
 // result does not depend on the batch or the thread that ran it.
 //
 // verify_attention_invariant: every query through the one-query-at-a-time path, whatever T and
@@ -36,14 +36,15 @@
 #include <vector>
 
 #include "cpu_exp.h"
+#include "fixed_order_dot.h"
 #include "op_checks.h"
 
 namespace swiftkern {
 namespace cpu {
 namespace {
 
-constexpr int kLanes = 16;
 constexpr int64_t kMinLaneQueries = 8;  // fewer queries per kv head: one query at a time is faster
+constexpr int64_t kTokenBlock = 8;     // new tokens a one-query-path task takes at most (they share key blocks)
 constexpr int64_t kKeyBlock = 64;       // keys per block walked by all of a task's queries (32 KiB at D 128)
 constexpr int64_t kSharedKvBytes = int64_t(1) << 19;  // a head's keys + values past this: read once per task
 
@@ -89,7 +90,8 @@ __attribute__((target("avx512f"))) inline float dot_avx512(const float* q, const
   return _mm512_reduce_add_ps(acc);
 }
 
-// Four keys at a time: four independent chains, each key's arithmetic that of dot_avx512 alone.
+// Four keys at a time: four independent chains, each key's arithmetic that of dot_avx512 alone
+// (the four horizontal sums side by side make the same additions as _mm512_reduce_add_ps).
 __attribute__((target("avx512f"))) void scores_avx512(const float* q, const float* k, int64_t k_s, int64_t L,
                                                       int64_t D, float scale, float* s) {
   int64_t j = 0;
@@ -112,10 +114,9 @@ __attribute__((target("avx512f"))) void scores_avx512(const float* q, const floa
       a2 = _mm512_fmadd_ps(qd, _mm512_maskz_loadu_ps(m, k2 + d), a2);
       a3 = _mm512_fmadd_ps(qd, _mm512_maskz_loadu_ps(m, k3 + d), a3);
     }
-    s[j] = _mm512_reduce_add_ps(a0) * scale;
-    s[j + 1] = _mm512_reduce_add_ps(a1) * scale;
-    s[j + 2] = _mm512_reduce_add_ps(a2) * scale;
-    s[j + 3] = _mm512_reduce_add_ps(a3) * scale;
+    const __m512 acc[4] = {a0, a1, a2, a3};
+    halving_sum_4_avx512(acc, s + j);  // _mm512_reduce_add_ps's pairings, four side by side
+    for (int r = 0; r < 4; ++r) s[j + r] *= scale;
   }
   for (; j < L; ++j) s[j] = dot_avx512(q, k + j * k_s, D) * scale;
 }
@@ -411,8 +412,10 @@ void attend(const AttnShape& sh, const E* q, const E* k, const E* v, const int64
     if (avx512 && !invariant && group * sh.T >= kMinLaneQueries) return attend_lanes(sh, q, k, v, lens, out);
   }
 #endif
-  // one task per (row, kv head, new token): the group's queries see the same keys, which are
-  // walked in blocks of kKeyBlock, each block read from memory once for the whole group
+  // one task per (row, kv head, block of new tokens): the block's queries (tokens x the group)
+  // walk the keys in blocks of kKeyBlock, each read from memory once for all of them (a prefill
+  // streamed every key from L3 once per token). Each query's arithmetic is the same whatever
+  // block it is in: its scores key by key, its softmax and its value sums in key order.
   using ScoresFn = void (*)(const E*, const E*, int64_t, int64_t, int64_t, float, float*);
   using ValuesFn = void (*)(const float*, const E*, int64_t, int64_t, int64_t, float*);
   ScoresFn scores_fn = scores_portable<E>;
@@ -428,35 +431,49 @@ void attend(const AttnShape& sh, const E* q, const E* k, const E* v, const int64
     }
   }
 #endif
-  const int64_t tasks = sh.B * sh.Hkv * sh.T;
-  const int64_t work = std::max<int64_t>(1, group * sh.S * sh.D);  // FMAs of one task, at most
+  // tokens a task takes: 4 tasks a thread first (decode and short passes keep one token a task),
+  // then up to kTokenBlock
+  const int64_t spread = sh.B * sh.Hkv * sh.T / (4 * static_cast<int64_t>(at::get_num_threads()));
+  const int64_t per_task = std::clamp<int64_t>(spread, 1, std::min(kTokenBlock, sh.T));
+  const int64_t blocks = (sh.T + per_task - 1) / per_task;  // token blocks of a (row, kv head)
+  const int64_t tasks = sh.B * sh.Hkv * blocks;
+  const int64_t queries = per_task * group;  // of a task, at most
+  const int64_t work = std::max<int64_t>(1, queries * sh.S * sh.D);  // FMAs of one task, at most
   at::parallel_for(0, tasks, std::max<int64_t>(1, (int64_t(1) << 16) / work), [&](int64_t t0, int64_t t1) {
-    std::vector<float> scores(static_cast<size_t>(group * sh.S)), acc(static_cast<size_t>(group * sh.D));
-    std::vector<float> total(static_cast<size_t>(group));
+    std::vector<float> scores(static_cast<size_t>(queries * sh.S)), acc(static_cast<size_t>(queries * sh.D));
+    std::vector<float> total(static_cast<size_t>(queries));
     for (int64_t task = t0; task < t1; ++task) {
-      const int64_t i = task % sh.T, hkv = (task / sh.T) % sh.Hkv, b = task / (sh.T * sh.Hkv);
-      const int64_t L = lens[b] - sh.T + i + 1;  // keys these queries see (>= 1: lens[b] >= T)
+      const int64_t blk = task % blocks, hkv = (task / blocks) % sh.Hkv, b = task / (blocks * sh.Hkv);
+      const int64_t i0 = blk * per_task, nt = std::min(per_task, sh.T - i0);
+      const int64_t first = lens[b] - sh.T + i0 + 1;  // keys token i0 sees (>= 1: lens[b] >= T); i0 + t: first + t
       const E* kb = k + b * sh.k_b + hkv * sh.k_h;
       const E* vb = v + b * sh.k_b + hkv * sh.k_h;
-      for (int64_t j0 = 0; j0 < L; j0 += kKeyBlock) {
-        const int64_t n = std::min(kKeyBlock, L - j0);
-        for (int64_t g = 0; g < group; ++g) {
-          const E* qg = q + b * sh.q_b + (hkv * group + g) * sh.q_h + i * sh.q_t;
-          scores_fn(qg, kb + j0 * sh.k_s, sh.k_s, n, sh.D, sh.scale, scores.data() + g * sh.S + j0);
+      auto query = [&](int64_t t, int64_t g) { return q + b * sh.q_b + (hkv * group + g) * sh.q_h + (i0 + t) * sh.q_t; };
+      for (int64_t j0 = 0; j0 < first + nt - 1; j0 += kKeyBlock)
+        for (int64_t t = std::max<int64_t>(0, j0 - first + 1); t < nt; ++t) {  // the tokens that see key j0
+          const int64_t n = std::min(kKeyBlock, first + t - j0);
+          for (int64_t g = 0; g < group; ++g)
+            scores_fn(query(t, g), kb + j0 * sh.k_s, sh.k_s, n, sh.D, sh.scale,
+                      scores.data() + (t * group + g) * sh.S + j0);
         }
-      }
-      for (int64_t g = 0; g < group; ++g) total[g] = softmax_fn(scores.data() + g * sh.S, L);
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t j0 = 0; j0 < L; j0 += kKeyBlock) {
-        const int64_t n = std::min(kKeyBlock, L - j0);
+      for (int64_t t = 0; t < nt; ++t)
         for (int64_t g = 0; g < group; ++g)
-          values_fn(scores.data() + g * sh.S + j0, vb + j0 * sh.k_s, sh.k_s, n, sh.D, acc.data() + g * sh.D);
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        E* o = out + ((b * sh.Hq + hkv * group + g) * sh.T + i) * sh.D;
-        const float inv = 1.0f / total[g];
-        for (int64_t d = 0; d < sh.D; ++d) o[d] = static_cast<E>(acc[g * sh.D + d] * inv);
-      }
+          total[t * group + g] = softmax_fn(scores.data() + (t * group + g) * sh.S, first + t);
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t j0 = 0; j0 < first + nt - 1; j0 += kKeyBlock)
+        for (int64_t t = std::max<int64_t>(0, j0 - first + 1); t < nt; ++t) {
+          const int64_t n = std::min(kKeyBlock, first + t - j0);
+          for (int64_t g = 0; g < group; ++g)
+            values_fn(scores.data() + (t * group + g) * sh.S + j0, vb + j0 * sh.k_s, sh.k_s, n, sh.D,
+                      acc.data() + (t * group + g) * sh.D);
+        }
+      for (int64_t t = 0; t < nt; ++t)
+        for (int64_t g = 0; g < group; ++g) {
+          E* o = out + ((b * sh.Hq + hkv * group + g) * sh.T + i0 + t) * sh.D;
+          const float inv = 1.0f / total[t * group + g];
+          const float* a = acc.data() + (t * group + g) * sh.D;
+          for (int64_t d = 0; d < sh.D; ++d) o[d] = static_cast<E>(a[d] * inv);
+        }
     }
   });
 }
