@@ -132,7 +132,8 @@ __attribute__((target("avx512f"))) inline void values_columns(const float* p, co
     const float* vj = v + j * v_s;
     const __m512 pj = _mm512_set1_ps(p[j]);
     for (int c = 0; c < R; ++c)
-      r[c] = _mm512_fmadd_ps(pj, kWhole ? _mm512_loadu_ps(vj + 16 * c) : _mm512_maskz_loadu_ps(m[c], vj + 16 * c), r[c]);
+      r[c] = _mm512_fmadd_ps(
+          pj, kWhole ? _mm512_loadu_ps(vj + 16 * c) : _mm512_maskz_loadu_ps(m[c], vj + 16 * c), r[c]);
   }
   for (int c = 0; c < R; ++c) _mm512_mask_storeu_ps(a + 16 * c, m[c], r[c]);
 }
@@ -150,10 +151,9 @@ __attribute__((target("avx512f"))) void accumulate_values_avx512(const float* p,
       m[c] = static_cast<__mmask16>(n == 16 ? 0xFFFFu : (1u << n) - 1u);
     }
     const bool whole = D - d0 >= width;
-    if (width == 128)
-      whole ? values_columns<8, true>(p, v + d0, v_s, L, m, acc + d0) : values_columns<8, false>(p, v + d0, v_s, L, m, acc + d0);
-    else
-      whole ? values_columns<4, true>(p, v + d0, v_s, L, m, acc + d0) : values_columns<4, false>(p, v + d0, v_s, L, m, acc + d0);
+    auto run = width == 128 ? (whole ? values_columns<8, true> : values_columns<8, false>)
+                            : (whole ? values_columns<4, true> : values_columns<4, false>);
+    run(p, v + d0, v_s, L, m, acc + d0);
     d0 += width;
   }
 }
@@ -273,7 +273,8 @@ __attribute__((target("avx512f"))) void lane_values(const float* p, const float*
       for (int64_t j = 0; j < n; ++j) {
         const float* vj = v + j * kv_s + d0;
         __m512 vv[4];
-        for (int c = 0; c < 4; ++c) vv[c] = whole ? _mm512_loadu_ps(vj + 16 * c) : _mm512_maskz_loadu_ps(m[c], vj + 16 * c);
+        for (int c = 0; c < 4; ++c)
+          vv[c] = whole ? _mm512_loadu_ps(vj + 16 * c) : _mm512_maskz_loadu_ps(m[c], vj + 16 * c);
         const float* pj = p + j * kLanes + q0;
         for (int r = 0; r < 4; ++r) {
           const __m512 pr = _mm512_set1_ps(pj[r]);  // lanes past nq hold weight 0
@@ -448,7 +449,9 @@ void attend(const AttnShape& sh, const E* q, const E* k, const E* v, const int64
       const int64_t first = lens[b] - sh.T + i0 + 1;  // keys token i0 sees (>= 1: lens[b] >= T); i0 + t: first + t
       const E* kb = k + b * sh.k_b + hkv * sh.k_h;
       const E* vb = v + b * sh.k_b + hkv * sh.k_h;
-      auto query = [&](int64_t t, int64_t g) { return q + b * sh.q_b + (hkv * group + g) * sh.q_h + (i0 + t) * sh.q_t; };
+      auto query = [&](int64_t t, int64_t g) {  // token i0 + t of query head hkv * group + g
+        return q + b * sh.q_b + (hkv * group + g) * sh.q_h + (i0 + t) * sh.q_t;
+      };
       for (int64_t j0 = 0; j0 < first + nt - 1; j0 += kKeyBlock)
         for (int64_t t = std::max<int64_t>(0, j0 - first + 1); t < nt; ++t) {  // the tokens that see key j0
           const int64_t n = std::min(kKeyBlock, first + t - j0);
