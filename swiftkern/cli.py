@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompt-file", help='a JSONL file, one {"prompt": "..."} per line; all are run as one batch, '
                                            'a line with "arrive_at": N joining it at decoding step N (requests arriving '
-                                           'while others decode)')
+                                           'while others decode); the flags below apply to every line (a line with '
+                                           'its own "seed", "temperature", ... is refused)')
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
     gen.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate per prompt (default 64)")
     gen.add_argument("--mode", default="ar", choices=["ar", "self-spec", "deterministic"],
@@ -169,6 +170,12 @@ def read_prompt_file(path: str) -> list[str]:
     return read_prompt_records(path)[0]
 
 
+# generation options a line might carry: not read per request, so a line with one is refused
+# rather than generated with the command's flags instead (other keys, such as a "kind", pass)
+REQUEST_OPTIONS = ("seed", "max_new_tokens", "max_tokens", "temperature", "top_k", "top_p", "do_sample",
+                   "stop", "stop_token_ids", "eos_token_id", "deterministic", "mode", "chat")
+
+
 def read_prompt_records(path: str) -> tuple[list[str], list[int] | None]:
     """(prompts, arrive_at) from a JSONL file of {"prompt": "..."} objects (or "text"), each
     with an optional "arrive_at": the decoding step at which it joins the batch (0 when left
@@ -187,6 +194,11 @@ def read_prompt_records(path: str) -> tuple[list[str], list[int] | None]:
             text = obj.get("prompt", obj.get("text")) if isinstance(obj, dict) else None
             if not isinstance(text, str):
                 raise SwiftkernError(f'{path}:{n}: expected an object like {{"prompt": "..."}} (or "text")')
+            options = [k for k in REQUEST_OPTIONS if k in obj]
+            if options:
+                raise SwiftkernError(f'{path}:{n}: per-request {", ".join(map(repr, options))} is not read from a '
+                                     "prompt file (a line holds a prompt and its arrive_at); pass it as a flag "
+                                     "for the whole file, or run the requests separately")
             step = obj.get("arrive_at", 0)
             if not isinstance(step, int) or isinstance(step, bool) or step < 0:
                 raise SwiftkernError(f'{path}:{n}: "arrive_at" must be a whole number >= 0, got {step!r}')

@@ -39,6 +39,17 @@ def test_malformed_jsonl(tmp_path, capsys):
     assert cli.main(["generate", "--prompt-file", str(tmp_path / "missing.jsonl")]) == 2
 
 
+def test_a_generation_option_in_a_prompt_file_is_refused_not_ignored(tmp_path):
+    """A line's "seed" or "temperature" would be silently replaced by the command's flags; it is
+    refused naming the line and the key. Other keys (a "kind", as in bench/prompts.jsonl) pass."""
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "ok", "kind": "x", "arrive_at": 1}\n{"prompt": "b", "seed": 3, "top_p": 0.5}\n')
+    with pytest.raises(cli.SwiftkernError, match=r"p.jsonl:2: per-request 'seed', 'top_p' is not read"):
+        cli.read_prompt_records(str(f))
+    f.write_text('{"prompt": "ok", "kind": "x", "arrive_at": 1}\n{"text": "b"}\n')
+    assert cli.read_prompt_records(str(f)) == (["ok", "b"], [1, 0])
+
+
 def test_help_explains_itself():
     r = run("generate", "--help")
     assert r.returncode == 0
