@@ -452,24 +452,26 @@ void attend(const AttnShape& sh, const E* q, const E* k, const E* v, const int64
       auto query = [&](int64_t t, int64_t g) {  // token i0 + t of query head hkv * group + g
         return q + b * sh.q_b + (hkv * group + g) * sh.q_h + (i0 + t) * sh.q_t;
       };
-      for (int64_t j0 = 0; j0 < first + nt - 1; j0 += kKeyBlock)
-        for (int64_t t = std::max<int64_t>(0, j0 - first + 1); t < nt; ++t) {  // the tokens that see key j0
-          const int64_t n = std::min(kKeyBlock, first + t - j0);
-          for (int64_t g = 0; g < group; ++g)
-            scores_fn(query(t, g), kb + j0 * sh.k_s, sh.k_s, n, sh.D, sh.scale,
-                      scores.data() + (t * group + g) * sh.S + j0);
-        }
+      // f(t, j0, n) for each key block [j0, j0 + n) that token i0 + t sees, block by block
+      auto each_key_block = [&](auto&& f) {
+        for (int64_t j0 = 0; j0 < first + nt - 1; j0 += kKeyBlock)
+          for (int64_t t = std::max<int64_t>(0, j0 - first + 1); t < nt; ++t)  // the tokens that see key j0
+            f(t, j0, std::min(kKeyBlock, first + t - j0));
+      };
+      each_key_block([&](int64_t t, int64_t j0, int64_t n) {
+        for (int64_t g = 0; g < group; ++g)
+          scores_fn(query(t, g), kb + j0 * sh.k_s, sh.k_s, n, sh.D, sh.scale,
+                    scores.data() + (t * group + g) * sh.S + j0);
+      });
       for (int64_t t = 0; t < nt; ++t)
         for (int64_t g = 0; g < group; ++g)
           total[t * group + g] = softmax_fn(scores.data() + (t * group + g) * sh.S, first + t);
       std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t j0 = 0; j0 < first + nt - 1; j0 += kKeyBlock)
-        for (int64_t t = std::max<int64_t>(0, j0 - first + 1); t < nt; ++t) {
-          const int64_t n = std::min(kKeyBlock, first + t - j0);
-          for (int64_t g = 0; g < group; ++g)
-            values_fn(scores.data() + (t * group + g) * sh.S + j0, vb + j0 * sh.k_s, sh.k_s, n, sh.D,
-                      acc.data() + (t * group + g) * sh.D);
-        }
+      each_key_block([&](int64_t t, int64_t j0, int64_t n) {
+        for (int64_t g = 0; g < group; ++g)
+          values_fn(scores.data() + (t * group + g) * sh.S + j0, vb + j0 * sh.k_s, sh.k_s, n, sh.D,
+                    acc.data() + (t * group + g) * sh.D);
+      });
       for (int64_t t = 0; t < nt; ++t)
         for (int64_t g = 0; g < group; ++g) {
           E* o = out + ((b * sh.Hq + hkv * group + g) * sh.T + i0 + t) * sh.D;

@@ -129,9 +129,8 @@ class GraphRunner:
         """``new_cache`` for one generate call, held until the context ends: a call made inside it
         (a streamer's own generate on this model) gets a cache of its own instead of the one in
         use. -> the KVCache."""
-        cache = self.new_cache(batch, needed, used)
-        outer = self.cache_leased
-        self.cache_leased = outer or cache is self.cache
+        cache = self.new_cache(batch, needed, used)  # self.cache unless an outer call holds that
+        outer, self.cache_leased = self.cache_leased, True
         try:
             yield cache
         finally:
