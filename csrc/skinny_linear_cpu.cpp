@@ -153,6 +153,13 @@ struct TileTable {
   }
 };
 
+// x rows per block of an M-row call: ~kRowBlockBytes of x, a whole number of tiles of up to
+// max_rows rows
+static int64_t row_block(int max_rows, int64_t M, int64_t K) {
+  const int64_t mr_max = std::min<int64_t>(max_rows, M);
+  return std::max<int64_t>(mr_max, (kRowBlockBytes / (K * 4)) / mr_max * mr_max);
+}
+
 // Outputs y[:, n_begin:n_end): one weight tile (4 rows) at a time, every x tile against it,
 // so each weight row comes from memory once and is then read from L1 (x, a few rows, stays in
 // L1/L2); the weight is walked in order, which the hardware prefetcher streams. Past
@@ -164,8 +171,7 @@ static void fixed_order_linear(const TileTable& table, const float* x, const flo
                                int64_t K, int64_t N, int64_t n_begin, int64_t n_end) {
   constexpr int nr_max = kTileCols;
   const int mr_max = static_cast<int>(std::min<int64_t>(table.max_rows, M));
-  // rows per block: ~kRowBlockBytes of x, a whole number of tiles
-  const int64_t block = std::max<int64_t>(mr_max, (kRowBlockBytes / (K * 4)) / mr_max * mr_max);
+  const int64_t block = row_block(table.max_rows, M, K);
   for (int64_t m0 = 0; m0 < M; m0 += block) {
     const int64_t m1 = std::min(M, m0 + block);
     for (int64_t n = n_begin; n < n_end; n += nr_max) {
@@ -193,6 +199,8 @@ void fixed_order_rows(Isa isa, const float* x, const float* w_rows, float* y, in
                       int64_t n_begin, int64_t n_end) {
   fixed_order_linear(table_for(isa), x, w_rows, y + n_begin, M, K, N, 0, n_end - n_begin);
 }
+
+int64_t fixed_order_row_block(Isa isa, int64_t M, int64_t K) { return row_block(table_for(isa).max_rows, M, K); }
 
 }  // namespace cpu
 

@@ -92,6 +92,17 @@ def test_every_register_tile_shape_has_skinny_linears_bits(bits):
                                  torch.ops.swiftkern.skinny_linear(x, w, b)), (M, N)
 
 
+@needs_cpp
+@pytest.mark.parametrize("bits", [4, 8])
+def test_many_rows_in_several_l2_blocks_have_skinny_linears_bits(bits):
+    """A prefill-sized call: at K = 1536 the x rows go in blocks of 42, so 100 rows are two whole
+    blocks and a partial one, each with its own pass over the unpacked weight tiles."""
+    for M, N in ((100, 7), (43, 1101)):
+        x, w, packed, b = make((M,), 1536, N, bits, True, M + N)
+        assert bitwise_equal(torch.ops.swiftkern.packed_linear(x, packed, b),
+                             torch.ops.swiftkern.skinny_linear(x, w, b)), (M, N)
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_matches_the_reference_twin(bits):
     x, w, packed, b = make((5,), 96, 37, bits, True, bits)
