@@ -6,7 +6,8 @@
 Providers besides the standard ones: ``sdpa``, torch.nn.functional.scaled_dot_product_attention
 on the same padded shapes (q [B, Hq, T, D] against the cache sliced to the longest row, a
 boolean mask for the per-row lengths and the causal chunk, enable_gqa) — the bar the Triton
-kernel must meet. Cases: decode (T = 1) and verification (T = 9) at batch 1, 8 and 32 with
+kernel must meet; on the CPU ``cpp-invariant``, the C++ ``verify_attention_invariant`` (every
+query in the order decode uses: the batch-invariant set's kernel, deterministic mode's prefill). Cases: decode (T = 1) and verification (T = 9) at batch 1, 8 and 32 with
 rows of unequal length around L = 512, 4096 and 32768 keys; heads as SmolLM2 (9/3, D 64) and
 Llama-3-8B (32/8, D 128); on the CPU also a 2048-token prompt prefilled (T = L = 2048). Bytes
 per call: the keys and values each row reads plus q and the output; FLOPs 4 * Hq * D per
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench.kernel_bench import PRINT_KEYS, Case, default_dtype, run_cases, standalone  # noqa: E402, F401
-from swiftkern import reference  # noqa: E402
+from swiftkern import ops, reference  # noqa: E402
 
 ROUTINE = "verify_attention"
 HEADS = {"smollm2": (9, 3, 64), "llama3-8b": (32, 8, 128)}
@@ -70,7 +71,10 @@ def cases(args) -> list[Case]:
 
 
 def run(args) -> list[dict]:
-    return run_cases(ROUTINE, ROUTINE, cases(args), args, extra={"sdpa": sdpa}, tol=(3e-2, 3e-2))
+    extra = {"sdpa": sdpa}
+    if not args.device.startswith("cuda") and "cpp" in ops.backend_info()["kernels"][ROUTINE]["cpu"]:
+        extra["cpp-invariant"] = torch.ops.swiftkern.verify_attention_invariant
+    return run_cases(ROUTINE, ROUTINE, cases(args), args, extra=extra, tol=(3e-2, 3e-2))
 
 
 if __name__ == "__main__":

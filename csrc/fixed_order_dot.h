@@ -54,6 +54,28 @@ __attribute__((target("avx512f"))) static inline void halving_sum_4_avx512(const
   _mm_storeu_ps(y, _mm512_castps512_ps128(lane0));
 }
 
+// reduce_lanes of sixteen accumulators at once -> lane i: a[i]'s sum, the same additions in the
+// same order (l + 8, l + 4, l + 2, l + 1) as a transposing tree: 30 shuffles and 15 adds for 16
+// sums, against 36 shuffles, 12 adds and the scalar stores of four halving_sum_4_avx512.
+__attribute__((target("avx512f"))) static inline __m512 halving_sum_16_avx512(const __m512* a) {
+  // the tree leaves sum b[n] in lane 4 * (n % 4) + n / 4, so b[n] = a[4 * (n % 4) + n / 4]
+  // puts a[i]'s sum in lane i
+  __m512 s[8], r[4], t[2];
+  for (int p = 0; p < 8; ++p) {  // +8: [b(2p) lanes 0-7 + 8-15 | b(2p + 1) ...]
+    const __m512 x = a[4 * ((2 * p) % 4) + (2 * p) / 4], y = a[4 * ((2 * p + 1) % 4) + (2 * p + 1) / 4];
+    s[p] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xEE));
+  }
+  for (int p = 0; p < 4; ++p)  // +4: one quarter per accumulator, lanes 0-3 + 4-7
+    r[p] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * p], s[2 * p + 1], 0x88),
+                         _mm512_shuffle_f32x4(s[2 * p], s[2 * p + 1], 0xDD));
+  for (int p = 0; p < 2; ++p)  // +2 within each quarter: [x0 + x2, x1 + x3, y0 + y2, y1 + y3]
+    t[p] = _mm512_add_ps(_mm512_shuffle_ps(r[2 * p], r[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(r[2 * p], r[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // +1: [x, y, x', y'] per quarter
+  return _mm512_add_ps(_mm512_shuffle_ps(t[0], t[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_ps(t[0], t[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
 #endif
 
 enum class Isa { kPortable, kAvx2, kAvx512 };

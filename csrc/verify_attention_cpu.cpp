@@ -5,9 +5,11 @@
 // p_j = exp(s_j - max s) (cpu_exp.h), out = sum_j p_j v_j / sum_j p_j, all in fp32 (bf16/fp16
 // load and round once at the store). Two paths, by the queries that share a kv head (GQA group
 // x new tokens): below 8, one task per (row, kv head, block of up to 8 tokens) walks the keys
-// in blocks shared by the block's queries, one query at a time; from 8 (fp32, AVX-512), tasks
-// of 16 queries in the lanes of a register. Each query's arithmetic is in a fixed order set by its own keys, so its
-// result does not depend on the batch or the thread that ran it.
+// in blocks shared by the block's queries, scoring one query at a time (16 keys at once) and
+// summing the values of the queries that see the same keys together (one chain per query and
+// column); from 8 (fp32, AVX-512), tasks of 16 queries in the lanes of a register. Each query's
+// arithmetic is in a fixed order set by its own keys, so its result does not depend on the
+// batch, the queries beside it or the thread that ran it.
 //
 // verify_attention_invariant: every query through the one-query-at-a-time path, whatever T and
 // the GQA group (the lane path sums in another order). A query's bits then depend on its own q
@@ -68,13 +70,16 @@ void scores_portable(const E* q, const E* k, int64_t k_s, int64_t L, int64_t D, 
   }
 }
 
-// acc[d] += sum_j p[j] * v_j[d] over keys [0, L), in key order (acc: fp32 [D]).
+// For queries u < nq: acc[u * acc_s + d] += sum_j p[u * p_s + j] * v_j[d] over keys [0, L), in
+// key order (acc: fp32 rows of D).
 template <class E>
-void accumulate_values_portable(const float* p, const E* v, int64_t v_s, int64_t L, int64_t D, float* acc) {
-  for (int64_t j = 0; j < L; ++j) {
-    const E* vj = v + j * v_s;
-    for (int64_t d = 0; d < D; ++d) acc[d] += p[j] * static_cast<float>(vj[d]);
-  }
+void accumulate_values_portable(const float* p, int64_t p_s, int64_t nq, const E* v, int64_t v_s, int64_t L,
+                                int64_t D, float* acc, int64_t acc_s) {
+  for (int64_t u = 0; u < nq; ++u)
+    for (int64_t j = 0; j < L; ++j) {
+      const E* vj = v + j * v_s;
+      for (int64_t d = 0; d < D; ++d) acc[u * acc_s + d] += p[u * p_s + j] * static_cast<float>(vj[d]);
+    }
 }
 
 #if defined(__x86_64__)
@@ -90,11 +95,33 @@ __attribute__((target("avx512f"))) inline float dot_avx512(const float* q, const
   return _mm512_reduce_add_ps(acc);
 }
 
-// Four keys at a time: four independent chains, each key's arithmetic that of dot_avx512 alone
-// (the four horizontal sums side by side make the same additions as _mm512_reduce_add_ps).
+// Sixteen keys at a time, then four: independent chains, each key's arithmetic that of
+// dot_avx512 alone (the horizontal sums side by side make the same additions as
+// _mm512_reduce_add_ps). Four chains of D / 16 FMAs waited on the FMA latency; sixteen keep
+// both FMA ports busy, and their sums are one transposing tree and one vector multiply.
 __attribute__((target("avx512f"))) void scores_avx512(const float* q, const float* k, int64_t k_s, int64_t L,
                                                       int64_t D, float scale, float* s) {
   int64_t j = 0;
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (; j + 16 <= L; j += 16) {
+    const float* kj = k + j * k_s;
+    __m512 a[16];
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r) a[r] = _mm512_setzero_ps();
+    int64_t d = 0;
+    for (; d + 16 <= D; d += 16) {
+      const __m512 qd = _mm512_loadu_ps(q + d);
+#pragma GCC unroll 16
+      for (int r = 0; r < 16; ++r) a[r] = _mm512_fmadd_ps(qd, _mm512_loadu_ps(kj + r * k_s + d), a[r]);
+    }
+    if (d < D) {
+      const __mmask16 m = static_cast<__mmask16>((1u << (D - d)) - 1u);
+      const __m512 qd = _mm512_maskz_loadu_ps(m, q + d);
+#pragma GCC unroll 16
+      for (int r = 0; r < 16; ++r) a[r] = _mm512_fmadd_ps(qd, _mm512_maskz_loadu_ps(m, kj + r * k_s + d), a[r]);
+    }
+    _mm512_storeu_ps(s + j, _mm512_mul_ps(halving_sum_16_avx512(a), vscale));
+  }
   for (; j + 4 <= L; j += 4) {
     const float *k0 = k + j * k_s, *k1 = k0 + k_s, *k2 = k1 + k_s, *k3 = k2 + k_s;
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -121,28 +148,53 @@ __attribute__((target("avx512f"))) void scores_avx512(const float* q, const floa
   for (; j < L; ++j) s[j] = dot_avx512(q, k + j * k_s, D) * scale;
 }
 
-// acc[c * 16 ...] += sum_j p[j] * v_j[...] over R registers of columns (masks m; kWhole: every
-// mask full, plain loads), in key order: R independent chains
-template <int R, bool kWhole>
-__attribute__((target("avx512f"))) inline void values_columns(const float* p, const float* v, int64_t v_s, int64_t L,
-                                                              const __mmask16* m, float* a) {
-  __m512 r[R];
-  for (int c = 0; c < R; ++c) r[c] = _mm512_maskz_loadu_ps(m[c], a + 16 * c);
+// For Q queries: a[u * a_s + c * 16 ...] += sum_j p[u * p_s + j] * v_j[...] over R registers of
+// columns (masks m; kWhole: every mask full, plain loads), in key order: Q * R independent chains,
+// each value row loaded once for the Q queries
+template <int Q, int R, bool kWhole>
+__attribute__((target("avx512f"))) inline void values_columns(const float* p, int64_t p_s, const float* v,
+                                                              int64_t v_s, int64_t L, const __mmask16* m, float* a,
+                                                              int64_t a_s) {
+  __m512 r[Q][R];
+  for (int u = 0; u < Q; ++u)
+    for (int c = 0; c < R; ++c) r[u][c] = _mm512_maskz_loadu_ps(m[c], a + u * a_s + 16 * c);
   for (int64_t j = 0; j < L; ++j) {
     const float* vj = v + j * v_s;
-    const __m512 pj = _mm512_set1_ps(p[j]);
+    __m512 vv[R];
     for (int c = 0; c < R; ++c)
-      r[c] = _mm512_fmadd_ps(
-          pj, kWhole ? _mm512_loadu_ps(vj + 16 * c) : _mm512_maskz_loadu_ps(m[c], vj + 16 * c), r[c]);
+      vv[c] = kWhole ? _mm512_loadu_ps(vj + 16 * c) : _mm512_maskz_loadu_ps(m[c], vj + 16 * c);
+    for (int u = 0; u < Q; ++u) {
+      const __m512 pj = _mm512_set1_ps(p[u * p_s + j]);
+      for (int c = 0; c < R; ++c) r[u][c] = _mm512_fmadd_ps(pj, vv[c], r[u][c]);
+    }
   }
-  for (int c = 0; c < R; ++c) _mm512_mask_storeu_ps(a + 16 * c, m[c], r[c]);
+  for (int u = 0; u < Q; ++u)
+    for (int c = 0; c < R; ++c) _mm512_mask_storeu_ps(a + u * a_s + 16 * c, m[c], r[u][c]);
 }
 
-// acc[d] += sum_j p[j] * v_j[d] in key order, D in chunks of 128 columns (8 registers: 8
-// independent chains), a last chunk of up to 64 in 4; each element's sum is the same sequence
-// whatever the chunking
-__attribute__((target("avx512f"))) void accumulate_values_avx512(const float* p, const float* v, int64_t v_s,
-                                                                  int64_t L, int64_t D, float* acc) {
+using ValuesColumnsFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, const __mmask16*, float*,
+                                 int64_t);
+
+// values_columns for q queries over one chunk of D: 8 registers (128 columns) for 1-2 queries, 4
+// (64 columns) for 1-4; whole: every column of the chunk present
+ValuesColumnsFn values_columns_for(int registers, bool whole, int q) {
+  static constexpr ValuesColumnsFn wide[2][2] = {{values_columns<1, 8, false>, values_columns<2, 8, false>},
+                                                 {values_columns<1, 8, true>, values_columns<2, 8, true>}};
+  static constexpr ValuesColumnsFn narrow[2][4] = {
+      {values_columns<1, 4, false>, values_columns<2, 4, false>, values_columns<3, 4, false>,
+       values_columns<4, 4, false>},
+      {values_columns<1, 4, true>, values_columns<2, 4, true>, values_columns<3, 4, true>,
+       values_columns<4, 4, true>}};
+  return registers == 8 ? wide[whole][q - 1] : narrow[whole][q - 1];
+}
+
+// accumulate_values_portable's sums: D in chunks of 128 columns (8 registers) for up to 2
+// queries at once, a last chunk of up to 64 columns (4 registers) for up to 4; each element's
+// sum is the same sequence whatever the chunking and grouping. One query's 4-8 chains waited on
+// the FMA latency (4 cycles a key at D = 64); 2-4 queries share each value row's loads.
+__attribute__((target("avx512f"))) void accumulate_values_avx512(const float* p, int64_t p_s, int64_t nq,
+                                                                  const float* v, int64_t v_s, int64_t L, int64_t D,
+                                                                  float* acc, int64_t acc_s) {
   for (int64_t d0 = 0; d0 < D;) {
     const int64_t width = D - d0 > 64 ? 128 : 64;
     __mmask16 m[8];
@@ -151,9 +203,13 @@ __attribute__((target("avx512f"))) void accumulate_values_avx512(const float* p,
       m[c] = static_cast<__mmask16>(n == 16 ? 0xFFFFu : (1u << n) - 1u);
     }
     const bool whole = D - d0 >= width;
-    auto run = width == 128 ? (whole ? values_columns<8, true> : values_columns<8, false>)
-                            : (whole ? values_columns<4, true> : values_columns<4, false>);
-    run(p, v + d0, v_s, L, m, acc + d0);
+    const int most = width == 128 ? 2 : 4;  // queries at once: Q * R + R + 1 of the 32 registers
+    for (int64_t u = 0; u < nq; u += most) {
+      const int q = static_cast<int>(std::min<int64_t>(most, nq - u));
+      const float* pu = p + u * p_s;
+      float* au = acc + u * acc_s + d0;
+      values_columns_for(static_cast<int>(width / 16), whole, q)(pu, p_s, v + d0, v_s, L, m, au, acc_s);
+    }
     d0 += width;
   }
 }
@@ -418,7 +474,7 @@ void attend(const AttnShape& sh, const E* q, const E* k, const E* v, const int64
   // streamed every key from L3 once per token). Each query's arithmetic is the same whatever
   // block it is in: its scores key by key, its softmax and its value sums in key order.
   using ScoresFn = void (*)(const E*, const E*, int64_t, int64_t, int64_t, float, float*);
-  using ValuesFn = void (*)(const float*, const E*, int64_t, int64_t, int64_t, float*);
+  using ValuesFn = void (*)(const float*, int64_t, int64_t, const E*, int64_t, int64_t, int64_t, float*, int64_t);
   ScoresFn scores_fn = scores_portable<E>;
   ValuesFn values_fn = accumulate_values_portable<E>;
   auto weights_fn = [](float* s, int64_t L) { return softmax_weights(s, L, exp_fn); };
@@ -452,25 +508,28 @@ void attend(const AttnShape& sh, const E* q, const E* k, const E* v, const int64
       auto query = [&](int64_t t, int64_t g) {  // token i0 + t of query head hkv * group + g
         return q + b * sh.q_b + (hkv * group + g) * sh.q_h + (i0 + t) * sh.q_t;
       };
-      // f(t, j0, n) for each key block [j0, j0 + n) that token i0 + t sees, block by block
+      // f(t0, t1, j0, n): tokens i0 + [t0, t1) each see keys [j0, j0 + n) of the key block at j0;
+      // block by block, the tokens that see a whole block in one run
       auto each_key_block = [&](auto&& f) {
-        for (int64_t j0 = 0; j0 < first + nt - 1; j0 += kKeyBlock)
-          for (int64_t t = std::max<int64_t>(0, j0 - first + 1); t < nt; ++t)  // the tokens that see key j0
-            f(t, j0, std::min(kKeyBlock, first + t - j0));
+        for (int64_t j0 = 0; j0 < first + nt - 1; j0 += kKeyBlock) {
+          const int64_t whole = std::clamp<int64_t>(j0 + kKeyBlock - first, 0, nt);  // from it: all kKeyBlock keys
+          for (int64_t t = std::max<int64_t>(0, j0 - first + 1); t < whole; ++t) f(t, t + 1, j0, first + t - j0);
+          if (whole < nt) f(whole, nt, j0, kKeyBlock);
+        }
       };
-      each_key_block([&](int64_t t, int64_t j0, int64_t n) {
-        for (int64_t g = 0; g < group; ++g)
-          scores_fn(query(t, g), kb + j0 * sh.k_s, sh.k_s, n, sh.D, sh.scale,
-                    scores.data() + (t * group + g) * sh.S + j0);
+      each_key_block([&](int64_t t0, int64_t t1, int64_t j0, int64_t n) {
+        for (int64_t t = t0; t < t1; ++t)
+          for (int64_t g = 0; g < group; ++g)
+            scores_fn(query(t, g), kb + j0 * sh.k_s, sh.k_s, n, sh.D, sh.scale,
+                      scores.data() + (t * group + g) * sh.S + j0);
       });
       for (int64_t t = 0; t < nt; ++t)
         for (int64_t g = 0; g < group; ++g)
           total[t * group + g] = softmax_fn(scores.data() + (t * group + g) * sh.S, first + t);
       std::fill(acc.begin(), acc.end(), 0.0f);
-      each_key_block([&](int64_t t, int64_t j0, int64_t n) {
-        for (int64_t g = 0; g < group; ++g)
-          values_fn(scores.data() + (t * group + g) * sh.S + j0, vb + j0 * sh.k_s, sh.k_s, n, sh.D,
-                    acc.data() + (t * group + g) * sh.D);
+      each_key_block([&](int64_t t0, int64_t t1, int64_t j0, int64_t n) {  // the queries of tokens [t0, t1) at once
+        values_fn(scores.data() + t0 * group * sh.S + j0, sh.S, (t1 - t0) * group, vb + j0 * sh.k_s, sh.k_s, n,
+                  sh.D, acc.data() + t0 * group * sh.D, sh.D);
       });
       for (int64_t t = 0; t < nt; ++t)
         for (int64_t g = 0; g < group; ++g) {
