@@ -3,7 +3,8 @@
 //
 // Per query: scores s_j = scale * q . k_j for the keys it sees (j < cache_lens[b] - T + i + 1),
 // p_j = exp(s_j - max s) (cpu_exp.h), out = sum_j p_j v_j / sum_j p_j, all in fp32 (bf16/fp16
-// load and round once at the store). Two paths, by the queries that share a kv head (GQA group
+// load exactly into fp32 and round once at the store; with AVX-512 they take the fp32 one-query
+// kernels, the lane path being fp32 only). Two paths, by the queries that share a kv head (GQA group
 // x new tokens): below 8, one task per (row, kv head, block of up to 8 tokens) walks the keys
 // in blocks shared by the block's queries, scoring one query at a time (16 keys at once) and
 // summing the values of the queries that see the same keys together (one chain per query and
@@ -83,14 +84,43 @@ void accumulate_values_portable(const float* p, int64_t p_s, int64_t nq, const E
 }
 
 #if defined(__x86_64__)
+// 16 elements of E from p as fp32, exactly (bf16: its bits moved into the high half; fp16:
+// vcvtph2ps), so a bf16 / fp16 cache takes the fp32 kernels' arithmetic; the portable loops
+// took 2-12x torch's time on it (scalar mul and add per element)
+template <class E>
+__attribute__((target("avx512f"))) inline __m512 load16(const E* p) {
+  if constexpr (std::is_same_v<E, float>) {
+    return _mm512_loadu_ps(p);
+  } else {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    if constexpr (std::is_same_v<E, c10::BFloat16>)
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    else
+      return _mm512_cvtph_ps(raw);
+  }
+}
+
+// The elements of p under a prefix mask m (the first popcount(m)), zeros past them
+template <class E>
+__attribute__((target("avx512f"))) inline __m512 load16_masked(const E* p, __mmask16 m) {
+  if constexpr (std::is_same_v<E, float>) {
+    return _mm512_maskz_loadu_ps(m, p);
+  } else {  // a copy of the elements in reach (16-bit masked loads would need AVX512BW)
+    alignas(32) E part[16] = {};
+    for (int i = 0; i < 16 && (m >> i & 1u); ++i) part[i] = p[i];
+    return load16(part);
+  }
+}
+
 // q . k_j over D in 16-lane chunks: one fixed chain of FMAs (masked tail), reduced in a fixed order
-__attribute__((target("avx512f"))) inline float dot_avx512(const float* q, const float* kj, int64_t D) {
+template <class E>
+__attribute__((target("avx512f"))) inline float dot_avx512(const E* q, const E* kj, int64_t D) {
   __m512 acc = _mm512_setzero_ps();
   int64_t d = 0;
-  for (; d + 16 <= D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(kj + d), acc);
+  for (; d + 16 <= D; d += 16) acc = _mm512_fmadd_ps(load16(q + d), load16(kj + d), acc);
   if (d < D) {
     const __mmask16 m = static_cast<__mmask16>((1u << (D - d)) - 1u);
-    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + d), _mm512_maskz_loadu_ps(m, kj + d), acc);
+    acc = _mm512_fmadd_ps(load16_masked(q + d, m), load16_masked(kj + d, m), acc);
   }
   return _mm512_reduce_add_ps(acc);
 }
@@ -99,47 +129,48 @@ __attribute__((target("avx512f"))) inline float dot_avx512(const float* q, const
 // dot_avx512 alone (the horizontal sums side by side make the same additions as
 // _mm512_reduce_add_ps). Four chains of D / 16 FMAs waited on the FMA latency; sixteen keep
 // both FMA ports busy, and their sums are one transposing tree and one vector multiply.
-__attribute__((target("avx512f"))) void scores_avx512(const float* q, const float* k, int64_t k_s, int64_t L,
-                                                      int64_t D, float scale, float* s) {
+template <class E>
+__attribute__((target("avx512f"))) void scores_avx512(const E* q, const E* k, int64_t k_s, int64_t L, int64_t D,
+                                                      float scale, float* s) {
   int64_t j = 0;
   const __m512 vscale = _mm512_set1_ps(scale);
   for (; j + 16 <= L; j += 16) {
-    const float* kj = k + j * k_s;
+    const E* kj = k + j * k_s;
     __m512 a[16];
 #pragma GCC unroll 16
     for (int r = 0; r < 16; ++r) a[r] = _mm512_setzero_ps();
     int64_t d = 0;
     for (; d + 16 <= D; d += 16) {
-      const __m512 qd = _mm512_loadu_ps(q + d);
+      const __m512 qd = load16(q + d);
 #pragma GCC unroll 16
-      for (int r = 0; r < 16; ++r) a[r] = _mm512_fmadd_ps(qd, _mm512_loadu_ps(kj + r * k_s + d), a[r]);
+      for (int r = 0; r < 16; ++r) a[r] = _mm512_fmadd_ps(qd, load16(kj + r * k_s + d), a[r]);
     }
     if (d < D) {
       const __mmask16 m = static_cast<__mmask16>((1u << (D - d)) - 1u);
-      const __m512 qd = _mm512_maskz_loadu_ps(m, q + d);
+      const __m512 qd = load16_masked(q + d, m);
 #pragma GCC unroll 16
-      for (int r = 0; r < 16; ++r) a[r] = _mm512_fmadd_ps(qd, _mm512_maskz_loadu_ps(m, kj + r * k_s + d), a[r]);
+      for (int r = 0; r < 16; ++r) a[r] = _mm512_fmadd_ps(qd, load16_masked(kj + r * k_s + d, m), a[r]);
     }
     _mm512_storeu_ps(s + j, _mm512_mul_ps(halving_sum_16_avx512(a), vscale));
   }
   for (; j + 4 <= L; j += 4) {
-    const float *k0 = k + j * k_s, *k1 = k0 + k_s, *k2 = k1 + k_s, *k3 = k2 + k_s;
+    const E *k0 = k + j * k_s, *k1 = k0 + k_s, *k2 = k1 + k_s, *k3 = k2 + k_s;
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     int64_t d = 0;
     for (; d + 16 <= D; d += 16) {
-      const __m512 qd = _mm512_loadu_ps(q + d);
-      a0 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(k0 + d), a0);
-      a1 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(k1 + d), a1);
-      a2 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(k2 + d), a2);
-      a3 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(k3 + d), a3);
+      const __m512 qd = load16(q + d);
+      a0 = _mm512_fmadd_ps(qd, load16(k0 + d), a0);
+      a1 = _mm512_fmadd_ps(qd, load16(k1 + d), a1);
+      a2 = _mm512_fmadd_ps(qd, load16(k2 + d), a2);
+      a3 = _mm512_fmadd_ps(qd, load16(k3 + d), a3);
     }
     if (d < D) {
       const __mmask16 m = static_cast<__mmask16>((1u << (D - d)) - 1u);
-      const __m512 qd = _mm512_maskz_loadu_ps(m, q + d);
-      a0 = _mm512_fmadd_ps(qd, _mm512_maskz_loadu_ps(m, k0 + d), a0);
-      a1 = _mm512_fmadd_ps(qd, _mm512_maskz_loadu_ps(m, k1 + d), a1);
-      a2 = _mm512_fmadd_ps(qd, _mm512_maskz_loadu_ps(m, k2 + d), a2);
-      a3 = _mm512_fmadd_ps(qd, _mm512_maskz_loadu_ps(m, k3 + d), a3);
+      const __m512 qd = load16_masked(q + d, m);
+      a0 = _mm512_fmadd_ps(qd, load16_masked(k0 + d, m), a0);
+      a1 = _mm512_fmadd_ps(qd, load16_masked(k1 + d, m), a1);
+      a2 = _mm512_fmadd_ps(qd, load16_masked(k2 + d, m), a2);
+      a3 = _mm512_fmadd_ps(qd, load16_masked(k3 + d, m), a3);
     }
     const __m512 acc[4] = {a0, a1, a2, a3};
     halving_sum_4_avx512(acc, s + j);  // _mm512_reduce_add_ps's pairings, four side by side
@@ -151,18 +182,16 @@ __attribute__((target("avx512f"))) void scores_avx512(const float* q, const floa
 // For Q queries: a[u * a_s + c * 16 ...] += sum_j p[u * p_s + j] * v_j[...] over R registers of
 // columns (masks m; kWhole: every mask full, plain loads), in key order: Q * R independent chains,
 // each value row loaded once for the Q queries
-template <int Q, int R, bool kWhole>
-__attribute__((target("avx512f"))) inline void values_columns(const float* p, int64_t p_s, const float* v,
-                                                              int64_t v_s, int64_t L, const __mmask16* m, float* a,
-                                                              int64_t a_s) {
+template <class E, int Q, int R, bool kWhole>
+__attribute__((target("avx512f"))) inline void values_columns(const float* p, int64_t p_s, const E* v, int64_t v_s,
+                                                              int64_t L, const __mmask16* m, float* a, int64_t a_s) {
   __m512 r[Q][R];
   for (int u = 0; u < Q; ++u)
     for (int c = 0; c < R; ++c) r[u][c] = _mm512_maskz_loadu_ps(m[c], a + u * a_s + 16 * c);
   for (int64_t j = 0; j < L; ++j) {
-    const float* vj = v + j * v_s;
+    const E* vj = v + j * v_s;
     __m512 vv[R];
-    for (int c = 0; c < R; ++c)
-      vv[c] = kWhole ? _mm512_loadu_ps(vj + 16 * c) : _mm512_maskz_loadu_ps(m[c], vj + 16 * c);
+    for (int c = 0; c < R; ++c) vv[c] = kWhole ? load16(vj + 16 * c) : load16_masked(vj + 16 * c, m[c]);
     for (int u = 0; u < Q; ++u) {
       const __m512 pj = _mm512_set1_ps(p[u * p_s + j]);
       for (int c = 0; c < R; ++c) r[u][c] = _mm512_fmadd_ps(pj, vv[c], r[u][c]);
@@ -172,19 +201,22 @@ __attribute__((target("avx512f"))) inline void values_columns(const float* p, in
     for (int c = 0; c < R; ++c) _mm512_mask_storeu_ps(a + u * a_s + 16 * c, m[c], r[u][c]);
 }
 
-using ValuesColumnsFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, const __mmask16*, float*,
+template <class E>
+using ValuesColumnsFn = void (*)(const float*, int64_t, const E*, int64_t, int64_t, const __mmask16*, float*,
                                  int64_t);
 
 // values_columns for q queries over one chunk of D: 8 registers (128 columns) for 1-2 queries, 4
 // (64 columns) for 1-4; whole: every column of the chunk present
-ValuesColumnsFn values_columns_for(int registers, bool whole, int q) {
-  static constexpr ValuesColumnsFn wide[2][2] = {{values_columns<1, 8, false>, values_columns<2, 8, false>},
-                                                 {values_columns<1, 8, true>, values_columns<2, 8, true>}};
-  static constexpr ValuesColumnsFn narrow[2][4] = {
-      {values_columns<1, 4, false>, values_columns<2, 4, false>, values_columns<3, 4, false>,
-       values_columns<4, 4, false>},
-      {values_columns<1, 4, true>, values_columns<2, 4, true>, values_columns<3, 4, true>,
-       values_columns<4, 4, true>}};
+template <class E>
+ValuesColumnsFn<E> values_columns_for(int registers, bool whole, int q) {
+  static constexpr ValuesColumnsFn<E> wide[2][2] = {
+      {values_columns<E, 1, 8, false>, values_columns<E, 2, 8, false>},
+      {values_columns<E, 1, 8, true>, values_columns<E, 2, 8, true>}};
+  static constexpr ValuesColumnsFn<E> narrow[2][4] = {
+      {values_columns<E, 1, 4, false>, values_columns<E, 2, 4, false>, values_columns<E, 3, 4, false>,
+       values_columns<E, 4, 4, false>},
+      {values_columns<E, 1, 4, true>, values_columns<E, 2, 4, true>, values_columns<E, 3, 4, true>,
+       values_columns<E, 4, 4, true>}};
   return registers == 8 ? wide[whole][q - 1] : narrow[whole][q - 1];
 }
 
@@ -192,9 +224,10 @@ ValuesColumnsFn values_columns_for(int registers, bool whole, int q) {
 // queries at once, a last chunk of up to 64 columns (4 registers) for up to 4; each element's
 // sum is the same sequence whatever the chunking and grouping. One query's 4-8 chains waited on
 // the FMA latency (4 cycles a key at D = 64); 2-4 queries share each value row's loads.
-__attribute__((target("avx512f"))) void accumulate_values_avx512(const float* p, int64_t p_s, int64_t nq,
-                                                                  const float* v, int64_t v_s, int64_t L, int64_t D,
-                                                                  float* acc, int64_t acc_s) {
+template <class E>
+__attribute__((target("avx512f"))) void accumulate_values_avx512(const float* p, int64_t p_s, int64_t nq, const E* v,
+                                                                  int64_t v_s, int64_t L, int64_t D, float* acc,
+                                                                  int64_t acc_s) {
   for (int64_t d0 = 0; d0 < D;) {
     const int64_t width = D - d0 > 64 ? 128 : 64;
     __mmask16 m[8];
@@ -208,7 +241,7 @@ __attribute__((target("avx512f"))) void accumulate_values_avx512(const float* p,
       const int q = static_cast<int>(std::min<int64_t>(most, nq - u));
       const float* pu = p + u * p_s;
       float* au = acc + u * acc_s + d0;
-      values_columns_for(static_cast<int>(width / 16), whole, q)(pu, p_s, v + d0, v_s, L, m, au, acc_s);
+      values_columns_for<E>(static_cast<int>(width / 16), whole, q)(pu, p_s, v + d0, v_s, L, m, au, acc_s);
     }
     d0 += width;
   }
@@ -480,12 +513,10 @@ void attend(const AttnShape& sh, const E* q, const E* k, const E* v, const int64
   auto weights_fn = [](float* s, int64_t L) { return softmax_weights(s, L, exp_fn); };
   float (*softmax_fn)(float*, int64_t) = weights_fn;
 #if defined(__x86_64__)
-  if constexpr (std::is_same_v<E, float>) {
-    if (avx512) {
-      scores_fn = scores_avx512;
-      values_fn = accumulate_values_avx512;
-      softmax_fn = softmax_weights_avx512;
-    }
+  if (avx512) {
+    scores_fn = scores_avx512<E>;
+    values_fn = accumulate_values_avx512<E>;
+    softmax_fn = softmax_weights_avx512;
   }
 #endif
   // tokens a task takes: 4 tasks a thread first (decode and short passes keep one token a task),

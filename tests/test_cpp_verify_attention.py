@@ -77,19 +77,23 @@ ISAS = [i for i in ("avx512", "portable") if i == "portable" or "avx512" in ops.
 @needs_cpp
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("invariant", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads, T, D, S", [((3, 3), 9, 64, 150), ((1, 9), 2, 20, 70), ((2, 4), 1, 100, 600),
-                                            ((3, 6), 5, 1, 33)])
-def test_every_instruction_set_matches_the_definition(isa, invariant, heads, T, D, S):
+                                            ((3, 6), 5, 1, 33), ((1, 3), 3, 128, 90)])
+def test_every_instruction_set_matches_the_definition(isa, invariant, dtype, heads, T, D, S):
     """The portable loops (what a CPU without AVX-512 runs) and the AVX-512 paths, forced in turn,
-    regular and invariant, float32 (the dtype with AVX-512 paths), NaN past each row's length."""
+    regular and invariant, in float32 and in bf16 / fp16 (loaded into the float32 kernels),
+    NaN past each row's length; D 20 and 100 leave a tail of a 16-column register."""
     Hkv, group = heads
     g = torch.Generator().manual_seed(S + T)
-    q = torch.randn(2, T, Hkv * group, D, generator=g).transpose(1, 2)
-    k, v = torch.randn(2, Hkv, S, D, generator=g), torch.randn(2, Hkv, S, D, generator=g)
+    q = torch.randn(2, T, Hkv * group, D, generator=g).to(dtype).transpose(1, 2)
+    k, v = torch.randn(2, Hkv, S, D, generator=g).to(dtype), torch.randn(2, Hkv, S, D, generator=g).to(dtype)
     lens = torch.tensor([S, T + (S - T) // 3])
     poison_stale(k, v, lens)
     got = ops.registry.extension.verify_attention_isa(q, k, v, lens, D ** -0.5, isa, invariant)
-    assert_close("verify_attention", got, naive_attention(q, k, v, lens, D ** -0.5))
+    assert got.dtype == dtype
+    want = naive_attention(q.float(), k.float(), v.float(), lens, D ** -0.5).to(dtype)
+    assert_close("verify_attention", got, want)
 
 
 @needs_cpp
