@@ -50,8 +50,9 @@ struct LayerWeights {
 };
 
 // ops.linear's choice: the C++ fixed-order kernel up to skinny_max_rows rows (from the packed
-// weight up to packed_max_rows, the same bits), torch's matmul past
+// weight up to packed_max_rows, the same bits), torch's matmul past, and for bf16 / fp16
 at::Tensor project(const StackShape& s, const at::Tensor& x, const LayerWeights& lw, Field weight, Field bias) {
+  if (x.scalar_type() != at::kFloat) return at::linear(x, *lw.w[weight], lw.w[bias]);
   const int64_t rows = x.numel() / x.size(-1);
   const std::optional<at::Tensor>* packed = lw.packed ? lw.packed + weight : nullptr;
   if (packed && packed->has_value() && packed->value().defined() &&
@@ -93,7 +94,8 @@ at::Tensor mlp(const StackShape& s, const LayerWeights& w, const at::Tensor& x) 
 
 }  // namespace
 
-// hidden: float32 [B, T, H] (the embeddings); weights: 16 per layer (_Layer's fields, None for
+// hidden: float32, bfloat16 or float16 [B, T, H] (the embeddings; bf16 / fp16 project with torch's
+// matmul, as ops.linear does); weights: 16 per layer (_Layer's fields, None for
 // an absent bias); skip: per layer, bit 0 = attention skipped, bit 1 = MLP skipped; k_cache,
 // v_cache: [L, B, Hkv, S, D]; cos, sin: [B, T, D]; positions: int64 [B, T]; cache_lens: [B]
 // the lengths after this chunk; max_len: keys in use; skinny_max_rows: ops.SKINNY_MAX_ROWS
@@ -109,8 +111,12 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack_cpu(
     int64_t num_kv_heads, int64_t head_dim, double eps, double scale, int64_t skinny_max_rows, bool invariant,
     const std::vector<std::optional<at::Tensor>>& packed, int64_t packed_max_rows) {
   const int64_t L = static_cast<int64_t>(skip.size());
-  TORCH_CHECK(hidden.device().is_cpu() && hidden.scalar_type() == at::kFloat && hidden.dim() == 3,
-              "decoder_stack: hidden must be float32 [B, T, H] on the CPU, got ", hidden.sizes());
+  const auto dtype = hidden.scalar_type();
+  TORCH_CHECK(hidden.device().is_cpu() && hidden.dim() == 3 &&
+                  (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf),
+              "decoder_stack: hidden must be float32, bfloat16 or float16 [B, T, H] on the CPU, got ", dtype, " ",
+              hidden.sizes());
+  TORCH_CHECK(!invariant || dtype == at::kFloat, "decoder_stack: the invariant set runs in float32, got ", dtype);
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == L * kFields, "decoder_stack: ", kFields,
               " weights per layer expected, got ", weights.size(), " for ", L, " layers");
   TORCH_CHECK(k_cache.dim() == 5 && k_cache.size(0) == L && v_cache.sizes() == k_cache.sizes(),

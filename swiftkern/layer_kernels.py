@@ -43,7 +43,7 @@ class LayerKernels:
     verify_attention(q, k_cache, v_cache, cache_lens, scale, max_len, mask) -> [B, Hq, T, D]
 
     and ``backends``: {op: the backend name} as ``ops.backend_for`` reports it. ``stack``: where
-    every layer op is a C++ CPU kernel, the whole layer loop in one C++ call (float32; see
+    every layer op is a C++ CPU kernel, the whole layer loop in one C++ call (float32, bf16, fp16; see
     ``_stack_for``), else None."""
 
     linear: Callable

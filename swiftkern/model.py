@@ -384,7 +384,7 @@ class SkipModel:
         else:
             cos, sin = self.rotary(hidden, positions)  # [B, T, D] each
         plain = all(s is True or s is False for s in skip_attn + skip_mlp)  # no per-row masks
-        if kern.stack is not None and plain and hidden.dtype == torch.float32:  # _layer_loop in one C++ call
+        if kern.stack is not None and plain:  # _layer_loop in one C++ call
             skip = [int(a) | 2 * int(m) for a, m in zip(skip_attn, skip_mlp)]
             packed = self._packed_slots(kern, B * T)[:len(self._stack_weights)]
             hidden, pending = kern.stack(hidden, self._stack_weights, skip, cache.k, cache.v, cos, sin, positions,

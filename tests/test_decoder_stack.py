@@ -70,6 +70,36 @@ def test_stack_equals_the_python_loop(arch, skip, invariant, monkeypatch):
 
 
 @needs_stack
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_stack_runs_bf16_and_fp16_with_the_python_loops_bits(arch, dtype, monkeypatch):
+    """A model in bf16 / fp16 takes the stack too (its projections torch's matmul, as ops.linear
+    gives them; before, such a model ran the Python loop, ~15 op calls a layer): one stack call
+    per forward, and the loop's logits and cache bit for bit."""
+    model = SkipModel.from_hf(tiny_model(arch, num_hidden_layers=3).to(dtype))
+    g = torch.Generator().manual_seed(7)
+    chunks = [torch.randint(3, 301, (2, T), generator=g) for T in (40, 4, 1)]
+    calls = []
+
+    def counting(name, *args, **kwargs):
+        calls.append(name)
+        return layer_kernels_opaque(name, *args, **kwargs)
+    layer_kernels_opaque = layer_kernels.opaque_call
+    monkeypatch.setattr(layer_kernels, "opaque_call", counting)
+    layer_kernels._CACHE.clear()
+    with_stack = _run(model, chunks, LayerSet.parse("attn:1|mlp:0", 3))
+    assert calls.count("decoder_stack") == len(chunks) and with_stack[0][0].dtype == dtype
+    _without_stack(monkeypatch)
+    layer_kernels._CACHE.clear()
+    without = _run(model, chunks, LayerSet.parse("attn:1|mlp:0", 3))
+    assert calls.count("decoder_stack") == len(chunks)
+    for a, b in zip(with_stack[0], without[0]):
+        assert torch.equal(a, b)
+    assert torch.equal(with_stack[1], without[1]) and torch.equal(with_stack[2], without[2])
+    layer_kernels._CACHE.clear()
+
+
+@needs_stack
 @pytest.mark.parametrize("skip", [None, "attn:0,2|mlp:1"])
 def test_stack_equals_the_reference_ops_on_odd_shapes(skip):
     """Against SWIFTKERN_BACKEND=reference (torch's own ops, none of the C++ kernels the stack
