@@ -7,9 +7,10 @@ Providers besides the standard ones: ``sdpa``, torch.nn.functional.scaled_dot_pr
 on the same padded shapes (q [B, Hq, T, D] against the cache sliced to the longest row, a
 boolean mask for the per-row lengths and the causal chunk, enable_gqa) — the bar the Triton
 kernel must meet; on the CPU ``cpp-invariant``, the C++ ``verify_attention_invariant`` (every
-query in the order decode uses: the batch-invariant set's kernel, deterministic mode's prefill). Cases: decode (T = 1) and verification (T = 9) at batch 1, 8 and 32 with
-rows of unequal length around L = 512, 4096 and 32768 keys; heads as SmolLM2 (9/3, D 64) and
-Llama-3-8B (32/8, D 128); on the CPU also a 2048-token prompt prefilled (T = L = 2048). Bytes
+query in the order decode uses: the batch-invariant set's kernel, deterministic mode's prefill).
+Cases: decode (T = 1) and verification (T = 9) at batch 1, 8 and 32 with rows of unequal length
+around L = 512, 4096 and 32768 keys; heads as SmolLM2 (9/3, D 64) and Llama-3-8B (32/8, D 128);
+on the CPU also a 2048-token prompt prefilled (T = L = 2048). Bytes
 per call: the keys and values each row reads plus q and the output; FLOPs 4 * Hq * D per
 (query, key) pair a query sees (causal within the T new tokens).
 """

@@ -125,55 +125,45 @@ __attribute__((target("avx512f"))) inline float dot_avx512(const E* q, const E* 
   return _mm512_reduce_add_ps(acc);
 }
 
-// Sixteen keys at a time, then four: independent chains, each key's arithmetic that of
-// dot_avx512 alone (the horizontal sums side by side make the same additions as
-// _mm512_reduce_add_ps). Four chains of D / 16 FMAs waited on the FMA latency; sixteen keep
-// both FMA ports busy, and their sums are one transposing tree and one vector multiply.
+// a[r] = the 16 lane sums of q . k_{r} for NK keys k_0.. (stride k_s) over D: NK independent
+// chains of fma in increasing d (masked tail), the chains of dot_avx512
+template <int NK, class E>
+__attribute__((target("avx512f"))) inline void key_chains(const E* q, const E* k, int64_t k_s, int64_t D,
+                                                          __m512* a) {
+#pragma GCC unroll 16
+  for (int r = 0; r < NK; ++r) a[r] = _mm512_setzero_ps();
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16) {
+    const __m512 qd = load16(q + d);
+#pragma GCC unroll 16
+    for (int r = 0; r < NK; ++r) a[r] = _mm512_fmadd_ps(qd, load16(k + r * k_s + d), a[r]);
+  }
+  if (d < D) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (D - d)) - 1u);
+    const __m512 qd = load16_masked(q + d, m);
+#pragma GCC unroll 16
+    for (int r = 0; r < NK; ++r) a[r] = _mm512_fmadd_ps(qd, load16_masked(k + r * k_s + d, m), a[r]);
+  }
+}
+
+// Sixteen keys at a time, then four, then one: each key's arithmetic that of dot_avx512 alone
+// (the horizontal sums side by side make the same additions as _mm512_reduce_add_ps). Four
+// chains of D / 16 FMAs waited on the FMA latency; sixteen keep both FMA ports busy, and their
+// sums are one transposing tree and one vector multiply.
 template <class E>
 __attribute__((target("avx512f"))) void scores_avx512(const E* q, const E* k, int64_t k_s, int64_t L, int64_t D,
                                                       float scale, float* s) {
   int64_t j = 0;
   const __m512 vscale = _mm512_set1_ps(scale);
   for (; j + 16 <= L; j += 16) {
-    const E* kj = k + j * k_s;
     __m512 a[16];
-#pragma GCC unroll 16
-    for (int r = 0; r < 16; ++r) a[r] = _mm512_setzero_ps();
-    int64_t d = 0;
-    for (; d + 16 <= D; d += 16) {
-      const __m512 qd = load16(q + d);
-#pragma GCC unroll 16
-      for (int r = 0; r < 16; ++r) a[r] = _mm512_fmadd_ps(qd, load16(kj + r * k_s + d), a[r]);
-    }
-    if (d < D) {
-      const __mmask16 m = static_cast<__mmask16>((1u << (D - d)) - 1u);
-      const __m512 qd = load16_masked(q + d, m);
-#pragma GCC unroll 16
-      for (int r = 0; r < 16; ++r) a[r] = _mm512_fmadd_ps(qd, load16_masked(kj + r * k_s + d, m), a[r]);
-    }
+    key_chains<16>(q, k + j * k_s, k_s, D, a);
     _mm512_storeu_ps(s + j, _mm512_mul_ps(halving_sum_16_avx512(a), vscale));
   }
   for (; j + 4 <= L; j += 4) {
-    const E *k0 = k + j * k_s, *k1 = k0 + k_s, *k2 = k1 + k_s, *k3 = k2 + k_s;
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    int64_t d = 0;
-    for (; d + 16 <= D; d += 16) {
-      const __m512 qd = load16(q + d);
-      a0 = _mm512_fmadd_ps(qd, load16(k0 + d), a0);
-      a1 = _mm512_fmadd_ps(qd, load16(k1 + d), a1);
-      a2 = _mm512_fmadd_ps(qd, load16(k2 + d), a2);
-      a3 = _mm512_fmadd_ps(qd, load16(k3 + d), a3);
-    }
-    if (d < D) {
-      const __mmask16 m = static_cast<__mmask16>((1u << (D - d)) - 1u);
-      const __m512 qd = load16_masked(q + d, m);
-      a0 = _mm512_fmadd_ps(qd, load16_masked(k0 + d, m), a0);
-      a1 = _mm512_fmadd_ps(qd, load16_masked(k1 + d, m), a1);
-      a2 = _mm512_fmadd_ps(qd, load16_masked(k2 + d, m), a2);
-      a3 = _mm512_fmadd_ps(qd, load16_masked(k3 + d, m), a3);
-    }
-    const __m512 acc[4] = {a0, a1, a2, a3};
-    halving_sum_4_avx512(acc, s + j);  // _mm512_reduce_add_ps's pairings, four side by side
+    __m512 a[4];
+    key_chains<4>(q, k + j * k_s, k_s, D, a);
+    halving_sum_4_avx512(a, s + j);  // _mm512_reduce_add_ps's pairings, four side by side
     for (int r = 0; r < 4; ++r) s[j + r] *= scale;
   }
   for (; j < L; ++j) s[j] = dot_avx512(q, k + j * k_s, D) * scale;
