@@ -50,9 +50,8 @@ struct LayerWeights {
 };
 
 // ops.linear's choice: the C++ fixed-order kernel up to skinny_max_rows rows (from the packed
-// weight up to packed_max_rows, the same bits), torch's matmul past, and for bf16 / fp16
+// weight up to packed_max_rows, the same bits; float32 only), torch's matmul past
 at::Tensor project(const StackShape& s, const at::Tensor& x, const LayerWeights& lw, Field weight, Field bias) {
-  if (x.scalar_type() != at::kFloat) return at::linear(x, *lw.w[weight], lw.w[bias]);
   const int64_t rows = x.numel() / x.size(-1);
   const std::optional<at::Tensor>* packed = lw.packed ? lw.packed + weight : nullptr;
   if (packed && packed->has_value() && packed->value().defined() &&
@@ -94,12 +93,12 @@ at::Tensor mlp(const StackShape& s, const LayerWeights& w, const at::Tensor& x) 
 
 }  // namespace
 
-// hidden: float32, bfloat16 or float16 [B, T, H] (the embeddings; bf16 / fp16 project with torch's
-// matmul, as ops.linear does); weights: 16 per layer (_Layer's fields, None for
+// hidden: float32, bfloat16 or float16 [B, T, H] (the embeddings; the weights in the same dtype);
+// weights: 16 per layer (_Layer's fields, None for
 // an absent bias); skip: per layer, bit 0 = attention skipped, bit 1 = MLP skipped; k_cache,
 // v_cache: [L, B, Hkv, S, D]; cos, sin: [B, T, D]; positions: int64 [B, T]; cache_lens: [B]
-// the lengths after this chunk; max_len: keys in use; skinny_max_rows: ops.SKINNY_MAX_ROWS
-// (-1: the fixed-order kernel at any number of rows, the invariant set); invariant: the
+// the lengths after this chunk; max_len: keys in use; skinny_max_rows: ops.skinny_max_rows(dtype)
+// (-1: the fixed-order kernel at any number of rows: the invariant set, bf16 / fp16); invariant: the
 // one-query attention path; packed: empty, or per weight slot the packed weight
 // (packed_weights.pack) or None; packed_max_rows: rows up to which a packed weight is read (-1: any).
 // -> (hidden, pending): the residual stream and the last kept

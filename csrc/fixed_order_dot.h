@@ -83,7 +83,8 @@ enum class Isa { kPortable, kAvx2, kAvx512 };
 static inline bool isa_supported(Isa isa) {
 #if defined(__x86_64__)
   if (isa == Isa::kAvx512) return __builtin_cpu_supports("avx512f");
-  if (isa == Isa::kAvx2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (isa == Isa::kAvx2)
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 #endif
   return isa == Isa::kPortable;
 }

@@ -290,7 +290,7 @@ static at::Tensor packed_linear_with(cpu::Isa isa, const at::Tensor& x, const at
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "packed_linear: x [..., K] must match packed [N, K/32, bytes]: got ",
               x.sizes(), " and ", packed.sizes());
   LinearCall call = linear_call("packed_linear", x, N, bias);
-  if (call.trivial(K)) return call.y;
+  if (call.trivial(K)) return call.finish();
   const int64_t M = call.M;
   const at::Tensor xc = x.contiguous(), pc = packed.contiguous();
   const int bits = cpu::packed_bits(pc.size(2));

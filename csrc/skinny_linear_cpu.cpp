@@ -15,10 +15,19 @@
 // 20.5; tiles of 7-8 x rows by 3 gained nothing at 8 rows and lost 30 % at 16), and the first x
 // tile prefetches the weight tile two ahead, so the weight streams from memory while earlier
 // tiles compute.
+//
+// bfloat16 / float16 (x and weight of one dtype): the weight is read in its own dtype and loaded
+// into fp32 exactly (exact_load.h), x is upcast once, and each output is rounded once at the end:
+// y = skinny_linear(x.float(), w.float(), b.float()).to(dtype), bit for bit. The bits still
+// depend on nothing but the row, so a bf16 model's verify pass reproduces its decode steps
+// (with torch's bf16 matmul, one row and k + 1 rows summed in different orders, and
+// self-speculation's output drifted from plain decoding's), and it streams half the bytes of an
+// fp32 weight (oneDNN's bf16 matmul at one row: 72 us for 1536 x 576 against 33 us here from fp32).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "exact_load.h"
 #include "fixed_order_dot.h"
 #include "linear_call.h"
 
@@ -30,6 +39,7 @@
 #endif
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace swiftkern {
@@ -43,24 +53,26 @@ constexpr int kTileCols = 4;     // weight rows per register tile
 constexpr int64_t kRowBlockBytes = 256 * 1024;
 constexpr int64_t kPrefetchTiles = 2;  // weight tiles prefetched ahead of the one in use (measured best of 1, 2, 3, 6)
 
-// One tile: rows x[0..MR) (stride K) against weight rows w[0..NR) (stride K) -> y (stride N).
-template <int MR, int NR>
-static void tile_portable(const float* x, const float* w, float* y, int64_t K, int64_t N, const float* pf) {
+// One tile: rows x[0..MR) (stride K) against weight rows w[0..NR) (stride K, elements of W) -> y
+// (stride N); pf: a weight tile to prefetch, or nullptr.
+template <int MR, int NR, class W>
+static void tile_portable(const float* x, const W* w, float* y, int64_t K, int64_t N, const W* pf) {
   (void)pf;
   float lane[MR][NR][kLanes] = {};
   for (int64_t k = 0; k < K; ++k) {
     const int l = static_cast<int>(k % kLanes);
     for (int i = 0; i < MR; ++i)
-      for (int j = 0; j < NR; ++j) lane[i][j][l] = std::fma(x[i * K + k], w[j * K + k], lane[i][j][l]);
+      for (int j = 0; j < NR; ++j)
+        lane[i][j][l] = std::fma(x[i * K + k], static_cast<float>(w[j * K + k]), lane[i][j][l]);
   }
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) y[i * N + j] = reduce_lanes(lane[i][j]);
 }
 
 #if defined(__x86_64__)
-template <int MR, int NR>
-__attribute__((target("avx512f"))) static void tile_avx512(const float* x, const float* w, float* y, int64_t K,
-                                                           int64_t N, const float* pf) {
+template <int MR, int NR, class W>
+__attribute__((target("avx512f"))) static void tile_avx512(const float* x, const W* w, float* y, int64_t K,
+                                                           int64_t N, const W* pf) {
   __m512 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -69,7 +81,7 @@ __attribute__((target("avx512f"))) static void tile_avx512(const float* x, const
     if (pf)
       for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(pf + j * K + k), _MM_HINT_T0);
     __m512 wv[NR];
-    for (int j = 0; j < NR; ++j) wv[j] = _mm512_loadu_ps(w + j * K + k);
+    for (int j = 0; j < NR; ++j) wv[j] = load16(w + j * K + k);
     for (int i = 0; i < MR; ++i) {
       const __m512 xv = _mm512_loadu_ps(x + i * K + k);
       for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
@@ -78,7 +90,7 @@ __attribute__((target("avx512f"))) static void tile_avx512(const float* x, const
   if (k < K) {  // the tail: masked lanes keep their sums unchanged, as in the portable loop
     const __mmask16 mask = static_cast<__mmask16>((1u << (K - k)) - 1u);
     __m512 wv[NR];
-    for (int j = 0; j < NR; ++j) wv[j] = _mm512_maskz_loadu_ps(mask, w + j * K + k);
+    for (int j = 0; j < NR; ++j) wv[j] = load16_masked(w + j * K + k, mask);
     for (int i = 0; i < MR; ++i) {
       const __m512 xv = _mm512_maskz_loadu_ps(mask, x + i * K + k);
       for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_mask3_fmadd_ps(xv, wv[j], acc[i][j], mask);
@@ -93,9 +105,9 @@ __attribute__((target("avx512f"))) static void tile_avx512(const float* x, const
 }
 
 // AVX2: lanes 0-7 and 8-15 of an output in two registers; tiles of up to 2 x rows (16 accumulators).
-template <int MR, int NR>
-__attribute__((target("avx2,fma"))) static void tile_avx2(const float* x, const float* w, float* y, int64_t K,
-                                                          int64_t N, const float* pf) {
+template <int MR, int NR, class W>
+__attribute__((target("avx2,fma,f16c"))) static void tile_avx2(const float* x, const W* w, float* y, int64_t K,
+                                                               int64_t N, const W* pf) {
   __m256 lo[MR][NR], hi[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) lo[i][j] = hi[i][j] = _mm256_setzero_ps();
@@ -106,8 +118,8 @@ __attribute__((target("avx2,fma"))) static void tile_avx2(const float* x, const 
     for (int i = 0; i < MR; ++i) {
       const __m256 x0 = _mm256_loadu_ps(x + i * K + k), x1 = _mm256_loadu_ps(x + i * K + k + 8);
       for (int j = 0; j < NR; ++j) {
-        lo[i][j] = _mm256_fmadd_ps(x0, _mm256_loadu_ps(w + j * K + k), lo[i][j]);
-        hi[i][j] = _mm256_fmadd_ps(x1, _mm256_loadu_ps(w + j * K + k + 8), hi[i][j]);
+        lo[i][j] = _mm256_fmadd_ps(x0, load8(w + j * K + k), lo[i][j]);
+        hi[i][j] = _mm256_fmadd_ps(x1, load8(w + j * K + k + 8), hi[i][j]);
       }
     }
   }
@@ -120,36 +132,40 @@ __attribute__((target("avx2,fma"))) static void tile_avx2(const float* x, const 
       }
       _mm256_storeu_ps(lane, lo[i][j]);
       _mm256_storeu_ps(lane + 8, hi[i][j]);
-      for (int64_t t = k; t < K; ++t) lane[t - k] = std::fma(x[i * K + t], w[j * K + t], lane[t - k]);
+      for (int64_t t = k; t < K; ++t)
+        lane[t - k] = std::fma(x[i * K + t], static_cast<float>(w[j * K + t]), lane[t - k]);
       y[i * N + j] = reduce_lanes(lane);
     }
 }
 #endif
 
-using TileFn = void (*)(const float*, const float*, float*, int64_t, int64_t, const float*);
+template <class W>
+using TileFn = void (*)(const float*, const W*, float*, int64_t, int64_t, const W*);
 
-template <int MR, int NR>
-static TileFn tile_for(Isa isa) {
+template <int MR, int NR, class W>
+static TileFn<W> tile_for(Isa isa) {
 #if defined(__x86_64__)
-  if (isa == Isa::kAvx512) return tile_avx512<MR, NR>;
-  if (isa == Isa::kAvx2) return tile_avx2<MR, NR>;
+  if (isa == Isa::kAvx512) return tile_avx512<MR, NR, W>;
+  if (isa == Isa::kAvx2) return tile_avx2<MR, NR, W>;
 #endif
   (void)isa;
-  return tile_portable<MR, NR>;
+  return tile_portable<MR, NR, W>;
 }
 
-template <int MR>
-static void fill_row(Isa isa, TileFn* row) {
-  row[0] = tile_for<MR, 1>(isa); row[1] = tile_for<MR, 2>(isa); row[2] = tile_for<MR, 3>(isa);
-  row[3] = tile_for<MR, 4>(isa);
+template <int MR, class W>
+static void fill_row(Isa isa, TileFn<W>* row) {
+  row[0] = tile_for<MR, 1, W>(isa); row[1] = tile_for<MR, 2, W>(isa); row[2] = tile_for<MR, 3, W>(isa);
+  row[3] = tile_for<MR, 4, W>(isa);
 }
 
+// The tiles of one instruction set for weights of type W
+template <class W>
 struct TileTable {
-  TileFn fn[kMaxTileRows][kTileCols];  // [MR - 1][NR - 1]
-  int max_rows;                        // x rows per tile this ISA takes at once
+  TileFn<W> fn[kMaxTileRows][kTileCols];  // [MR - 1][NR - 1]
+  int max_rows;                           // x rows per tile this ISA takes at once
   explicit TileTable(Isa isa) : max_rows(isa == Isa::kAvx2 ? 2 : isa == Isa::kAvx512 ? kMaxTileRows : 4) {
-    fill_row<1>(isa, fn[0]); fill_row<2>(isa, fn[1]); fill_row<3>(isa, fn[2]); fill_row<4>(isa, fn[3]);
-    fill_row<5>(isa, fn[4]); fill_row<6>(isa, fn[5]);
+    fill_row<1, W>(isa, fn[0]); fill_row<2, W>(isa, fn[1]); fill_row<3, W>(isa, fn[2]);
+    fill_row<4, W>(isa, fn[3]); fill_row<5, W>(isa, fn[4]); fill_row<6, W>(isa, fn[5]);
   }
 };
 
@@ -167,7 +183,8 @@ static int64_t row_block(int max_rows, int64_t M, int64_t K) {
 // swept once per block: without blocks every weight tile streamed all of x from L3 or memory
 // (a SmolLM2 prefill of 8 x 164 tokens ran at ~130 GFLOP/s against MKL's ~310). A block
 // changes which outputs are computed together, never the order of one output's sum.
-static void fixed_order_linear(const TileTable& table, const float* x, const float* w, float* y, int64_t M,
+template <class W>
+static void fixed_order_linear(const TileTable<W>& table, const float* x, const W* w, float* y, int64_t M,
                                int64_t K, int64_t N, int64_t n_begin, int64_t n_end) {
   constexpr int nr_max = kTileCols;
   const int mr_max = static_cast<int>(std::min<int64_t>(table.max_rows, M));
@@ -181,15 +198,16 @@ static void fixed_order_linear(const TileTable& table, const float* x, const flo
         // the first x tile asks for the weight tile kPrefetchTiles ahead, so it arrives while
         // this one is used; past the end of this task's range nothing is prefetched
         const int64_t ahead = n + kPrefetchTiles * nr_max;
-        const float* pf = (m == m0 && ahead + nr_max <= n_end) ? w + ahead * K : nullptr;
+        const W* pf = (m == m0 && ahead + nr_max <= n_end) ? w + ahead * K : nullptr;
         table.fn[mr - 1][nr - 1](x + m * K, w + n * K, y + m * N + n, K, N, pf);
       }
     }
   }
 }
 
-static const TileTable& table_for(Isa isa) {
-  static const TileTable avx512(Isa::kAvx512), avx2(Isa::kAvx2), portable(Isa::kPortable);
+template <class W>
+static const TileTable<W>& table_for(Isa isa) {
+  static const TileTable<W> avx512(Isa::kAvx512), avx2(Isa::kAvx2), portable(Isa::kPortable);
   return isa == Isa::kAvx512 ? avx512 : isa == Isa::kAvx2 ? avx2 : portable;
 }
 
@@ -197,45 +215,61 @@ static const TileTable& table_for(Isa isa) {
 // the tiles of `isa`: packed_linear_cpu.cpp runs it on weight tiles it has unpacked into L1
 void fixed_order_rows(Isa isa, const float* x, const float* w_rows, float* y, int64_t M, int64_t K, int64_t N,
                       int64_t n_begin, int64_t n_end) {
-  fixed_order_linear(table_for(isa), x, w_rows, y + n_begin, M, K, N, 0, n_end - n_begin);
+  fixed_order_linear(table_for<float>(isa), x, w_rows, y + n_begin, M, K, N, 0, n_end - n_begin);
 }
 
-int64_t fixed_order_row_block(Isa isa, int64_t M, int64_t K) { return row_block(table_for(isa).max_rows, M, K); }
+int64_t fixed_order_row_block(Isa isa, int64_t M, int64_t K) {
+  return row_block(table_for<float>(isa).max_rows, M, K);
+}
 
 }  // namespace cpu
 
-static at::Tensor skinny_linear_with(const cpu::TileTable& table, const at::Tensor& x, const at::Tensor& weight,
+// y [M, N] = x [M, K] @ w [N, K]^T with the tiles of isa for weights of type W, in tasks of
+// whole weight tiles (~128 KiB of weight each)
+template <class W>
+static void fixed_order_matmul(cpu::Isa isa, const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N) {
+  const cpu::TileTable<W>& table = cpu::table_for<W>(isa);
+  constexpr int nr = cpu::kTileCols;
+  const int64_t tiles = (N + nr - 1) / nr;
+  const int64_t grain = std::max<int64_t>(1, 32768 / (nr * K));
+  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+    cpu::fixed_order_linear(table, x, w, y, M, K, N, t0 * nr, std::min(N, t1 * nr));
+  });
+}
+
+static at::Tensor skinny_linear_with(cpu::Isa isa, const at::Tensor& x, const at::Tensor& weight,
                                      const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "skinny_linear_cpu: tensors must be on the CPU");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
-              "skinny_linear: x and weight must be float32, got ", x.scalar_type(), " and ", weight.scalar_type());
+  const at::ScalarType dtype = x.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf) &&
+                  weight.scalar_type() == dtype,
+              "skinny_linear: x and weight must be float32, bfloat16 or float16, one dtype, got ", dtype, " and ",
+              weight.scalar_type(), " (convert one to the other's dtype)");
   TORCH_CHECK(weight.dim() == 2, "skinny_linear: weight must be [N, K], got ", weight.sizes());
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == weight.size(1),
               "skinny_linear: x [..., K] must match weight [N, K]: got ", x.sizes(), " and ", weight.sizes());
   const int64_t K = weight.size(1), N = weight.size(0);
   LinearCall call = linear_call("skinny_linear", x, N, bias);
-  if (call.trivial(K)) return call.y;
-  const int64_t M = call.M;
-  const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+  if (call.trivial(K)) return call.finish();
+  const at::Tensor xc = x.to(at::kFloat).contiguous(), wc = weight.contiguous();  // x: [M, K] fp32, exact
   const float* xp = xc.data_ptr<float>();
-  const float* wp = wc.data_ptr<float>();
   float* yp = call.y.data_ptr<float>();
-  // tasks of whole weight tiles, ~128 KiB of weight each
-  constexpr int nr = cpu::kTileCols;
-  const int64_t tiles = (N + nr - 1) / nr;
-  const int64_t grain = std::max<int64_t>(1, 32768 / (nr * K));
-  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
-    cpu::fixed_order_linear(table, xp, wp, yp, M, K, N, t0 * nr, std::min(N, t1 * nr));
-  });
+  if (dtype == at::kFloat)
+    fixed_order_matmul(isa, xp, wc.data_ptr<float>(), yp, call.M, K, N);
+  else if (dtype == at::kBFloat16)
+    fixed_order_matmul(isa, xp, wc.data_ptr<at::BFloat16>(), yp, call.M, K, N);
+  else
+    fixed_order_matmul(isa, xp, wc.data_ptr<at::Half>(), yp, call.M, K, N);
   return call.finish();
 }
 
-// x: float32 [..., K] (any number of rows); weight: float32 [N, K]; bias: float32 [N] or None
-// -> float32 [..., N], each element a fixed-order dot product (+ bias); the widest ISA the CPU has
+// x: [..., K] and weight: [N, K], both float32, bfloat16 or float16; bias: [N] of the same dtype
+// or None -> [..., N] of that dtype, each element a fixed-order fp32 dot product (+ bias),
+// rounded once; the widest ISA the CPU has
 at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
                              const std::optional<at::Tensor>& bias) {
-  static const cpu::TileTable table(cpu::pick_isa());
-  return skinny_linear_with(table, x, weight, bias);
+  static const cpu::Isa isa = cpu::pick_isa();
+  return skinny_linear_with(isa, x, weight, bias);
 }
 
 // The same with a named instruction set ("avx512", "avx2", "portable"), for the test that all
@@ -244,7 +278,7 @@ at::Tensor skinny_linear_isa(const at::Tensor& x, const at::Tensor& weight, cons
   for (cpu::Isa i : {cpu::Isa::kAvx512, cpu::Isa::kAvx2, cpu::Isa::kPortable}) {
     if (isa == cpu::isa_name(i)) {
       TORCH_CHECK(cpu::isa_supported(i), "skinny_linear_isa: this CPU cannot run ", isa);
-      return skinny_linear_with(cpu::TileTable(i), x, weight, std::nullopt);
+      return skinny_linear_with(i, x, weight, std::nullopt);
     }
   }
   TORCH_CHECK(false, "skinny_linear_isa: unknown instruction set '", isa, "' (avx512, avx2, portable)");

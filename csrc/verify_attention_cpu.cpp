@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "cpu_exp.h"
+#include "exact_load.h"
 #include "fixed_order_dot.h"
 #include "op_checks.h"
 
@@ -84,34 +85,6 @@ void accumulate_values_portable(const float* p, int64_t p_s, int64_t nq, const E
 }
 
 #if defined(__x86_64__)
-// 16 elements of E from p as fp32, exactly (bf16: its bits moved into the high half; fp16:
-// vcvtph2ps), so a bf16 / fp16 cache takes the fp32 kernels' arithmetic; the portable loops
-// took 2-12x torch's time on it (scalar mul and add per element)
-template <class E>
-__attribute__((target("avx512f"))) inline __m512 load16(const E* p) {
-  if constexpr (std::is_same_v<E, float>) {
-    return _mm512_loadu_ps(p);
-  } else {
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    if constexpr (std::is_same_v<E, c10::BFloat16>)
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-    else
-      return _mm512_cvtph_ps(raw);
-  }
-}
-
-// The elements of p under a prefix mask m (the first popcount(m)), zeros past them
-template <class E>
-__attribute__((target("avx512f"))) inline __m512 load16_masked(const E* p, __mmask16 m) {
-  if constexpr (std::is_same_v<E, float>) {
-    return _mm512_maskz_loadu_ps(m, p);
-  } else {  // a copy of the elements in reach (16-bit masked loads would need AVX512BW)
-    alignas(32) E part[16] = {};
-    for (int i = 0; i < 16 && (m >> i & 1u); ++i) part[i] = p[i];
-    return load16(part);
-  }
-}
-
 // q . k_j over D in 16-lane chunks: one fixed chain of FMAs (masked tail), reduced in a fixed order
 template <class E>
 __attribute__((target("avx512f"))) inline float dot_avx512(const E* q, const E* kj, int64_t D) {

@@ -94,7 +94,7 @@ def _stack_for(invariant: bool) -> Callable | None:
     sub-layer in one C++ call, through the same CPU kernels in the same order as the Python
     loop (the same bits), without its ~15 Python-level op calls per layer (on SmolLM2 a few ms
     of a ~24 ms decode step). Matmuls as ``linear`` here: the C++ kernel up to
-    ops.SKINNY_MAX_ROWS rows (at any number in the invariant set), torch's past that.
+    ops.skinny_max_rows(dtype) rows (at any number in the invariant set), torch's past that.
 
     stack(hidden [B, T, H], weights (16 per layer, _Layer's fields), skip (per layer: 1 attention
     skipped, 2 MLP skipped), k_cache, v_cache [L, B, Hkv, S, D], cos, sin [B, T, D], positions
@@ -104,11 +104,11 @@ def _stack_for(invariant: bool) -> Callable | None:
     run = getattr(ops.registry.extension, "decoder_stack", None)
     if run is None:
         return None
-    rows = -1 if invariant else ops.SKINNY_MAX_ROWS
     packed_rows = -1 if invariant else ops.PACKED_MAX_ROWS  # packed: skinny_linear's bits, fewer bytes
 
     def stack(hidden, weights, skip, k_cache, v_cache, cos, sin, positions, cache_lens, max_len, num_heads,
               num_kv_heads, head_dim, eps, scale, packed):
+        rows = -1 if invariant else ops.skinny_max_rows(hidden.dtype)
         return opaque_call("decoder_stack", run, hidden, weights, skip, k_cache, v_cache, cos, sin, positions,
                            cache_lens, max_len, num_heads, num_kv_heads, head_dim, eps, scale, rows, invariant,
                            packed, packed_rows)
@@ -153,8 +153,8 @@ def _kernel_attention(attend: Callable) -> Callable:
 
 
 def _linear_for(device_type: str) -> Callable:
-    """ops.linear's choice, made once: the C++ skinny kernel for float32 inputs of at most
-    ops.SKINNY_MAX_ROWS rows on the CPU (when built and allowed), torch's matmul otherwise."""
+    """ops.linear's choice, made once: the C++ skinny kernel on the CPU (when built and allowed)
+    where ops.skinny_fits, torch's matmul otherwise."""
     if not ops.backends.cpu_kernel("skinny_linear", device_type):
         return reference.skinny_linear
     skinny, fits = torch.ops.swiftkern.skinny_linear, ops.skinny_fits

@@ -34,7 +34,7 @@ def fused_add_rms_norm(
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T + bias for a few rows (decode, verification). x: [..., K] (``ops.linear``
-    runs the C++ kernel up to ``ops.SKINNY_MAX_ROWS`` rows); weight: [N, K]; bias: [N] or None
+    runs the C++ kernel where ``ops.skinny_fits``); weight: [N, K]; bias: [N] or None
     -> [..., N]"""
     return torch.nn.functional.linear(x, weight, bias)
 

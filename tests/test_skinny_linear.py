@@ -1,6 +1,7 @@
 """skinny_linear: ops.linear and the raw op against a float64 reference, batch invariance
-(any number of rows), every instruction set giving the same bits, the > SKINNY_MAX_ROWS fallback of
-ops.linear, bad input and opcheck."""
+(any number of rows), every instruction set giving the same bits, bfloat16 / float16 as the
+float32 sum rounded once (and against torch's matmul in that dtype), the > SKINNY_MAX_ROWS fallback
+of ops.linear, bad input and opcheck."""
 
 import pytest
 import torch
@@ -66,14 +67,25 @@ def test_batch_invariance(K, N):
     assert torch.equal(ops.linear(x[3:10], w, b), y16[3:10])
 
 
+HALF_DTYPES = [torch.bfloat16, torch.float16]
+UNIT_ROUNDOFF = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+
+
+def cast(tensors, dtype):
+    return [None if t is None else t.to(dtype) for t in tensors]
+
+
 @needs_cpp
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF_DTYPES])
 @pytest.mark.parametrize("K, N", [(15, 9), (576, 577), (1536, 67)])
-def test_raw_op_rows_do_not_depend_on_m(K, N):
+def test_raw_op_rows_do_not_depend_on_m(K, N, dtype):
     """The raw op takes any number of rows; row i has the same bits for every M > i (register
-    tiles of 4 rows, thread splits and tails change no output's order of summation)."""
-    x, w, b = make((301,), K, N, True, K * N)
+    tiles of 4 rows, thread splits and tails change no output's order of summation), in every
+    dtype: what makes a verify pass give the bits of the decode steps it replays."""
+    x, w, b = cast(make((301,), K, N, True, K * N), dtype)
     full = OP(x, w, b)
-    check_close(full, x, w, b)
+    if dtype == torch.float32:
+        check_close(full, x, w, b)
     bad = [m for m in list(range(1, 40)) + [63, 64, 65, 128, 200, 300] if not torch.equal(OP(x[:m], w, b), full[:m])]
     assert not bad, f"rows differ for M in {bad}"
     perm = torch.randperm(301, generator=torch.Generator().manual_seed(1))
@@ -83,20 +95,42 @@ def test_raw_op_rows_do_not_depend_on_m(K, N):
 @needs_cpp
 @settings(max_examples=25, deadline=None)
 @given(M=st.integers(1, 11), K=st.sampled_from([1, 7, 15, 16, 17, 31, 33, 100, 576]), N=st.integers(1, 13),
-       seed=st.integers(0, 2**31 - 1))
-def test_every_instruction_set_gives_the_same_bits(M, K, N, seed):
+       seed=st.integers(0, 2**31 - 1), dtype=st.sampled_from([torch.float32, *HALF_DTYPES]))
+def test_every_instruction_set_gives_the_same_bits(M, K, N, seed, dtype):
     """AVX-512, AVX2 and the portable loop follow one order of summation: equal bit for bit
-    (only the sets this CPU runs; the portable one always)."""
+    (only the sets this CPU runs; the portable one always), bf16 / fp16 weights loaded exactly
+    (their result: the float32 portable loop's on the upcast inputs, rounded once)."""
     from swiftkern import _C
 
     x, w, _ = make((M,), K, N, False, seed)
-    isas = _C.skinny_linear_isas()
-    assert "portable" in isas
     want = _C.skinny_linear_isa(x, w, "portable")
     check_close(want, x, w, None)
+    if dtype != torch.float32:
+        x, w = cast((x, w), dtype)
+        want = _C.skinny_linear_isa(x.float(), w.float(), "portable").to(dtype)
+    isas = _C.skinny_linear_isas()
+    assert "portable" in isas
     for isa in isas:
         assert torch.equal(_C.skinny_linear_isa(x, w, isa), want), isa
     assert torch.equal(OP(x, w, None), want)
+
+
+@needs_cpp
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(shapes(), st.sampled_from(HALF_DTYPES))
+def test_bf16_and_fp16_are_the_float32_sum_rounded_once(case, dtype):
+    """x, weight, bias in bf16 / fp16: each output is the float32 kernel's on the exactly upcast
+    inputs, rounded once (ops.linear and the raw op), and within that rounding, plus the float32
+    sums' own difference, of torch's matmul in the dtype (``reference.skinny_linear``)."""
+    lead, K, N, bias, seed = case
+    x, w, b = cast(make(lead, K, N, bias, seed), dtype)
+    want = OP(x.float(), w.float(), None if b is None else b.float()).to(dtype)
+    for y in (OP(x, w, b), ops.linear(x, w, b)):
+        assert y.dtype == dtype and torch.equal(y, want)
+    twin = reference.skinny_linear(x, w, b).float()
+    scale = x.float().abs() @ w.float().abs().T + (0 if b is None else b.float().abs())
+    err = (want.float() - twin).abs()
+    assert (err <= 2 * UNIT_ROUNDOFF[dtype] * torch.maximum(want.float().abs(), twin.abs()) + 1e-5 * scale).all()
 
 
 @pytest.mark.parametrize("lead", [(ops.SKINNY_MAX_ROWS + 1,), (40,), (3, 17)])
@@ -110,6 +144,7 @@ def test_empty_reduction_axis():
     x, w, b = make((3,), 0, 5, True, 0)
     assert torch.equal(ops.linear(x, w, b), b.expand(3, 5))
     assert torch.equal(ops.linear(x, w, None), torch.zeros(3, 5))
+    assert torch.equal(ops.linear(x.bfloat16(), w.bfloat16(), b.bfloat16()), b.bfloat16().expand(3, 5))
 
 
 def test_zero_rows_and_strided_input():
@@ -125,9 +160,10 @@ def test_zero_rows_and_strided_input():
 @pytest.mark.parametrize(
     "args, message",
     [
-        (lambda x, w, b: (x.double(), w.double(), b.double()), "must be float32"),
-        (lambda x, w, b: (x.bfloat16(), w.bfloat16(), b.bfloat16()), "must be float32"),
+        (lambda x, w, b: (x.double(), w.double(), b.double()), "must be float32, bfloat16 or float16"),
+        (lambda x, w, b: (x.bfloat16(), w, b), "one dtype"),
         (lambda x, w, b: (x, w.double(), b), "must be float32"),
+        (lambda x, w, b: (x.half(), w.half(), b), "bias must be float16"),
         (lambda x, w, b: (x[:, :7], w, b), "must match weight"),
         (lambda x, w, b: (x, w[None], b), r"weight must be \[N, K\]"),
         (lambda x, w, b: (x, w, b[:3]), "bias must be float32"),
@@ -146,6 +182,8 @@ def test_bad_input_to_linear_raises():
     for args, match in (((x[:, :7], w, b), r"x must be \[..., K\] and weight \[N, K\]"),
                         ((x, w, b[:4]), r"bias must be \[N\] = \[5\]"),
                         ((x, w.double(), b), "weight must be float32, bfloat16 or float16"),
+                        ((x.bfloat16(), w, b), "inputs must share one dtype"),
+                        ((x, w, b.half()), "inputs must share one dtype"),
                         ((x.long(), w.long(), None), "x must be float32"),
                         ((x, w.tolist(), b), "weight must be a torch.Tensor")):
         with pytest.raises(SwiftkernError, match=match):

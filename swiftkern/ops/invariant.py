@@ -68,6 +68,6 @@ def bi_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         raise SwiftkernError(f"{op}: a {tuple(a.shape)} {a.dtype} on {a.device} and b {tuple(b.shape)} {b.dtype} "
                              f"on {b.device} must share K, dtype and device")
     if cpu_kernel("skinny_linear", a.device.type):
-        w = b.t().to(torch.float32)  # [N, K]: no copy for b = weight.t() of a float32 weight
-        return torch.ops.swiftkern.skinny_linear(a.to(torch.float32), w, None).to(a.dtype)
+        # b.t(): [N, K], no copy for b = weight.t(); bf16 / fp16 are summed in fp32 and rounded once
+        return torch.ops.swiftkern.skinny_linear(a, b.t(), None)
     return run(op, a.device, a, b)

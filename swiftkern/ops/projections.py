@@ -1,5 +1,6 @@
-"""The projections: x @ weight.T from float32 weights (the C++ ``skinny_linear`` on the CPU at
-decode and verification sizes) or from weights packed as 4/8-bit codes (``packed_linear``)."""
+"""The projections: x @ weight.T from float32, bfloat16 or float16 weights (the C++
+``skinny_linear`` on the CPU at decode and verification sizes) or from weights packed as 4/8-bit
+codes (``packed_linear``)."""
 
 from __future__ import annotations
 
@@ -15,24 +16,39 @@ from .checks import check_float_tensors, check_tensors, one_device
 # rows up to which ops.linear runs the C++ kernel on the CPU: a SmolLM2 forward of 20 / 26 / 32
 # tokens took 60 / 68 / 74 ms with it and 71 / 74 / 78 ms with MKL; for prefill-sized inputs MKL wins
 SKINNY_MAX_ROWS = 32
+SKINNY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
+
+def skinny_max_rows(dtype: torch.dtype) -> int:
+    """Rows up to which ops.linear runs the C++ skinny kernel on the CPU (-1: any number).
+    float32: SKINNY_MAX_ROWS. bf16 / fp16: any, so a verify pass of any size gives the bits of
+    the decode steps it replays (through torch's matmul, k + 1 rows of a bf16 model summed in
+    another order than one, and self-spec's output drifted from ar's); it is also as fast: 1-1024
+    rows of SmolLM2's projections at 150-217 GFLOP/s, torch's bf16 matmul 22-163 (this CPU has
+    no AMX)."""
+    return SKINNY_MAX_ROWS if dtype == torch.float32 else -1
 
 
 def skinny_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the C++ skinny kernel takes x @ weight.T, once ``_cpu_kernel`` allows it:
-    float32 operands of at most SKINNY_MAX_ROWS rows."""
-    return x.dtype == torch.float32 and weight.dtype == torch.float32 and x.numel() <= SKINNY_MAX_ROWS * x.shape[-1]
+    operands of one dtype (float32, bfloat16 or float16), at most skinny_max_rows(dtype) rows."""
+    if x.dtype != weight.dtype or x.dtype not in SKINNY_DTYPES:
+        return False
+    limit = skinny_max_rows(x.dtype)
+    return limit < 0 or x.numel() <= limit * x.shape[-1]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T + bias, the projection every layer of the model runner uses.
 
-    x: [..., K]; weight: [N, K]; bias: [N] or None -> [..., N]. On the CPU with float32 and at
-    most SKINNY_MAX_ROWS rows (decode, verification, drafting) it runs the C++ ``skinny_linear``
-    kernel: one pass over the weight, each output a fixed-order dot product whatever the number
-    of rows (so a row's result does not depend on the batch). Other cases, and
-    SWIFTKERN_BACKEND=reference | triton | cuda (which have no such kernel), use torch's matmul
-    (``reference.skinny_linear``); the two agree to float32 rounding.
+    x: [..., K]; weight: [N, K]; bias: [N] or None -> [..., N]. On the CPU with x, weight (and
+    bias) of one dtype, float32 (at most SKINNY_MAX_ROWS rows: decode, verification, drafting)
+    or bfloat16 / float16 (any number), it runs the C++ ``skinny_linear`` kernel: one pass over the
+    weight, each output a fixed-order fp32 dot product whatever the number of rows (so a row's
+    result does not depend on the batch, and a verify pass gives the bits of the decode steps it
+    replays), rounded once to the dtype. Other cases, and SWIFTKERN_BACKEND=reference | triton |
+    cuda (which have no such kernel), use torch's matmul (``reference.skinny_linear``); the two
+    agree to rounding (float32's, or one bf16 / fp16 rounding of the fp32 sum).
     ``backend_info()["kernels"]["skinny_linear"]`` says which kernel is built.
     """
     op = "linear"
