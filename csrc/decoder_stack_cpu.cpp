@@ -115,7 +115,6 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack_cpu(
                   (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf),
               "decoder_stack: hidden must be float32, bfloat16 or float16 [B, T, H] on the CPU, got ", dtype, " ",
               hidden.sizes());
-  TORCH_CHECK(!invariant || dtype == at::kFloat, "decoder_stack: the invariant set runs in float32, got ", dtype);
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == L * kFields, "decoder_stack: ", kFields,
               " weights per layer expected, got ", weights.size(), " for ", L, " layers");
   TORCH_CHECK(k_cache.dim() == 5 && k_cache.size(0) == L && v_cache.sizes() == k_cache.sizes(),

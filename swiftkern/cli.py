@@ -90,8 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "fewer prompts are verified)")
     gen.add_argument("--replay", default="auto", choices=["auto", "always"],
                      help="deterministic: auto (default) skips the replay where it cannot change a bit "
-                          "(CPU, float32, C++ kernels: every kernel is batch- and length-invariant, so rows "
-                          "decode directly; --drafter self-spec then speculates with lookup and the "
+                          "(CPU with the C++ kernels, float32, bf16 or fp16: every kernel is batch- and "
+                          "length-invariant, so rows decode directly; --drafter self-spec then speculates with lookup and the "
                           "--layer-set draft); always: the LLM-42 replay everywhere")
     gen.add_argument("--verifier-kernels", default="auto", choices=["auto", "portable", "fused"],
                      help="deterministic replay: the verifier's per-row ops. portable: torch compositions, "

@@ -18,8 +18,8 @@ Sampling draws each token with a uniform keyed on (seed, absolute position), so 
 and the replay draw the same token unless their distributions differ at that point.
 Words: the *pending* token of a row is its last verified token, whose KV is not yet written.
 
-Where every kernel of the regular path is itself batch- and length-invariant (the CPU in float32
-with the C++ kernels, ``SkipModel.batch_invariant``), the replay would reproduce the fast path
+Where every kernel of the regular path is itself batch- and length-invariant (the CPU with the
+C++ kernels, float32, bfloat16 or float16: ``SkipModel.batch_invariant``), the replay would reproduce the fast path
 bit for bit: ``Generator(replay="auto")`` then decodes without it, and ``invariant_token_logprobs``
 re-scores an output.
 """

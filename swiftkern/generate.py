@@ -128,7 +128,7 @@ class Generator:
     and every ``window`` unverified tokens are replayed in a
     fixed-shape ``verify_batch x window`` batch-invariant pass that commits the matching prefix
     plus its own token at the first mismatch. ``replay="auto"`` (default) skips that replay where
-    it cannot change a bit: on the CPU in float32 with the C++ kernels, every decode, verify and
+    it cannot change a bit: on the CPU with the C++ kernels (float32, bfloat16 or float16), every decode, verify and
     prefill runs the batch- and length-invariant kernels (``SkipModel.batch_invariant``), so
     rows decode as in ``ar`` (``drafter="self-spec"``: as in self-spec, the drafter policy over
     lookup, the layer-skipped draft and no draft, whose verify passes are the invariant model)

@@ -38,9 +38,9 @@ def collect_info() -> dict:
     info.update(ops.backend_info())
     from .layer_kernels import LayerKernels, invariant_kernels_available
 
-    # float32 CPU forwards: the layer loop in one C++ call, or op by op from Python
-    info["cpu_layer_loop"] = ("C++ decoder_stack (float32)" if LayerKernels.for_device("cpu").stack is not None
-                              else "Python, op by op")
+    # CPU forwards: the layer loop in one C++ call, or op by op from Python
+    info["cpu_layer_loop"] = ("C++ decoder_stack (float32, bfloat16, float16)"
+                              if LayerKernels.for_device("cpu").stack is not None else "Python, op by op")
 
     # GGUF-quantized float32 weights read as their codes (swiftkern/packed_weights.py)
     info["packed_weights"] = ("cpu float32 (AVX-512): projections and LM head of a GGUF model read as 4/8-bit codes"
@@ -52,7 +52,8 @@ def collect_info() -> dict:
     info["cuda_graphs"] = ("available: Generator(cuda_graphs=True) / --cuda-graphs" if torch.cuda.is_available()
                            else "not available (no CUDA device)")
     # where the batch-invariant kernel set runs, mode deterministic needs no replay (replay="auto")
-    info["deterministic_without_replay"] = ("cpu float32" if invariant_kernels_available("cpu", torch.float32)
+    info["deterministic_without_replay"] = ("cpu float32, bfloat16, float16"
+                                            if invariant_kernels_available("cpu", torch.float32)
                                             else "no (the LLM-42 replay runs)")
     # what the replay's verifier runs per row with verifier_kernels="auto" (swiftkern/verifier_kernels.py)
     from .verifier_kernels import verifier_kernels

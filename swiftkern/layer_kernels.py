@@ -69,9 +69,10 @@ INVARIANT_CPU_OPS = ("skinny_linear", "rms_norm", "fused_add_rms_norm", "silu_mu
 
 
 def invariant_kernels_available(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether the batch- and length-invariant kernel set runs here: float32 on the CPU with the
-    C++ kernels built and allowed (SWIFTKERN_BACKEND auto or cpp)."""
-    return dtype == torch.float32 and all(ops.backends.cpu_kernel(op, device_type) for op in INVARIANT_CPU_OPS)
+    """Whether the batch- and length-invariant kernel set runs here: float32, bfloat16 or float16
+    on the CPU with the C++ kernels built and allowed (SWIFTKERN_BACKEND auto or cpp)."""
+    return (dtype in ops.SKINNY_DTYPES
+            and all(ops.backends.cpu_kernel(op, device_type) for op in INVARIANT_CPU_OPS))
 
 
 def _bind_invariant(device_type: str) -> LayerKernels:

@@ -12,7 +12,7 @@ where a chunk starts. The matmuls are ``batch_invariant.bi_linear`` in both.
             plans fixed by the row width, or elementwise) and ``verify_attention_invariant``
             (one fixed plan): ~20 launches a layer.
 ``auto`` is fused on the device types of FUSED_BY_DEFAULT (where its invariance is tested) when
-it runs there, portable elsewhere: the CPU with the C++ kernels in float32 takes fused; CUDA
+it runs there, portable elsewhere: the CPU with the C++ kernels (float32, bf16, fp16) takes fused; CUDA
 takes portable until the GPU tests (``tests/test_deterministic_gpu.py``, both sets) have
 passed on a GPU.
 """
@@ -123,7 +123,8 @@ def verifier_kernels(choice: str, device_type: str, dtype: torch.dtype) -> Verif
         if choice == "auto":
             return PORTABLE
         raise SwiftkernError(f"the fused verifier kernels run on CUDA (Triton) or on the CPU with swiftkern's "
-                             f"C++ kernels in float32, with SWIFTKERN_BACKEND auto (here: {device_type}, {dtype}, "
+                             f"C++ kernels (float32, bfloat16 or float16), with SWIFTKERN_BACKEND auto "
+                             f"(here: {device_type}, {dtype}, "
                              f"SWIFTKERN_BACKEND={ops.backends.current_backend()}); use verifier kernels 'portable' (or 'auto')")
     if backend == "cpp":
         cpp = torch.ops.swiftkern

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import tiny_model
-from swiftkern import reference
+from swiftkern import ops, reference
 from swiftkern.batch_invariant import (KEY_BLOCK, bi_attention, bi_exp, bi_log_softmax, bi_rms_norm, bi_silu_mul,
                                        tree_sum)
 from swiftkern.deterministic import FastPath, invariant_token_logprobs
@@ -163,9 +163,16 @@ def test_verifier_rejects_bad_slots(tiny):
         Verifier(tiny, window=0, verify_batch=1)
     with pytest.raises(SwiftkernError, match="verifier kernels must be one of"):
         Verifier(tiny, window=4, verify_batch=1, kernels="fast")
-    with pytest.raises(SwiftkernError, match="the fused verifier kernels run on CUDA"):
-        Verifier(SkipModel(tiny_model("llama").to(torch.bfloat16)), window=4, verify_batch=1, kernels="fused")
-    assert Verifier(SkipModel(tiny_model("llama").to(torch.bfloat16)), 4, 1).kernels.name == "portable"
+    half = SkipModel(tiny_model("llama").to(torch.bfloat16))
+    if invariant_kernels_available("cpu", torch.bfloat16):
+        assert Verifier(half, 4, 1).kernels.name == "fused (cpp)"
+    ops.set_backend("reference")  # no fused set without the C++ (or Triton) kernels
+    try:
+        with pytest.raises(SwiftkernError, match="the fused verifier kernels run on CUDA"):
+            Verifier(half, window=4, verify_batch=1, kernels="fused")
+        assert Verifier(half, 4, 1).kernels.name == "portable"
+    finally:
+        ops.set_backend("auto")
 
 
 # --------------------------------------------------------------------------- the needle
@@ -196,10 +203,15 @@ def hf_token_logprobs(model: SkipModel, prompt: list[int], tokens: list[int]) ->
     return F.log_softmax(logits.float(), -1).gather(1, torch.tensor(tokens)[:, None])[:, 0], logits.argmax(-1)
 
 
+# |our logprob - HF's| at the same tokens: float32 rounding, or HF's own bf16 / fp16 activations
+LOGPROB_ATOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+
+
 def needle_tiny(model, sample, seed, trials, replay="always", **gen_kw):
     """The needle on a tiny model, window 8, verify batch 4, 24 tokens, batches of 1-16; alone,
     its tokens are plain ar's (the same seeded draws; the speculative loop without replay draws
-    by rejection sampling instead) and its logprobs HF's at those tokens."""
+    by rejection sampling instead) and its logprobs HF's at those tokens (to the dtype's
+    LOGPROB_ATOL)."""
     gen = Generator(model, mode="deterministic", window=8, verify_batch=4, replay=replay, **gen_kw)
     kw = dict(max_new_tokens=24, eos_token_id=[], do_sample=sample, temperature=1.3, seed=11)
     needle = [17, 250, 9, 3, 44, 61]
@@ -208,7 +220,7 @@ def needle_tiny(model, sample, seed, trials, replay="always", **gen_kw):
     if not (sample and gen.drafter == "self-spec" and gen.replay_elided()):  # that one: rejection sampling's draws
         assert alone.tokens == Generator(model, mode="ar").generate([needle], **kw).tokens
     want, argmax = hf_token_logprobs(model, needle, alone.tokens[0])
-    torch.testing.assert_close(alone.logprobs[0], want, rtol=0, atol=1e-4)
+    torch.testing.assert_close(alone.logprobs[0], want, rtol=0, atol=LOGPROB_ATOL[model.dtype])
     assert sample == bool((argmax != torch.tensor(alone.tokens[0])).any())  # sampled: not every token the argmax
 
 
@@ -225,6 +237,23 @@ def test_needle_tiny_self_spec_without_replay(tiny, sample):
     layer-skip drafts of varying lengths) still gives the needle its own bits."""
     needle_tiny(tiny, sample, seed=9, trials=4, replay="auto", drafter="self-spec", layer_set="attn:1|mlp:2",
                 eps=0.0)
+
+
+@needs_invariant
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("drafter", ["none", "self-spec"])
+@pytest.mark.parametrize("sample", [False, True])
+def test_needle_tiny_half_precision_without_replay(dtype, drafter, sample):
+    """A bf16 / fp16 model on the CPU needs no replay either: the projections sum in fp32 in the
+    fixed order and round once, the attention takes its one-query path, the norms are per row
+    (through torch's bf16 matmul, rows of one batch were summed in orders that depend on the
+    batch)."""
+    spec = dict(drafter="self-spec", layer_set="attn:1|mlp:2", eps=0.0) if drafter == "self-spec" else {}
+    model = SkipModel(tiny_model("llama").to(dtype))
+    assert Generator(model, mode="deterministic").replay_elided()
+    needle_tiny(model, sample, seed=21, trials=3, replay="auto", **spec)
+    if drafter == "none":  # the replay, its verifier on the fused C++ set in the dtype
+        needle_tiny(model, sample, seed=22, trials=2, replay="always", verifier_kernels="fused")
 
 
 @pytest.mark.parametrize("sample", [False, True])
@@ -322,9 +351,12 @@ def test_decode_equals_prefill_and_windows_agree(tiny, kernels):
 
 
 @needs_invariant
-def test_without_replay_decode_equals_prefill(tiny):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_without_replay_decode_equals_prefill(tiny, dtype):
     """No replay: the logprobs returned are the invariant model's, equal bit for bit to scoring
     prompt + output in one forward (``invariant_token_logprobs``); with or without self-spec."""
+    if dtype != torch.float32:
+        tiny = SkipModel(tiny_model("llama").to(dtype))
     prompts = [[4, 77, 31], list(range(10, 60)), [200]]
     plain = Generator(tiny, mode="deterministic").generate(prompts, max_new_tokens=20, eos_token_id=[])
     spec = Generator(tiny, mode="deterministic", drafter="self-spec", layer_set="attn:1|mlp:2", eps=0.0).generate(

@@ -156,10 +156,18 @@ def test_invariant_logits_agree_with_the_regular_ones(tiny_gqa):
 
 
 def test_batch_invariant_refuses_where_the_kernels_do_not_run():
-    model = SkipModel(tiny_model().to(torch.bfloat16))
-    with pytest.raises(SwiftkernError, match="float32"):
-        with model.batch_invariant():
-            pass
+    """Without the C++ kernels (SWIFTKERN_BACKEND=reference) the set does not run, in any dtype."""
+    from swiftkern import ops
+
+    ops.set_backend("reference")
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            model = SkipModel(tiny_model().to(dtype))
+            with pytest.raises(SwiftkernError, match="with the C.. extension built"):
+                with model.batch_invariant():
+                    pass
+    finally:
+        ops.set_backend("auto")
 
 
 @needs_cpp
