@@ -20,7 +20,7 @@ from .layer_kernels import invariant_kernels_available
 from .model import SkipModel
 from .batch_invariant import bi_token_logprob
 from .prompt_ids import encode_prompts
-from .prefill import admit_arrivals, prefill  # noqa: F401 (prefill: part of this module's API)
+from .prefill import admit_arrivals, per_row_pays, prefill  # noqa: F401 (prefill: part of this module's API)
 from .requests import Requests
 from .sampling import SEED_RANGE, SamplingParams, select_tokens
 from .draft_head import DEFAULT_DRAFT_VOCAB, DraftHead
@@ -423,7 +423,8 @@ class Generator:
                 t0 = time.perf_counter()
                 # deterministic mode with replay prefills through its verifier
                 replayed = self.mode == "deterministic" and not invariant
-                first_logits = prefill(self.model, cache, [ids[r] for r in start], per_row=invariant) if not replayed else None
+                per_row = invariant or per_row_pays(self.model)
+                first_logits = prefill(self.model, cache, [ids[r] for r in start], per_row=per_row) if not replayed else None
                 _sync(device)
                 t1 = time.perf_counter()
                 requests = Requests(len(ids), max_new_tokens, stop_ids, self._stop_check(stop), streamer, arrive_at)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from . import ops
 from .kv_cache import KVCache
 from .model import SkipModel
 from .requests import Requests
@@ -36,6 +37,17 @@ def prefill(model: SkipModel, cache: KVCache, prompts: list[list[int]], per_row:
     logits = model.forward(tokens, cache, logits_positions=last)  # [B, 1, V]
     cache.rollback(lengths)
     return logits[:, 0]
+
+
+def per_row_pays(model: SkipModel) -> bool:
+    """Whether ``prefill`` should run one forward per prompt outside the invariant set too: where
+    the projections at prefill sizes are the fixed-order CPU kernel (bf16 / fp16 on the CPU,
+    ``ops.skinny_max_rows``), compute-bound, so padding costs its full share; the same bits
+    either way there, every kernel being row-invariant. torch's float32 matmul takes a padded
+    batch about as fast. SmolLM2, 8 chat prompts of 96-164 tokens: bf16 1.86-2.02 s padded,
+    1.53-1.56 s per row; float32 1.07 s padded, 1.13-1.17 s per row."""
+    return (model.device.type == "cpu" and ops.skinny_max_rows(model.dtype) < 0
+            and ops.backends.cpu_kernel("skinny_linear", "cpu"))
 
 
 def admit_arrivals(model: SkipModel, cache: KVCache, requests: Requests,

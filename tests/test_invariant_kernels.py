@@ -192,3 +192,24 @@ def test_prefill_per_row_equals_the_padded_batch(tiny_gqa):
     torch.testing.assert_close(regular, a, rtol=1e-4, atol=1e-4)
     with pytest.raises(SwiftkernError, match="row_view"):
         tiny_gqa.new_cache(2, 8).row_view(2)
+
+
+@needs_cpp
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_prefill_is_per_row_with_the_padded_batchs_bits(dtype):
+    """bf16 / fp16 on the CPU: generate prefills each prompt on its own (``per_row_pays``), which
+    changes no bit: the regular kernels are row-invariant there, so one padded forward writes the
+    same cache and last logits."""
+    from swiftkern.generate import per_row_pays, prefill
+
+    model = SkipModel(tiny_model("llama", num_key_value_heads=1).to(dtype))
+    assert per_row_pays(model) and not per_row_pays(SkipModel(tiny_model("llama")))
+    prompts = [[5, 6, 7], list(range(20, 61)), [9] * 17]
+    runs = {}
+    for per_row in (False, True):
+        cache = model.new_cache(3, 64)
+        runs[per_row] = (prefill(model, cache, prompts, per_row=per_row), cache)
+    (a, ca), (b, cb) = runs[False], runs[True]
+    assert a.dtype == dtype and torch.equal(a, b)
+    for r, n in enumerate(ca.host_lengths):
+        assert torch.equal(ca.k[:, r, :, :n], cb.k[:, r, :, :n]) and torch.equal(ca.v[:, r, :, :n], cb.v[:, r, :, :n])
