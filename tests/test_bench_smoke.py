@@ -91,6 +91,12 @@ def test_report_tables_take_each_machines_latest_run(tmp_path):
     assert "2.10×" in ar_line  # median of 2.0 and 2.2
     assert "| cpp | float32 | 4x576 | 0.0123 |" in body and "**rms_norm** on **cpu: A**" in body
     assert len(notes) == 2
+    # a later run in bfloat16 gets a table of its own; the float32 run stays
+    _write_csv(results / "generate.csv", rows + [dict(_generate_row("cpu: A", "bf1", "ar", "story", 30.0, 2.5),
+                                                      dtype="bfloat16")])
+    body, _ = report.render(str(results), plot=False, repo_root=str(tmp_path))
+    assert "`new1`" in body and "| ar | 40.0 | 44.0" in body
+    assert "commit `bf1`" in body and "bfloat16" in body and "| ar | 30.0 |" in body
 
     readme = tmp_path / "RESULTS.md"
     readme.write_text(f"# title\n\n{report.BEGIN}\nstale\n{report.END}\n\nafter\n")
