@@ -13,6 +13,11 @@ import sys
 from .errors import SwiftkernError
 
 MODEL_HELP = "'smollm2' (the bundled SmolLM2-135M-Instruct), a local HF model folder, or a .gguf file"
+DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_HELP = ("the model's dtype (default float32; a GGUF model is dequantized to it). On the CPU float32 is the "
+              "fastest for a GGUF model (its weights read as their 4/8-bit codes); bfloat16 / float16 read half "
+              "the bytes of float32 weights, summed in float32 in a fixed order (self-spec and deterministic "
+              "outputs equal ar's bit for bit there too)")
 
 
 def positive_int(text: str) -> int:
@@ -132,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="print the text as it is generated (one prompt, not with --json); only final tokens "
                           "are printed: verified ones in --mode deterministic, accepted ones in self-spec")
     gen.add_argument("--device", default=None, help="torch device (default cpu)")
+    gen.add_argument("--dtype", default=None, choices=list(DTYPES), help=DTYPE_HELP)
     gen.add_argument("--no-packed-weights", action="store_true",
                      help="CPU: read the float32 weights even where a GGUF model's can be read as their 4/8-bit "
                           "codes (the default there: the same logits bit for bit from a sixth of the bytes)")
@@ -162,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     se.add_argument("--no-save", action="store_true", help="print the result, do not store it")
     se.add_argument("--json", action="store_true", help="print the result as one JSON object")
     se.add_argument("--device", default=None, help="torch device (default cpu)")
+    se.add_argument("--dtype", default=None, choices=list(DTYPES), help=DTYPE_HELP)
     return parser
 
 
@@ -229,7 +236,7 @@ def cmd_generate(args) -> int:
     if args.drafter == "self-spec" and (args.mode != "deterministic" or args.layer_set is None):
         raise SwiftkernError("--drafter self-spec goes with --mode deterministic and needs --layer-set "
                              "(e.g. 'attn:10-14|mlp:12')")
-    model, tokenizer = load_model(args.model, device=args.device,
+    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype,
                                   pack_weights=False if args.no_packed_weights else None)
     gen = Generator(model, tokenizer, mode=args.mode, layer_set=args.layer_set, k_max=args.k_max,
                     eps=args.eps, adaptive_eps=args.adaptive_eps, drafter=args.drafter,
@@ -296,7 +303,7 @@ def cmd_search(args) -> int:
     from .loading import load_model
     from .offline_search import acceptance_text, search_layer_set
 
-    model, tokenizer = load_model(args.model, device=args.device)
+    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     record = search_layer_set(model, tokenizer, prompts, skip_ratio=args.skip_ratio, budget_s=args.budget,
                               max_new_tokens=args.max_new_tokens, save=not args.no_save,
                               log=(lambda *a: None) if args.json else print)

@@ -151,17 +151,23 @@ def test_generate_options_reach_the_generator(monkeypatch):
             raise _Reached
 
     monkeypatch.setattr(swiftkern.generate, "Generator", Spy)
-    monkeypatch.setattr(swiftkern.loading, "load_model", lambda model, device, pack_weights: ("m", "t"))
+    def load_model(model, device, dtype, pack_weights):
+        seen["load"] = dict(model=model, device=device, dtype=dtype, pack_weights=pack_weights)
+        return "m", "t"
+
+    monkeypatch.setattr(swiftkern.loading, "load_model", load_model)
     with pytest.raises(_Reached):
         cli.main(["generate", "--prompt", "hi there", "--mode", "deterministic", "--drafter", "self-spec",
                   "--layer-set", "attn:1|mlp:2", "--k-max", "7", "--eps", "0.55", "--adaptive-eps",
                   "--draft-vocab", "999", "--window", "12", "--verify-batch", "3", "--skip-ratio", "0.3",
                   "--replay", "always", "--verifier-kernels", "portable", "--temperature", "0.7",
-                  "--top-k", "13", "--top-p", "0.85", "--seed", "21", "--max-new-tokens", "17", "--chat"])
+                  "--top-k", "13", "--top-p", "0.85", "--seed", "21", "--max-new-tokens", "17", "--chat",
+                  "--dtype", "bfloat16", "--no-packed-weights"])
     assert seen["init"] == dict(mode="deterministic", layer_set="attn:1|mlp:2", k_max=7, eps=0.55,
                                 adaptive_eps=True, drafter="self-spec", draft_vocab=999, window=12,
                                 verify_batch=3, skip_ratio=0.3, replay="always", cuda_graphs=False,
                                 verifier_kernels="portable")
+    assert seen["load"] == dict(model="smollm2", device=None, dtype="bfloat16", pack_weights=False)
     assert seen["generate"] == dict(prompts=["hi there"], max_new_tokens=17, do_sample=True, temperature=0.7,
                                     top_k=13, top_p=0.85, seed=21, chat=True, streamer=None, arrive_at=None)
 
@@ -188,6 +194,7 @@ _GENERATE_FLAGS = {
     "--verifier-kernels": ["auto", "portable", "fused"], "--skip-ratio": ["auto", "0.3", "1"], "--draft-vocab": ["1", "50"],
     "--temperature": ["0", "0.8", "-1"], "--top-k": ["0", "5", "-3"], "--top-p": ["1", "0.5", "0"],
     "--seed": ["0", "-1", str(2**70)], "--max-new-tokens": ["1", "4", "600"], "--device": ["cpu", "mps"],
+    "--dtype": ["float32", "bfloat16", "float64"],
 }
 
 
