@@ -39,7 +39,6 @@
 #endif
 #include <optional>
 #include <string>
-#include <type_traits>
 #include <vector>
 
 namespace swiftkern {

@@ -190,6 +190,7 @@ def test_bad_input_to_linear_raises():
             ops.linear(*args)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lead, K, N, bias", [((3,), 33, 577, True), ((2, 5), 7, 5, False), ((16,), 1, 1, True)])
-def test_opcheck(lead, K, N, bias):
-    torch.library.opcheck(OP, make(lead, K, N, bias, 0))
+def test_opcheck(lead, K, N, bias, dtype):
+    torch.library.opcheck(OP, tuple(cast(make(lead, K, N, bias, 0), dtype)))
