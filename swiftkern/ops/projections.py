@@ -65,10 +65,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 # rows up to which the runner reads packed weights (packed_weights.py) on the CPU: SmolLM2's
 # projections at 1 / 8 / 16 / 32 rows took 7.8 / 14.8 / 22.3 / 39.2 ms packed and 21.0 / 28.1 /
-# 40.2 / 54.8 ms from float32 (the same bits); past SKINNY_MAX_ROWS the regular path is torch's
-# matmul (faster at prefill sizes), the invariant set reads them at any size (64 / 128 rows:
-# 69.8 / 135.1 ms packed, 81.8 / 152.3 ms from float32)
-PACKED_MAX_ROWS = SKINNY_MAX_ROWS
+# 40.2 / 54.8 ms from float32 (the same bits). Past 32 rows the float32 weights go to torch's
+# matmul, which packed weights still beat up to 64: a whole SmolLM2 forward of 48 / 64 / 96 /
+# 128 rows (batched verify passes) took 71 / 88-93 / 131-138 / 178-180 ms packed and 85 /
+# 101-107 / 133-138 / 169-172 ms through MKL (two alternating runs). The invariant set reads
+# them at any size (64 / 128 rows: 69.8 / 135.1 ms packed, 81.8 / 152.3 ms from float32).
+PACKED_MAX_ROWS = 64
 
 
 def packed_linear_fast() -> bool:
@@ -82,8 +84,8 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     """x @ weight.T + bias with the weight packed as integer codes (``packed_weights.pack``).
 
     x: float32 [..., K] on the CPU; packed: uint8 [N, K/32, 24 | 40]; bias: float32 [N] or None
-    -> float32 [..., N]. The C++ kernel (CPU, auto/cpp) gives ``linear(x, unpack(packed),
-    bias)``'s bits at up to SKINNY_MAX_ROWS rows (the same fixed-order sum); without it, the
+    -> float32 [..., N]. The C++ kernel (CPU, auto/cpp) gives ``skinny_linear(x, unpack(packed),
+    bias)``'s bits at any number of rows (the same fixed-order sum); without it, the
     reference unpacks and calls torch's matmul.
     """
     op = "packed_linear"
