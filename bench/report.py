@@ -4,11 +4,12 @@
 
 For every bench/results/<routine>.csv it takes each machine's latest run per dtype (the rows
 of the last commit recorded for that device and dtype; the newest row per provider and
-prompt/shape) and writes one table per (routine, machine, dtype) between ``<!-- bench:begin -->`` and
-``<!-- bench:end -->`` in the page, each headed by the machine, commit, date and versions
-its numbers come from. With matplotlib (``pip install swiftkern[bench]``) it also redraws
-bench/results/<routine>.png (from a float32 run where there is one); without it the plots already there are linked and a note says
-they were not redrawn. ``--check`` writes nothing and exits 1 when the page is out of date.
+prompt/shape) and writes one table per (routine, machine, dtype) between
+``<!-- bench:begin -->`` and ``<!-- bench:end -->`` in the page, each headed by the machine,
+commit, date, versions and dtype its numbers come from. With matplotlib (``pip install
+swiftkern[bench]``) it also redraws bench/results/<routine>.png (from a float32 run where there
+is one); without it the plots already there are linked and a note says they were not redrawn.
+``--check`` writes nothing and exits 1 when the page is out of date.
 """
 
 from __future__ import annotations

@@ -96,8 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--replay", default="auto", choices=["auto", "always"],
                      help="deterministic: auto (default) skips the replay where it cannot change a bit "
                           "(CPU with the C++ kernels, float32, bf16 or fp16: every kernel is batch- and "
-                          "length-invariant, so rows decode directly; --drafter self-spec then speculates with lookup and the "
-                          "--layer-set draft); always: the LLM-42 replay everywhere")
+                          "length-invariant, so rows decode directly; --drafter self-spec then speculates with "
+                          "lookup and the --layer-set draft); always: the LLM-42 replay everywhere")
     gen.add_argument("--verifier-kernels", default="auto", choices=["auto", "portable", "fused"],
                      help="deterministic replay: the verifier's per-row ops. portable: torch compositions, "
                           "any device, many small ops; fused: one kernel per op (C++ on the CPU, Triton on "

@@ -19,9 +19,9 @@ and the replay draw the same token unless their distributions differ at that poi
 Words: the *pending* token of a row is its last verified token, whose KV is not yet written.
 
 Where every kernel of the regular path is itself batch- and length-invariant (the CPU with the
-C++ kernels, float32, bfloat16 or float16: ``SkipModel.batch_invariant``), the replay would reproduce the fast path
-bit for bit: ``Generator(replay="auto")`` then decodes without it, and ``invariant_token_logprobs``
-re-scores an output.
+C++ kernels, float32, bfloat16 or float16: ``SkipModel.batch_invariant``), the replay would
+reproduce the fast path bit for bit: ``Generator(replay="auto")`` then decodes without it, and
+``invariant_token_logprobs`` re-scores an output.
 """
 
 from __future__ import annotations

@@ -128,8 +128,8 @@ class Generator:
     and every ``window`` unverified tokens are replayed in a
     fixed-shape ``verify_batch x window`` batch-invariant pass that commits the matching prefix
     plus its own token at the first mismatch. ``replay="auto"`` (default) skips that replay where
-    it cannot change a bit: on the CPU with the C++ kernels (float32, bfloat16 or float16), every decode, verify and
-    prefill runs the batch- and length-invariant kernels (``SkipModel.batch_invariant``), so
+    it cannot change a bit: on the CPU with the C++ kernels (float32, bfloat16 or float16), every
+    decode, verify and prefill runs the batch- and length-invariant kernels (``SkipModel.batch_invariant``), so
     rows decode as in ``ar`` (``drafter="self-spec"``: as in self-spec, the drafter policy over
     lookup, the layer-skipped draft and no draft, whose verify passes are the invariant model)
     and ``logprobs`` are those of the model itself; ``replay="always"`` keeps the LLM-42 replay.
@@ -424,7 +424,8 @@ class Generator:
                 # deterministic mode with replay prefills through its verifier
                 replayed = self.mode == "deterministic" and not invariant
                 per_row = invariant or per_row_pays(self.model)
-                first_logits = prefill(self.model, cache, [ids[r] for r in start], per_row=per_row) if not replayed else None
+                first_logits = (prefill(self.model, cache, [ids[r] for r in start], per_row=per_row)
+                                if not replayed else None)
                 _sync(device)
                 t1 = time.perf_counter()
                 requests = Requests(len(ids), max_new_tokens, stop_ids, self._stop_check(stop), streamer, arrive_at)

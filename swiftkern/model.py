@@ -175,11 +175,13 @@ class SkipModel:
         logits depend on its own tokens alone, bit for bit, whatever the other rows, and
         decoding token by token, verifying drafts and prefilling give a token the same bits.
         Raises SwiftkernError where the set does not run (not the CPU with the C++ kernels, in
-        float32, bfloat16 or float16); the deterministic mode then replays through its verifier instead."""
+        float32, bfloat16 or float16); the deterministic mode then replays through its verifier
+        instead."""
         if not invariant_kernels_available(self.device.type, self.dtype):
             raise SwiftkernError(
-                f"the batch-invariant kernels run on the CPU in float32, bfloat16 or float16 with the C++ extension "
-                f"built (here: {self.device.type}, {self.dtype}); use the deterministic mode's replay (replay='always')")
+                f"the batch-invariant kernels run on the CPU in float32, bfloat16 or float16 with the C++ "
+                f"extension built (here: {self.device.type}, {self.dtype}); use the deterministic mode's replay "
+                f"(replay='always')")
         if self._rope_table is None:
             self._rope_table = RopeTable(self.rotary, self.dtype, self.device)
         before = self.invariant
