@@ -24,6 +24,25 @@ def smollm2_path() -> str:
     return path
 
 
+def dense_gguf_options() -> dict:
+    """``from_pretrained`` arguments that load a GGUF file as a plain dense model, whatever the
+    transformers version. The runner reads each projection's ``weight`` (and on the CPU finds
+    the 4/8-bit codes again itself, ``packed_weights.py``). transformers 5.24 keeps GGUF weights
+    in their blocks, behind its own modules and attention, wherever a ``kernels`` package has a
+    matmul for the device (``GgufConfig(dequantize=False)``, its default; it warned on every bf16
+    load that "every matmul will cast", though it then dequantized); versions without that
+    option always dequantize."""
+    try:
+        from transformers import GgufConfig
+    except ImportError:
+        return {}
+    import inspect
+
+    if "dequantize" not in inspect.signature(GgufConfig.__init__).parameters:
+        return {}
+    return {"quantization_config": GgufConfig(dequantize=True)}
+
+
 def _from_pretrained(path: str, dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -41,7 +60,8 @@ def _from_pretrained(path: str, dtype):
             f"unknown model {path!r}: use 'smollm2', a local HF model folder, or a .gguf file")
     try:
         tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs)
+        gguf = dense_gguf_options() if "gguf_file" in kwargs else {}
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs, **gguf)
     except (OSError, ValueError, KeyError) as e:
         raise SwiftkernError(f"could not load {path!r}: {str(e).splitlines()[0]}") from None
     return model, tokenizer

@@ -116,7 +116,7 @@ def test_load_model_from_a_local_folder(smollm2, tmp_path):
         swiftkern.load_model(str(tmp_path / "nothing-here"))
 
 
-def test_bfloat16_self_spec_equals_ar_and_ar_is_hf_greedy_to_rounding():
+def test_bfloat16_self_spec_equals_ar_and_ar_is_hf_greedy_to_rounding(capfd):
     """SmolLM2 in bfloat16 on the CPU. Self-spec (layer-skip drafts and the auto drafter), batch 1
     and 5, gives batched ar's tokens: skinny_linear sums a row in one order whatever the rows
     beside it, so verify passes and batches reproduce the decode steps bit for bit (through
@@ -129,6 +129,10 @@ def test_bfloat16_self_spec_equals_ar_and_ar_is_hf_greedy_to_rounding():
     import swiftkern
 
     model, tok = swiftkern.load_model("smollm2", dtype="bfloat16")
+    # a dense model (loading.dense_gguf_options), without transformers' warning that matmuls cast
+    assert all(type(layer.mlp.gate_proj) is torch.nn.Linear and layer.mlp.gate_proj.weight.dtype == torch.bfloat16
+               for layer in model.hf_model.model.layers)
+    assert "cast its input" not in capfd.readouterr().err
     ids = [tok(p)["input_ids"] for p in PROMPTS]
     ar = Generator(model, tok).generate(ids, max_new_tokens=64, eos_token_id=[]).tokens
     for drafter, layer_set in (("layer-skip", "attn:9,13,17,21|mlp:11,15,19"), ("auto", None)):
