@@ -70,7 +70,7 @@ def _fmt_ms(value) -> str:
 def heading(routine: str, rows: list[dict]) -> str:
     r = rows[-1]
     extra = f", model {r['model']}" if r.get("model") else ""
-    dtypes = ", ".join(dict.fromkeys(x.get("dtype") or "" for x in rows if x.get("dtype")))
+    dtypes = ", ".join(dict.fromkeys(x["dtype"] for x in rows if x.get("dtype")))
     extra += f", {dtypes}" if dtypes else ""
     return (f"**{routine}** on **{r['device']}** ({r.get('machine', '')}), commit `{r['commit']}`, "
             f"{r['date'][:10]}, torch {r.get('torch', '?')}, transformers {r.get('transformers', '?')}{extra}")

@@ -13,6 +13,8 @@
 #include <tuple>
 #include <vector>
 
+#include "op_checks.h"
+
 namespace swiftkern {
 
 at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
@@ -111,8 +113,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack_cpu(
     const std::vector<std::optional<at::Tensor>>& packed, int64_t packed_max_rows) {
   const int64_t L = static_cast<int64_t>(skip.size());
   const auto dtype = hidden.scalar_type();
-  TORCH_CHECK(hidden.device().is_cpu() && hidden.dim() == 3 &&
-                  (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf),
+  TORCH_CHECK(hidden.device().is_cpu() && hidden.dim() == 3 && checks::is_float_dtype(dtype),
               "decoder_stack: hidden must be float32, bfloat16 or float16 [B, T, H] on the CPU, got ", dtype, " ",
               hidden.sizes());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == L * kFields, "decoder_stack: ", kFields,

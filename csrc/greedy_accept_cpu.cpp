@@ -17,6 +17,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "op_checks.h"
+
 namespace swiftkern {
 namespace cpu {
 
@@ -191,7 +193,7 @@ std::tuple<at::Tensor, at::Tensor> greedy_accept_cpu(const at::Tensor& draft_tok
   TORCH_CHECK(num_draft.scalar_type() == at::kInt, "greedy_accept: num_draft must be int32, got ",
               num_draft.scalar_type());
   const auto dt = target_logits.scalar_type();
-  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
+  TORCH_CHECK(checks::is_float_dtype(dt),
               "greedy_accept: target_logits must be float32, bfloat16 or float16, got ", dt);
   TORCH_CHECK(target_logits.stride(2) == 1 || V == 1 || target_logits.numel() == 0,
               "greedy_accept: target_logits must be contiguous along V (stride(2) == 1), got strides ",

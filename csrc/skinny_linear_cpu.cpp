@@ -30,6 +30,7 @@
 #include "exact_load.h"
 #include "fixed_order_dot.h"
 #include "linear_call.h"
+#include "op_checks.h"
 
 #include <algorithm>
 #include <cmath>
@@ -240,8 +241,7 @@ static at::Tensor skinny_linear_with(cpu::Isa isa, const at::Tensor& x, const at
                                      const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "skinny_linear_cpu: tensors must be on the CPU");
   const at::ScalarType dtype = x.scalar_type();
-  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf) &&
-                  weight.scalar_type() == dtype,
+  TORCH_CHECK(checks::is_float_dtype(dtype) && weight.scalar_type() == dtype,
               "skinny_linear: x and weight must be float32, bfloat16 or float16, one dtype, got ", dtype, " and ",
               weight.scalar_type(), " (convert one to the other's dtype)");
   TORCH_CHECK(weight.dim() == 2, "skinny_linear: weight must be [N, K], got ", weight.sizes());

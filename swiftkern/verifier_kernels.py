@@ -12,9 +12,9 @@ where a chunk starts. The matmuls are ``batch_invariant.bi_linear`` in both.
             plans fixed by the row width, or elementwise) and ``verify_attention_invariant``
             (one fixed plan): ~20 launches a layer.
 ``auto`` is fused on the device types of FUSED_BY_DEFAULT (where its invariance is tested) when
-it runs there, portable elsewhere: the CPU with the C++ kernels (float32, bf16, fp16) takes fused; CUDA
-takes portable until the GPU tests (``tests/test_deterministic_gpu.py``, both sets) have
-passed on a GPU.
+it runs there, portable elsewhere: the CPU with the C++ kernels (float32, bf16, fp16) takes
+fused; CUDA takes portable until the GPU tests (``tests/test_deterministic_gpu.py``, both sets)
+have passed on a GPU.
 """
 
 from __future__ import annotations
