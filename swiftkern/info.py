@@ -55,6 +55,10 @@ def collect_info() -> dict:
     info["deterministic_without_replay"] = ("cpu float32, bfloat16, float16"
                                             if invariant_kernels_available("cpu", torch.float32)
                                             else "no (the LLM-42 replay runs)")
+    # modes ar and self-spec decode, draft and verify through the invariant set where it runs:
+    # self-spec's greedy output is then ar's bit for bit (Generator.invariant_decode)
+    info["decode_kernels"] = ("cpu: batch-invariant (self-spec equals ar bit for bit); cuda: regular"
+                              if invariant_kernels_available("cpu", torch.float32) else "regular")
     # what the replay's verifier runs per row with verifier_kernels="auto" (swiftkern/verifier_kernels.py)
     from .verifier_kernels import verifier_kernels
     info["verifier_kernels_auto"] = {dev: verifier_kernels("auto", dev, torch.float32).name for dev in ("cpu", "cuda")}

@@ -169,23 +169,24 @@ class SkipModel:
         )
 
     @contextmanager
-    def batch_invariant(self):
+    def batch_invariant(self, on: bool = True):
         """Within this context every forward runs the batch- and length-invariant kernel set
         (``layer_kernels.invariant_kernels_available``; RoPE from a ``RopeTable``): a row's
         logits depend on its own tokens alone, bit for bit, whatever the other rows, and
         decoding token by token, verifying drafts and prefilling give a token the same bits.
         Raises SwiftkernError where the set does not run (not the CPU with the C++ kernels, in
         float32, bfloat16 or float16); the deterministic mode then replays through its verifier
-        instead."""
-        if not invariant_kernels_available(self.device.type, self.dtype):
+        instead. ``on=False``: the regular kernel set within (e.g. a prompt's prefill inside
+        invariant decoding), which runs everywhere."""
+        if on and not invariant_kernels_available(self.device.type, self.dtype):
             raise SwiftkernError(
                 f"the batch-invariant kernels run on the CPU in float32, bfloat16 or float16 with the C++ "
                 f"extension built (here: {self.device.type}, {self.dtype}); use the deterministic mode's replay "
                 f"(replay='always')")
-        if self._rope_table is None:
+        if on and self._rope_table is None:
             self._rope_table = RopeTable(self.rotary, self.dtype, self.device)
         before = self.invariant
-        self.invariant = True
+        self.invariant = bool(on)
         try:
             yield self
         finally:

@@ -54,9 +54,11 @@ def admit_arrivals(model: SkipModel, cache: KVCache, requests: Requests,
                    prompts: list[list[int]]) -> torch.Tensor | None:
     """Requests due by now join the batch (``Requests.admit``: new cache rows after the alive
     ones), each prompt prefilled on its own into its row (one forward a prompt: the prefill a
-    server gives a new request, and what the batch-invariant kernels need). -> their last
-    logits [n, V], or None when none joined."""
+    server gives a new request, and what the batch-invariant kernels need), through the kernel
+    set of the call's first prefill (``requests.invariant_prefill``) whatever set the decoding
+    runs. -> their last logits [n, V], or None when none joined."""
     due, rows = requests.admit(cache)
     if not due:
         return None
-    return prefill(model, cache, [prompts[r] for r in due], per_row=True, rows=rows)
+    with model.batch_invariant(requests.invariant_prefill):
+        return prefill(model, cache, [prompts[r] for r in due], per_row=True, rows=rows)

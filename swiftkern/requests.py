@@ -18,11 +18,14 @@ class Requests:
     commit appended (never empty): committed tokens are final in every mode, so this is what a
     stream shows. ``arrive_at[r]``: the decoding step at which request r joins the batch (0:
     from the start; default all 0), as requests arrive at a server while others decode; the
-    loop advances ``step`` and ``admit`` adds those due as new cache rows.
+    loop advances ``step`` and ``admit`` adds those due as new cache rows; ``invariant_prefill``:
+    whether their prompts run through the batch-invariant kernels (``SkipModel.batch_invariant``;
+    True where the whole call does, mode deterministic without replay) or the regular ones, as
+    the first prompts of the call did.
     """
 
     def __init__(self, num: int, max_new_tokens: int, stop_ids: frozenset[int], stop_check=None,
-                 on_commit=None, arrive_at: list[int] | None = None):
+                 on_commit=None, arrive_at: list[int] | None = None, invariant_prefill: bool = False):
         self.out: list[list[int]] = [[] for _ in range(num)]
         self.done = [False] * num
         self.arrive_at = [0] * num if arrive_at is None else [int(s) for s in arrive_at]
@@ -33,6 +36,7 @@ class Requests:
         self.stop_ids = stop_ids
         self.stop_check = stop_check
         self.on_commit = on_commit
+        self.invariant_prefill = invariant_prefill
 
     def commit(self, r: int, tokens: list[int]) -> None:
         """Append tokens to request r up to (and including) the one that stops it."""

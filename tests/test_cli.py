@@ -72,6 +72,8 @@ def test_info_names_backends():
 
     said = "cpu float32" if invariant_kernels_available("cpu", torch.float32) else "the LLM-42 replay runs"
     assert "deterministic_without_replay:" in r.stdout and said in r.stdout
+    decoding = "cpu: batch-invariant" if invariant_kernels_available("cpu", torch.float32) else "regular"
+    assert f"decode_kernels: {decoding}" in r.stdout
     cpu_set = '"fused (cpp)"' if invariant_kernels_available("cpu", torch.float32) else '"portable"'
     assert f'verifier_kernels_auto: {{"cpu": {cpu_set}, "cuda": "portable"}}' in r.stdout
     from swiftkern.layer_kernels import LayerKernels
