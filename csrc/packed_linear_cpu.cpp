@@ -34,31 +34,35 @@ constexpr int kBlock = 32;              // inputs per scale
 constexpr int kHeaderBytes = 8;         // scale, offset
 constexpr int kBlockBytes4 = 8 + 16;    // 4-bit codes
 constexpr int kBlockBytes8 = 8 + 32;    // 8-bit codes
-constexpr int kPackedTileRows = 8;      // x rows of a register tile: all of them, up to 8
+constexpr int kPackedTileRows = 11;     // x rows of a register tile: all of them, up to 11
 constexpr int kPackedTileCols = 4;      // weight rows of a register tile, at most
 // Whether a tile of MR x rows by NR weight rows keeps its MR * NR accumulators, a whole block's
 // weights (2 * NR vectors), an x vector and a temporary in the 32 vector registers
 constexpr bool whole_blocks_fit(int MR, int NR) { return MR * NR + 2 * NR + 2 <= 32; }
 
-// Weight rows of the register tile for mr x rows (1 <= mr <= 8): all the x rows in one tile, so
+// Weight rows of the register tile for mr x rows (1 <= mr <= 11): all the x rows in one tile, so
 // each weight is rebuilt once, and as many weight rows (up to 4) as fit: 4 up to 5 x rows, then 3
-// (the compiler spills nothing in those loops; 6 x 4, a block at a time by halves, spilled 20
-// times). SmolLM2's projections (one layer's weights over and over, from cache), alternating
-// runs, ms at 5 / 6 / 7 / 8 rows: 4 weight rows up to 5 x rows, then 3: 6.7-7.0 / 9.5-9.8 /
-// 10.6-11.0 / 11.7-11.9; 4 up to 4 rows, then 3: 8.2-9.4 / 9.0-10.2 / 9.9-11.4 / 11.1-13.0; 2 at
-// 8 rows: 11.5-12.7
+// up to 8, then 2 (the compiler spills nothing in those loops; 6 x 4, a block at a time by
+// halves, spilled 20 times). SmolLM2's projections (one layer's weights over and over, from
+// cache), alternating runs, ms at 5 / 6 / 7 / 8 rows: 4 weight rows up to 5 x rows, then 3:
+// 6.7-7.0 / 9.5-9.8 / 10.6-11.0 / 11.7-11.9; 4 up to 4 rows, then 3: 8.2-9.4 / 9.0-10.2 /
+// 9.9-11.4 / 11.1-13.0; 2 at 8 rows: 11.5-12.7
 constexpr int packed_tile_cols(int mr) {
   int nr = kPackedTileCols;
   while (nr > 1 && !whole_blocks_fit(mr, nr)) --nr;
   return nr;
 }
-static_assert(packed_tile_cols(5) == 4 && packed_tile_cols(6) == 3 && packed_tile_cols(8) == 3);
+static_assert(packed_tile_cols(5) == 4 && packed_tile_cols(6) == 3 && packed_tile_cols(8) == 3 &&
+              packed_tile_cols(9) == 2 && packed_tile_cols(11) == 2);
 
 // Past this many x rows (more than one register tile holds) each weight tile is unpacked once
 // into L1 rather than rebuilt for every tile of x rows. SmolLM2's projections when tiles were 6
 // x rows, rebuilt per tile / unpacked: 8 rows 14.8 / 16.0 ms, 12 rows 19.8 / 18.0, 16 rows
-// 26.0 / 22.3, 32 rows 50.4 / 39.2 (one row: 7.8)
-constexpr int64_t kUnpackAboveRows = 8;
+// 26.0 / 22.3, 32 rows 50.4 / 39.2 (one row: 7.8). Tiles of 9-11 x rows by 2 weight rows against
+// the unpacked path (whose cost barely moves from 9 to 12 rows): 9 rows 13.1 / 16.8-17.6 ms
+// (a verify pass of 8 drafts), 10 14.8, 11 16.3 / ~17; 12 rows 17.4-18.0 / 16.7-16.9 and 13 (2
+// weight rows, 32 registers) 18.4-18.8 / 18.5-19.4; 14-16 rows by 1 weight row 1.3-1.4x slower.
+constexpr int64_t kUnpackAboveRows = 11;
 static_assert(kUnpackAboveRows <= kPackedTileRows, "the register path takes all the x rows in one tile");
 
 static inline float load_f32(const uint8_t* p) {
@@ -206,6 +210,7 @@ struct PackedTiles {
     PackedTiles t{};
     t.fill<BITS, 1>(isa); t.fill<BITS, 2>(isa); t.fill<BITS, 3>(isa); t.fill<BITS, 4>(isa);
     t.fill<BITS, 5>(isa); t.fill<BITS, 6>(isa); t.fill<BITS, 7>(isa); t.fill<BITS, 8>(isa);
+    t.fill<BITS, 9>(isa); t.fill<BITS, 10>(isa); t.fill<BITS, 11>(isa);
     return t;
   }
 };

@@ -84,8 +84,8 @@ def test_packed_linear_has_skinny_linears_bits(lead, K, N, bits, bias, seed):
 @pytest.mark.parametrize("bits", [4, 8])
 def test_every_register_tile_shape_has_skinny_linears_bits(bits):
     """Every row count up to the unpack path and past it, against weight-row counts that leave
-    every remainder of a 3- and a 4-row weight tile."""
-    for M in range(1, 11):
+    every remainder of a 2-, 3- and 4-row weight tile (register tiles up to 11 rows)."""
+    for M in range(1, 14):
         for N in (1, 2, 3, 4, 5, 6, 7, 11, 1101):  # 1101: 276 tiles, over two threads
             x, w, packed, b = make((M,), 64, N, bits, N % 2 == 1, M * 1000 + N)
             assert bitwise_equal(torch.ops.swiftkern.packed_linear(x, packed, b),
