@@ -27,10 +27,12 @@ class KVCache:
             raise SwiftkernError(f"KV cache needs batch >= 1 and max_len >= 1, got {batch}, {max_len}")
         shape = (num_layers, batch, num_kv_heads, max_len, head_dim)  # capacity = batch at first
         # zeros, not empty: attention reads (masked) positions past a short row's length, and a
-        # NaN there would survive the mask (0 * NaN); every later write is a finite model value
-        self._k_rows = torch.zeros(shape, dtype=dtype, device=device)  # [L, capacity, H_kv, S_max, D]
-        self._v_rows = torch.zeros(shape, dtype=dtype, device=device)
-        self._length_rows = torch.zeros(batch, dtype=torch.int64, device=device)  # [capacity]
+        # NaN there would survive the mask (0 * NaN); every later write is a finite model value.
+        # Never inference tensors (see _grow), wherever the cache is made
+        with torch.inference_mode(False):
+            self._k_rows = torch.zeros(shape, dtype=dtype, device=device)  # [L, capacity, H_kv, S_max, D]
+            self._v_rows = torch.zeros(shape, dtype=dtype, device=device)
+            self._length_rows = torch.zeros(batch, dtype=torch.int64, device=device)  # [capacity]
         self.max_len = max_len
         self._use_rows(batch)
         self.host_lengths = [0] * batch
@@ -140,15 +142,19 @@ class KVCache:
         return list(range(first, needed))
 
     def _grow(self, capacity: int, keep: int) -> None:
-        """Reallocate to ``capacity`` rows, keeping the first ``keep``."""
-        for name in ("_k_rows", "_v_rows"):
-            old = getattr(self, name)
-            new = old.new_zeros((old.shape[0], capacity) + tuple(old.shape[2:]))
-            new[:, :keep] = old[:, :keep]
-            setattr(self, name, new)
-        lengths = self._length_rows.new_zeros(capacity)
-        lengths[:keep] = self._length_rows[:keep]
-        self._length_rows = lengths
+        """Reallocate to ``capacity`` rows, keeping the first ``keep``. The new storage is made
+        outside inference mode even when the caller runs in it (deterministic decoding grows the
+        batch there): an inference tensor refuses the in-place updates of a later call made
+        outside that mode, such as a CUDA graph runner handing this cache to another Generator."""
+        with torch.inference_mode(False):
+            for name in ("_k_rows", "_v_rows"):
+                old = getattr(self, name)
+                new = old.new_zeros((old.shape[0], capacity) + tuple(old.shape[2:]))
+                new[:, :keep] = old[:, :keep]
+                setattr(self, name, new)
+            lengths = self._length_rows.new_zeros(capacity)
+            lengths[:keep] = self._length_rows[:keep]
+            self._length_rows = lengths
 
     def select_rows(self, rows: list[int]) -> None:
         """Keep only these rows, row ``rows[j]`` becoming row j (distinct; finished requests

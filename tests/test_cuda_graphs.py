@@ -376,6 +376,13 @@ def test_arrivals_through_the_runner_give_the_same_tokens(tiny, kw, graph_type):
     graphed = Generator(tiny, cuda_graphs=runner, **kw).generate(prompts, max_new_tokens=16, eos_token_id=[],
                                                                  arrive_at=arrive)
     assert graphed.tokens == plain.tokens and graphed.stats["cuda_graphs"]["replays"] > 0
+    # the cache grown for the arrivals (inside deterministic decoding's inference mode) is the
+    # runner's for the next call, made outside that mode: the determinism bench on an H200 failed
+    # here ("Inplace update to inference tensor outside InferenceMode") when the growth made
+    # inference tensors
+    assert not runner.cache.k.is_inference() and not runner.cache.lengths.is_inference()
+    again = Generator(tiny, cuda_graphs=runner).generate(prompts[:2], max_new_tokens=8, eos_token_id=[])
+    assert again.tokens == Generator(tiny).generate(prompts[:2], max_new_tokens=8, eos_token_id=[]).tokens
 
 
 def _decode_steps_then(model, runner, change, steps_before=3):

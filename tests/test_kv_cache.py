@@ -163,3 +163,15 @@ def test_joins_and_departures_match_a_list_of_rows(events):
             model = [model[i] for i in keep]
         assert_same_rows(valid_rows(c), model)
         assert c.lengths.tolist() == c.host_lengths and c.batch <= c.capacity
+
+
+def test_a_cache_made_or_grown_in_inference_mode_takes_updates_outside_it():
+    """Its storage is never an inference tensor: a cache kept across calls (a CUDA graph runner's)
+    is grown by deterministic decoding inside inference mode and reset by the next call outside."""
+    with torch.inference_mode():
+        cache = KVCache(2, 1, 1, 8, 4, torch.float32, "cpu")
+        cache.add_rows(2)  # past capacity: reallocated here
+    assert not any(t.is_inference() for t in (cache.k, cache.v, cache.lengths))
+    cache.reset(3)
+    cache.advance(2)
+    assert cache.lengths.tolist() == [2, 2, 2] and cache.host_lengths == [2, 2, 2]
