@@ -48,6 +48,20 @@ def test_strided_rows_and_wrappers():
     assert_close("rms_norm", out, reference.rms_norm(x, w[:576], 1e-5))
 
 
+def test_a_strided_weight_is_read_at_its_strides():
+    """A weight of every other element of a buffer (the GPU run of test_op_views found the kernel
+    reading it at unit stride: wrong values from the second column on)."""
+    x, res, w = inputs((3, 2 * 37), torch.float32, 2)
+    x, res, w = x[:, :37], res[:, :37], w[::2]
+    with backend("triton"), poisoned():
+        out = ops.rms_norm(x, w, 1e-6)
+        normed, new_res = ops.fused_add_rms_norm(x, res, w, 1e-6)
+    assert_close("rms_norm", out, reference.rms_norm(x, w, 1e-6))
+    want = reference.fused_add_rms_norm(x, res, w, 1e-6)
+    assert_close("fused_add_rms_norm", normed, want[0])
+    assert_close("fused_add_rms_norm", new_res, want[1])
+
+
 def test_empty_rows():
     x, res, w = inputs((0, 64), torch.float32, 2)
     out, new = triton_op("fused_add_rms_norm")(x, res, w, 1e-5)

@@ -63,6 +63,7 @@ def _launch(x, residual, weight, eps, out, new_residual):
     plan = row_plan("rms_norm", H)
     x2 = _rows(x, H)
     res2 = _rows(residual, H) if residual is not None else x2
+    weight = weight.contiguous()  # the kernel reads weight[cols] at unit stride (a view of every other one read wrong)
     out2 = out.view(-1, H)
     new2 = new_residual.view(-1, H) if new_residual is not None else out2
     if x2.shape[0] == 0:
