@@ -198,8 +198,9 @@ def _needle_trials(gen, needle, rng, trials, max_batch, **kw):
 
 def hf_token_logprobs(model: SkipModel, prompt: list[int], tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """HF's log-softmax at each generated token, and its argmax there. -> float32 [n], int64 [n]"""
-    with torch.no_grad():
-        logits = model.hf_model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]  # [n, V]
+    with torch.no_grad():  # on the model's device, the answer on the CPU (where the tokens are compared)
+        logits = model.hf_model(torch.tensor([prompt + tokens], device=model.device)).logits[0, len(prompt) - 1:-1]
+    logits = logits.cpu()  # [n, V]
     return F.log_softmax(logits.float(), -1).gather(1, torch.tensor(tokens)[:, None])[:, 0], logits.argmax(-1)
 
 
