@@ -221,7 +221,7 @@ def needle_tiny(model, sample, seed, trials, replay="always", **gen_kw):
     if not (sample and gen.drafter == "self-spec" and gen.replay_elided()):  # that one: rejection sampling's draws
         assert alone.tokens == Generator(model, mode="ar").generate([needle], **kw).tokens
     want, argmax = hf_token_logprobs(model, needle, alone.tokens[0])
-    torch.testing.assert_close(alone.logprobs[0], want, rtol=0, atol=LOGPROB_ATOL[model.dtype])
+    torch.testing.assert_close(alone.logprobs[0].cpu(), want, rtol=0, atol=LOGPROB_ATOL[model.dtype])
     assert sample == bool((argmax != torch.tensor(alone.tokens[0])).any())  # sampled: not every token the argmax
 
 
