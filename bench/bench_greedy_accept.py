@@ -8,9 +8,10 @@ draft matches its target, so every kernel must scan all K+1 positions (the worst
 CPU kernel, which stops scanning a row at its first mismatch); `acc=0`: the first draft is
 wrong. Bytes per call: the logits a kernel must read when every position is needed. On a GPU,
 ``triton-pps<n>`` rows time the Triton kernel with its vocabulary split aimed at n programs per
-SM (its plan aims at 2): the data for choosing that count; a ``cuda-split`` row times the CUDA
-kernel with its vocabulary split on (SWIFTKERN_CUDA_GREEDY_SPLIT=1, off by default until a GPU
-has run it).
+SM (its plan aims at 2): the data for choosing that count; the ``cuda`` row times the CUDA
+kernel as built (its vocabulary split on, the default since an H200 ran it) and a
+``cuda-no-split`` row with it off (SWIFTKERN_CUDA_GREEDY_SPLIT=0). Rows of commit 5a2ef78 and
+before name them ``cuda-split`` and ``cuda`` (the split off, then the default).
 """
 
 from __future__ import annotations
@@ -53,17 +54,17 @@ def cases(args) -> list[Case]:
     return out
 
 
-def cuda_split(*args):
-    """The CUDA kernel with SWIFTKERN_CUDA_GREEDY_SPLIT=1 while it launches (a graph captured
-    here replays the split launches)."""
-    with mock.patch.dict(os.environ, {"SWIFTKERN_CUDA_GREEDY_SPLIT": "1"}):
+def cuda_no_split(*args):
+    """The CUDA kernel with SWIFTKERN_CUDA_GREEDY_SPLIT=0 while it launches (a graph captured
+    here replays the unsplit launches). Its eager time includes patching os.environ."""
+    with mock.patch.dict(os.environ, {"SWIFTKERN_CUDA_GREEDY_SPLIT": "0"}):
         return torch.ops.swiftkern.greedy_accept(*args)
 
 
 def run(args) -> list[dict]:
     from swiftkern.ops import registry
     cuda_built = args.device.startswith("cuda") and registry.COMPILED[ROUTINE]["cuda"] == "cuda"
-    extra = {"cuda-split": cuda_split} if cuda_built else {}
+    extra = {"cuda-no-split": cuda_no_split} if cuda_built else {}
     return run_cases(ROUTINE, ROUTINE, cases(args), args, extra=extra, split_sweep=ROWS_AND_VOCAB)
 
 

@@ -10,7 +10,7 @@ namespace cuda {
 
 bool greedy_vocab_split_enabled() {
   const char* v = std::getenv("SWIFTKERN_CUDA_GREEDY_SPLIT");
-  return v != nullptr && std::strcmp(v, "1") == 0;
+  return v == nullptr || std::strcmp(v, "0") != 0;
 }
 
 int64_t greedy_vocab_chunks(int64_t positions, int64_t V, int sms) {

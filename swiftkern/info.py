@@ -45,10 +45,10 @@ def collect_info() -> dict:
     # GGUF-quantized float32 weights read as their codes (swiftkern/packed_weights.py)
     info["packed_weights"] = ("cpu float32 (AVX-512): projections and LM head of a GGUF model read as 4/8-bit codes"
                               if ops.packed_linear_fast() else "no (needs the C++ kernels and AVX-512)")
-    # the CUDA greedy_accept's vocabulary split for few rows: off until a GPU has run it (docs/speed.md)
-    split = os.environ.get("SWIFTKERN_CUDA_GREEDY_SPLIT") == "1"
-    info["cuda_greedy_vocab_split"] = ("on (SWIFTKERN_CUDA_GREEDY_SPLIT=1)" if split
-                                       else "off (SWIFTKERN_CUDA_GREEDY_SPLIT=1 turns it on; not yet run on a GPU)")
+    # the CUDA greedy_accept's vocabulary split for few rows: on unless turned off (docs/speed.md)
+    split = os.environ.get("SWIFTKERN_CUDA_GREEDY_SPLIT") != "0"
+    info["cuda_greedy_vocab_split"] = ("on (SWIFTKERN_CUDA_GREEDY_SPLIT=0 turns it off)" if split
+                                       else "off (SWIFTKERN_CUDA_GREEDY_SPLIT=0)")
     info["cuda_graphs"] = ("available: Generator(cuda_graphs=True) / --cuda-graphs" if torch.cuda.is_available()
                            else "not available (no CUDA device)")
     # where the batch-invariant kernel set runs, mode deterministic needs no replay (replay="auto")

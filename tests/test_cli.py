@@ -82,13 +82,13 @@ def test_info_names_backends():
     assert f"cpu_layer_loop: {loop}" in r.stdout
     graphs = "available" if torch.cuda.is_available() else "not available (no CUDA device)"
     assert f"cuda_graphs: {graphs}" in r.stdout
-    assert "cuda_greedy_vocab_split: off" in r.stdout
+    assert "cuda_greedy_vocab_split: on" in r.stdout
 
 
-def test_info_says_when_the_cuda_greedy_split_is_on(monkeypatch):
-    monkeypatch.setenv("SWIFTKERN_CUDA_GREEDY_SPLIT", "1")
+def test_info_says_when_the_cuda_greedy_split_is_off(monkeypatch):
+    monkeypatch.setenv("SWIFTKERN_CUDA_GREEDY_SPLIT", "0")
     r = run("info")
-    assert r.returncode == 0 and "cuda_greedy_vocab_split: on" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0 and "cuda_greedy_vocab_split: off" in r.stdout, r.stdout + r.stderr
 
 
 @pytest.mark.parametrize("args,msg", [

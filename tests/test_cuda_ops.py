@@ -86,8 +86,8 @@ def test_gpu_machine_has_the_cuda_build():
 # ---------------------------------------------------------------- greedy_accept
 
 def greedy_vocab_split(on: bool):
-    """SWIFTKERN_CUDA_GREEDY_SPLIT=1 (read by the launcher at each call) turns on the CUDA
-    greedy_accept's vocabulary split for few rows; off by default until a GPU has run it."""
+    """SWIFTKERN_CUDA_GREEDY_SPLIT (read by the launcher at each call): 1 (or unset, the default)
+    splits the CUDA greedy_accept's vocabulary for few rows, 0 runs one block per position."""
     return mock.patch.dict(os.environ, {"SWIFTKERN_CUDA_GREEDY_SPLIT": "1" if on else "0"})
 
 
