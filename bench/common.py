@@ -36,7 +36,12 @@ CODE_PATHS = (":/swiftkern", ":/triton_kernels", ":/csrc", ":/bench", ":/setup.p
 def commit() -> str:
     """The short hash of HEAD, with "+dirty" when the code that runs (the package, kernels and
     benchmarks; not tests or results) differs from it: a copy of a working tree, as the GPU
-    machine gets, can carry an older .git, and the hash alone would lie."""
+    machine gets, can carry an older .git, and the hash alone would lie. There (the device tool's
+    copy holds the last landed .git, not this session's commits), the command that starts the
+    bench names the commit it copied in SWIFTKERN_BENCH_COMMIT, which this returns as given."""
+    named = os.environ.get("SWIFTKERN_BENCH_COMMIT", "").strip()
+    if named:
+        return named
     here = os.path.dirname(__file__)
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,

@@ -11,6 +11,10 @@
 # Stages chain: `bash bench/gpu_session.sh setup tests`. Everything under bench/results and the
 # logs are packed into $OUT/results.tgz at the end of every stage list.
 #
+# Name the commit the copy holds: SWIFTKERN_BENCH_COMMIT=$(git rev-parse --short HEAD), written
+# into the command on the CPU machine (the copy's .git is the last landed one, so the rows' commit
+# column would name that instead).
+#
 # Carried paths (ignored by git, see .git/info/exclude; bench/gpu_prepare.sh makes .whl, .gpu/a
 # and .gpu/b on the CPU machine): .whl (the gguf wheel), .gpu/so (a built
 # swiftkern/_C*.so: skips the build), .gpu/a and .gpu/b (the two halves of the 98 MB SmolLM2

@@ -178,3 +178,20 @@ def test_vocab_split_sweep_providers_force_the_split_they_name(monkeypatch):
             # closed form of the plan: ceil(n * SMs / rows) splits, at most a quarter of the blocks
             assert seen == [min(-(-n * 3 // rows), 40 // 4)], (n, seen)
             assert all(torch.equal(o, w) for o, w in zip(out, want))
+
+
+def test_a_named_commit_is_the_rows_commit(monkeypatch):
+    """On the GPU machine the copy's .git is the last landed one: SWIFTKERN_BENCH_COMMIT names the
+    commit that was copied; without it, HEAD's short hash (as git gives it)."""
+    sys.path.insert(0, ROOT)
+    from bench import common
+
+    common.commit.cache_clear()
+    monkeypatch.setenv("SWIFTKERN_BENCH_COMMIT", "abc1234")
+    assert common.commit() == "abc1234"
+    common.commit.cache_clear()
+    monkeypatch.delenv("SWIFTKERN_BENCH_COMMIT")
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT,
+                          check=True).stdout.strip()
+    assert common.commit().split("+")[0] == head
+    common.commit.cache_clear()
