@@ -9,7 +9,7 @@ in float32. So row i of c is the same bits whether a has 1 row or 10 000.
 bf16/fp16 inputs use tensor-core dots with a float32 accumulator on a GPU, float32 inputs
 IEEE float32 dots. Under TRITON_INTERPRET=1 (no GPU) tl.dot is numpy's BLAS, which gives a
 row different bits at different places in a tile, and bf16 arithmetic is not the GPU's: there
-the tiles are upcast to float32 and multiplied as a broadcast product summed over k.
+the tiles are upcast to float32 and multiplied by ``interpreter_dot``.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .interpreter_dot import interpreter_dot
 from .launch import cdiv, check_device, check_float, empty, interpreting, require
 from .registry import register
 
@@ -47,7 +48,7 @@ def _bi_matmul_kernel(
         b = tl.load(b_ptr + ks[:, None] * stride_bk + offs_n[None, :] * stride_bn,
                     mask=(ks[:, None] < K) & (offs_n[None, :] < N), other=0.0)
         if INTERPRET:  # numpy's BLAS behind tl.dot is not row-invariant within a tile
-            acc += tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+            acc += interpreter_dot(a, b)
         elif UPCAST:
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
         else:

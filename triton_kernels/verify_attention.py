@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .interpreter_dot import interpreter_dot
 from .launch import attention_plan, check_device, check_float, empty, interpreting, require
 
 
@@ -33,7 +34,7 @@ def _verify_attention_kernel(
     mid_lse_ptr,  # float32 [B, Hq, T, SPLITS]
     scale_log2e, T, GROUP, HKV, HQ, D, CHUNK, SPLITS,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLIT: tl.constexpr, FP32_DOT: tl.constexpr,
+    SPLIT: tl.constexpr, FP32_DOT: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     pid_bh = tl.program_id(0).to(tl.int64)
     b = pid_bh // HKV
@@ -63,7 +64,9 @@ def _verify_attention_kernel(
         n = start + tl.arange(0, BLOCK_N)
         k = tl.load(k_base + n[None, :] * sk_s + d[:, None] * sk_d, mask=(n[None, :] < hi) & d_ok[:, None],
                     other=0.0)  # [BLOCK_D, BLOCK_N]
-        if FP32_DOT:
+        if INTERPRET:  # numpy's BLAS behind tl.dot: a row's bits would follow its place in the tile
+            s = interpreter_dot(q, k)
+        elif FP32_DOT:
             s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
         else:
             s = tl.dot(q, k)
@@ -76,7 +79,9 @@ def _verify_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_base + n[:, None] * sv_s + d[None, :] * sv_d, mask=(n[:, None] < hi) & d_ok[None, :],
                     other=0.0)  # [BLOCK_N, BLOCK_D]
-        if FP32_DOT:
+        if INTERPRET:
+            pv = interpreter_dot(p, v)
+        elif FP32_DOT:
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
             pv = tl.dot(p.to(v.dtype), v)
@@ -163,6 +168,7 @@ def verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         out, *out.stride(), mid_o, mid_lse,
         float(scale) * math.log2(math.e), T, group, Hkv, Hq, D, plan.chunk, plan.splits,
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d, SPLIT=split, FP32_DOT=fp32_dot,
+        INTERPRET=interpreting(),
         num_warps=plan.num_warps, num_stages=plan.num_stages)
     if split:
         _combine_kernel[(B * Hq * T,)](
