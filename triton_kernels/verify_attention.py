@@ -155,7 +155,7 @@ def verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return out
     group = Hq // Hkv
     plan = attention_plan(B, Hkv, group, T, S, D, q.device, num_splits, invariant, fp32=q.dtype == torch.float32)
-    fp32_dot = q.dtype == torch.float32 or interpreting()
+    fp32_dot = q.dtype == torch.float32  # the interpreter takes interpreter_dot (float32) instead
     split = plan.splits > 1
     if split:
         mid_o = empty((B, Hq, T, plan.splits, D), torch.float32, q.device)
