@@ -30,6 +30,9 @@ to fill the batch (chat template):
 Where the batch-invariant kernels do not run (a GPU), replay "auto" replays too, and the
 providers that would repeat another (det-replay, self-spec+det-replay) are left out.
 
+``--providers`` keeps ar in every group and skips a group where none of the other named providers
+is (``--providers deterministic,det-replay-fused`` runs the throughput group alone).
+
 Columns: tok_s (all new tokens / median wall time, prefill included), replay (elided or
 replayed), deterministic_share (the
 fraction of requests replayed), ratio_vs_ar (same batch,
@@ -139,6 +142,8 @@ def run(args) -> list[dict]:
     for group, batch, configs in _setups(args.smoke, layer_set, verify_batch, replay_differs):
         if args.providers:
             configs = {k: v for k, v in configs.items() if k in args.providers or k == "ar"}
+            if set(configs) == {"ar"} and args.providers != ["ar"]:
+                continue  # none of the named providers is in this group: ar alone would compare nothing
         # batch 1: every prompt kind in turn (one prompt alone says little); else one batch of
         # the prompts cycled
         calls = [[t] for t in texts] if batch == 1 else [[texts[i % len(texts)] for i in range(batch)]]

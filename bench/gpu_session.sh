@@ -8,6 +8,9 @@
 #   bash bench/gpu_session.sh e2e          generate, determinism (with det-replay-fused), verifier_pass on SmolLM2
 #   bash bench/gpu_session.sh graphs       generate, determinism and verify_cost with CUDA graphs (--cuda-graphs)
 #   bash bench/gpu_session.sh bf16         determinism with CUDA graphs in bfloat16
+#   bash bench/gpu_session.sh dettests     the deterministic verifier's GPU tests alone (not slow): both kernel sets
+#   bash bench/gpu_session.sh det          determinism with CUDA graphs, the throughput and batch-1 groups with the
+#                                          fused verifier set beside the default, and verifier_pass (eager)
 # Stages chain: `bash bench/gpu_session.sh setup tests`. Everything under bench/results and the
 # logs are packed into $OUT/results.tgz at the end of every stage list.
 #
@@ -105,6 +108,22 @@ stage_bf16() {
   timeout 300 python3 -m bench --routine determinism --max-new-tokens 64 --reps 2 --cuda-graphs --dtype bfloat16 \
     > "$OUT/determinism-bf16.log" 2>&1
   echo "determinism bf16 graphs: exit $?"; tail -22 "$OUT/determinism-bf16.log"
+}
+
+stage_dettests() {
+  pytest_gpu dettests 200 -n 6 -m "not slow" -k "not (test_cuda_ops and emulated)" \
+    --deselect tests/test_cuda_ops.py::test_compute_sanitizer_memcheck \
+    tests/test_deterministic_gpu.py tests/test_triton_verifier.py tests/test_cuda_graphs.py \
+    tests/test_op_views.py tests/test_cuda_ops.py tests/test_bi_matmul.py
+}
+
+stage_det() {
+  timeout 240 python3 -m bench --routine determinism --max-new-tokens 64 --reps 2 --cuda-graphs --plot \
+    --providers ar,deterministic,det-replay-fused,det-replay-1/8,self-spec+det,self-spec+det-fused \
+    > "$OUT/determinism-graphs.log" 2>&1
+  echo "determinism graphs: exit $?"; tail -22 "$OUT/determinism-graphs.log"
+  timeout 90 python3 -m bench --routine verifier_pass --reps 10 > "$OUT/verifier-pass.log" 2>&1
+  echo "verifier_pass: exit $?"; tail -6 "$OUT/verifier-pass.log"
 }
 
 for stage in "$@"; do

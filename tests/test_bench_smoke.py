@@ -195,3 +195,15 @@ def test_a_named_commit_is_the_rows_commit(monkeypatch):
                           check=True).stdout.strip()
     assert common.commit().split("+")[0] == head
     common.commit.cache_clear()
+
+
+def test_determinism_skips_the_groups_without_a_named_provider():
+    """--providers deterministic keeps ar beside it but runs no group where ar would be alone
+    (the windows group has no provider named 'deterministic')."""
+    run = _bench("--routine", "determinism", "--smoke", "--no-csv", "--providers", "deterministic", timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    table = [line.split() for line in run.stdout.splitlines()
+             if re.match(r"^(throughput|windows|arrivals|batch1) ", line)]
+    groups = {cells[0] for cells in table}
+    assert groups == {"throughput", "arrivals", "batch1"}, run.stdout[-2000:]
+    assert {cells[1] for cells in table} == {"ar", "deterministic"}
