@@ -1,7 +1,7 @@
 """How one forward is recorded and replayed: a CUDA graph, or its emulation on the CPU (tests).
 
 ``CudaGraph``, ``EmulatedGraph`` and ``RecordedGraph`` share one interface, ``capture(fn)`` then
-``replay()`` -> the output; ``cuda_graphs.GraphRunner`` takes any. Both emulations run fn under
+``replay(body=None)`` -> the output (body: the current call's fn, which only ``EmulatedGraph`` runs); ``cuda_graphs.GraphRunner`` takes any. Both emulations run fn under
 ``no_host_reads()``, which refuses what a real capture refuses (a read of a tensor's value on
 the host is a device sync), so a body that would fail to capture on a GPU fails on the CPU too.
 ``EmulatedGraph`` reruns fn at every replay and refuses one that launches other than the
@@ -19,7 +19,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import SwiftkernError
-from .launch_log import LaunchLog, first_difference
+from .launch_log import LaunchLog, first_difference, freed_since
 
 
 class CudaGraph:
@@ -41,7 +41,8 @@ class CudaGraph:
             finally:
                 self.graph.capture_end()
 
-    def replay(self) -> torch.Tensor:
+    def replay(self, body=None) -> torch.Tensor:
+        """``body``: the current call's fn, which the emulation reruns; a graph ignores it."""
         self.graph.replay()
         return self.out
 
@@ -98,20 +99,33 @@ class EmulatedGraph:
     would replay the capture's launches whatever the host state is now, so a body whose
     launches depend on host state outside the graph's key fails here. With the cache's host
     lengths hidden while fn runs (``GraphRunner`` does that for both kinds), a body that read
-    them fails too."""
+    them fails too; so does a replay after memory the capture read from outside was freed
+    (``launch_log.freed_since``)."""
 
     def __init__(self, pool=None, stream=None):
         self.fn = None
         self.launches = None  # what the capture launched: launch_log.LaunchLog.launches
+        self.external = {}  # and the memory from outside it read: LaunchLog.external
 
     def capture(self, fn) -> None:
         self.fn = fn
 
-    def replay(self) -> torch.Tensor:
+    def replay(self, body=None) -> torch.Tensor:
+        """``body``: the current call's fn (``GraphRunner`` passes it), rerun instead of the
+        captured one, which is then let go, as a graph lets the capture's Python go: what only
+        the capture's fn kept alive is freed, and a graph that still reads it fails here."""
+        if self.launches is not None:
+            freed = freed_since(self.external)
+            if freed is not None:
+                raise SwiftkernError(f"a replay after its capture: {freed}; a CUDA graph would read it at the "
+                                     "same address: whatever a graph reads must live as long as the graph")
+        fn = self.fn if body is None else body
+        if body is not None:
+            self.fn = None
         with no_host_reads(), LaunchLog() as log:
-            out = self.fn()
+            out = fn()
         if self.launches is None:
-            self.launches = log.launches
+            self.launches, self.external = log.launches, log.external
         else:
             difference = first_difference(self.launches, log.launches)
             if difference is not None:
@@ -138,7 +152,8 @@ class RecordedGraph:
             self.out = fn()
         self.tape = log.tape
 
-    def replay(self) -> torch.Tensor:
+    def replay(self, body=None) -> torch.Tensor:
+        """``body`` is ignored, as by a graph: the tape runs."""
         for launch in self.tape:
             launch()
         return self.out

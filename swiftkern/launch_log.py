@@ -18,7 +18,10 @@ replay's launches with its capture's, and as a callable that launches it again (
 
 A tensor argument is named by where it comes from: made inside the body, by the position of the
 launch that made it (its address may change from run to run, as a graph's pool would not let
-it); else by its address, shape, strides and dtype.
+it); else by its address, shape, strides and dtype. The storages from outside are also kept as
+weak references (``LaunchLog.external``): a graph does not keep them alive, so one freed after
+the capture leaves the graph reading whatever the allocator put there next (``freed_since``),
+which an address compare misses when the allocator hands the same address back.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import contextlib
 import functools
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -53,6 +57,9 @@ class LaunchLog(TorchDispatchMode):
         self._made: dict = {}  # id(tensor) -> (launch index, output index)
         self._keep: list = []  # the tensors in _made, alive while recording so ids stay unique
         self._saved: dict = {}  # storage address -> (its bytes, a copy): tensors not made inside
+        # storage address -> (a weak reference to the storage, the first launch that read it):
+        # memory from outside the body, which a graph reads at its address on every replay
+        self.external: dict = {}
         self._paused = 0
 
     def __enter__(self):
@@ -100,6 +107,9 @@ class LaunchLog(TorchDispatchMode):
             out = run()
         finally:
             self._paused -= 1
+        for t in tensors:
+            if id(t) not in self._made and _storage_key(t) not in self.external:
+                self.external[_storage_key(t)] = (StorageWeakRef(t.untyped_storage()), f"launch {index} ({name})")
         inputs = {id(t) for t in tensors}
         read = {_storage_key(t) for t in tensors}
         made = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
@@ -131,6 +141,16 @@ class LaunchLog(TorchDispatchMode):
             return ("callable", getattr(x, "__qualname__", type(x).__name__))
         value = getattr(x, "value", None)  # triton.language.constexpr
         return (type(x).__name__, self._signature(value) if value is not None else repr(x))
+
+
+def freed_since(external: dict) -> str | None:
+    """The first of ``LaunchLog.external``'s storages freed since it was recorded, in words
+    (None: all alive). A CUDA graph would go on reading and writing that address, whatever
+    now lives there."""
+    for ref, where in external.values():
+        if ref.expired():
+            return f"{where} used memory from outside the graph that has been freed since"
+    return None
 
 
 def _launch_again(run, fresh: list) -> None:

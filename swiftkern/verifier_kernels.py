@@ -77,17 +77,18 @@ PORTABLE = VerifierKernels("portable", bi_rms_norm, _add_rms_norm_portable, bi_s
 def rope_from_append(kernel: Callable) -> Callable:
     """A ``rope_kv_append`` kernel as the verifier's rope: one launch that rotates q and writes
     the rotated k (and v) into [R, Hkv, T, D] buffers at positions 0..T-1 of each row, instead
-    of ~12 elementwise ops (each element's arithmetic is the same wherever it sits)."""
-    positions: dict = {}
+    of ~12 elementwise ops (each element's arithmetic is the same wherever it sits).
 
+    The positions are made in every call (one small launch), inside the pass: a table kept here
+    lived as long as the Verifier that made it, and a CUDA graph of the pass, which outlives that
+    Verifier in the model's runner, went on reading its freed memory (an H100 rolled back 94-97 %
+    of the tokens; ``tests/test_cuda_graphs.py`` now catches it on the CPU)."""
     def rope(q, k, v, cos, sin):
         R, Hkv, T, D = k.shape
-        key = (R, T, k.device)
-        if key not in positions:  # kept: a CUDA graph of the pass reads the same tensor every replay
-            positions[key] = torch.arange(T, device=k.device).repeat(R, 1)  # [R, T]
+        positions = torch.arange(T, device=k.device).expand(R, T)  # [R, T], stride 0 over rows
         k_out = torch.empty((R, Hkv, T, D), dtype=k.dtype, device=k.device)
         v_out = torch.empty_like(k_out)
-        return kernel(q, k, v, cos, sin, k_out, v_out, positions[key]), k_out, v_out
+        return kernel(q, k, v, cos, sin, k_out, v_out, positions), k_out, v_out
     return rope
 
 

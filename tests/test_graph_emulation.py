@@ -100,9 +100,32 @@ def test_emulated_graph_refuses_a_replay_reading_a_tensor_at_another_address():
     graph = EmulatedGraph()
     graph.capture(fn)
     graph.replay()
+    before = holder["buf"]  # kept alive: this test is about the address alone
     holder["buf"] = torch.arange(4.0) + 0  # the same values at a new address
     with pytest.raises(SwiftkernError, match=r"launch 0 \(aten.mul.Tensor\), argument 0.0"):
         graph.replay()
+    assert before.sum() == 6
+
+
+def test_emulated_graph_refuses_a_replay_after_memory_it_read_was_freed():
+    """A graph reads the capture's addresses but keeps nothing alive: a table freed after the
+    capture (and maybe handed out again at the same address, as the CPU allocator did in the
+    verifier's case) is refused, whether the body passed at replay reads the new one or not."""
+    state, holder = torch.zeros(()), {"buf": torch.arange(4.0)}
+
+    def fn():
+        out = holder["buf"] * 2
+        state.add_(out.sum())
+        return out
+
+    graph = EmulatedGraph()
+    graph.capture(fn)
+    graph.replay(fn)
+    graph.replay(fn)
+    holder["buf"] = torch.arange(4.0) + 0  # the capture's table freed
+    with pytest.raises(SwiftkernError, match=r"launch 0 \(aten.mul.Tensor\) used memory from outside the graph "
+                                             r"that has been freed since"):
+        graph.replay(fn)
 
 
 def test_launch_log_names_tensors_made_inside_by_their_launch():
