@@ -79,6 +79,15 @@ def cases():
                     _m(B, K), _m(B, K + 1))
 
 
+def _odd_norm_views(rows: int, H: int, dt: torch.dtype) -> dict:
+    """{view name: (x [rows, H], weight [H])}: meta tensors one element off a 16-byte boundary,
+    or with rows padded by one element (meta tensors carry their offsets into data_ptr, which
+    Triton's alignment specialization reads)."""
+    return {"offset-x": (_m(rows * H + 1, dtype=dt)[1:].view(rows, H), _m(H, dtype=dt)),
+            "offset-weight": (_m(rows, H, dtype=dt), _m(H + 1, dtype=dt)[1:]),
+            "padded-rows": (_m(rows, H + 1, dtype=dt)[:, :H], _m(H, dtype=dt))}
+
+
 VERIFIER_SHAPES = ((1, 2, 4096), (1, 33, 4096), (4, 33, 4096), (16, 33, 4160), (1, 64, 4096), (2, 100, 4160))
 VERIFIER_PREFIX = "verifier "
 
@@ -105,6 +114,12 @@ def verifier_cases():
                 yield f"{tag} rms_norm {shape}", k["rms_norm"], (x, _m(H, dtype=dt), 1e-5)
                 yield f"{tag} fused_add_rms_norm {shape}", k["fused_add_rms_norm"], (x, _m(rows, H, dtype=dt),
                                                                                     _m(H, dtype=dt), 1e-5)
+                for view, (xv, wv) in _odd_norm_views(rows, H, dt).items():
+                    # the norms' row sums follow their loads' layout, which follows the inputs'
+                    # alignment: views must compile to the binary of contiguous inputs
+                    yield f"{tag} rms_norm {shape} view={view}", k["rms_norm"], (xv, wv, 1e-5)
+                    yield f"{tag} fused_add_rms_norm {shape} view={view}", k["fused_add_rms_norm"], (
+                        xv, xv, wv, 1e-5)
                 yield f"{tag} silu_mul {shape}", k["silu_mul"], (_m(rows, I, dtype=dt), _m(rows, I, dtype=dt))
                 yield f"{tag} rope_kv_append {shape}", k["rope_kv_append"], (
                     _heads(B, T, Hq, D, dt), _heads(B, T, Hkv, D, dt), _heads(B, T, Hkv, D, dt), _m(B, T, D, dtype=dt),

@@ -20,7 +20,8 @@ cache), down to a cubin for the target, and not launched. A launch fails the che
   OutOfResources at the first launch);
 - its grid exceeds CUDA's limits (2^31 - 1 programs on axis 0, 65535 on axes 1 and 2);
 - one of the deterministic verifier's ops compiles to more than one binary across the shapes
-  the verifier meets (``verifier_cases``): batch invariance must not rest on a specialization;
+  the verifier meets (``verifier_cases``; for the norms also offset and row-padded inputs):
+  batch invariance must not rest on a specialization;
 - a memory-bound kernel of ``WIDE_LOAD_KERNELS`` issues no 16-byte global load at a real
   model's shape (a lost vectorization: an unaligned or unspecialized size, a plan with too many
   threads per row);
@@ -246,8 +247,9 @@ def check(targets: list[Target], verbose: bool = True, case_list=None) -> tuple[
         if verbose:
             print(file=sys.stderr)
     failures += [f"{target} {VERIFIER_PREFIX}{model} {dtype} {op}: {kernel} compiles to {len(hashes)} binaries across "
-                 f"the verifier's shapes {VERIFIER_SHAPES} (a specialization on a shape value: a row's bits could "
-                 "depend on the batch or window; mark the argument do_not_specialize)"
+                 f"the verifier's shapes {VERIFIER_SHAPES} (a specialization on a shape value or an input's alignment: a "
+                 "row's bits could depend on the batch, the window or the memory; mark the argument do_not_specialize, "
+                 "or have the launcher hand the kernel canonical inputs)"
                  for (target, kernel, model, dtype, op), hashes in sorted(binaries.items()) if len(hashes) > 1]
     return list(launches.values()), failures
 
