@@ -5,12 +5,12 @@
 #   bash bench/gpu_session.sh slow         SmolLM2 GPU tests (needs both halves of the model file)
 #   bash bench/gpu_session.sh sanitizer    tests/test_cuda_ops.py under compute-sanitizer memcheck
 #   bash bench/gpu_session.sh kernels      per-op kernel benchmarks (reference / triton / cuda)
-#   bash bench/gpu_session.sh e2e          generate, determinism (with det-replay-fused), verifier_pass on SmolLM2
+#   bash bench/gpu_session.sh e2e          generate, determinism (with det-replay-portable), verifier_pass on SmolLM2
 #   bash bench/gpu_session.sh graphs       generate, determinism and verify_cost with CUDA graphs (--cuda-graphs)
 #   bash bench/gpu_session.sh bf16         determinism with CUDA graphs in bfloat16
 #   bash bench/gpu_session.sh dettests     the deterministic verifier's GPU tests alone (not slow): both kernel sets
 #   bash bench/gpu_session.sh det          determinism with CUDA graphs, the throughput and batch-1 groups with the
-#                                          fused verifier set beside the default, and verifier_pass (eager)
+#                                          portable verifier set beside the default (fused), and verifier_pass (eager)
 # Stages chain: `bash bench/gpu_session.sh setup tests`. Everything under bench/results and the
 # logs are packed into $OUT/results.tgz at the end of every stage list.
 #
@@ -119,7 +119,7 @@ stage_dettests() {
 
 stage_det() {
   timeout 240 python3 -m bench --routine determinism --max-new-tokens 64 --reps 2 --cuda-graphs --plot \
-    --providers ar,deterministic,det-replay-fused,det-replay-1/8,self-spec+det,self-spec+det-fused \
+    --providers ar,deterministic,det-replay-portable,det-replay-1/8,self-spec+det,self-spec+det-portable \
     > "$OUT/determinism-graphs.log" 2>&1
   echo "determinism graphs: exit $?"; tail -22 "$OUT/determinism-graphs.log"
   timeout 90 python3 -m bench --routine verifier_pass --reps 10 > "$OUT/verifier-pass.log" 2>&1

@@ -101,8 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--verifier-kernels", default="auto", choices=["auto", "portable", "fused"],
                      help="deterministic replay: the verifier's per-row ops. portable: torch compositions, "
                           "any device, many small ops; fused: one kernel per op (C++ on the CPU, Triton on "
-                          "CUDA); auto (default): fused on the CPU, portable on CUDA until the fused set "
-                          "has passed the GPU tests")
+                          "CUDA); auto (default): fused where it runs, else portable")
     gen.add_argument("--drafter", default="auto", choices=["auto", "layer-skip", "lookup", "none", "self-spec"],
                      help="self-spec: auto (default) picks per step among lookup, layer-skip (with "
                           "--layer-set) and none by measured cost and acceptance; layer-skip drafts with "

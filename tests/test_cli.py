@@ -75,7 +75,10 @@ def test_info_names_backends():
     decoding = "cpu: batch-invariant" if invariant_kernels_available("cpu", torch.float32) else "regular"
     assert f"decode_kernels: {decoding}" in r.stdout
     cpu_set = '"fused (cpp)"' if invariant_kernels_available("cpu", torch.float32) else '"portable"'
-    assert f'verifier_kernels_auto: {{"cpu": {cpu_set}, "cuda": "portable"}}' in r.stdout
+    from swiftkern.ops import backends
+
+    cuda_set = '"fused (triton)"' if "verify_attention_invariant" in backends.triton_ops("cuda") else '"portable"'
+    assert f'verifier_kernels_auto: {{"cpu": {cpu_set}, "cuda": {cuda_set}}}' in r.stdout
     from swiftkern.layer_kernels import LayerKernels
 
     loop = "C++ decoder_stack" if LayerKernels.for_device("cpu").stack is not None else "Python, op by op"
