@@ -136,8 +136,8 @@ class Generator:
     lookup, the layer-skipped draft and no draft, whose verify passes are the invariant model)
     and ``logprobs`` are those of the model itself; ``replay="always"`` keeps the LLM-42 replay.
     ``verifier_kernels``: the replay's per-row ops, "auto" | "portable" | "fused"
-    (``verifier_kernels.verifier_kernels``: auto is fused with the C++ kernels on the CPU,
-    portable on CUDA until the fused Triton set has passed the GPU tests).
+    (``verifier_kernels.verifier_kernels``: auto is fused, with the C++ kernels on the CPU and
+    Triton on CUDA, where they run; portable elsewhere).
     ``cuda_graphs=True`` (a model on a CUDA device) replays the forwards of decode, draft and
     verify steps through CUDA graphs captured on a shape's second use (``cuda_graphs.GraphRunner``,
     kept across calls; or pass a ``GraphRunner`` to share its graphs between Generators of its
