@@ -89,16 +89,21 @@ def test_emulated_graph_refuses_a_replay_with_other_host_values():
         graph.replay()
 
 
-def test_emulated_graph_refuses_a_replay_reading_a_tensor_at_another_address():
-    state, holder = torch.zeros(()), {"buf": torch.arange(4.0)}
+def _reads_held_table(holder: dict):
+    """A body that reads holder["buf"] (whatever it holds at the call) into a running total."""
+    state = torch.zeros(())
 
     def fn():
         out = holder["buf"] * 2
         state.add_(out.sum())
         return out
+    return fn
 
+
+def test_emulated_graph_refuses_a_replay_reading_a_tensor_at_another_address():
+    holder = {"buf": torch.arange(4.0)}
     graph = EmulatedGraph()
-    graph.capture(fn)
+    graph.capture(_reads_held_table(holder))
     graph.replay()
     before = holder["buf"]  # kept alive: this test is about the address alone
     holder["buf"] = torch.arange(4.0) + 0  # the same values at a new address
@@ -111,13 +116,8 @@ def test_emulated_graph_refuses_a_replay_after_memory_it_read_was_freed():
     """A graph reads the capture's addresses but keeps nothing alive: a table freed after the
     capture (and maybe handed out again at the same address, as the CPU allocator did in the
     verifier's case) is refused, whether the body passed at replay reads the new one or not."""
-    state, holder = torch.zeros(()), {"buf": torch.arange(4.0)}
-
-    def fn():
-        out = holder["buf"] * 2
-        state.add_(out.sum())
-        return out
-
+    holder = {"buf": torch.arange(4.0)}
+    fn = _reads_held_table(holder)
     graph = EmulatedGraph()
     graph.capture(fn)
     graph.replay(fn)
