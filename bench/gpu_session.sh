@@ -64,7 +64,7 @@ stage_tests() {
   pytest_gpu tests 330 -n 6 -m "not slow" -k "not (test_cuda_ops and emulated)" \
     --deselect tests/test_cuda_ops.py::test_compute_sanitizer_memcheck \
     tests/test_cuda_ops.py tests/test_triton_*.py tests/test_bi_matmul.py tests/test_greedy_accept.py \
-    tests/test_rejection_sample.py tests/test_deterministic_gpu.py tests/test_cuda_graphs.py \
+    tests/test_rejection_sample.py tests/test_deterministic_gpu.py tests/test_cuda_graphs.py tests/test_verifier_model_shapes.py \
     tests/test_feature_mix.py::test_one_cuda_graph_runner_shared_by_every_config_on_the_gpu \
     tests/test_op_views.py
 }
@@ -114,7 +114,7 @@ stage_dettests() {
   pytest_gpu dettests 200 -n 6 -m "not slow" -k "not (test_cuda_ops and emulated)" \
     --deselect tests/test_cuda_ops.py::test_compute_sanitizer_memcheck \
     tests/test_deterministic_gpu.py tests/test_triton_verifier.py tests/test_cuda_graphs.py \
-    tests/test_op_views.py tests/test_cuda_ops.py tests/test_bi_matmul.py
+    tests/test_verifier_model_shapes.py tests/test_op_views.py tests/test_cuda_ops.py tests/test_bi_matmul.py
 }
 
 stage_det() {
