@@ -54,8 +54,10 @@ constexpr int kLanes = 32;
 // Index of the maximum of x[0:V] (V >= 1) with torch.argmax's tie and NaN rules, in two passes
 // that both vectorize: the maximum (and whether any NaN occurs) in kLanes independent lanes,
 // then the first index holding it (the second pass stops there; the row is in cache by then).
+// Always inlined: each target clone below then compiles the scan for its own instruction set (a
+// call would reach one out-of-line copy built for the baseline, SSE2, whatever the clone).
 template <class L>
-inline int64_t row_argmax(const typename L::T* __restrict x, int64_t V) {
+__attribute__((always_inline)) inline int64_t row_argmax(const typename L::T* __restrict x, int64_t V) {
   float best[kLanes];
   int32_t nan[kLanes];
   for (int l = 0; l < kLanes; ++l) { best[l] = -INFINITY; nan[l] = 0; }
@@ -98,9 +100,9 @@ inline int64_t row_argmax(const typename L::T* __restrict x, int64_t V) {
   return 0;
 }
 
-// One compiled scan per dtype; on x86-64 GCC also an AVX2 clone picked at load time.
+// One compiled scan per dtype; on x86-64 GCC also AVX-512 and AVX2 clones picked at load time.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define SWIFTKERN_CLONES __attribute__((target_clones("avx2", "default")))
+#define SWIFTKERN_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define SWIFTKERN_CLONES
 #endif
