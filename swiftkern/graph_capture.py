@@ -1,7 +1,8 @@
 """How one forward is recorded and replayed: a CUDA graph, or its emulation on the CPU (tests).
 
 ``CudaGraph``, ``EmulatedGraph`` and ``RecordedGraph`` share one interface, ``capture(fn)`` then
-``replay(body=None)`` -> the output (body: the current call's fn, which only ``EmulatedGraph`` runs); ``cuda_graphs.GraphRunner`` takes any. Both emulations run fn under
+``replay(body=None)`` -> the output (body: the current call's fn, which only ``EmulatedGraph``
+runs); ``cuda_graphs.GraphRunner`` takes any. Both emulations run fn under
 ``no_host_reads()``, which refuses what a real capture refuses (a read of a tensor's value on
 the host is a device sync), so a body that would fail to capture on a GPU fails on the CPU too.
 ``EmulatedGraph`` reruns fn at every replay and refuses one that launches other than the
