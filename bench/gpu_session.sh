@@ -118,7 +118,7 @@ stage_dettests() {
 }
 
 stage_det() {
-  timeout 240 python3 -m bench --routine determinism --max-new-tokens 64 --reps 2 --cuda-graphs --plot \
+  timeout 420 python3 -m bench --routine determinism --max-new-tokens 64 --reps 2 --cuda-graphs --plot \
     --providers ar,deterministic,det-replay-portable,det-replay-1/8,self-spec+det,self-spec+det-portable \
     > "$OUT/determinism-graphs.log" 2>&1
   echo "determinism graphs: exit $?"; tail -22 "$OUT/determinism-graphs.log"
