@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import os
 import pkgutil
 import sys
@@ -89,6 +90,10 @@ def main(argv=None, prog: str = "python -m bench") -> int:
     args.providers = args.providers.split(",") if args.providers else None
     if args.cuda_graphs and not args.device.startswith("cuda"):
         print(f"{prog}: --cuda-graphs needs a CUDA device (--device cuda)", file=sys.stderr)
+        return 2
+    if args.plot and importlib.util.find_spec("matplotlib") is None:  # refused before the run, not after it
+        print(f"{prog}: --plot needs matplotlib, which swiftkern does not install: pip install matplotlib, "
+              "or leave --plot out", file=sys.stderr)
         return 2
     for name in names:
         print(f"== {name} on {common.device_name(args.device)}", flush=True)

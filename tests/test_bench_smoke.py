@@ -207,3 +207,18 @@ def test_determinism_skips_the_groups_without_a_named_provider():
     groups = {cells[0] for cells in table}
     assert groups == {"throughput", "arrivals", "batch1"}, run.stdout[-2000:]
     assert {cells[1] for cells in table} == {"ar", "deterministic"}
+
+
+def test_plot_without_matplotlib_is_refused_before_the_run():
+    """--plot once ran the whole routine, appended its rows, then died on the matplotlib import."""
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("matplotlib") is not None:
+        pytest.skip("matplotlib is installed here: --plot runs (swiftkern's own setup does not install it)")
+    results = os.path.join(ROOT, "bench", "results", "silu_mul.csv")
+    before = open(results).read()
+    run = _bench("--routine", "silu_mul", "--plot", timeout=120)
+    assert run.returncode == 2 and "--plot needs matplotlib" in run.stderr, run.stderr[-500:]
+    assert "== silu_mul" not in run.stdout and open(results).read() == before
