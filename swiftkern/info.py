@@ -45,6 +45,12 @@ def collect_info() -> dict:
     # GGUF-quantized float32 weights read as their codes (swiftkern/packed_weights.py)
     info["packed_weights"] = ("cpu float32 (AVX-512): projections and LM head of a GGUF model read as 4/8-bit codes"
                               if ops.packed_linear_fast() else "no (needs the C++ kernels and AVX-512)")
+    # which kernel takes the float32 projections on the CPU (ops.projections.mkl_lags_here)
+    info["cpu_float32_projections"] = (
+        f"C++ kernels at every size (torch's matmul is MKL, which runs AVX2 code on this "
+        f"{ops.projections.cpu_vendor()} CPU)" if ops.mkl_lags_here() else
+        f"C++ kernels up to {ops.SKINNY_MAX_ROWS} rows ({ops.PACKED_MAX_ROWS} from packed weights), "
+        "torch's matmul past that")
     # the CUDA greedy_accept's vocabulary split for few rows: on unless turned off (docs/speed.md)
     split = os.environ.get("SWIFTKERN_CUDA_GREEDY_SPLIT") != "0"
     info["cuda_greedy_vocab_split"] = ("on (SWIFTKERN_CUDA_GREEDY_SPLIT=0 turns it off)" if split

@@ -101,11 +101,11 @@ def _stack_for(invariant: bool) -> Callable | None:
     skipped, 2 MLP skipped), k_cache, v_cache [L, B, Hkv, S, D], cos, sin [B, T, D], positions
     [B, T], cache_lens [B], max_len, num_heads, num_kv_heads, head_dim, eps, scale, packed
     (empty, or the packed weight or None per weight slot: packed_weights.PackedSet.slots(), read
-    up to ops.PACKED_MAX_ROWS rows, at any number in the invariant set; the same bits)) -> (hidden, pending or None)."""
+    up to ops.packed_max_rows() rows, at any number in the invariant set; the same bits)) -> (hidden, pending or None)."""
     run = getattr(ops.registry.extension, "decoder_stack", None)
     if run is None:
         return None
-    packed_rows = -1 if invariant else ops.PACKED_MAX_ROWS  # packed: skinny_linear's bits, fewer bytes
+    packed_rows = -1 if invariant else ops.packed_max_rows()  # packed: skinny_linear's bits, fewer bytes
 
     def stack(hidden, weights, skip, k_cache, v_cache, cos, sin, positions, cache_lens, max_len, num_heads,
               num_kv_heads, head_dim, eps, scale, packed):

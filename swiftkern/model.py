@@ -131,10 +131,11 @@ class SkipModel:
 
     def _reads_packed(self, kern: LayerKernels, rows: int) -> bool:
         """Whether a pass of ``rows`` rows reads packed weights: a packed set, the C++ kernels,
-        and at most ops.PACKED_MAX_ROWS rows (past them the regular set runs torch's matmul) or
+        and at most ops.packed_max_rows() rows (past them the regular set runs torch's matmul) or
         any number in the invariant set (whose matmul is skinny_linear's order at any size)."""
+        limit = ops.packed_max_rows()
         return (self.packed is not None and kern.stack is not None
-                and (rows <= ops.PACKED_MAX_ROWS or self.invariant))
+                and (limit < 0 or rows <= limit or self.invariant))
 
     def _packed_slots(self, kern: LayerKernels, rows: int) -> list:
         """The packed weights for ``kern.stack`` ([] when none are read); the LM head's last."""

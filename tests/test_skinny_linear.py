@@ -194,3 +194,25 @@ def test_bad_input_to_linear_raises():
 @pytest.mark.parametrize("lead, K, N, bias", [((3,), 33, 577, True), ((2, 5), 7, 5, False), ((16,), 1, 1, True)])
 def test_opcheck(lead, K, N, bias, dtype):
     torch.library.opcheck(OP, tuple(cast(make(lead, K, N, bias, 0), dtype)))
+
+
+@pytest.mark.parametrize("vendor,fast,mkl,lags", [
+    ("AuthenticAMD", True, True, True),  # MKL's AVX2 code against the C++ kernels' AVX-512
+    ("GenuineIntel", True, True, False),  # MKL runs AVX-512 there: it takes prefill-sized inputs
+    ("AuthenticAMD", False, True, False),  # no AVX-512 C++ kernels here
+    ("AuthenticAMD", True, False, False),  # another BLAS
+    ("", True, True, False),  # vendor unknown
+])
+def test_the_cpp_kernels_take_every_projection_where_mkl_lags(vendor, fast, mkl, lags, monkeypatch):
+    from swiftkern.ops import projections
+
+    monkeypatch.setattr(projections, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(projections, "packed_linear_fast", lambda: fast)
+    monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: mkl)
+    assert ops.mkl_lags_here() == lags
+    assert ops.skinny_max_rows(torch.float32) == (-1 if lags else ops.SKINNY_MAX_ROWS)
+    assert ops.packed_max_rows() == (-1 if lags else ops.PACKED_MAX_ROWS)
+    assert ops.skinny_max_rows(torch.bfloat16) == -1
+    x, w, b = make((ops.SKINNY_MAX_ROWS + 9,), 64, 33, True, 4)
+    assert ops.skinny_fits(x, w) == lags
+    check_close(ops.linear(x, w, b), x, w, b)

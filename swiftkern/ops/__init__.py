@@ -32,8 +32,8 @@ from .backends import backend_for, backend_info, set_backend, unchecked
 from .invariant import bi_exp, bi_exp_sum, bi_matmul
 from .layer import (fused_add_rms_norm, keys_in_use, kv_compact, rms_norm, rope_kv_append, silu_mul,
                     verify_attention, verify_attention_invariant)
-from .projections import (PACKED_MAX_ROWS, SKINNY_DTYPES, SKINNY_MAX_ROWS, linear, packed_linear, packed_linear_fast,
-                          skinny_fits, skinny_max_rows)
+from .projections import (PACKED_MAX_ROWS, SKINNY_DTYPES, SKINNY_MAX_ROWS, linear, mkl_lags_here, packed_linear,
+                          packed_linear_fast, packed_max_rows, skinny_fits, skinny_max_rows)
 
 apply_rope = reference.apply_rope
 attention_mask = reference.attention_mask

@@ -4,6 +4,8 @@ codes (``packed_linear``)."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .. import reference
@@ -15,18 +17,46 @@ from .checks import check_float_tensors, check_tensors, one_device
 
 # rows up to which ops.linear runs the C++ kernel on the CPU: a SmolLM2 forward of 20 / 26 / 32
 # tokens took 60 / 68 / 74 ms with it and 71 / 74 / 78 ms with MKL; for prefill-sized inputs MKL wins
+# (an Intel Xeon with AVX-512; see mkl_lags_here for where it does not)
 SKINNY_MAX_ROWS = 32
 SKINNY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+@functools.lru_cache(maxsize=None)
+def cpu_vendor() -> str:
+    """The x86 vendor id of this CPU ("GenuineIntel", "AuthenticAMD", ...; from /proc/cpuinfo),
+    or "" where it cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def mkl_lags_here() -> bool:
+    """Whether torch's float32 CPU matmul is slower than the C++ kernels at every size here, so
+    they take every projection (``skinny_max_rows``, ``packed_max_rows``): torch's matmul comes
+    from MKL, whose AVX-512 code runs on Intel CPUs alone (AVX2 elsewhere), while the C++ kernels
+    run AVX-512 (``packed_linear_fast``). On an AMD EPYC (2 threads) SmolLM2's projections at
+    33-1040 rows ran at 153-227 GFLOP/s through MKL (AVX2's ceiling) and 323-447 through
+    ``skinny_linear``; eight chat prompts of 96-164 tokens prefilled in 1.37-1.41 s padded
+    through MKL and 0.67 s row by row through the C++ kernels. The same bits either way for a
+    row (the C++ sum is fixed-order at any number of rows); HF's greedy tokens are tested."""
+    return (packed_linear_fast() and torch.backends.mkl.is_available()
+            and cpu_vendor() not in ("GenuineIntel", ""))
+
+
 def skinny_max_rows(dtype: torch.dtype) -> int:
     """Rows up to which ops.linear runs the C++ skinny kernel on the CPU (-1: any number).
-    float32: SKINNY_MAX_ROWS. bf16 / fp16: any, so a verify pass of any size gives the bits of
+    float32: SKINNY_MAX_ROWS, or any where torch's matmul lags (``mkl_lags_here``). bf16 / fp16: any, so a verify pass of any size gives the bits of
     the decode steps it replays (through torch's matmul, k + 1 rows of a bf16 model summed in
     another order than one, and self-spec's output drifted from ar's); it is also as fast: 1-1024
     rows of SmolLM2's projections at 150-217 GFLOP/s, torch's bf16 matmul 22-163 (this CPU has
     no AMX)."""
-    return SKINNY_MAX_ROWS if dtype == torch.float32 else -1
+    return SKINNY_MAX_ROWS if dtype == torch.float32 and not mkl_lags_here() else -1
 
 
 def skinny_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -71,6 +101,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 # 101-107 / 133-138 / 169-172 ms through MKL (two alternating runs). The invariant set reads
 # them at any size (64 / 128 rows: 69.8 / 135.1 ms packed, 81.8 / 152.3 ms from float32).
 PACKED_MAX_ROWS = 64
+
+
+def packed_max_rows() -> int:
+    """Rows up to which the regular (not invariant) kernel set reads packed weights on the CPU
+    (-1: any number): PACKED_MAX_ROWS, or any where the C++ kernels take every projection
+    (``mkl_lags_here``)."""
+    return -1 if mkl_lags_here() else PACKED_MAX_ROWS
 
 
 def packed_linear_fast() -> bool:
