@@ -48,12 +48,18 @@ def _run(model, chunks, layer_set=None):
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases
 @pytest.mark.parametrize("skip", [None, "attn:1|mlp:0,2", "attn:0,1,2,3|mlp:3"])
 @pytest.mark.parametrize("invariant", [False, True])
-def test_stack_equals_the_python_loop(arch, skip, invariant, monkeypatch):
+@pytest.mark.parametrize("mkl_lags", [False, True], ids=["torch-past-32-rows", "cpp-at-any-size"])
+def test_stack_equals_the_python_loop(arch, skip, invariant, mkl_lags, monkeypatch):
+    from swiftkern.ops import projections
+
+    # both rules of ops.skinny_max_rows, whichever this CPU takes (an AMD one: the C++ kernels
+    # at any size, torch's matmul never reached in the stack)
+    monkeypatch.setattr(projections, "mkl_lags_here", lambda: mkl_lags)
     model = SkipModel.from_hf(tiny_model(arch, num_hidden_layers=4))
     layer_set = LayerSet.parse(skip, 4) if skip else None
     g = torch.Generator().manual_seed(3)
     # prefill of 40 tokens per row (past SKINNY_MAX_ROWS rows: torch's matmul outside the
-    # invariant set), a verify chunk of 4, a decode step; 3 rows
+    # invariant set where MKL does not lag), a verify chunk of 4, a decode step; 3 rows
     chunks = [torch.randint(3, 301, (3, T), generator=g) for T in (40, 4, 1)]
 
     def go():
