@@ -182,7 +182,7 @@ class GraphRunner:
             return fn(*inputs)
         self.entries.move_to_end(key)
         if entry.graph is None:
-            self._capture(entry, fn, inputs, restore)
+            self._capture(entry, key, fn, inputs, restore)
         for static, x in zip(entry.inputs, inputs):
             static.copy_(x)
         out = entry.graph.replay(lambda: fn(*entry.inputs)).clone()
@@ -190,11 +190,11 @@ class GraphRunner:
         self.replays_by_kind[key[0]] = self.replays_by_kind.get(key[0], 0) + 1
         return out
 
-    def _capture(self, entry: _Entry, fn, inputs: tuple, restore: tuple) -> None:
+    def _capture(self, entry: _Entry, key: tuple, fn, inputs: tuple, restore: tuple) -> None:
         """A warm-up run on the capture stream (what it updates in ``restore`` put back after),
         then the capture."""
         entry.inputs = tuple(x.clone() for x in inputs)
-        graph = self.graph_type(self.pool, self.stream)
+        graph = self.graph_type(self.pool, self.stream, keyed=_integers(key))
 
         def static_fn():
             return fn(*entry.inputs)
@@ -213,3 +213,10 @@ class GraphRunner:
         graph.capture(static_fn)
         entry.graph = graph
         self.captures += 1
+
+
+def _integers(key) -> frozenset:
+    """The integers in a graph's key, nested tuples included (its addresses among them)."""
+    if isinstance(key, tuple):
+        return frozenset().union(*(_integers(x) for x in key))
+    return frozenset((key,)) if isinstance(key, int) and not isinstance(key, bool) else frozenset()

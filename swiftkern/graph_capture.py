@@ -27,7 +27,7 @@ class CudaGraph:
     """One ``torch.cuda.CUDAGraph`` in a shared memory pool: ``capture(fn)`` records fn's
     launches (on ``stream``), ``replay()`` reruns them and returns the output captured."""
 
-    def __init__(self, pool, stream):
+    def __init__(self, pool, stream, keyed=frozenset()):
         self.graph, self.pool, self.stream = torch.cuda.CUDAGraph(), pool, stream
         self.out = None
 
@@ -103,10 +103,11 @@ class EmulatedGraph:
     them fails too; so does a replay after memory the capture read from outside was freed
     (``launch_log.freed_since``)."""
 
-    def __init__(self, pool=None, stream=None):
+    def __init__(self, pool=None, stream=None, keyed=frozenset()):
         self.fn = None
         self.launches = None  # what the capture launched: launch_log.LaunchLog.launches
         self.external = {}  # and the memory from outside it read: LaunchLog.external
+        self.keyed = keyed  # the addresses in the graph's key (launch_log.freed_since)
 
     def capture(self, fn) -> None:
         self.fn = fn
@@ -116,7 +117,7 @@ class EmulatedGraph:
         captured one, which is then let go, as a graph lets the capture's Python go: what only
         the capture's fn kept alive is freed, and a graph that still reads it fails here."""
         if self.launches is not None:
-            freed = freed_since(self.external)
+            freed = freed_since(self.external, self.keyed)
             if freed is not None:
                 raise SwiftkernError(f"a replay after its capture: {freed}; a CUDA graph would read it at the "
                                      "same address: whatever a graph reads must live as long as the graph")
@@ -145,7 +146,7 @@ class RecordedGraph:
     capture, as with a real graph: a caller that needs Python to run per call, or that keeps
     a replay's output past the next replay, fails here as on a GPU."""
 
-    def __init__(self, pool=None, stream=None):
+    def __init__(self, pool=None, stream=None, keyed=frozenset()):
         self.tape, self.out = None, None
 
     def capture(self, fn) -> None:

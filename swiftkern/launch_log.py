@@ -57,8 +57,9 @@ class LaunchLog(TorchDispatchMode):
         self._made: dict = {}  # id(tensor) -> (launch index, output index)
         self._keep: list = []  # the tensors in _made, alive while recording so ids stay unique
         self._saved: dict = {}  # storage address -> (its bytes, a copy): tensors not made inside
-        # storage address -> (a weak reference to the storage, the first launch that read it):
-        # memory from outside the body, which a graph reads at its address on every replay
+        # storage address -> (a weak reference to the storage, the first launch that read it, the
+        # addresses of the tensors read from it): memory from outside the body, which a graph
+        # reads at those addresses on every replay
         self.external: dict = {}
         self._paused = 0
 
@@ -108,8 +109,11 @@ class LaunchLog(TorchDispatchMode):
         finally:
             self._paused -= 1
         for t in tensors:
-            if id(t) not in self._made and _storage_key(t) not in self.external:
-                self.external[_storage_key(t)] = (StorageWeakRef(t.untyped_storage()), f"launch {index} ({name})")
+            if id(t) not in self._made:
+                if _storage_key(t) not in self.external:
+                    self.external[_storage_key(t)] = (StorageWeakRef(t.untyped_storage()), f"launch {index} ({name})",
+                                                      set())
+                self.external[_storage_key(t)][2].add(t.data_ptr())
         inputs = {id(t) for t in tensors}
         read = {_storage_key(t) for t in tensors}
         made = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
@@ -143,12 +147,14 @@ class LaunchLog(TorchDispatchMode):
         return (type(x).__name__, self._signature(value) if value is not None else repr(x))
 
 
-def freed_since(external: dict) -> str | None:
+def freed_since(external: dict, keyed=frozenset()) -> str | None:
     """The first of ``LaunchLog.external``'s storages freed since it was recorded, in words
     (None: all alive). A CUDA graph would go on reading and writing that address, whatever
-    now lives there."""
-    for ref, where in external.values():
-        if ref.expired():
+    now lives there. A storage read at an address in ``keyed`` (the graph's key: the runner
+    replays the graph only while that address holds what its key says, e.g. a cache made anew at
+    the same place) may have been replaced; the others must be the very storages of the capture."""
+    for ref, where, addresses in external.values():
+        if ref.expired() and not addresses & keyed:
             return f"{where} used memory from outside the graph that has been freed since"
     return None
 

@@ -173,3 +173,21 @@ def test_recorded_capture_refuses_host_reads():
     with pytest.raises(SwiftkernError, match="read a tensor's value on the host"):
         graph.capture(lambda: x.add_(1).sum().item())
     assert math.isclose(x.sum().item(), 3.0)
+
+
+def test_a_freed_storage_whose_address_is_in_the_key_may_be_replaced():
+    """A runner keys a graph on the addresses it reads (a call's cache): a new cache made at the
+    same address is what the graph should read, so only the storages read at addresses outside
+    the key must outlive the capture (``freed_since``)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from swiftkern.launch_log import freed_since
+
+    table = torch.arange(4.0)
+    address = table[1:].data_ptr()  # read as a view into the storage
+    external = {("cpu", table.data_ptr()): (StorageWeakRef(table.untyped_storage()), "launch 3 (x)", {address})}
+    assert freed_since(external) is None
+    del table
+    assert freed_since(external) == "launch 3 (x) used memory from outside the graph that has been freed since"
+    assert freed_since(external, keyed=frozenset({address})) is None
+    assert freed_since(external, keyed=frozenset({address + 4})) is not None
