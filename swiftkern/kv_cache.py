@@ -97,13 +97,16 @@ class KVCache:
         self.lengths.copy_(torch.tensor(self.host_lengths, dtype=torch.int64))
 
     def row_view(self, b: int) -> "KVCache":
-        """A one-row cache sharing row b's storage (writes land in this cache); after using it,
-        ``set_row_length(b, view.host_lengths[0])``."""
+        """A one-row cache sharing row b's storage and its device length (writes land in this
+        cache); after using it, ``set_row_length(b, view.host_lengths[0])``. The length is a view
+        too, not a copy: a CUDA graph of a forward on the view keys on its address, which a copy
+        made new in every call (every per-row prefill then ran eagerly as a new graph entry,
+        pushing the decode steps' graphs out of the runner)."""
         if not 0 <= b < self.batch:
             raise SwiftkernError(f"row_view: row {b} outside [0, {self.batch})")
         view = KVCache.__new__(KVCache)
         view._k_rows, view._v_rows = self.k[:, b:b + 1], self.v[:, b:b + 1]
-        view._length_rows = self.lengths[b:b + 1].clone()
+        view._length_rows = self._length_rows[b:b + 1]
         view.max_len = self.max_len
         view._use_rows(1)
         view.host_lengths = [self.host_lengths[b]]

@@ -557,3 +557,26 @@ def test_a_streamer_may_generate_on_the_same_model(tiny, graph_type, same):
 
     assert outer.generate([first], max_new_tokens=16, eos_token_id=[], streamer=streamer).tokens[0] == alone[0]
     assert nested == [alone[1]] * 3
+
+
+@pytest.mark.skipif(not ops.backends.cpu_kernel("skinny_linear", "cpu"),
+                    reason="per-row float32 prefill needs the C++ skinny_linear kernel (swiftkern._C not built)")
+def test_per_row_prefill_replays_across_calls(tiny, monkeypatch):
+    """A prefill of one prompt at a time (a CPU where the C++ kernels take every projection, the
+    invariant set, requests that join) runs through each row's view of the cache, whose length
+    was a fresh copy per call: every call's prefill was a new graph key, run eagerly, and the
+    runner's entries grew until they pushed out the decode steps' graphs. The view's length is
+    the cache's own now: from the third call on, everything replays and no entry is added."""
+    from swiftkern.ops import projections
+
+    from swiftkern.prefill import per_row_pays
+
+    monkeypatch.setattr(projections, "mkl_lags_here", lambda: True)
+    assert per_row_pays(tiny)
+    runner = GraphRunner(tiny, EmulatedGraph)
+    gen = Generator(tiny, cuda_graphs=runner)
+    outs = [gen.generate([[5, 17, 99, 3], [8, 8, 2, 41]], max_new_tokens=6, eos_token_id=[]) for _ in range(4)]
+    graphs = [o.stats["cuda_graphs"]["graphs"] for o in outs]
+    assert graphs[1] == graphs[2] == graphs[3], graphs
+    assert [outs[2].stats["cuda_graphs"][k] for k in ("captures", "eager")] == [0, 0]
+    assert all(o.tokens == outs[0].tokens for o in outs)
