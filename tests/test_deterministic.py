@@ -308,10 +308,16 @@ def _ar_logprobs(model, prompts, idx, steps):
     return torch.stack(out)
 
 
-def test_negative_control_plain_batched_ar_is_batch_variant(tiny):
-    """The needle check on plain batched ar finds differences: on this CPU the prefill GEMM of a
-    short prompt alone takes another MKL path than the padded [B * width] batch, and attention
-    runs over the batch's padded key length, so the needle's logprobs change in the last bits."""
+def test_negative_control_plain_batched_ar_is_batch_variant(tiny, monkeypatch):
+    """The needle check on plain batched ar finds differences: the prefill GEMM of a short
+    prompt alone takes another MKL path than the padded [B * width] batch, and attention runs
+    over the batch's padded key length, so the needle's logprobs change in the last bits. Where
+    the C++ kernels take every float32 projection (``ops.mkl_lags_here``: MKL on a non-Intel
+    CPU) plain ar has no batch-variant kernel left on the CPU, so the control takes torch's
+    matmul past 32 rows on purpose, as a CPU where MKL runs AVX-512 does."""
+    from swiftkern.ops import projections
+
+    monkeypatch.setattr(projections, "mkl_lags_here", lambda: False)
     assert ar_needle_differences(tiny, trials=4, max_batch=16) > 0
 
 
