@@ -5,17 +5,12 @@ from __future__ import annotations
 import os
 import platform
 
+from .cpu_id import cpuinfo_field
+
 
 def cpu_name() -> str:
     """The CPU model from /proc/cpuinfo (Linux), else platform.processor()."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpuinfo_field("model name") or platform.processor() or platform.machine()
 
 
 def collect_info() -> dict:

@@ -4,11 +4,10 @@ codes (``packed_linear``)."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from .. import reference
+from ..cpu_id import cpuinfo_field
 from ..errors import SwiftkernError
 from . import registry
 from .backends import cpu_kernel, run
@@ -22,18 +21,10 @@ SKINNY_MAX_ROWS = 32
 SKINNY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-@functools.lru_cache(maxsize=None)
 def cpu_vendor() -> str:
-    """The x86 vendor id of this CPU ("GenuineIntel", "AuthenticAMD", ...; from /proc/cpuinfo),
-    or "" where it cannot be read."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    """The x86 vendor id of this CPU ("GenuineIntel", "AuthenticAMD", ...), or "" where it
+    cannot be read."""
+    return cpuinfo_field("vendor_id")
 
 
 def mkl_lags_here() -> bool:
