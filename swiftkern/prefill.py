@@ -20,6 +20,12 @@ def prefill(model: SkipModel, cache: KVCache, prompts: list[list[int]], per_row:
     Padding sits after each row's real tokens, so causal attention keeps it out of the real
     positions; the cache is then rolled back to the real lengths. -> last logits [B, V]
     """
+    with ops.prefill_projections():
+        return _prefill(model, cache, prompts, per_row, rows)
+
+
+def _prefill(model: SkipModel, cache: KVCache, prompts: list[list[int]], per_row: bool,
+             rows: list[int] | None) -> torch.Tensor:
     lengths = [len(p) for p in prompts]
     if per_row:
         last = []
@@ -46,8 +52,9 @@ def per_row_pays(model: SkipModel) -> bool:
     either way there, every kernel being row-invariant. torch's float32 matmul takes a padded
     batch about as fast. SmolLM2, 8 chat prompts of 96-164 tokens: bf16 1.86-2.02 s padded,
     1.53-1.56 s per row; float32 1.07 s padded, 1.13-1.17 s per row."""
-    return (model.device.type == "cpu" and ops.skinny_max_rows(model.dtype) < 0
-            and ops.backends.cpu_kernel("skinny_linear", "cpu"))
+    with ops.prefill_projections():  # the rule of the prefill's own projections
+        limit = ops.skinny_max_rows(model.dtype)
+    return model.device.type == "cpu" and limit < 0 and ops.backends.cpu_kernel("skinny_linear", "cpu")
 
 
 def admit_arrivals(model: SkipModel, cache: KVCache, requests: Requests,

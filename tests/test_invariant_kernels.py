@@ -196,14 +196,17 @@ def test_prefill_per_row_equals_the_padded_batch(tiny_gqa):
 
 @needs_cpp
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_prefill_is_per_row_with_the_padded_batchs_bits(dtype):
+def test_half_precision_prefill_is_per_row_with_the_padded_batchs_bits(dtype, monkeypatch):
     """bf16 / fp16 on the CPU: generate prefills each prompt on its own (``per_row_pays``), which
     changes no bit: the regular kernels are row-invariant there, so one padded forward writes the
-    same cache and last logits."""
+    same cache and last logits. (Where torch's bf16 matmul is native a bf16 prefill takes it
+    past 32 rows instead, padded: test_bf16_prefill_takes_torchs_native_matmul.)"""
     from swiftkern.generate import per_row_pays, prefill
+    from swiftkern.ops import projections
 
     from swiftkern import ops
 
+    monkeypatch.setattr(projections, "torch_bf16_matmul_native", lambda: False)
     model = SkipModel(tiny_model("llama", num_key_value_heads=1).to(dtype))
     # float32 prefills per row only where the C++ kernels take every projection (MKL lags there)
     assert per_row_pays(model) and per_row_pays(SkipModel(tiny_model("llama"))) == ops.mkl_lags_here()
@@ -216,3 +219,32 @@ def test_half_precision_prefill_is_per_row_with_the_padded_batchs_bits(dtype):
     assert a.dtype == dtype and torch.equal(a, b)
     for r, n in enumerate(ca.host_lengths):
         assert torch.equal(ca.k[:, r, :, :n], cb.k[:, r, :, :n]) and torch.equal(ca.v[:, r, :, :n], cb.v[:, r, :, :n])
+
+
+@needs_cpp
+def test_bf16_prefill_takes_torchs_native_matmul(monkeypatch):
+    """Where torch's bf16 matmul runs native instructions (AVX512-BF16, AMX) a bf16 prefill takes
+    it past 32 rows, padded (no row is replayed later); decode steps and verify passes outside
+    the prefill keep the C++ kernel at any size, so self-spec still equals ar bit for bit."""
+    from swiftkern.generate import per_row_pays, prefill
+    from swiftkern.ops import projections
+
+    from swiftkern import Generator, ops
+
+    model = SkipModel(tiny_model("llama", num_key_value_heads=1).to(torch.bfloat16))
+    prompts = [[5, 6, 7], list(range(20, 61)), [9] * 17]
+    logits = {}
+    for native in (False, True):
+        monkeypatch.setattr(projections, "torch_bf16_matmul_native", lambda native=native: native)
+        assert per_row_pays(model) == (not native)
+        assert ops.skinny_max_rows(torch.bfloat16) == -1  # outside a prefill: any size
+        with ops.prefill_projections():
+            assert ops.skinny_max_rows(torch.bfloat16) == (32 if native else -1)
+            assert ops.skinny_max_rows(torch.float16) == -1
+        logits[native] = prefill(model, model.new_cache(3, 64), prompts, per_row=not native)
+        kw = dict(max_new_tokens=12, eos_token_id=[])
+        ar = Generator(model, mode="ar").generate(prompts, **kw)
+        spec = Generator(model, mode="self-spec", drafter="layer-skip", layer_set="attn:1|mlp:2", eps=0.0,
+                         k_max=4).generate(prompts, **kw)
+        assert spec.tokens == ar.tokens
+    torch.testing.assert_close(logits[True].float(), logits[False].float(), atol=0.1, rtol=0.05)

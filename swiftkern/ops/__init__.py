@@ -33,7 +33,8 @@ from .invariant import bi_exp, bi_exp_sum, bi_matmul
 from .layer import (fused_add_rms_norm, keys_in_use, kv_compact, rms_norm, rope_kv_append, silu_mul,
                     verify_attention, verify_attention_invariant)
 from .projections import (PACKED_MAX_ROWS, SKINNY_DTYPES, SKINNY_MAX_ROWS, linear, mkl_lags_here, packed_linear,
-                          packed_linear_fast, packed_max_rows, skinny_fits, skinny_max_rows)
+                          packed_linear_fast, packed_max_rows, prefill_projections, skinny_fits, skinny_max_rows,
+                          torch_bf16_matmul_native)
 
 apply_rope = reference.apply_rope
 attention_mask = reference.attention_mask

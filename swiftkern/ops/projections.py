@@ -4,6 +4,9 @@ codes (``packed_linear``)."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
 
 from .. import reference
@@ -40,14 +43,48 @@ def mkl_lags_here() -> bool:
             and cpu_vendor() not in ("GenuineIntel", ""))
 
 
+# inside ``prefill_projections``: a prefill's projections, which no later pass replays
+_PREFILLING = contextvars.ContextVar("swiftkern_prefilling", default=False)
+# rows up to which a bf16 prefill keeps the C++ kernel where torch's bf16 matmul is native
+PREFILL_BF16_SKINNY_ROWS = 32
+
+
+@contextlib.contextmanager
+def prefill_projections():
+    """Within this context the projections are a prefill's (``prefill.prefill`` sets it). No
+    later pass replays a prefill's rows, so they need not take the fixed-order kernel that
+    verify passes share with decode steps: where torch's bf16 matmul runs native instructions
+    (``torch_bf16_matmul_native``) a bf16 prefill takes it past PREFILL_BF16_SKINNY_ROWS rows."""
+    token = _PREFILLING.set(True)
+    try:
+        yield
+    finally:
+        _PREFILLING.reset(token)
+
+
+def torch_bf16_matmul_native() -> bool:
+    """Whether this CPU has AVX512-BF16 or AMX-BF16, which torch's bf16 matmul (oneDNN) runs
+    on. On the AMD EPYC machine (AVX512-BF16) SmolLM2's projections at 33 / 128 / 1040 rows ran
+    at 590-639 / 839-885 / 955-976 GFLOP/s through it and 364-382 / 408-419 / 422-423 through
+    ``skinny_linear`` (at 1 and 8 rows the C++ kernel wins: 106-111 against 39-40, 303-330
+    against 268-277)."""
+    return bool({"avx512_bf16", "amx_bf16"} & set(cpuinfo_field("flags").split()))
+
+
 def skinny_max_rows(dtype: torch.dtype) -> int:
     """Rows up to which ops.linear runs the C++ skinny kernel on the CPU (-1: any number).
-    float32: SKINNY_MAX_ROWS, or any where torch's matmul lags (``mkl_lags_here``). bf16 / fp16: any, so a verify pass of any size gives the bits of
+    float32: SKINNY_MAX_ROWS, or any where torch's matmul lags (``mkl_lags_here``). A bf16
+    prefill where torch's bf16 matmul is native (``prefill_projections``): PREFILL_BF16_SKINNY_ROWS.
+    Other bf16 / fp16: any, so a verify pass of any size gives the bits of
     the decode steps it replays (through torch's matmul, k + 1 rows of a bf16 model summed in
     another order than one, and self-spec's output drifted from ar's); it is also as fast: 1-1024
     rows of SmolLM2's projections at 150-217 GFLOP/s, torch's bf16 matmul 22-163 (this CPU has
     no AMX)."""
-    return SKINNY_MAX_ROWS if dtype == torch.float32 and not mkl_lags_here() else -1
+    if dtype == torch.float32:
+        return -1 if mkl_lags_here() else SKINNY_MAX_ROWS
+    if dtype == torch.bfloat16 and _PREFILLING.get() and torch_bf16_matmul_native():
+        return PREFILL_BF16_SKINNY_ROWS
+    return -1
 
 
 def skinny_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
