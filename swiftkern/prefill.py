@@ -51,10 +51,15 @@ def per_row_pays(model: SkipModel) -> bool:
     ``ops.skinny_max_rows``), compute-bound, so padding costs its full share; the same bits
     either way there, every kernel being row-invariant. torch's float32 matmul takes a padded
     batch about as fast. SmolLM2, 8 chat prompts of 96-164 tokens: bf16 1.86-2.02 s padded,
-    1.53-1.56 s per row; float32 1.07 s padded, 1.13-1.17 s per row."""
+    1.53-1.56 s per row; float32 1.07 s padded, 1.13-1.17 s per row. bf16 / fp16 prefill per row
+    also where torch's native bf16 matmul takes a prefill past 32 rows
+    (``ops.prefill_projections``): its sum over a row follows the number of rows, so a padded
+    batch would give a prompt other bits than alone, and a request's output would depend on the
+    batch (SmolLM2's, in tests/test_smollm2.py); alone, a prompt's rows are its own."""
     with ops.prefill_projections():  # the rule of the prefill's own projections
         limit = ops.skinny_max_rows(model.dtype)
-    return model.device.type == "cpu" and limit < 0 and ops.backends.cpu_kernel("skinny_linear", "cpu")
+    return (model.device.type == "cpu" and (limit < 0 or model.dtype != torch.float32)
+            and ops.backends.cpu_kernel("skinny_linear", "cpu"))
 
 
 def admit_arrivals(model: SkipModel, cache: KVCache, requests: Requests,
