@@ -461,10 +461,11 @@ def test_verifier_graphs_outlive_the_generate_call_that_captured_them(tiny, grap
     """Each generate call makes its own Verifier; the runner's graphs outlive it. On an H100 the
     fused set's RoPE read a positions table its Verifier kept: freed with it after the call that
     captured the pass, later replays read whatever the allocator put there, and the deterministic
-    bench rolled back 94-97 % of the fast path's tokens from its third call on. On the CPU the
-    allocator handed the same address back, so only the emulation's check of the capture's
-    memory (``launch_log.freed_since``) sees it: four calls, collected in between, keep the
-    tokens and logprobs of the replay without graphs."""
+    bench rolled back 94-97 % of the fast path's tokens from its third call on. The emulation
+    kept the capture's closure (and the table) alive then; now it lets it go and checks the
+    capture's memory (``launch_log.freed_since``; an address compare misses a freed address the
+    allocator hands back): four calls, collected in between, keep the tokens and logprobs of the
+    replay without graphs."""
     import gc
 
     kw = dict(mode="deterministic", replay="always", window=8, verify_batch=2, verifier_kernels=kernels)
