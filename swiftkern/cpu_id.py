@@ -1,4 +1,4 @@
-"""What this CPU is, from /proc/cpuinfo (Linux): its model name and its vendor."""
+"""What this CPU is, from /proc/cpuinfo (Linux): its model name, its vendor, its flags."""
 
 from __future__ import annotations
 
@@ -18,3 +18,9 @@ def cpuinfo_field(name: str) -> str:
     except OSError:
         pass
     return ""
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_flags() -> frozenset:
+    """The instruction-set flags of /proc/cpuinfo ("avx512f", "avx512_bf16", ...), once."""
+    return frozenset(cpuinfo_field("flags").split())

@@ -105,11 +105,11 @@ def _stack_for(invariant: bool) -> Callable | None:
     run = getattr(ops.registry.extension, "decoder_stack", None)
     if run is None:
         return None
-    packed_rows = -1 if invariant else ops.packed_max_rows()  # packed: skinny_linear's bits, fewer bytes
-
     def stack(hidden, weights, skip, k_cache, v_cache, cos, sin, positions, cache_lens, max_len, num_heads,
               num_kv_heads, head_dim, eps, scale, packed):
+        # the rules of ops.linear at this call (a prefill's, this CPU's), as the Python loop reads them
         rows = -1 if invariant else ops.skinny_max_rows(hidden.dtype)
+        packed_rows = -1 if invariant else ops.packed_max_rows()  # packed: skinny_linear's bits, fewer bytes
         return opaque_call("decoder_stack", run, hidden, weights, skip, k_cache, v_cache, cos, sin, positions,
                            cache_lens, max_len, num_heads, num_kv_heads, head_dim, eps, scale, rows, invariant,
                            packed, packed_rows)

@@ -10,7 +10,7 @@ import contextvars
 import torch
 
 from .. import reference
-from ..cpu_id import cpuinfo_field
+from ..cpu_id import cpu_flags, cpuinfo_field
 from ..errors import SwiftkernError
 from . import registry
 from .backends import cpu_kernel, run
@@ -68,7 +68,7 @@ def torch_bf16_matmul_native() -> bool:
     at 590-639 / 839-885 / 955-976 GFLOP/s through it and 364-382 / 408-419 / 422-423 through
     ``skinny_linear`` (at 1 and 8 rows the C++ kernel wins: 106-111 against 39-40, 303-330
     against 268-277)."""
-    return bool({"avx512_bf16", "amx_bf16"} & set(cpuinfo_field("flags").split()))
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 def skinny_max_rows(dtype: torch.dtype) -> int:
