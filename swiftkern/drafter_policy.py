@@ -158,12 +158,15 @@ class DrafterPolicy:
                 best_k, best = k, rate
         return best_k, best
 
-    def _trial_k(self, key: tuple[str, int], k_most: int) -> int:
-        """Drafts for a trial of a lookup class: as many as its prior would take (at least one).
-        A trial measures acceptance, and one verified draft does; all k_most of them (a 1-token
-        match can bring 25) made each trial a verify pass of up to 26 tokens, several decode
-        steps on a CPU (SmolLM2, story prompt: two such trials cost ~7 % of the run)."""
-        return max(1, self._best_k(self.priors[key], k_most, 0.0)[0])
+    def _trial_k(self, key: tuple[str, int], k_most: int, draft_cost: float) -> int:
+        """Drafts for a trial: as many as the drafter's prior would take at its cost (at least
+        one). A trial measures acceptance, and one verified draft does. All k_most of them made
+        a trial dear: a 1-token lookup match can bring 25 (a 26-token verify pass, several
+        decode steps on a CPU; SmolLM2, story prompt: two such trials cost ~7 % of the run), and
+        a confident layer-skip run drafted 24 forwards of 0.8 a decode step each to verify 5
+        (SmolLM2 on the AMD CPU: a trial at step 32 of a 64-token reply cost ~20 % of its
+        decode time)."""
+        return max(1, self._best_k(self.priors[key], k_most, draft_cost)[0])
 
     def choose(self, row: int, lookup_len: int, budget: int, layer_skip: bool = True,
                lookup_ngram: int = 1) -> Choice:
@@ -194,7 +197,7 @@ class DrafterPolicy:
             if drafter != best.drafter and self.agreements.due(row, key):
                 self.agreements.trial(row, key)
                 a = self.agreements.get(row, key).rate
-                k = k_most if drafter == "layer-skip" else self._trial_k(key, k_most)
+                k = self._trial_k(key, k_most, cost)
                 return Choice(drafter, k, self._rate(a, k, cost), a, k)
         if best.drafter != "none":
             self.agreements.won(row, _class_key(best.drafter, lookup_ngram))

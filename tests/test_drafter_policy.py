@@ -338,20 +338,37 @@ def test_unmeasured_policy_has_fixed_costs():
 @pytest.mark.parametrize("accepts,want", [(True, "layer-skip"), (False, "none")])
 def test_a_losing_layer_skip_is_tried_again_and_kept_only_when_it_pays(accepts, want):
     """At its prior a draft of 0.6 forwards loses to plain decoding (sum_i 0.6^i / (0.6 k + 1 +
-    0.1 k) < 1 for every k); left out explore_every steps it is tried once, and what the trial
-    shows decides: all drafts accepted pays ((k+1) / (0.7 k + 1) > 1), none accepted does not."""
+    0.1 k) < 1 for every k); left out explore_every steps it is tried once, with one draft (what
+    its prior is worth, at least one), and what the trial shows decides: the draft accepted
+    pays, refused it does not."""
     p = _policy(("layer-skip", "none"), draft=0.6)
     assert all(expected_tokens(0.6, k) / (0.7 * k + 1.0) < 1.0 for k in range(1, 9))
     for _ in range(p.explore_every):
         assert p.choose(0, lookup_len=0, budget=20).drafter == "none"
         p.observe(0, "none", 0, 0)
     trial = p.choose(0, lookup_len=0, budget=20)
-    assert (trial.drafter, trial.k, p.agreements.trials) == ("layer-skip", 8, 1)
+    assert (trial.drafter, trial.k, p.agreements.trials) == ("layer-skip", 1, 1)
     for _ in range(3):
-        p.observe(0, "layer-skip", 8, 8 if accepts else 0)
+        p.observe(0, "layer-skip", 1, 1 if accepts else 0)
     assert p.choose(0, lookup_len=0, budget=20).drafter == want
-    p.observe(0, want, 8 if want == "layer-skip" else 0, 8 if accepts else 0)
+    p.observe(0, want, 1 if want == "layer-skip" else 0, 1 if accepts else 0)
     assert p.agreements.trials == 1  # not due again for explore_every steps
+
+
+def test_a_layer_skip_trial_drafts_what_its_prior_is_worth_at_its_cost():
+    """A dear draft (0.8 of a step) is tried with one draft, not the k_max a confident run can
+    reach (SmolLM2 on a CPU: 24 forwards to verify 5); a cheap one (0.1) with the drafts its
+    prior 0.6 is worth there, by brute force over E(0.6, k) / (0.1 k + verify(k + 1))."""
+    for draft, k_want in ((0.8, 1), (0.1, None)):
+        p = _policy(("layer-skip", "none"), draft=draft, k_max=25)
+        p.costs.add_verify(16, 2.5)  # verify(T) = 1 + 0.1 (T - 1)
+        _train(p, 0, "layer-skip", 0.0, steps=30, k=1)
+        while (trial := p.choose(0, lookup_len=0, budget=25)).drafter == "none":
+            p.observe(0, "none", 0, 0)
+        if k_want is None:
+            k_want = max(range(1, 16), key=lambda k: expected_tokens(0.6, k) / (0.1 * k + p.costs.verify(k + 1)))
+            assert k_want > 1
+        assert (trial.drafter, trial.k, p.agreements.trials) == ("layer-skip", k_want, 1)
 
 
 def _costed(verify_slope: float, draft: float = 0.5) -> DrafterPolicy:
