@@ -252,6 +252,24 @@ def test_kv_compact_matches_reference(kernels, L, B, H, D, M, dtype, data):
     assert torch.equal(ck.cpu(), want_k) and torch.equal(cv.cpu(), want_v)
 
 
+@pytest.mark.parametrize("M", [8, 9])
+def test_kv_compact_at_the_register_path_limit(kernels, M):
+    """float32, D = 128 (32 copy units of 16 bytes an entry): M = 8 fills the register kernel
+    (256 units, two a thread), M = 9 takes the staged one. Every row moves entries backwards
+    over its own sources (src i -> start + i with src > start), the overlap that needs every
+    read before any write."""
+    L, B, H, S, D = 2, 3, 2, 40, 128
+    g = torch.Generator().manual_seed(M)
+    k, v = (torch.randn(L, B, H, S, D, generator=g) for _ in range(2))
+    src = torch.stack([torch.arange(M) * 2 + 3 + b for b in range(B)])  # [B, M], sparse, past the starts
+    dst, counts = torch.tensor([2, 4, 0]), torch.tensor([M, M - 1, M], dtype=torch.int32)
+    want_k, want_v = k.clone(), v.clone()
+    reference.kv_compact(want_k, want_v, src, dst, counts)
+    ck, cv = k.to(kernels.device), v.to(kernels.device)
+    kernels.ops.kv_compact(ck, cv, src.to(kernels.device), dst.to(kernels.device), counts.to(kernels.device))
+    assert torch.equal(ck.cpu(), want_k) and torch.equal(cv.cpu(), want_v)
+
+
 # ---------------------------------------------------------------- fused_add_rms_norm
 
 @DRAWN
