@@ -9,6 +9,7 @@
 #   bash bench/gpu_session.sh graphs       generate, determinism and verify_cost with CUDA graphs (--cuda-graphs)
 #   bash bench/gpu_session.sh bf16         determinism with CUDA graphs in bfloat16
 #   bash bench/gpu_session.sh dettests     the deterministic verifier's GPU tests alone (not slow): both kernel sets
+#   bash bench/gpu_session.sh cudakv       kv_compact and greedy_accept, cuda against triton (the CUDA kernels behind)
 #   bash bench/gpu_session.sh det          determinism with CUDA graphs, the throughput and batch-1 groups with the
 #                                          portable verifier set beside the default (fused), and verifier_pass (eager)
 # Stages chain: `bash bench/gpu_session.sh setup tests`. Everything under bench/results and the
@@ -81,6 +82,14 @@ stage_kernels() {
   for r in greedy_accept rejection_sample fused_add_rms_norm rope_kv_append silu_mul verify_attention kv_compact cache_rows; do
     timeout 150 python3 -m bench --routine $r --reps 10 --plot >> "$OUT/kernels.log" 2>&1; echo "kernel bench $r: exit $?"
   done
+}
+
+stage_cudakv() {
+  for r in kv_compact greedy_accept; do
+    timeout 120 python3 -m bench --routine $r --providers triton,cuda --reps 10 --plot >> "$OUT/cudakv.log" 2>&1
+    echo "kernel bench $r: exit $?"
+  done
+  grep -vE "it/s|^Loading" "$OUT/cudakv.log" | tail -40
 }
 
 stage_e2e() {
