@@ -85,6 +85,28 @@ def test_greedy_structural_cases(B, K, V, splits, accept_all):
         assert want[1].tolist() == [K] * B
 
 
+@pytest.mark.parametrize("splits", [1, 2])
+def test_greedy_ties_and_nans_within_a_lane(splits):
+    """A program's lane sees elements BLOCK apart (1024 on a GPU, 8192 under the interpreter):
+    repeats of the maximum or of NaN at such strides must leave the lane its first, and the
+    row its lowest index; a row of -inf gives 0."""
+    V = 3 * 8192 + 5
+    logits = torch.zeros(5, 1, V)
+    logits[0, 0, [700, 700 + 1024, 700 + 8192, 700 + 2 * 8192]] = 1.0  # one lane's repeats
+    logits[1, 0, [8192 + 3, 5, 5 + 1024, 5 + 8192]] = 1.0  # the lowest is in another lane
+    logits[2, 0, [40, 40 + 1024, 40 + 8192]] = float("nan")
+    logits[2, 0, [7, 7 + 8192]] = 2.0
+    logits[3] = float("-inf")
+    logits[4, 0, [9000, 9000 + 8192]] = float("nan")
+    logits[4, 0, [30, 30 + 1024]] = float("-nan")
+    draft, nd = torch.zeros(5, 0, dtype=torch.int64), torch.zeros(5, dtype=torch.int32)
+    with poisoned():
+        got = greedy_launch(*on(draft, logits, nd), num_splits=splits)
+    want = reference.greedy_accept(draft, logits, nd)
+    assert want[0][:, 0].tolist() == [700, 5, 40, 0, 30]
+    assert_same(got, want)
+
+
 def test_greedy_registered_op_and_wrapper():
     logits = torch.randn(2, 4, 1000)
     draft, nd = logits.argmax(-1)[:, :3].contiguous(), torch.tensor([3, 1], dtype=torch.int32)
