@@ -7,7 +7,9 @@ whatever else is in the batch:
   fast     all rows decode together with the regular model runner (any kernels, batch-variant
            allowed), or, with a layer set, with the layer-skipped draft or the full model and
            prompt-lookup matches as ``replay_policy.FastPathPolicy`` picks them per step from
-           measured costs and agreement; their tokens are *unverified*;
+           measured costs and agreement (a full step checks a row's lookup drafts in its own
+           forward and keeps those the model agrees with, so one step can add several
+           tokens); their tokens are *unverified*;
   verify   when a row has ``window`` unverified tokens or its fast path stopped (stop token,
            length, stop string, or a low-confidence draft), replay its last verified token +
            up to window-1 unverified tokens in a fixed-shape ``verify_batch x window`` pass;
@@ -45,6 +47,10 @@ from .drafters import LOOKUP_MIN_NGRAM_UNJUDGED, lookup_match
 from .replay_policy import FastPathPolicy
 from .verifier import Slot, Verifier
 
+# most prompt-lookup drafts a full fast forward checks per row: a forward of 4 tokens costs about
+# one of 1 (SmolLM2 on the AMD CPU, `--routine verify_cost`: 4 tokens 1.11x, 8 tokens 1.80x)
+RIDE_ALONG_MAX = 3
+
 
 @dataclass
 class _Row:
@@ -63,9 +69,13 @@ class FastPath:
     layer_set None: the full model (regular decoding). A layer set: the layer-skipped draft,
     which also stops a row when its top-1 probability is below ``eps``, and may score only the
     vocabulary of a pruned ``head`` (``draft_head.DraftHead``, grown with every committed token).
-    ``lookup`` (with a layer set): before the forward, a row whose context ends in an n-gram
+    ``lookup`` (with a layer set): before a draft forward, a row whose context ends in an n-gram
     seen earlier may take that n-gram's continuation as its unverified tokens at no model cost
     and is verified next; the verifier commits what matches, as it does for the draft's tokens.
+    Before a full forward, the continuation rides along in that forward instead (``check``):
+    the tokens the full model agrees with join the row's unverified ones at once, so the
+    verifier's replay, not a verify pass of its own, judges them (the verifier's passes are dear
+    where the replay runs: a GPU).
     ``adaptive`` (with a layer set; default True): a ``replay_policy.FastPathPolicy`` picks each
     step's forward (the full model or the draft) and which lookup matches to take from the
     costs and agreement measured while decoding; False: always the draft, and every lookup
@@ -102,6 +112,31 @@ class FastPath:
         confidence = logits.float().softmax(-1).max(-1).values
         return tokens, (confidence >= self.eps).tolist(), logits
 
+    def check(self, model: SkipModel, cache: KVCache, last: torch.Tensor, drafts: list[list[int]],
+              params: SamplingParams, seeds: list[int]) -> list[list[int]]:
+        """The full model on each row's newest token followed by its prompt-lookup drafts, in one
+        forward of 1 + the longest draft tokens a row (shorter rows padded with their newest
+        token: the caller rolls back what the padding wrote). last: int64 [B]; drafts: per row
+        (may be empty). -> per row, the drafts the model's own choice (``select_tokens`` at
+        each position, the rule the verifier replays) agrees with, left to right, then that
+        choice at the first disagreement or after the last draft."""
+        T = 1 + max(len(d) for d in drafts)
+        newest = last.tolist()
+        inputs = torch.tensor([[t] + d + [t] * (T - 1 - len(d)) for t, d in zip(newest, drafts)],
+                              dtype=torch.int64, device=last.device)  # [B, T]
+        start = [n + 1 for n in cache.host_lengths]  # position of the token chosen after the newest
+        logits = model.forward(inputs, cache)  # [B, T, V]
+        B, V = logits.shape[0], logits.shape[-1]
+        chosen = select_tokens(logits.reshape(B * T, V), params, [s for s in seeds for _ in range(T)],
+                               [p + j for p in start for j in range(T)]).view(B, T).tolist()
+        out = []
+        for d, c in zip(drafts, chosen):
+            n = 0
+            while n < len(d) and d[n] == c[n]:
+                n += 1
+            out.append(d[:n] + [c[n]])
+        return out
+
 
 @torch.inference_mode()
 def decode_deterministic(model: SkipModel, cache: KVCache, prompts: list[list[int]], params: SamplingParams,
@@ -123,7 +158,8 @@ def decode_deterministic(model: SkipModel, cache: KVCache, prompts: list[list[in
        fast_steps (batched fast forwards), fast_tokens (unverified tokens proposed), rolled_back
        (of those, discarded after a mismatch), rollback_fraction, corrected (mismatches),
        verify_batch (the pass's rows: verify_batch, or fewer when fewer requests are verified),
-       verifier_kernels (the set's name), lookup_tokens (fast tokens from prompt lookup),
+       verifier_kernels (the set's name), lookup_tokens (fast tokens from prompt lookup sent to
+       the verifier), lookup_checked (lookup drafts a full fast forward agreed with),
        with an adaptive fast path: fast_kinds ({"full", "draft": fast steps}), lookup_taken /
        lookup_declined (matches taken or declined), trials (a kind or lookup class tried again
        after the policy left it out, per row: ``acceptance.Agreements``),
@@ -143,7 +179,8 @@ def decode_deterministic(model: SkipModel, cache: KVCache, prompts: list[list[in
     verify_batch = max(1, min(verify_batch, sum(verified)))
     verifier = Verifier(model, window, verify_batch, kernels=verifier_kernels)
     policy = FastPathPolicy(window, verify_batch) if fast_path.adaptive else None
-    stats = {"fast_steps": 0, "fast_tokens": 0, "lookup_tokens": 0, "rolled_back": 0, "corrected": 0}
+    stats = {"fast_steps": 0, "fast_tokens": 0, "lookup_tokens": 0, "lookup_checked": 0, "rolled_back": 0,
+             "corrected": 0}
     if policy is not None:
         stats["fast_kinds"] = {"full": 0, "draft": 0}
     per_row = [{"verifies": 0, "fast_tokens": 0, "rolled_back": 0} for _ in prompts]
@@ -271,6 +308,22 @@ def _lookup_drafts(rows, prompts, requests, window, stats, per_row, policy: Fast
             per_row[r]["fast_tokens"] += len(match.tokens)
 
 
+def _checked_lookups(rows, prompts, requests, window) -> list[list[int]]:
+    """Prompt-lookup drafts that ride along in a full fast forward (``FastPath.check``), per row:
+    up to RIDE_ALONG_MAX tokens of a match of at least LOOKUP_MIN_NGRAM_UNJUDGED tokens, leaving
+    room in the window and the request for the model's own token after them; none for a row
+    that is not drafting."""
+    drafts = []
+    for row, r in zip(rows, requests.alive):
+        room = min(window - len(row.unverified), requests.remaining(r) - len(row.unverified)) - 1
+        if not row.verified or row.stopped or room <= 0:
+            drafts.append([])
+            continue
+        context = prompts[r] + requests.out[r] + row.unverified
+        drafts.append(lookup_match(context, min(room, RIDE_ALONG_MAX), min_ngram=LOOKUP_MIN_NGRAM_UNJUDGED).tokens)
+    return drafts
+
+
 def _steps_to_verify(rows: list[_Row], me: _Row, window: int, verify_batch: int) -> int:
     """Fast steps a row that stops now waits for its verify pass, which runs once verify_batch
     rows (or every verified row) are due; the others counted as due at their window."""
@@ -299,15 +352,23 @@ def _fast_step(model, cache, rows, fast_path, prompts, params, seeds, requests, 
             for row in rows:
                 if row.kind == "draft" and row.unverified and not row.stopped:
                     row.stopped = True
-    if fast_path.lookup:
+    checked = None  # lookup drafts the full forward checks (a draft step sends matches to the verifier)
+    if fast_path.lookup and kind == "full":
+        checked = _checked_lookups(rows, prompts, requests, window)
+        checked = checked if any(checked) else None
+    elif fast_path.lookup:
         _lookup_drafts(rows, prompts, requests, window, stats, per_row, policy, kind)
     if all(row.stopped for row in rows):
         return
     last = torch.tensor([row.unverified[-1] if row.unverified else row.pending for row in rows],
                         dtype=torch.int64, device=model.device)
+    row_seeds = [seeds[r] for r in alive]
     t0, mark = time.perf_counter(), unsteady_calls(model)
-    tokens, confident, logits = fast_path.propose(model, cache, last, params, [seeds[r] for r in alive],
-                                                  draft=kind == "draft")
+    if checked is not None:  # every row is verified here (lookup needs a layer set)
+        proposals, logits = fast_path.check(model, cache, last, checked, params, row_seeds), None
+    else:
+        tokens, confident, logits = fast_path.propose(model, cache, last, params, row_seeds, draft=kind == "draft")
+        proposals = [[t] if ok else [] for t, ok in zip(tokens, confident)]  # [] a low-confidence draft
     if policy is not None and unsteady_calls(model) == mark:  # a replayed (or eager) forward, no capture
         policy.record_fast(kind, time.perf_counter() - t0, len(rows))
     stats["fast_steps"] += 1
@@ -316,26 +377,32 @@ def _fast_step(model, cache, rows, fast_path, prompts, params, seeds, requests, 
     for i, row in enumerate(rows):
         r = alive[i]
         if not row.verified:  # kept at once: its KV is the fast path's
-            requests.commit(r, [tokens[i]])
-            logprobs[r].append(torch.log_softmax(logits[i].float(), -1)[tokens[i]].view(1))
-            row.pending = tokens[i]
+            token = proposals[i][0]
+            requests.commit(r, [token])
+            logprobs[r].append(torch.log_softmax(logits[i].float(), -1)[token].view(1))
+            row.pending = token
             continue
         if row.stopped:
             continue
-        if not confident[i]:  # a low-confidence draft is dropped and the row is verified now
+        if not proposals[i]:  # a low-confidence draft is dropped and the row is verified now
             row.stopped = True
             continue
-        row.unverified.append(tokens[i])
-        # "draft" once any token is a draft's: its skipped layers wrote no KV, so a full step
-        # must not follow before the row's verify pass (mixed tokens are judged as the draft's)
-        row.kind = "draft" if kind == "draft" else row.kind or kind
-        stats["fast_tokens"] += 1
-        per_row[r]["fast_tokens"] += 1
-        seen = requests.out[r] + row.unverified
-        if (tokens[i] in requests.stop_ids or len(seen) >= requests.max_new_tokens
-                or (fast_path.layer_set is not None and len(row.unverified) >= window)
-                or (requests.stop_check is not None and requests.stop_check(r, seen))):
-            row.stopped = True
+        if checked is not None:
+            stats["lookup_checked"] += len(proposals[i]) - 1
+        for token in proposals[i]:
+            row.unverified.append(token)
+            # "draft" once any token is a draft's: its skipped layers wrote no KV, so a full step
+            # must not follow before the row's verify pass (mixed tokens are judged as the draft's)
+            row.kind = "draft" if kind == "draft" else row.kind or kind
+            stats["fast_tokens"] += 1
+            per_row[r]["fast_tokens"] += 1
+            seen = requests.out[r] + row.unverified
+            trial = policy.trial_tokens(r) if policy is not None else None  # a kind's trial is short
+            if (token in requests.stop_ids or len(seen) >= requests.max_new_tokens
+                    or (fast_path.layer_set is not None and len(row.unverified) >= min(window, trial or window))
+                    or (requests.stop_check is not None and requests.stop_check(r, seen))):
+                row.stopped = True
+                break
     # each row keeps KV for its pending token and every unverified token but the newest (a row
     # with lookup tokens has no KV for them: it keeps what it has, its verify pass writes the rest)
     cache.rollback([min(_vlen(prompts, requests, r) - 1 + len(row.unverified), n)

@@ -471,9 +471,38 @@ def test_self_spec_fast_path_with_lookup_drafts(tiny, sample, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(spec.logprobs, plain.logprobs))
     assert spec.stats["fast_tokens"] > spec.stats["lookup_tokens"]  # the model proposed too
     if not sample:  # sampled tokens rarely continue the prompts' n-grams
-        assert spec.stats["lookup_tokens"] > 0
+        assert spec.stats["lookup_tokens"] + spec.stats["lookup_checked"] > 0
     alone = gen.generate(prompts[:1], **dict(kw, seed=3))
     assert alone.tokens[0] == spec.tokens[0] and torch.equal(alone.logprobs[0], spec.logprobs[0])
+
+
+@pytest.mark.parametrize("sample", [False, True])
+def test_full_fast_steps_check_lookup_drafts_in_their_forward(tiny, sample, monkeypatch):
+    """A full fast step feeds a row's lookup drafts through its own forward and keeps those the
+    model agrees with: fewer fast steps for the same tokens, logprobs and verify passes' say
+    as without them (RIDE_ALONG_MAX = 0), and a row alone keeps its bits in a batch."""
+    import swiftkern.deterministic as deterministic
+
+    policy = deterministic.FastPathPolicy  # fixed costs: the full model wins every step
+    monkeypatch.setattr(deterministic, "FastPathPolicy", lambda *a, **k: policy(*a, **k, measure=False))
+    prompts = [[5, 6, 7, 8, 9] * 4, [40, 41, 42, 40, 41, 42, 40, 41]]
+    kw = dict(max_new_tokens=24, eos_token_id=[], do_sample=sample, temperature=0.7, seed=[3, 4])
+    gen = Generator(tiny, mode="deterministic", window=8, drafter="self-spec", layer_set="attn:1,2|mlp:2",
+                    eps=0.0, replay="always", verify_batch=2)
+    checked = gen.generate(prompts, **kw)
+    monkeypatch.setattr(deterministic, "RIDE_ALONG_MAX", 0)
+    plain = gen.generate(prompts, **kw)
+    assert checked.tokens == plain.tokens and all(len(t) == 24 for t in checked.tokens)
+    assert all(torch.equal(a, b) for a, b in zip(checked.logprobs, plain.logprobs))
+    assert plain.stats["lookup_checked"] == 0
+    if not sample:
+        assert checked.stats["lookup_checked"] > 0
+        assert checked.stats["fast_steps"] < plain.stats["fast_steps"]
+        # the CPU's regular kernels give the verifier's bits: every checked draft is the model's
+        assert checked.stats["rolled_back"] == 0
+    monkeypatch.setattr(deterministic, "RIDE_ALONG_MAX", 3)
+    alone = gen.generate(prompts[1:], **dict(kw, seed=4))
+    assert alone.tokens[0] == checked.tokens[1] and torch.equal(alone.logprobs[0], checked.logprobs[1])
 
 
 def test_generator_stats_and_errors(tiny):
