@@ -20,11 +20,12 @@ to fill the batch (chat template):
     batch 1     each of the five prompts alone, in turn: ar vs deterministic (replay auto;
                 window 32, verify batch 1) vs self-spec + deterministic (replay auto: on the
                 CPU the speculative loop on the invariant kernels, drafter policy over lookup
-                and the layer set; with replay: prompt lookup and the layer-skipped draft are
-                the fast path, window 8, verify batch 1) vs self-spec+det-replay (the replay
-                forced) vs self-spec+det-portable (a GPU: the replay with the portable verifier
-                set) vs det-replay-w8 (the replay with the regular fast path at the same window 8:
-                what the self-spec fast path's policy must beat) vs self-spec alone (layer-skip
+                and the layer set; with replay: the full model checking prompt-lookup drafts
+                and the layer-skipped draft are the fast path, window 32, verify batch 1) vs
+                self-spec+det-replay (the replay forced) vs self-spec+det-portable (a GPU: the
+                replay with the portable verifier set) vs det-replay-w32 (the replay with the
+                regular fast path at the same window 32: what the self-spec fast path's policy
+                must beat) vs self-spec alone (layer-skip
                 drafter), layer set LAYER_SET
 
 Where the batch-invariant kernels do not run (a GPU), replay "auto" replays too, and the
@@ -90,14 +91,14 @@ def _setups(smoke: bool, layer_set: str, verify_batch: int = 4, replay_differs: 
                                             "deterministic": dict(det, window=w32, arrive=arrive),
                                             "det-replay": dict(replay, window=w32, arrive=arrive)}))
     spec = dict(layer_set=layer_set, eps=0.8)
-    spec_det = dict(mode="deterministic", window=8, verify_batch=1, drafter="self-spec", **spec)
+    spec_det = dict(mode="deterministic", window=w32, verify_batch=1, drafter="self-spec", **spec)
     groups.append(("batch1", 1, {
         "ar": dict(mode="ar"),
         "deterministic": dict(mode="deterministic", window=32, verify_batch=1),
         "self-spec+det": spec_det,
         "self-spec+det-portable": dict(spec_det, verifier_kernels="portable"),
         "self-spec+det-replay": dict(spec_det, replay="always"),
-        "det-replay-w8": dict(mode="deterministic", window=8, verify_batch=1, replay="always"),
+        f"det-replay-w{w32}": dict(mode="deterministic", window=w32, verify_batch=1, replay="always"),
         "self-spec": dict(mode="self-spec", drafter="layer-skip", **spec),
     }))
     for _, _, configs in groups:

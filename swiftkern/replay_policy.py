@@ -22,8 +22,9 @@ w the fast steps the row sits out until its pass has a full group of rows, and i
 that rate beats R_k by LOOKUP_MARGIN.
 
 Exploration (``acceptance.Agreements``): a kind the rows have left out ``explore_every`` fast
-steps is tried for one cycle (from a step where no row holds unverified tokens until each row's
-next verify pass), and a lookup class declined that often is taken once when its row would not
+steps is tried for one short cycle (from a step where no row holds unverified tokens, for
+TRIAL_TOKENS fast tokens a row, then its verify pass; the first cycle, before anything is
+timed, is such a trial of the draft), and a lookup class declined that often is taken once when its row would not
 wait for its verify pass, so an estimate that fell, or a prior that loses on this machine's
 costs, is measured again.
 
@@ -44,6 +45,10 @@ PRIOR_VERIFY_SLOPE = 0.15  # before a verify pass is timed: c_V = c_full (1 + sl
 # error is larger than the gain (SmolLM2 on the CPU, replay forced: matches taken at break-even
 # cut the fast tokens by a third and doubled the verify passes for no gain in time)
 LOOKUP_MARGIN = 1.15
+# a trial of a kind ends after this many fast tokens a row (then its verify pass): enough to
+# measure agreement; a whole window of a losing kind was mostly rolled back (SmolLM2 on the CPU,
+# window 32, the draft tried first: 17 % of the fast tokens rolled back over five prompts)
+TRIAL_TOKENS = 4
 
 
 class FastPathPolicy:
@@ -87,10 +92,10 @@ class FastPathPolicy:
     def observe(self, request: int, kind: str | None, fast: int, lookup: int, matched: int, ngram: int) -> None:
         """A verify pass compared ``fast`` fast tokens of ``kind`` then ``lookup`` lookup tokens
         (from a match of ``ngram`` tokens) of request's row, and the first ``matched`` agreed."""
-        self._trial.pop(request, None)
+        trial = self._trial.pop(request, None) is not None
         if fast and kind is not None:
             self.agreements.get(request, kind).update(fast, min(matched, fast))
-            if not lookup:
+            if not lookup and not trial:  # a trial's cycle is cut at TRIAL_TOKENS
                 self._run[(request, kind)] = self._mix(self._run.get((request, kind)), float(fast))
         if lookup and matched >= fast:
             self.agreements.get(request, ("lookup", lookup_bucket(ngram))).update(lookup, matched - fast)
@@ -118,8 +123,10 @@ class FastPathPolicy:
         fresh: none of them holds unverified tokens; a trial starts only then, so that its rows
         reach their windows together instead of being sent to early verify passes."""
         trying = [self._trial[r] for r in requests if r in self._trial]
-        if not self.fast_cost:  # nothing timed yet: start with the draft, as the user asked
+        if not self.fast_cost:  # nothing timed yet: try the draft first, as the user asked
             choice = "draft"
+            for r in requests:
+                self._trial[r] = choice
         elif trying:  # a trial lasts until its rows' verify passes
             choice = trying[0]
         else:
@@ -135,6 +142,11 @@ class FastPathPolicy:
         for r in requests:
             self.agreements.tick(r, choice, KINDS)
         return choice
+
+    def trial_tokens(self, request: int) -> int | None:
+        """The fast tokens after which request's row goes to its verify pass because it is trying
+        a kind (TRIAL_TOKENS), or None when it is not."""
+        return TRIAL_TOKENS if request in self._trial else None
 
     def take(self, request: int, kind: str, unverified: int, match_len: int, ngram: int, wait: int = 0) -> bool:
         """Whether request's row, holding ``unverified`` fast tokens of ``kind`` (the kind its
