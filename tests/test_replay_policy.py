@@ -12,7 +12,8 @@ import torch
 from conftest import tiny_model
 from swiftkern import Generator, SkipModel
 from swiftkern.drafter_policy import LOOKUP_PRIORS
-from swiftkern.replay_policy import LOOKUP_MARGIN, PRIOR_DRAFT_COST, PRIOR_VERIFY_SLOPE, PRIORS, FastPathPolicy
+from swiftkern.replay_policy import (LOOKUP_MARGIN, PRIOR_DRAFT_COST, PRIOR_VERIFY_SLOPE, PRIORS, TRIAL_TOKENS,
+                                     FastPathPolicy)
 
 W = 8  # window
 
@@ -118,6 +119,25 @@ def test_a_losing_kind_is_tried_for_one_cycle_then_chosen_by_what_it_showed():
         assert want == max(("full", "draft"), key=lambda k: rate(
             {"full": PRIORS["full"], "draft": a}[k], W - 1, {"full": 10.0, "draft": 4.0}[k], 20.0))
         assert p.kind([0]) == want and p.agreements.trials == 1
+
+
+def test_a_trial_is_short_and_leaves_the_kinds_cycle_length_alone():
+    """The untimed first cycle is a draft trial, and so is a due one: its rows go to their verify
+    pass after TRIAL_TOKENS fast tokens (a whole window of a losing kind was mostly rolled
+    back), and the cut cycle does not count as the kind's cycle length (W - 1 until a real
+    cycle is seen)."""
+    fresh = FastPathPolicy(window=W, verify_batch=1)
+    assert fresh.kind([0, 1]) == "draft" and fresh.trial_tokens(0) == fresh.trial_tokens(1) == TRIAL_TOKENS
+    p = timed_policy()
+    for _ in range(p.explore_every):
+        assert p.kind([0]) == "full" and p.trial_tokens(0) is None
+    assert p.kind([0]) == "draft" and p.trial_tokens(0) == TRIAL_TOKENS < W - 1
+    p.observe(0, "draft", TRIAL_TOKENS, 0, 2, 0)
+    a = p.agreements.get(0, "draft").rate
+    assert p.trial_tokens(0) is None
+    assert p._rate(0, "draft") == pytest.approx(rate(a, W - 1, 4.0, 20.0))
+    p.observe(0, "draft", 3, 0, 3, 0)  # a real cycle of 3 (confidence stopped it) sets it
+    assert p._rate(0, "draft") == pytest.approx(rate(p.agreements.get(0, "draft").rate, 3, 4.0, 20.0))
 
 
 class _Reference:
