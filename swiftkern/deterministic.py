@@ -389,6 +389,8 @@ def _fast_step(model, cache, rows, fast_path, prompts, params, seeds, requests, 
             continue
         if checked is not None:
             stats["lookup_checked"] += len(proposals[i]) - 1
+        trial = policy.trial_tokens(r) if policy is not None else None  # a kind's trial is short
+        most = min(window, trial or window)  # unverified tokens before the row's verify pass
         for token in proposals[i]:
             row.unverified.append(token)
             # "draft" once any token is a draft's: its skipped layers wrote no KV, so a full step
@@ -397,9 +399,8 @@ def _fast_step(model, cache, rows, fast_path, prompts, params, seeds, requests, 
             stats["fast_tokens"] += 1
             per_row[r]["fast_tokens"] += 1
             seen = requests.out[r] + row.unverified
-            trial = policy.trial_tokens(r) if policy is not None else None  # a kind's trial is short
             if (token in requests.stop_ids or len(seen) >= requests.max_new_tokens
-                    or (fast_path.layer_set is not None and len(row.unverified) >= min(window, trial or window))
+                    or (fast_path.layer_set is not None and len(row.unverified) >= most)
                     or (requests.stop_check is not None and requests.stop_check(r, seen))):
                 row.stopped = True
                 break

@@ -163,9 +163,9 @@ class DrafterPolicy:
         one). A trial measures acceptance, and one verified draft does. All k_most of them made
         a trial dear: a 1-token lookup match can bring 25 (a 26-token verify pass, several
         decode steps on a CPU; SmolLM2, story prompt: two such trials cost ~7 % of the run), and
-        a confident layer-skip run drafted 24 forwards of 0.8 a decode step each to verify 5
-        (SmolLM2 on the AMD CPU: a trial at step 32 of a 64-token reply cost ~20 % of its
-        decode time)."""
+        a confident layer-skip run drafted 24 forwards of ~0.8 a decode step each, of which 5
+        were accepted (SmolLM2 on the AMD CPU, self-spec + deterministic over five prompts:
+        layer-skip draft steps 13 -> 5, decode 1.32 -> 1.18 s in one A/B run)."""
         return max(1, self._best_k(self.priors[key], k_most, draft_cost)[0])
 
     def choose(self, row: int, lookup_len: int, budget: int, layer_skip: bool = True,

@@ -56,9 +56,8 @@ def per_row_pays(model: SkipModel) -> bool:
     (``ops.prefill_projections``): its sum over a row follows the number of rows, so a padded
     batch would give a prompt other bits than alone, and a request's output would depend on the
     batch (SmolLM2's, in tests/test_smollm2.py); alone, a prompt's rows are its own."""
-    with ops.prefill_projections():  # the rule of the prefill's own projections
-        limit = ops.skinny_max_rows(model.dtype)
-    return (model.device.type == "cpu" and (limit < 0 or model.dtype != torch.float32)
+    return (model.device.type == "cpu"
+            and (model.dtype != torch.float32 or ops.skinny_max_rows(torch.float32) < 0)
             and ops.backends.cpu_kernel("skinny_linear", "cpu"))
 
 
