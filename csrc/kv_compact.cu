@@ -25,11 +25,12 @@ int copy_unit(const KvCompactArgs& a) {
 template <class U>
 cudaError_t launch(const KvCompactArgs& a, cudaStream_t stream) {
   const int64_t units = row_bytes(a) / static_cast<int64_t>(sizeof(U));
-  const dim3 grid(static_cast<unsigned>(a.L * a.B * a.H), 2);  // (slice, cache)
-  if (a.M * units <= kRegisterUnits * kRegisterThreads) {
-    kv_compact_registers_kernel<U><<<grid, kRegisterThreads, 0, stream>>>(a, static_cast<int>(units));
+  if (a.M * units <= kRegisterUnits * kThreads) {
+    kv_compact_registers_kernel<U><<<static_cast<unsigned>(a.L * a.B * a.H), kThreads, 0, stream>>>(
+        a, static_cast<int>(units));
     return last_launch_error();
   }
+  const dim3 grid(static_cast<unsigned>(a.L * a.B * a.H), 2);
   const int64_t staged = a.M * row_bytes(a);
   if (staged <= kMaxStagedBytes) {
     kv_compact_kernel<U, kStaged><<<grid, kThreads, static_cast<size_t>(staged), stream>>>(a, units);

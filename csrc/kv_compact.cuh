@@ -16,9 +16,7 @@ namespace cuda {
 
 enum KvCompactMode : int { kStaged = 0, kGather = 1, kScatter = 2 };
 
-constexpr int kRegisterUnits = 2;        // copy units a thread holds in kv_compact_registers_kernel
-constexpr int kRegisterThreads = 128;     // its block size
-constexpr int kRegisterBlocksPerSm = 16;  // its launch bound: 16 x 128 threads, 32 registers each
+constexpr int kRegisterUnits = 4;  // copy units a thread holds per cache in kv_compact_registers_kernel
 
 // Entry i, unit c of the units e = threadIdx.x, threadIdx.x + blockDim.x, ... of a slice whose
 // entries are row_units units long, stepped without a division per unit.
@@ -40,11 +38,10 @@ struct UnitCursor {
 struct CompactSlice {
   int64_t l, b, h, n, start;
   __device__ __forceinline__ explicit CompactSlice(const KvCompactArgs& a) {
-    // 32-bit division: the launcher keeps L * B * H below 2^31
-    const uint32_t slice = blockIdx.x, H = static_cast<uint32_t>(a.H), B = static_cast<uint32_t>(a.B);
-    h = slice % H;
-    b = (slice / H) % B;
-    l = slice / (H * B);
+    const int64_t slice = blockIdx.x;
+    h = slice % a.H;
+    b = (slice / a.H) % a.B;
+    l = slice / (a.H * a.B);
     n = a.counts[b * a.counts_s];
     start = a.dst_start[b * a.dst_s];
   }
@@ -62,47 +59,37 @@ struct CompactSlice {
   }
 };
 
-// grid: (L * B * H, 2) blocks of kRegisterThreads; block (slice, c) moves the kept entries of
-// one cache (c = 0: k, 1: v). Needs M * row_units <= kRegisterUnits * kRegisterThreads (the
-// launcher checks). Latency, not bandwidth, bounds it at these sizes, so it is built for short
-// chains and many resident blocks: each thread loads its entries' source positions together
-// with the row's count (every i < M is inside src's row, so none waits for the count), and
-// the launch bound keeps registers low enough for 16 blocks an SM. Before (one block for both
-// caches, source positions after the count, 58 registers: 8 blocks an SM) it ran at half the
-// Triton kernel's speed on an H100 (llama3-8b B = 32: 25.8 against 12.4 us).
+// grid: L * B * H blocks; block (l, b, h) moves the kept entries of both caches. Needs
+// counts[b] * row_units <= kRegisterUnits * blockDim.x (the launcher checks M * row_units).
 template <class U>
-__global__ void __launch_bounds__(kRegisterThreads, kRegisterBlocksPerSm)
-    kv_compact_registers_kernel(KvCompactArgs a, int row_units) {
+__global__ void kv_compact_registers_kernel(KvCompactArgs a, int row_units) {
   const CompactSlice sl(a);
-  const int64_t b = sl.b;
+  sl.require_in_cache(a);
+  const int64_t n = sl.n, start = sl.start, b = sl.b;
+  if (n == 0) return;
+  U* k = reinterpret_cast<U*>(sl.base(a.k_cache, a));
+  U* v = reinterpret_cast<U*>(sl.base(a.v_cache, a));
+  const int64_t pos_units = a.s_s * a.elem_bytes / static_cast<int64_t>(sizeof(U));
+  U k_units[kRegisterUnits], v_units[kRegisterUnits];
   UnitCursor at(row_units);
-  int64_t src[kRegisterUnits];
-  int entry[kRegisterUnits], unit[kRegisterUnits];
 #pragma unroll
   for (int r = 0; r < kRegisterUnits; ++r, at.next()) {
-    entry[r] = at.i;
-    unit[r] = at.c;
-    src[r] = at.i < a.M ? a.src[b * a.src_sb + at.i * a.src_sm] : 0;
-  }
-  const int64_t n = sl.n, start = sl.start;
-  sl.require_in_cache(a);
-  if (n == 0) return;  // the whole block: n is the row's
-#pragma unroll
-  for (int r = 0; r < kRegisterUnits; ++r)
-    SWIFTKERN_DEVICE_REQUIRE(entry[r] >= n || (src[r] >= 0 && src[r] < a.S),
-                             "kv_compact: src_positions[%lld, %d] = %lld is outside [0, S = %lld)\n",
-                             static_cast<long long>(b), entry[r], static_cast<long long>(src[r]),
+    if (at.i >= n) break;
+    const int64_t src = a.src[b * a.src_sb + at.i * a.src_sm];
+    SWIFTKERN_DEVICE_REQUIRE(src >= 0 && src < a.S, "kv_compact: src_positions[%lld, %lld] = %lld is outside [0, S = %lld)\n",
+                             static_cast<long long>(b), static_cast<long long>(at.i), static_cast<long long>(src),
                              static_cast<long long>(a.S));
-  U* cache = reinterpret_cast<U*>(sl.base(blockIdx.y == 0 ? a.k_cache : a.v_cache, a));
-  const int64_t pos_units = a.s_s * a.elem_bytes / static_cast<int64_t>(sizeof(U));
-  U units[kRegisterUnits];
-#pragma unroll
-  for (int r = 0; r < kRegisterUnits; ++r)
-    if (entry[r] < n) units[r] = cache[src[r] * pos_units + unit[r]];
+    k_units[r] = k[src * pos_units + at.c];
+    v_units[r] = v[src * pos_units + at.c];
+  }
   __syncthreads();  // every source read before any destination is written
+  UnitCursor to(row_units);
 #pragma unroll
-  for (int r = 0; r < kRegisterUnits; ++r)
-    if (entry[r] < n) cache[(start + entry[r]) * pos_units + unit[r]] = units[r];
+  for (int r = 0; r < kRegisterUnits; ++r, to.next()) {
+    if (to.i >= n) break;
+    k[(start + to.i) * pos_units + to.c] = k_units[r];
+    v[(start + to.i) * pos_units + to.c] = v_units[r];
+  }
 }
 
 template <class U, int kMode>

@@ -252,10 +252,10 @@ def test_kv_compact_matches_reference(kernels, L, B, H, D, M, dtype, data):
     assert torch.equal(ck.cpu(), want_k) and torch.equal(cv.cpu(), want_v)
 
 
-@pytest.mark.parametrize("M", [8, 9])
+@pytest.mark.parametrize("M", [16, 17])
 def test_kv_compact_at_the_register_path_limit(kernels, M):
-    """float32, D = 128 (32 copy units of 16 bytes an entry): M = 8 fills the register kernel
-    (256 units, two a thread), M = 9 takes the staged one. Every row moves entries backwards
+    """float32, D = 128 (32 copy units of 16 bytes an entry): M = 16 fills the register kernel
+    (512 units, four a thread), M = 17 takes the staged one. Every row moves entries backwards
     over its own sources (src i -> start + i with src > start), the overlap that needs every
     read before any write."""
     L, B, H, S, D = 2, 3, 2, 40, 128
