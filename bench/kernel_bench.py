@@ -53,7 +53,7 @@ def default_dtype(args) -> torch.dtype:
 
 def providers(op: str, device: str, extra: dict | None = None, wanted=None) -> dict:
     """{name: fn(*args)} of the implementations of ``op`` that run on ``device``."""
-    kernels = ops.backend_info()["kernels"][op]
+    kernels = ops.backend_info()["kernels"].get(op, {"cpu": [], "cuda": []})  # ops outside the table: extra only
     dev = "cuda" if device.startswith("cuda") else "cpu"
     found = {"reference": getattr(reference, op)}
     if dev == "cpu" and "cpp" in kernels["cpu"]:
@@ -148,6 +148,7 @@ def run_cases(routine: str, op: str, cases: list[Case], args, extra: dict | None
             on_gpu = dict(timed_as=timing["mode"], eager_ms=round(eager, 5),
                           x_vs_reference_eager=round(base_eager / eager, 2)) if gpu else {}
             rows.append(common.row(routine, name, args.device, dtype, case.shape, timing, bytes_moved=case.bytes_moved,
+                                   flops=case.flops,
                                    x_vs_reference=round(base / timing["median_ms"], 2), reps=reps, **on_gpu,
                                    **case.extra))
         del graphed, times, fns, inputs

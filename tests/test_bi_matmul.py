@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from swiftkern import ops, reference
 from swiftkern.errors import SwiftkernError
+from swiftkern.triton_kernels.bi_matmul import CANDIDATES
 from triton_cases import TOLERANCES
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: TRITON_INTERPRET=1 (conftest)
@@ -57,6 +58,20 @@ def test_kernel_rows_do_not_depend_on_m(dtype):
     full = kernel()(a, b)
     for m in (1, 2, 3, 7, 16, 33, 63, 64, 65, 100, 128, 129, 199):
         assert torch.equal(kernel()(a[:m], b), full[:m]), m
+
+
+@pytest.mark.parametrize("plan", CANDIDATES, ids=lambda plan: plan.name)
+def test_every_candidate_plan_is_row_invariant_and_close(plan):
+    """Each plan the bench may pick (CANDIDATES): rows independent of M across tile edges, and
+    float32 results within the kernel's float32 tolerance (tf32x3 included; plain tf32 is not)."""
+    from swiftkern.triton_kernels.bi_matmul import launch
+
+    a, b = operands(140, 200, 70, torch.float32, seed=5)
+    full = launch(a, b, plan)
+    for m in (1, 31, 32, 33, 64, 65, 129, 139):
+        assert torch.equal(launch(a[:m], b, plan), full[:m]), m
+    atol, rtol = TOLERANCES["bi_matmul"][torch.float32]
+    torch.testing.assert_close(full, reference.bi_matmul(a, b), atol=atol * 200 ** 0.5, rtol=rtol)
 
 
 def test_kernel_rows_do_not_depend_on_position_or_neighbours():

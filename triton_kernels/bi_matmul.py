@@ -6,13 +6,16 @@ are added. Here the tiles are constants (never derived from M, N or K), one prog
 a whole output tile walking K from 0 upwards in BLOCK_K steps (no split-K), and accumulates
 in float32. So row i of c is the same bits whether a has 1 row or 10 000.
 
-bf16/fp16 inputs use tensor-core dots with a float32 accumulator on a GPU, float32 inputs
-IEEE float32 dots. Under TRITON_INTERPRET=1 (no GPU) tl.dot is numpy's BLAS, which gives a
+Each input dtype has one fixed plan (``PLANS``: tiles, warps, pipeline stages and, for float32,
+the dot's precision). bf16/fp16 inputs use tensor-core dots with a float32 accumulator on a
+GPU; float32 inputs the plan's ``input_precision``. Under TRITON_INTERPRET=1 (no GPU) tl.dot is numpy's BLAS, which gives a
 row different bits at different places in a tile, and bf16 arithmetic is not the GPU's: there
 the tiles are upcast to float32 and multiplied by ``interpreter_dot``.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -23,8 +26,37 @@ from .launch import cdiv, check_device, check_float, empty, interpreting, requir
 from .registry import register
 
 SCHEMA = "(Tensor a, Tensor b) -> Tensor"
-# fixed tiles: the one property batch invariance rests on (never chosen from the shape)
-BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One launch configuration, fixed per input dtype: the one property batch invariance rests
+    on is that nothing here is ever chosen from M, N or K. ``precision``: tl.dot's
+    input_precision for float32 inputs ("ieee": exact float32 products on CUDA cores;
+    "tf32x3": three tensor-core TF32 dots of split operands, ~float32 accuracy); 16-bit inputs
+    always take native tensor-core dots."""
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int = 4
+    stages: int = 3
+    precision: str = "ieee"
+
+    @property
+    def name(self) -> str:
+        return f"{self.block_m}x{self.block_n}x{self.block_k}-w{self.warps}-s{self.stages}-{self.precision}"
+
+
+PLANS = {torch.float32: Plan(64, 64, 32), torch.bfloat16: Plan(64, 64, 32), torch.float16: Plan(64, 64, 32)}
+# plans ``python -m bench --routine bi_matmul`` times beside PLANS on a GPU (its triton-<plan>
+# rows), and tests/test_bi_matmul.py holds to row invariance: the ones a measurement may fix.
+# (64x64x64 and 128x128x32 in tf32x3 spilled 476 and 436 bytes of registers on sm_80.)
+CANDIDATES = (
+    Plan(64, 64, 32), Plan(32, 32, 32), Plan(64, 64, 32, precision="tf32x3"),
+    Plan(64, 32, 32, precision="tf32x3"), Plan(32, 64, 32, precision="tf32x3"),
+    Plan(64, 64, 32, stages=4, precision="tf32x3"), Plan(128, 64, 32, warps=8, precision="tf32x3"),
+    Plan(64, 128, 32, warps=8, precision="tf32x3"),
+)
 
 
 @triton.jit(do_not_specialize=["M"])  # one binary for every M (a row's bits must not depend on M)
@@ -35,7 +67,7 @@ def _bi_matmul_kernel(
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     offs_m = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_n = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -50,7 +82,7 @@ def _bi_matmul_kernel(
         if INTERPRET:  # numpy's BLAS behind tl.dot is not row-invariant within a tile
             acc += interpreter_dot(a, b)
         elif UPCAST:
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=PRECISION)
         else:
             acc = tl.dot(a, b, acc)
     tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
@@ -59,7 +91,13 @@ def _bi_matmul_kernel(
 
 def bi_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a: [M, K], b: [K, N] (same float dtype and device, any strides) -> a @ b, [M, N] in a's
-    dtype, accumulated in float32 with tiles fixed at (BLOCK_M, BLOCK_N, BLOCK_K)."""
+    dtype, accumulated in float32 in the dtype's fixed plan (``PLANS``)."""
+    return launch(a, b, PLANS.get(a.dtype))
+
+
+def launch(a: torch.Tensor, b: torch.Tensor, plan: Plan | None) -> torch.Tensor:
+    """``bi_matmul`` in a given plan (the bench's plan sweep calls this; the op always runs
+    ``PLANS``). Rows are invariant within one plan; two plans give different bits."""
     op = "bi_matmul"
     check_device(op, a=a, b=b)
     check_float(op, a=a, b=b)
@@ -73,10 +111,11 @@ def bi_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if M and N:
         if K == 0:
             return c.zero_()
-        grid = (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N))
+        grid = (cdiv(M, plan.block_m), cdiv(N, plan.block_n))
         _bi_matmul_kernel[grid](a, b, c, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-                                c.stride(0), c.stride(1), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                                UPCAST=a.dtype == torch.float32, INTERPRET=interpreting(), num_warps=4)
+                                c.stride(0), c.stride(1), BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
+                                BLOCK_K=plan.block_k, UPCAST=a.dtype == torch.float32, PRECISION=plan.precision,
+                                INTERPRET=interpreting(), num_warps=plan.warps, num_stages=plan.stages)
     return c
 
 

@@ -69,6 +69,11 @@ def cases():
                     # the model multiplies by a [N, K] weight's transposed view
                     yield f"bi_matmul {tag} M={rows} N={n_out} K={n_in}", bi_matmul, (
                         _m(rows, n_in, dtype=dt), _m(n_out, n_in, dtype=dt).t())
+        if model == "smollm2":  # the plans the bench sweeps must fit too (float32: where they differ most)
+            from .bi_matmul import CANDIDATES, launch
+            for plan in CANDIDATES:
+                yield f"bi_matmul candidate {plan.name} {model} float32 M=128", launch, (
+                    _m(128, H, dtype=torch.float32), _m(I, H, dtype=torch.float32).t(), plan)
         for B, K in ((1, 4), (8, 8), (32, 8)):
             for dt in (torch.float32, torch.bfloat16):
                 yield f"greedy_accept {model} logits {str(dt).removeprefix('torch.')} B={B} K={K}", (

@@ -1,0 +1,84 @@
+"""bi_matmul (the deterministic verifier's batch-invariant matmul) vs the batch-variant matmul
+the fast path runs.
+
+    python -m bench --routine bi_matmul [--device cuda] [--providers reference,triton]
+                    [--dtype float32] [--refcheck] [--smoke] [--reps N]
+
+Here ``reference`` is ``a @ b`` (torch.matmul: cuBLAS on a GPU, the CPU's BLAS), the speed a
+verify pass competes with; ``reference.bi_matmul`` (the fixed-order twin the tests hold the
+kernels to) is a loop of elementwise ops, too slow to be the bar. Other providers: ``cpp``
+(``ops.bi_matmul`` on the CPU: the C++ fixed-order kernel) and, on a GPU, ``triton`` (the
+dtype's plan, ``PLANS``) and ``triton-<plan>`` for each of ``CANDIDATES`` (tiles, warps,
+stages, float32 dot precision), so that one run shows which plan to fix.
+
+Cases: a verify pass's rows M (32: one slot of a window of 32; 128: four slots; 512: a
+prefill pass of four 128-token chunks) times SmolLM2's weights (q/o 576x576, k/v 192x576,
+gate/up 1536x576, down 576x1536, the LM head 49152x576) in float32 (the verifier's dtype with
+a float32 model), and Llama-3-8B's q, gate and down at M = 128 in bfloat16. The weight is
+passed as the model passes it, a [N, K] tensor's transposed view. Row ``tflop_s``: 2 M N K per
+call; ``pct_of_ceiling``: of a bf16 8192^3 cuBLAS matmul measured in the same run.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from bench.kernel_bench import Case, run_cases, standalone  # noqa: E402
+from swiftkern import ops  # noqa: E402
+
+ROUTINE = "bi_matmul"
+PRINT_KEYS = ("provider", "dtype", "shape", "timed_as", "median_ms", "tflop_s", "x_vs_reference", "eager_ms")
+SMOLLM2 = {"q": (576, 576), "k": (192, 576), "gate": (1536, 576), "down": (576, 1536), "lm_head": (49152, 576)}
+LLAMA3_8B = {"q": (4096, 4096), "gate": (14336, 4096), "down": (4096, 14336)}
+
+
+def _grid(args) -> list[tuple[str, int, int, int, torch.dtype]]:
+    """(label, M, N, K, dtype) of every case."""
+    f32 = getattr(torch, args.dtype) if args.dtype else torch.float32
+    if args.smoke:
+        return [("smollm2 k", 7, 192, 576, f32)]
+    rows = (32, 128, 512) if args.device.startswith("cuda") else (32, 128)
+    grid = [(f"smollm2 {name}", m, n, k, f32) for m in rows for name, (n, k) in SMOLLM2.items()]
+    if args.device.startswith("cuda"):
+        b16 = getattr(torch, args.dtype) if args.dtype else torch.bfloat16
+        grid += [(f"llama3-8b {name}", 128, n, k, b16) for name, (n, k) in LLAMA3_8B.items()]
+    return grid
+
+
+def cases(args) -> list[Case]:
+    out = []
+    for label, M, N, K, dtype in _grid(args):
+        def make(M=M, N=N, K=K, dtype=dtype):
+            g = torch.Generator().manual_seed(M + N + K)
+            a = torch.randn(M, K, generator=g).to(dtype).to(args.device)
+            weight = (torch.randn(N, K, generator=g) * K ** -0.5).to(dtype).to(args.device)  # [N, K]
+            return a, weight.t()
+        out.append(Case(f"{label} M={M} N={N} K={K}", make, bytes_moved=None, flops=2.0 * M * N * K))
+    return out
+
+
+def plan_sweep(device: str) -> dict:
+    """On a GPU, ``triton-<plan>`` providers: the Triton kernel in each candidate plan."""
+    if not device.startswith("cuda"):
+        return {}
+    from swiftkern.triton_kernels import bi_matmul as kernel
+
+    return {f"triton-{plan.name}": (lambda a, b, plan=plan: kernel.launch(a, b, plan)) for plan in kernel.CANDIDATES}
+
+
+def run(args) -> list[dict]:
+    extra = {"reference": torch.matmul, **plan_sweep(args.device)}
+    if args.device.startswith("cpu"):
+        extra["cpp"] = ops.bi_matmul
+    else:
+        extra["triton"] = torch.ops.swiftkern_triton.bi_matmul
+    return run_cases(ROUTINE, ROUTINE, cases(args), args, extra=extra, tol=(1e-3, 1e-3))
+
+
+if __name__ == "__main__":
+    sys.exit(standalone(ROUTINE))
