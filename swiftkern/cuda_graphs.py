@@ -4,7 +4,9 @@ A decode step of a small model on a fast GPU is bound by the host, not the devic
 layer, each a Python call, a dispatch and a kernel launch (SmolLM2-135M on an H100: ~14 ms a
 step, ~300 op calls at 0.02-0.28 ms each from Python, as the kernel benches measured them). A
 CUDA graph records the launches of one forward once and replays them with one call; the
-deterministic verifier's fixed-shape pass is replayed the same way (``Verifier.forward``).
+deterministic verifier's fixed-shape passes are replayed the same way (``Verifier.forward``:
+kind "verify", and "prefill" for its prefill passes, whose shapes are bucketed to powers of
+two inside graphs).
 What a replay reads must then sit at the addresses captured: the tokens are copied into a
 static buffer, the cache is the same storage (its lengths updated in place), and the body
 (``SkipModel.forward_device``) reads no host-side cache state, so the only host values baked

@@ -116,11 +116,12 @@ class Verifier:
         inputs = (tokens.to(device),) + tuple(  # [R, T], then [R], [R], [R*T], [R*T]
             torch.tensor(x, dtype=torch.int64, device=device) for x in (starts, rows, real, write_rows))
         runner = m.graphs
-        if runner is None or T != self.window:  # prefill passes (widths vary, each seen about once) run eagerly
+        if runner is None:
             hidden = self._pass(cache, KEY_BLOCK * key_blocks, *inputs)
         else:  # extra key blocks change no bit (bi_attention), so the key length is bucketed
             key_len = KEY_BLOCK * attention_span(key_blocks, -(-(cache.max_len + T) // KEY_BLOCK), minimum=1)
-            key = ("verify", R, T, key_len, cache.k.data_ptr(), cache.v.data_ptr(), tuple(cache.k.shape),
+            kind = "verify" if (R, T) == (self.verify_batch, self.window) else "prefill"
+            key = (kind, R, T, key_len, cache.k.data_ptr(), cache.v.data_ptr(), tuple(cache.k.shape),
                    cache.k.stride(), self.kernels.name)
             hidden = runner.run(key, lambda *x: self._pass(cache, key_len, *x), inputs)
         wanted = torch.tensor([i * T + j for i, s in enumerate(slots) for j in s.want], dtype=torch.int64,
@@ -186,8 +187,11 @@ class Verifier:
         through passes of ``prefill_chunk``-token chunks from position 0 (up to verify_batch
         prompts a pass, no dummy rows: a request arriving alone is prefilled alone), and set
         those rows' lengths to the prompt lengths. -> float logits [len(rows), V] at each last
-        prompt token."""
+        prompt token. Inside CUDA graphs (``model.graphs``) a pass's width and rows are
+        rounded up to powers of two (``prefill_shape``): few shapes, so prefills replay graphs
+        too instead of paying the host time of an eager pass (the same bits either way)."""
         C, R = self.prefill_chunk, self.verify_batch
+        graphed = self.model.graphs is not None
         rows = list(range(len(prompts))) if rows is None else list(rows)
         chunks = {b: -(-len(prompts[b]) // C) for b in rows}
         last: dict[int, torch.Tensor] = {}
@@ -196,8 +200,8 @@ class Verifier:
             for g in range(0, len(todo), R):
                 slots = [Slot(b, c * C, prompts[b][c * C:(c + 1) * C],
                               [len(prompts[b]) - 1 - c * C] if chunks[b] == c + 1 else []) for b in todo[g:g + R]]
-                logits = self.forward(cache, slots, prefill_width(max(len(s.tokens) for s in slots), C),
-                                      rows=len(slots))
+                width, n_rows = prefill_shape(max(len(s.tokens) for s in slots), len(slots), C, R, graphed)
+                logits = self.forward(cache, slots, width, rows=n_rows)
                 wanted = [s.row for s in slots if s.want]
                 for n, b in enumerate(wanted):
                     last[b] = logits[n]
@@ -239,6 +243,24 @@ def _packed_index(model: SkipModel) -> dict:
     if model.packed is None or not ops.backends.cpu_kernel("packed_linear", model.device.type):
         return {}
     return {id(w): i for i, w in enumerate(model.packed.weights) if w is not None}
+
+
+def prefill_shape(longest: int, slots: int, chunk: int, verify_batch: int, graphed: bool) -> tuple[int, int]:
+    """(width, rows) of a prefill pass of ``slots`` slots, the longest ``longest`` tokens: the
+    tightest (``prefill_width``, one row a slot), or with CUDA graphs a power of two times
+    PREFILL_WIDTH_STEP wide and a power of two rows high (at most ``chunk`` and
+    ``verify_batch``), so that passes repeat a few shapes and replay their graphs. Padding rows
+    and tokens cost device time only; no bit of a real slot changes (every op is row- and
+    width-invariant)."""
+    if not graphed:
+        return prefill_width(longest, chunk), slots
+    width = PREFILL_WIDTH_STEP * _next_pow2(-(-longest // PREFILL_WIDTH_STEP))
+    return min(chunk, width), min(verify_batch, _next_pow2(slots))
+
+
+def _next_pow2(n: int) -> int:
+    """The smallest power of two >= n (n >= 1)."""
+    return 1 << (max(1, n) - 1).bit_length()
 
 
 def prefill_width(longest: int, chunk: int) -> int:

@@ -224,6 +224,36 @@ def test_verifier_replays_follow_the_key_length(graph_type):
     assert runner.stats()["replays_by_kind"]["verify"] > 3
 
 
+def test_verifier_prefills_replay_a_few_graphed_shapes(tiny, graph_type):
+    """Inside graphs a prefill pass is a power of two wide and high (``prefill_shape``), so
+    prompts of other lengths share its graph: the second and third calls (prompts of 20 and 27
+    tokens, then 5 and 30, all in one 32-wide bucket) replay the prefill of the first instead
+    of running eagerly, and every call keeps the tokens and logprobs it gets without graphs,
+    where each pass is only as wide and high as its slots."""
+    kw = dict(mode="deterministic", replay="always", window=8, verify_batch=4)
+    runner = GraphRunner(tiny, graph_type)
+    for prompts in ([list(range(3, 23)), list(range(40, 67))], [list(range(5, 25)), list(range(9, 36))],
+                    [list(range(50, 55)), list(range(60, 90))]):
+        plain = Generator(tiny, **kw).generate(prompts, max_new_tokens=10, eos_token_id=[])
+        graphed = Generator(tiny, cuda_graphs=runner, **kw).generate(prompts, max_new_tokens=10, eos_token_id=[])
+        assert graphed.tokens == plain.tokens
+        assert all(torch.equal(a, b) for a, b in zip(plain.logprobs, graphed.logprobs))
+    prefill_keys = {key[1:3] for key in runner.entries if key[0] == "prefill"}
+    assert prefill_keys == {(2, 32)}, prefill_keys
+    assert runner.stats()["replays_by_kind"]["prefill"] == 2
+
+
+def test_prefill_shape():
+    from swiftkern.verifier import prefill_shape
+
+    assert prefill_shape(20, 3, 128, 8, graphed=False) == (32, 3)
+    assert prefill_shape(40, 3, 128, 8, graphed=False) == (48, 3)
+    assert prefill_shape(40, 3, 128, 8, graphed=True) == (64, 4)
+    assert prefill_shape(100, 5, 128, 6, graphed=True) == (128, 6)
+    assert prefill_shape(100, 1, 100, 6, graphed=True) == (100, 1)  # never past the chunk
+    assert prefill_shape(1, 1, 128, 1, graphed=True) == (16, 1)
+
+
 def test_cuda_graphs_refused_off_cuda(tiny):
     with pytest.raises(SwiftkernError, match="CUDA device"):
         Generator(tiny, cuda_graphs=True)
