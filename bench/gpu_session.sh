@@ -10,6 +10,8 @@
 #   bash bench/gpu_session.sh bf16         determinism with CUDA graphs in bfloat16
 #   bash bench/gpu_session.sh dettests     the deterministic verifier's GPU tests alone (not slow): both kernel sets
 #   bash bench/gpu_session.sh cudakv       kv_compact and greedy_accept, cuda against triton (the CUDA kernels behind)
+#   bash bench/gpu_session.sh bimatmul     bi_matmul's native tests (every candidate plan) and the plan sweep, summed
+#                                          over one SmolLM2 verify pass of 128 rows per plan
 #   bash bench/gpu_session.sh det          determinism with CUDA graphs, the throughput and batch-1 groups with the
 #                                          portable verifier set beside the default (fused), and verifier_pass (eager)
 # Stages chain: `bash bench/gpu_session.sh setup tests`. Everything under bench/results and the
@@ -124,6 +126,34 @@ stage_dettests() {
     --deselect tests/test_cuda_ops.py::test_compute_sanitizer_memcheck \
     tests/test_deterministic_gpu.py tests/test_triton_verifier.py tests/test_cuda_graphs.py \
     tests/test_verifier_model_shapes.py tests/test_op_views.py tests/test_cuda_ops.py tests/test_bi_matmul.py
+}
+
+stage_bimatmul() {
+  pytest_gpu bimatmul 150 tests/test_bi_matmul.py
+  timeout 300 python3 -m bench --routine bi_matmul --reps 10 > "$OUT/bimatmul.log" 2>&1
+  echo "bi_matmul bench: exit $?"
+  python3 - "$OUT/bimatmul.log" <<'PY'
+import glob, csv, collections, sys
+rows = [r for f in glob.glob("bench/results/bi_matmul-*.csv") for r in csv.DictReader(open(f))]
+last = max(r["date"] for r in rows)[:13]  # this run's hour
+rows = [r for r in rows if r["date"].startswith(last)]
+ms = collections.defaultdict(dict)
+for r in rows:
+    ms[r["provider"]][r["shape"]] = float(r["median_ms"])
+# one SmolLM2 verify pass of M rows: 30 layers x (q, o, k, v, gate, up, down) + the LM head
+mix = {"q": 2, "k": 2, "gate": 2, "down": 1}
+for M in (32, 128, 512):
+    print(f"SmolLM2 pass of {M} rows (ms, graph replays):")
+    for p, t in sorted(ms.items(), key=lambda kv: kv[0]):
+        got = {w: [v for s, v in t.items() if s.startswith(f"smollm2 {w} M={M} ")] for w in (*mix, "lm_head")}
+        if not all(got.values()):
+            continue
+        layers, head = sum(n * got[w][0] for w, n in mix.items()), got["lm_head"][0]
+        print(f"  {p:42s} layers {30 * layers:8.3f}  lm_head {head:7.3f}  total {30 * layers + head:8.3f}")
+for s in sorted({s for t in ms.values() for s in t if s.startswith("llama")}):
+    best = sorted((t[s], p) for p, t in ms.items() if s in t)[:4]
+    print(s, " | ".join(f"{p} {v:.4f}" for v, p in best))
+PY
 }
 
 stage_det() {
