@@ -15,8 +15,10 @@ Cases: a verify pass's rows M (32: one slot of a window of 32; 128: four slots; 
 prefill pass of four 128-token chunks) times SmolLM2's weights (q/o 576x576, k/v 192x576,
 gate/up 1536x576, down 576x1536, the LM head 49152x576) in float32 (the verifier's dtype with
 a float32 model), and Llama-3-8B's q, gate and down at M = 128 in bfloat16. The weight is
-passed as the model passes it, a [N, K] tensor's transposed view. Row ``tflop_s``: 2 M N K per
-call; ``pct_of_ceiling``: of a bf16 8192^3 cuBLAS matmul measured in the same run.
+passed as the model passes it, a [N, K] tensor's transposed view. On a GPU also the grouped
+launches the verifier makes (``bi_matmul_group``: a layer's q, k and v, or gate and up, in one
+launch; its bar the separate cuBLAS matmuls). Row ``tflop_s``: 2 M N K per call;
+``pct_of_ceiling``: of a bf16 8192^3 cuBLAS matmul measured in the same run.
 """
 
 from __future__ import annotations
@@ -62,8 +64,29 @@ def cases(args) -> list[Case]:
     return out
 
 
+def group_cases(args) -> list[Case]:
+    """A layer's q, k and v (and gate and up) as one ``bi_matmul_group`` call, SmolLM2 float32."""
+    if args.smoke or not args.device.startswith("cuda"):
+        return []
+    dtype = getattr(torch, args.dtype) if args.dtype else torch.float32
+    out = []
+    for M in (32, 128, 512):
+        for label, names in (("qkv", ("q", "k", "k")), ("gate+up", ("gate", "gate"))):
+            K = SMOLLM2[names[0]][1]
+            widths = [SMOLLM2[n][0] for n in names]
+
+            def make(M=M, K=K, widths=widths):
+                g = torch.Generator().manual_seed(M + K + len(widths))
+                a = torch.randn(M, K, generator=g).to(dtype).to(args.device)
+                return a, [(torch.randn(n, K, generator=g) * K ** -0.5).to(dtype).to(args.device).t() for n in widths]
+            out.append(Case(f"smollm2 {label} M={M} N={'+'.join(map(str, widths))} K={K}", make, bytes_moved=None,
+                            flops=2.0 * M * sum(widths) * K))
+    return out
+
+
 def plan_sweep(device: str) -> dict:
-    """On a GPU, ``triton-<plan>`` providers: the Triton kernel in each candidate plan."""
+    """On a GPU, ``triton-<plan>`` providers: the Triton kernel in each candidate plan (a list
+    of weights: one grouped launch)."""
     if not device.startswith("cuda"):
         return {}
     from swiftkern.triton_kernels import bi_matmul as kernel
@@ -77,7 +100,13 @@ def run(args) -> list[dict]:
         extra["cpp"] = ops.bi_matmul
     else:
         extra["triton"] = torch.ops.swiftkern_triton.bi_matmul
-    return run_cases(ROUTINE, ROUTINE, cases(args), args, extra=extra, tol=(1e-3, 1e-3))
+    rows = run_cases(ROUTINE, ROUTINE, cases(args), args, extra=extra, tol=(1e-3, 1e-3))
+    groups = group_cases(args)
+    if groups:  # the bar: the separate cuBLAS matmuls, concatenated as the group's output is
+        extra = dict(extra, reference=lambda a, bs: torch.cat([a @ b for b in bs], dim=1),
+                     triton=torch.ops.swiftkern_triton.bi_matmul_group)
+        rows += run_cases(ROUTINE, ROUTINE, groups, args, extra=extra, tol=(1e-3, 1e-3))
+    return rows
 
 
 if __name__ == "__main__":

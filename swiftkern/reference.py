@@ -291,8 +291,9 @@ def bi_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     M, K = a.shape
     N = b.shape[1]
     pad = -K % BI_LANES
-    a3 = torch.nn.functional.pad(a.to(torch.float32), (0, pad)).view(M, -1, BI_LANES)  # [M, C, L]
-    w3 = torch.nn.functional.pad(b.t().to(torch.float32), (0, pad)).view(N, -1, BI_LANES)  # [N, C, L]
+    C = (K + pad) // BI_LANES
+    a3 = torch.nn.functional.pad(a.to(torch.float32), (0, pad)).view(M, C, BI_LANES)  # [M, C, L]
+    w3 = torch.nn.functional.pad(b.t().to(torch.float32), (0, pad)).view(N, C, BI_LANES)  # [N, C, L]
     out = torch.empty((M, N), dtype=torch.float32, device=a.device)
     rows = max(1, (1 << 22) // max(N * BI_LANES, 1))  # bound the [rows, N, L] partial sums
     for m0 in range(0, M, rows):
@@ -306,6 +307,13 @@ def bi_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             acc = acc[..., :width] + acc[..., width:2 * width]
         out[m0:m0 + rows] = acc[..., 0]
     return out.to(a.dtype)
+
+
+def bi_matmul_group(a: torch.Tensor, bs: list[torch.Tensor]) -> torch.Tensor:
+    """``bi_matmul(a, b)`` for each b of bs, side by side: a: [M, K], bs: weights [K, N_i] ->
+    [M, sum N_i] in a's dtype (a layer's q, k and v in one op; each column's bits are those
+    of its own ``bi_matmul``)."""
+    return torch.cat([bi_matmul(a, b) for b in bs], dim=1)
 
 
 _LOG2E = 1.4426950408889634

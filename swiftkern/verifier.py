@@ -140,6 +140,16 @@ class Verifier:
         out = torch.ops.swiftkern.packed_linear(x, packed, None)
         return out + bias.to(out.dtype) if bias is not None else out
 
+    def _linears(self, x: torch.Tensor, weights: tuple, biases: tuple) -> list[torch.Tensor]:
+        """``[_linear(x, w, b) for w, b]`` with the same bits; where the Triton kernel runs the
+        matmul (CUDA), one ``bi_matmul_group`` launch for them all: x: [..., K] -> [..., N_i]
+        each (views into one [..., sum N_i] buffer)."""
+        if self._packed_index or ops.backend_for("bi_matmul_group", x.device) != "triton":
+            return [self._linear(x, w, b) for w, b in zip(weights, biases)]
+        out = ops.bi_matmul_group(x.reshape(-1, x.shape[-1]), [w.t() for w in weights])  # [M, sum N_i]
+        parts = out.split([w.shape[0] for w in weights], dim=1)
+        return [(p if b is None else p + b.to(p.dtype)).view(*x.shape[:-1], p.shape[1]) for p, b in zip(parts, biases)]
+
     def _pass(self, cache: KVCache, key_len: int, tokens: torch.Tensor, starts: torch.Tensor, rows: torch.Tensor,
               real: torch.Tensor, write_rows: torch.Tensor) -> torch.Tensor:
         """The pass itself, from device tensors alone (a CUDA graph's body): tokens [R, T];
@@ -159,9 +169,10 @@ class Verifier:
         delta = None  # the last sub-layer's output, added to the residual stream by the next norm
         for i, w in enumerate(m.layers):
             x, hidden = _add_norm(kern, hidden, delta, w.ln_attn, m.eps)
-            q = self._linear(x, w.q, w.q_bias).view(R, T, m.num_heads, D).transpose(1, 2)
-            k = self._linear(x, w.k, w.k_bias).view(R, T, Hkv, D).transpose(1, 2)
-            v = self._linear(x, w.v, w.v_bias).view(R, T, Hkv, D).transpose(1, 2)
+            q, k, v = self._linears(x, (w.q, w.k, w.v), (w.q_bias, w.k_bias, w.v_bias))
+            q = q.view(R, T, m.num_heads, D).transpose(1, 2)
+            k = k.view(R, T, Hkv, D).transpose(1, 2)
+            v = v.view(R, T, Hkv, D).transpose(1, 2)
             q, k, v = kern.rope(q, k, v, cos, sin)
             for new, store in ((k, cache.k[i]), (v, cache.v[i])):  # store: [B, Hkv, S, D]
                 flat = new.transpose(1, 2).reshape(R * T, Hkv, D).index_select(0, real)

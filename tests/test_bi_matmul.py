@@ -133,3 +133,71 @@ def test_bad_input_says_what_is_wrong(a_shape, b_shape, dtypes, match):
         with pytest.raises(SwiftkernError, match="bi_matmul"):
             kernel()(torch.zeros(a_shape, dtype=dtypes[0], device=DEVICE),
                      torch.zeros(b_shape, dtype=dtypes[1], device=DEVICE))
+
+
+# ------------------------------------------------------------------------- grouped launches
+
+def group_kernel():
+    from swiftkern.triton_kernels.bi_matmul import bi_matmul_group
+    return bi_matmul_group
+
+
+@FEW
+@given(M=st.integers(1, 140), K=st.integers(1, 90), widths=st.lists(st.integers(0, 100), min_size=1, max_size=3),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_group_columns_have_the_bits_of_their_own_matmul(M, K, widths, dtype):
+    """One launch of 1-3 weights (widths 0 included): each weight's columns equal bi_matmul's
+    bit for bit (the verifier swaps three launches for one on that), and match the reference."""
+    from swiftkern.triton_kernels.launch import poisoned_outputs
+
+    g = torch.Generator().manual_seed(M * 7 + K)
+    a = torch.randn(M, K, generator=g).to(dtype).to(DEVICE)
+    # weights' transposed views, one of them row-major
+    bs = [torch.randn(n, K, generator=g).to(dtype).to(DEVICE).t() for n in widths]
+    bs[-1] = bs[-1].contiguous()
+    with poisoned_outputs():
+        got = group_kernel()(a, bs)
+    assert got.shape == (M, sum(widths)) and got.dtype == dtype
+    assert torch.equal(got, torch.cat([kernel()(a, b) for b in bs], dim=1))
+    atol, rtol = TOLERANCES["bi_matmul"][dtype]
+    torch.testing.assert_close(got, reference.bi_matmul_group(a, bs), atol=atol * K ** 0.5, rtol=rtol)
+
+
+def test_group_rows_do_not_depend_on_m():
+    a, _ = operands(150, 64, 1, torch.float32, seed=6)
+    g = torch.Generator().manual_seed(6)
+    bs = [torch.randn(n, 64, generator=g).to(DEVICE).t() for n in (90, 30, 30)]
+    full = group_kernel()(a, bs)
+    for m in (1, 5, 63, 64, 65, 128, 149):
+        assert torch.equal(group_kernel()(a[:m], bs), full[:m]), m
+
+
+def test_ops_group_is_the_kernel_on_triton_and_separate_matmuls_elsewhere():
+    a, _ = operands(20, 33, 1, torch.float32, seed=8)
+    g = torch.Generator().manual_seed(8)
+    bs = [torch.randn(n, 33, generator=g).to(DEVICE).t() for n in (17, 5)]
+    separate = torch.cat([ops.bi_matmul(a, b) for b in bs], dim=1)
+    assert torch.equal(ops.bi_matmul_group(a, bs), separate)
+    ops.set_backend("triton")
+    try:
+        assert torch.equal(ops.bi_matmul_group(a, bs), group_kernel()(a, bs))
+    finally:
+        ops.set_backend("auto")
+
+
+@pytest.mark.parametrize("bs,match", [
+    ([], "1 to 3"),
+    ([torch.zeros(5, 2)] * 4, "1 to 3"),
+    ([torch.zeros(5, 2), torch.zeros(6, 2)], "K = 6"),
+    ([torch.zeros(5, 2), torch.zeros(5, 2, dtype=torch.float16)], "one dtype"),
+])
+def test_group_bad_input_says_what_is_wrong(bs, match):
+    with pytest.raises(SwiftkernError, match=match):
+        group_kernel()(torch.zeros(4, 5, device=DEVICE), [b.to(DEVICE) for b in bs])
+
+
+def test_ops_group_bad_input_names_the_op():
+    with pytest.raises(SwiftkernError, match="bi_matmul_group: a .* must share K"):
+        ops.bi_matmul_group(torch.zeros(4, 5), [torch.zeros(5, 2), torch.zeros(6, 2)])
+    with pytest.raises(SwiftkernError, match="bi_matmul_group: .*1 to 3"):
+        ops.bi_matmul_group(torch.zeros(4, 5), [])

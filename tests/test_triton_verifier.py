@@ -97,3 +97,21 @@ def test_decode_equals_prefill(tiny_fp32, plans):
         verifier = Verifier(tiny_fp32, window=8, verify_batch=2, kernels="fused")
         for p, toks, lp in zip(prompts, out.tokens, out.logprobs):
             assert torch.equal(verifier.token_logprobs(p + toks, len(p)), lp)
+
+
+def test_one_grouped_launch_for_q_k_v_gives_the_bits_of_three(tiny, monkeypatch):
+    """With the Triton matmul the pass projects q, k and v in one ``bi_matmul_group`` launch a
+    layer: the logits equal those of three ``bi_matmul`` launches bit for bit."""
+    from swiftkern import ops
+
+    calls = []
+    grouped = ops.bi_matmul_group
+    monkeypatch.setattr(ops, "bi_matmul_group", lambda a, bs: calls.append(len(bs)) or grouped(a, bs))
+    slots = [Slot(0, 37, [7, 7, 200, 3, 1, 5, 6, 8], [2, 7]), Slot(1, 70, [5, 9, 33, 7, 81, 120], list(range(6)))]
+    with backend("triton"):
+        verifier = Verifier(tiny, window=8, verify_batch=3, kernels="fused")
+        one = _slot_logits(verifier, tiny, slots, 1)
+        assert calls == [3] * tiny.num_layers
+        monkeypatch.setattr(Verifier, "_linears", lambda self, x, ws, bs: [self._linear(x, w, b) for w, b in zip(ws, bs)])
+        three = _slot_logits(verifier, tiny, slots, 1)
+    assert torch.equal(one, three)

@@ -26,6 +26,7 @@ from .launch import cdiv, check_device, check_float, empty, interpreting, requir
 from .registry import register
 
 SCHEMA = "(Tensor a, Tensor b) -> Tensor"
+GROUP_SCHEMA = "(Tensor a, Tensor[] bs) -> Tensor"
 
 
 @dataclass(frozen=True)
@@ -59,18 +60,40 @@ CANDIDATES = (
 )
 
 
+MAX_GROUP = 3  # weights one launch multiplies a by (q, k, v)
+
+
+@triton.jit
+def _group_member(pid_n, n0, n1, n2, p0, p1, p2, sk0, sk1, sk2, sn0, sn1, sn2, BLOCK_N: tl.constexpr):
+    """Column tile pid_n of the group -> (weight pointer, its N, its strides, its first column
+    in c, the tile's index within that weight); every weight's tiles start at its column 0."""
+    t0 = tl.cdiv(n0, BLOCK_N)
+    t1 = tl.cdiv(n1, BLOCK_N)
+    if pid_n < t0:
+        ptr, n, sk, sn, col, tile = p0, n0, sk0, sn0, 0, pid_n
+    elif pid_n < t0 + t1:
+        ptr, n, sk, sn, col, tile = p1, n1, sk1, sn1, n0, pid_n - t0
+    else:
+        ptr, n, sk, sn, col, tile = p2, n2, sk2, sn2, n0 + n1, pid_n - t0 - t1
+    return ptr, n, sk, sn, col, tile
+
+
 @triton.jit(do_not_specialize=["M"])  # one binary for every M (a row's bits must not depend on M)
 def _bi_matmul_kernel(
     a_ptr,  # [M, K]
-    b_ptr,  # [K, N]
-    c_ptr,  # [M, N]
-    M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+    b0_ptr, b1_ptr, b2_ptr,  # [K, N0], [K, N1], [K, N2]: the group's weights (unused ones: N = 0)
+    c_ptr,  # [M, N0 + N1 + N2]: the products side by side
+    M, N0, N1, N2, K,
+    stride_am, stride_ak, stride_b0k, stride_b1k, stride_b2k, stride_b0n, stride_b1n, stride_b2n,
+    stride_cm, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
     PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
 ):
+    b_ptr, N, stride_bk, stride_bn, col, tile = _group_member(
+        tl.program_id(1), N0, N1, N2, b0_ptr, b1_ptr, b2_ptr, stride_b0k, stride_b1k, stride_b2k, stride_b0n,
+        stride_b1n, stride_b2n, BLOCK_N)
     offs_m = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    offs_n = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    offs_n = (tile * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K).to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):  # the whole K axis, in order, in this one program
@@ -85,7 +108,7 @@ def _bi_matmul_kernel(
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=PRECISION)
         else:
             acc = tl.dot(a, b, acc)
-    tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
+    tl.store(c_ptr + offs_m[:, None] * stride_cm + (col + offs_n[None, :]) * stride_cn,
              acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
@@ -95,27 +118,45 @@ def bi_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return launch(a, b, PLANS.get(a.dtype))
 
 
-def launch(a: torch.Tensor, b: torch.Tensor, plan: Plan | None) -> torch.Tensor:
-    """``bi_matmul`` in a given plan (the bench's plan sweep calls this; the op always runs
-    ``PLANS``). Rows are invariant within one plan; two plans give different bits."""
-    op = "bi_matmul"
-    check_device(op, a=a, b=b)
-    check_float(op, a=a, b=b)
-    require(a.dim() == 2 and b.dim() == 2, op, f"a must be [M, K] and b [K, N], got {tuple(a.shape)} "
-            f"and {tuple(b.shape)}")
-    require(a.shape[1] == b.shape[0], op, f"a is [M, K = {a.shape[1]}] but b is [K = {b.shape[0]}, N]")
-    require(a.dtype == b.dtype, op, f"a and b must have one dtype, got {a.dtype} and {b.dtype}")
+def bi_matmul_group(a: torch.Tensor, bs: list[torch.Tensor]) -> torch.Tensor:
+    """a: [M, K]; bs: 1 to MAX_GROUP weights [K, N_i] of a's dtype and device (any strides)
+    -> [M, sum N_i]: a @ bs[0], a @ bs[1], ... side by side, in one launch.
+    Each column has the bits ``bi_matmul(a, bs[i])`` gives it (an output element's sum does not
+    depend on its tile), so a layer's q, k and v (or gate and up) cost one launch, whose more
+    tiles also fill more of the GPU at a verify pass's few rows."""
+    return launch(a, bs, PLANS.get(a.dtype))
+
+
+def launch(a: torch.Tensor, b: torch.Tensor | list[torch.Tensor], plan: Plan | None) -> torch.Tensor:
+    """``bi_matmul`` (b a tensor) or ``bi_matmul_group`` (b a list) in a given plan (the bench's
+    plan sweep calls this; the ops always run ``PLANS``). Rows are invariant within one plan;
+    two plans give different bits."""
+    op = "bi_matmul" if torch.is_tensor(b) else "bi_matmul_group"
+    bs = [b] if torch.is_tensor(b) else list(b)
+    require(1 <= len(bs) <= MAX_GROUP, op, f"takes 1 to {MAX_GROUP} weights, got {len(bs)}")
+    named = {f"b{i}": x for i, x in enumerate(bs)} if len(bs) > 1 else {"b": bs[0]}
+    check_device(op, a=a, **named)
+    check_float(op, a=a, **named)
+    require(a.dim() == 2 and all(x.dim() == 2 for x in bs), op, f"a must be [M, K] and b [K, N], got "
+            f"{tuple(a.shape)} and {', '.join(str(tuple(x.shape)) for x in bs)}")
+    for name, x in named.items():
+        require(a.shape[1] == x.shape[0], op, f"a is [M, K = {a.shape[1]}] but {name} is [K = {x.shape[0]}, N]")
+        require(a.dtype == x.dtype, op, f"a and {name} must have one dtype, got {a.dtype} and {x.dtype}")
     M, K = a.shape
-    N = b.shape[1]
+    widths = [x.shape[1] for x in bs] + [0] * (MAX_GROUP - len(bs))
+    N = sum(widths)
     c = empty((M, N), a.dtype, a.device)
     if M and N:
         if K == 0:
             return c.zero_()
-        grid = (cdiv(M, plan.block_m), cdiv(N, plan.block_n))
-        _bi_matmul_kernel[grid](a, b, c, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-                                c.stride(0), c.stride(1), BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
-                                BLOCK_K=plan.block_k, UPCAST=a.dtype == torch.float32, PRECISION=plan.precision,
-                                INTERPRET=interpreting(), num_warps=plan.warps, num_stages=plan.stages)
+        ptrs = bs + [bs[0]] * (MAX_GROUP - len(bs))
+        grid = (cdiv(M, plan.block_m), sum(cdiv(n, plan.block_n) for n in widths))
+        _bi_matmul_kernel[grid](a, *ptrs, c, M, *widths, K, a.stride(0), a.stride(1),
+                                *(x.stride(0) for x in ptrs), *(x.stride(1) for x in ptrs),
+                                c.stride(0), c.stride(1), BLOCK_M=plan.block_m,
+                                BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, UPCAST=a.dtype == torch.float32,
+                                PRECISION=plan.precision, INTERPRET=interpreting(), num_warps=plan.warps,
+                                num_stages=plan.stages)
     return c
 
 
@@ -123,4 +164,9 @@ def bi_matmul_fake(a, b):
     return a.new_empty((a.shape[0], b.shape[1]))
 
 
+def bi_matmul_group_fake(a, bs):
+    return a.new_empty((a.shape[0], sum(b.shape[1] for b in bs)))
+
+
 register("bi_matmul", SCHEMA, bi_matmul, bi_matmul_fake)
+register("bi_matmul_group", GROUP_SCHEMA, bi_matmul_group, bi_matmul_group_fake)

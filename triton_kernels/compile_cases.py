@@ -99,13 +99,13 @@ VERIFIER_PREFIX = "verifier "
 
 def verifier_cases():
     """The deterministic verifier's ops on a GPU (its fused set: the norms, silu_mul, rope,
-    the invariant attention, bi_matmul) at the shapes it meets: verify passes of any batch and
+    the invariant attention, bi_matmul and its grouped q/k/v launch) at the shapes it meets: verify passes of any batch and
     window, prefill-long rows, caches of two sizes -> (label, launcher, args) triples labelled
     ``verifier <model> <dtype> ...``. ``check`` requires each op to compile to one binary per
     model, dtype and target across them: a row's bits then cannot depend on the batch, the
     window or the prompt length through a specialization on a shape value."""
     from . import KERNELS
-    from .bi_matmul import bi_matmul
+    from .bi_matmul import bi_matmul, bi_matmul_group
 
     k = {name: fn for name, (fn, _) in KERNELS.items()}
     for model in ("smollm2", "llama3-8b", "tiny-mqa"):
@@ -136,3 +136,5 @@ def verifier_cases():
                 for n_out, n_in in ((Hq * D, H), (I, H), (H, I)):
                     yield f"{tag} bi_matmul:N={n_out},K={n_in} {shape}", bi_matmul, (
                         _m(rows, n_in, dtype=dt), _m(n_out, n_in, dtype=dt).t())
+                yield f"{tag} bi_matmul_group:qkv {shape}", bi_matmul_group, (
+                    _m(rows, H, dtype=dt), [_m(n, H, dtype=dt).t() for n in (Hq * D, Hkv * D, Hkv * D)])

@@ -7,7 +7,7 @@ import torch
 
 from .. import reference
 from ..errors import SwiftkernError
-from .backends import cpu_kernel, run
+from .backends import cpu_kernel, resolve, run
 from .checks import check_float, check_tensors
 
 
@@ -49,6 +49,16 @@ def bi_exp_sum(x: torch.Tensor) -> torch.Tensor:
     return reference.bi_exp_sum(x)
 
 
+def bi_matmul_checks(a, b, op: str) -> None:
+    """Refuse what no bi_matmul can multiply, saying why."""
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() != 2 or b.dim() != 2:
+        raise SwiftkernError(f"{op}: a must be a tensor [M, K] and b a tensor [K, N]")
+    check_float(op, a=a, b=b)
+    if a.shape[1] != b.shape[0] or a.dtype != b.dtype or a.device != b.device:
+        raise SwiftkernError(f"{op}: a {tuple(a.shape)} {a.dtype} on {a.device} and b {tuple(b.shape)} {b.dtype} "
+                             f"on {b.device} must share K, dtype and device")
+
+
 def bi_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Batch-invariant matmul for the deterministic verifier: a @ b with each row of the result
     independent of M and of the other rows (same bits for a row alone or in any batch).
@@ -61,13 +71,28 @@ def bi_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     Triton kernel on CPU tensors under TRITON_INTERPRET=1.
     """
     op = "bi_matmul"
-    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() != 2 or b.dim() != 2:
-        raise SwiftkernError(f"{op}: a must be a tensor [M, K] and b a tensor [K, N]")
-    check_float(op, a=a, b=b)
-    if a.shape[1] != b.shape[0] or a.dtype != b.dtype or a.device != b.device:
-        raise SwiftkernError(f"{op}: a {tuple(a.shape)} {a.dtype} on {a.device} and b {tuple(b.shape)} {b.dtype} "
-                             f"on {b.device} must share K, dtype and device")
+    bi_matmul_checks(a, b, op)
     if cpu_kernel("skinny_linear", a.device.type):
         # b.t(): [N, K], no copy for b = weight.t(); bf16 / fp16 are summed in fp32 and rounded once
         return torch.ops.swiftkern.skinny_linear(a, b.t(), None)
     return run(op, a.device, a, b)
+
+
+def bi_matmul_group(a: torch.Tensor, bs: list[torch.Tensor]) -> torch.Tensor:
+    """``bi_matmul(a, b)`` for each b of ``bs`` side by side, with each column's bits as in
+    its own ``bi_matmul``: a layer's q, k and v projections (or gate and up) as one op.
+
+    a: [M, K]; bs: 1 to 3 weights [K, N_i] (a's dtype and device, any strides) -> [M, sum N_i]
+    in a's dtype. CUDA: one launch of
+    the Triton kernel (``triton_kernels/bi_matmul.py``), whose extra tiles also fill more of the
+    GPU at a verify pass's few rows; CPU: ``bi_matmul`` per weight, concatenated.
+    """
+    op = "bi_matmul_group"
+    if not isinstance(a, torch.Tensor) or not isinstance(bs, (list, tuple)) or not 1 <= len(bs) <= 3 or not all(
+            isinstance(b, torch.Tensor) for b in bs):
+        raise SwiftkernError(f"{op}: a must be a tensor [M, K] and bs a list of 1 to 3 tensors [K, N_i]")
+    for b in bs:
+        bi_matmul_checks(a, b, op)
+    if resolve(op, a.device.type) != "triton":
+        return torch.cat([bi_matmul(a, b) for b in bs], dim=1)
+    return torch.ops.swiftkern_triton.bi_matmul_group(a, list(bs))
