@@ -38,6 +38,33 @@ def test_extremes_and_non_contiguous_inputs():
     assert triton_op("silu_mul")(g[:0], u[:0]).shape == (0, 64)
 
 
+@pytest.mark.parametrize("rows,I", [(1, 1536), (3, 7), (37, 1000), (5, 4099)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_halves_of_one_projection_are_read_in_place_with_the_same_bits(rows, I, dtype):
+    """gate and up as the column halves of one [.., 2I] buffer (the verifier's grouped
+    projection): read in place (no contiguous copies), and the bits of contiguous inputs."""
+    g = torch.Generator().manual_seed(rows + I)
+    both = (torch.randn(2, rows, 2 * I, generator=g) * 4).to(dtype).to(DEVICE)  # [2, rows, 2I]
+    gate, up = both[..., :I], both[..., I:]
+    with poisoned():
+        out = triton_op("silu_mul")(gate, up)
+    assert out.shape == gate.shape and out.is_contiguous()
+    assert torch.equal(out, triton_op("silu_mul")(gate.contiguous(), up.contiguous()))
+    assert_close("silu_mul", out, reference.silu_mul(gate, up))
+
+
+def test_halves_skip_the_copies():
+    from swiftkern.triton_kernels import silu_mul as module
+
+    both = torch.randn(4, 64, device=DEVICE)
+    assert module._row_stride(both[:, :32]) == 64
+    assert module._row_stride(both.view(2, 2, 64)[..., 32:]) == 64
+    assert module._row_stride(both.t()) is None  # columns apart: copied
+    assert module._row_stride(both.view(2, 2, 64)[:, :1, :32]) == 64  # a dim of 1 merges
+    assert module._row_stride(both[::2]) == 128  # rows two apart, still one stride
+    assert module._row_stride(torch.randn(2, 3, 64, device=DEVICE)[:, :2]) is None  # two strides: copied
+
+
 def test_opcheck():
     gate, up = inputs((3, 96), torch.bfloat16, 2)
     opcheck(triton_op("silu_mul"), (gate, up))

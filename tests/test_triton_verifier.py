@@ -99,9 +99,10 @@ def test_decode_equals_prefill(tiny_fp32, plans):
             assert torch.equal(verifier.token_logprobs(p + toks, len(p)), lp)
 
 
-def test_one_grouped_launch_for_q_k_v_gives_the_bits_of_three(tiny, monkeypatch):
+def test_grouped_projections_give_the_bits_of_separate_ones(tiny, monkeypatch):
     """With the Triton matmul the pass projects q, k and v in one ``bi_matmul_group`` launch a
-    layer: the logits equal those of three ``bi_matmul`` launches bit for bit."""
+    layer, and gate and up in another (silu_mul reads the halves in place): the logits equal
+    those of five separate ``bi_matmul`` launches bit for bit."""
     from swiftkern import ops
 
     calls = []
@@ -111,7 +112,7 @@ def test_one_grouped_launch_for_q_k_v_gives_the_bits_of_three(tiny, monkeypatch)
     with backend("triton"):
         verifier = Verifier(tiny, window=8, verify_batch=3, kernels="fused")
         one = _slot_logits(verifier, tiny, slots, 1)
-        assert calls == [3] * tiny.num_layers
+        assert calls == [3, 2] * tiny.num_layers
         monkeypatch.setattr(Verifier, "_linears", lambda self, x, ws, bs: [self._linear(x, w, b) for w, b in zip(ws, bs)])
         three = _slot_logits(verifier, tiny, slots, 1)
     assert torch.equal(one, three)

@@ -125,7 +125,8 @@ def verifier_cases():
                     yield f"{tag} rms_norm {shape} view={view}", k["rms_norm"], (xv, wv, 1e-5)
                     yield f"{tag} fused_add_rms_norm {shape} view={view}", k["fused_add_rms_norm"], (
                         xv, xv, wv, 1e-5)
-                yield f"{tag} silu_mul {shape}", k["silu_mul"], (_m(rows, I, dtype=dt), _m(rows, I, dtype=dt))
+                both = _m(rows, 2 * I, dtype=dt)  # the grouped gate/up projection: silu_mul reads its halves
+                yield f"{tag} silu_mul {shape}", k["silu_mul"], (both[:, :I], both[:, I:])
                 yield f"{tag} rope_kv_append {shape}", k["rope_kv_append"], (
                     _heads(B, T, Hq, D, dt), _heads(B, T, Hkv, D, dt), _heads(B, T, Hkv, D, dt), _m(B, T, D, dtype=dt),
                     _m(B, T, D, dtype=dt), _m(B, Hkv, S, D, dtype=dt), _m(B, Hkv, S, D, dtype=dt),
