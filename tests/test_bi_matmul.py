@@ -201,3 +201,13 @@ def test_ops_group_bad_input_names_the_op():
         ops.bi_matmul_group(torch.zeros(4, 5), [torch.zeros(5, 2), torch.zeros(6, 2)])
     with pytest.raises(SwiftkernError, match="bi_matmul_group: .*1 to 3"):
         ops.bi_matmul_group(torch.zeros(4, 5), [])
+
+
+def test_plan_from_env_replaces_float32s_plan_by_a_candidate_name():
+    from swiftkern.triton_kernels.bi_matmul import PLANS, plan_from_env
+
+    assert plan_from_env(PLANS, CANDIDATES, "") is PLANS
+    picked = plan_from_env(PLANS, CANDIDATES, CANDIDATES[2].name)
+    assert picked[torch.float32] == CANDIDATES[2] and picked[torch.bfloat16] == PLANS[torch.bfloat16]
+    with pytest.raises(SwiftkernError, match="SWIFTKERN_BI_MATMUL_PLAN='64x64' names no candidate plan"):
+        plan_from_env(PLANS, CANDIDATES, "64x64")

@@ -15,11 +15,15 @@ the tiles are upcast to float32 and multiplied by ``interpreter_dot``.
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from swiftkern.errors import SwiftkernError
 
 from .interpreter_dot import interpreter_dot
 from .launch import cdiv, check_device, check_float, empty, interpreting, require
@@ -58,6 +62,26 @@ CANDIDATES = (
     Plan(64, 64, 32, stages=4, precision="tf32x3"), Plan(128, 64, 32, warps=8, precision="tf32x3"),
     Plan(64, 128, 32, warps=8, precision="tf32x3"),
 )
+
+
+def plan_from_env(plans: dict, candidates: tuple, value: str | None) -> dict:
+    """``PLANS`` with float32's replaced by the candidate named in SWIFTKERN_BI_MATMUL_PLAN
+    (``value``; e.g. "64x64x32-w4-s3-tf32x3"), for measuring a plan in whole runs. The
+    verifier's bits follow the plan: two runs compare bit for bit only under one setting."""
+    if not value:
+        return plans
+    named = {plan.name: plan for plan in candidates}
+    if value not in named:
+        raise SwiftkernError(f"SWIFTKERN_BI_MATMUL_PLAN={value!r} names no candidate plan; use one of "
+                             f"{', '.join(named)}, or unset it")
+    return {**plans, torch.float32: named[value]}
+
+
+@functools.lru_cache(maxsize=None)
+def plans_in_use() -> dict:
+    """PLANS, or with SWIFTKERN_BI_MATMUL_PLAN's float32 plan (read at the first matmul, so a
+    bad name fails that call with its message rather than the import of every Triton kernel)."""
+    return plan_from_env(PLANS, CANDIDATES, os.environ.get("SWIFTKERN_BI_MATMUL_PLAN", "").strip())
 
 
 MAX_GROUP = 3  # weights one launch multiplies a by (q, k, v)
@@ -115,7 +139,7 @@ def _bi_matmul_kernel(
 def bi_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a: [M, K], b: [K, N] (same float dtype and device, any strides) -> a @ b, [M, N] in a's
     dtype, accumulated in float32 in the dtype's fixed plan (``PLANS``)."""
-    return launch(a, b, PLANS.get(a.dtype))
+    return launch(a, b, plans_in_use().get(a.dtype))
 
 
 def bi_matmul_group(a: torch.Tensor, bs: list[torch.Tensor]) -> torch.Tensor:
@@ -124,7 +148,7 @@ def bi_matmul_group(a: torch.Tensor, bs: list[torch.Tensor]) -> torch.Tensor:
     Each column has the bits ``bi_matmul(a, bs[i])`` gives it (an output element's sum does not
     depend on its tile), so a layer's q, k and v (or gate and up) cost one launch, whose more
     tiles also fill more of the GPU at a verify pass's few rows."""
-    return launch(a, bs, PLANS.get(a.dtype))
+    return launch(a, bs, plans_in_use().get(a.dtype))
 
 
 def launch(a: torch.Tensor, b: torch.Tensor | list[torch.Tensor], plan: Plan | None) -> torch.Tensor:
