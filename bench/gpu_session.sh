@@ -12,6 +12,8 @@
 #   bash bench/gpu_session.sh cudakv       kv_compact and greedy_accept, cuda against triton (the CUDA kernels behind)
 #   bash bench/gpu_session.sh bimatmul     bi_matmul's native tests (every candidate plan) and the plan sweep, summed
 #                                          over one SmolLM2 verify pass of 128 rows per plan
+#   bash bench/gpu_session.sh detplan      determinism with CUDA graphs (ar, deterministic, self-spec+det) and
+#                                          verifier_pass under the plan bimatmul picked (/tmp/plan.txt on a warm machine)
 #   bash bench/gpu_session.sh det          determinism with CUDA graphs, the throughput and batch-1 groups with the
 #                                          portable verifier set beside the default (fused), and verifier_pass (eager)
 # Stages chain: `bash bench/gpu_session.sh setup tests`. Everything under bench/results and the
@@ -129,7 +131,8 @@ stage_dettests() {
 }
 
 stage_bimatmul() {
-  pytest_gpu bimatmul 150 tests/test_bi_matmul.py
+  pytest_gpu bimatmul 200 -n 6 tests/test_bi_matmul.py tests/test_triton_silu_mul.py tests/test_triton_verifier.py \
+    tests/test_cuda_graphs.py
   timeout 300 python3 -m bench --routine bi_matmul --reps 10 > "$OUT/bimatmul.log" 2>&1
   echo "bi_matmul bench: exit $?"
   python3 - "$OUT/bimatmul.log" <<'PY'
@@ -142,6 +145,7 @@ for r in rows:
     ms[r["provider"]][r["shape"]] = float(r["median_ms"])
 # one SmolLM2 verify pass of M rows: 30 layers x (q, o, k, v, gate, up, down) + the LM head
 mix = {"q": 2, "k": 2, "gate": 2, "down": 1}
+totals = {}
 for M in (32, 128, 512):
     print(f"SmolLM2 pass of {M} rows (ms, graph replays):")
     for p, t in sorted(ms.items(), key=lambda kv: kv[0]):
@@ -150,10 +154,30 @@ for M in (32, 128, 512):
             continue
         layers, head = sum(n * got[w][0] for w, n in mix.items()), got["lm_head"][0]
         print(f"  {p:42s} layers {30 * layers:8.3f}  lm_head {head:7.3f}  total {30 * layers + head:8.3f}")
-for s in sorted({s for t in ms.values() for s in t if s.startswith("llama")}):
+        totals.setdefault(p, []).append(30 * layers + head)
+for s in sorted({s for t in ms.values() for s in t if s.startswith("llama") or "+" in s or "qkv" in s}):
     best = sorted((t[s], p) for p, t in ms.items() if s in t)[:4]
     print(s, " | ".join(f"{p} {v:.4f}" for v, p in best))
+# the candidate with the least time over the three pass sizes: the plan stage detplan runs
+ranked = sorted((sum(v), p) for p, v in totals.items() if p.startswith("triton-") and len(v) == 3)
+if ranked:
+    print(f"fastest float32 plan over passes of 32, 128 and 512 rows: {ranked[0][1]} ({ranked[0][0]:.3f} ms)")
+    open("/tmp/plan.txt", "w").write(ranked[0][1].removeprefix("triton-"))
+else:
+    print("no triton-<plan> rows at all three pass sizes: no plan picked")
 PY
+}
+
+stage_detplan() {
+  # determinism with CUDA graphs, SmolLM2 float32, under the plan stage bimatmul picked (/tmp/plan.txt)
+  export SWIFTKERN_BI_MATMUL_PLAN=$(cat /tmp/plan.txt 2>/dev/null)
+  echo "SWIFTKERN_BI_MATMUL_PLAN=$SWIFTKERN_BI_MATMUL_PLAN" | tee "$OUT/plan.txt"
+  pytest_gpu detplan-tests 150 -n 6 -m "not slow" tests/test_deterministic_gpu.py tests/test_bi_matmul.py
+  timeout 330 python3 -m bench --routine determinism --max-new-tokens 64 --reps 2 --cuda-graphs \
+    --providers ar,deterministic,self-spec+det > "$OUT/determinism-plan.log" 2>&1
+  echo "determinism graphs: exit $?"; tail -22 "$OUT/determinism-plan.log"
+  timeout 90 python3 -m bench --routine verifier_pass --reps 10 > "$OUT/verifier-pass.log" 2>&1
+  echo "verifier_pass: exit $?"; tail -6 "$OUT/verifier-pass.log"
 }
 
 stage_det() {
