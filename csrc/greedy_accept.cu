@@ -1,5 +1,5 @@
 // Launcher of greedy_accept (kernels in greedy_accept.cuh): the argmax kernel over every needed
-// (row, position) and vocabulary chunk, then the per-row walk, all on `stream`.
+// (row, position) and vocabulary chunk, then the per-row walk, all on `stream`: two launches.
 #include <cstdlib>
 #include <cstring>
 
@@ -20,31 +20,52 @@ int64_t greedy_vocab_chunks(int64_t positions, int64_t V, int sms) {
   return chunks > 1 ? chunks : 1;
 }
 
+namespace {
+
+constexpr int kThreads = 256;
+
+// Vocabulary chunks of a launch and their length (a multiple of 8 elements, so a chunk starts as
+// 16-byte aligned as its row; none empty).
+void plan_chunks(int64_t positions, int64_t V, int64_t* chunks, int64_t* chunk) {
+  const int64_t want = greedy_vocab_split_enabled() ? greedy_vocab_chunks(positions, V, current_device_sms()) : 1;
+  *chunk = div_up<int64_t>(div_up<int64_t>(V, want), 8) * 8;
+  *chunks = div_up<int64_t>(V, *chunk);
+}
+
+}  // namespace
+
+int64_t greedy_keys_elems(int64_t B, int64_t K, int64_t V) {
+  int64_t chunks = 1, chunk = V;
+  if (B > 0 && V > 0) plan_chunks(B * (K + 1), V, &chunks, &chunk);
+  return chunks > 1 ? B * (K + 1) * chunks : 0;
+}
+
 cudaError_t greedy_accept(const GreedyAcceptArgs& a, cudaStream_t stream) {
   if (a.B == 0) return cudaSuccess;
-  constexpr int kThreads = 256;
   const int64_t positions = a.B * (a.K + 1);
   if (positions > 0x7fffffff || a.V > 0xffffffffLL) return cudaErrorInvalidConfiguration;
-  // chunks of a multiple of 8 elements (a chunk starts as 16-byte aligned as its row), none empty
-  const int64_t want = greedy_vocab_split_enabled() ? greedy_vocab_chunks(positions, a.V, current_device_sms()) : 1;
-  const int64_t chunk = div_up<int64_t>(div_up<int64_t>(a.V, want), 8) * 8;
-  const int64_t chunks = div_up<int64_t>(a.V, chunk);
-  if (chunks > 1) {
-    const cudaError_t err = cudaMemsetAsync(a.out, 0, positions * sizeof(int64_t), stream);
-    if (err != cudaSuccess) return err;
-  }
+  int64_t chunks = 1, chunk = a.V;
+  plan_chunks(positions, a.V, &chunks, &chunk);
+  if (chunks > 1 && a.keys == nullptr) return cudaErrorInvalidValue;
+  // two launches either way: the argmax (each chunk's best key into a.keys when split, no
+  // zeroing needed), then the walk (keyed: a block a row reduces the chunks first)
   const dim3 grid(static_cast<unsigned>(positions), static_cast<unsigned>(chunks));
   const cudaError_t err = dispatch_dtype(a.logits_dtype, [&](auto ty) {
     using Ty = decltype(ty);
     greedy_argmax_kernel<Ty, kThreads><<<grid, kThreads, 0, stream>>>(
         static_cast<const typename Ty::Storage*>(a.logits), a.logits_sb, a.logits_sk, a.num_draft,
-        a.num_draft_s, a.out, a.K, a.V, chunk);
+        a.num_draft_s, a.out, a.keys, a.K, a.V, chunk);
     return last_launch_error();
   });
   if (err != cudaSuccess) return err;
+  if (chunks > 1) {
+    greedy_finalize_keyed_kernel<kThreads><<<static_cast<unsigned>(a.B), kThreads, 0, stream>>>(
+        a.draft, a.draft_sb, a.draft_sk, a.num_draft, a.num_draft_s, a.keys, a.out, a.num_accepted, a.K, chunks);
+    return last_launch_error();
+  }
   constexpr int kRows = 128;
   greedy_finalize_kernel<<<static_cast<unsigned>(div_up<int64_t>(a.B, kRows)), kRows, 0, stream>>>(
-      a.draft, a.draft_sb, a.draft_sk, a.num_draft, a.num_draft_s, a.out, a.num_accepted, a.B, a.K, chunks > 1);
+      a.draft, a.draft_sb, a.draft_sk, a.num_draft, a.num_draft_s, a.out, a.num_accepted, a.B, a.K);
   return last_launch_error();
 }
 

@@ -3,8 +3,9 @@
 // temporary: the target token of position j goes straight into out[b, j], which the walk turns
 // into the final row (accepted drafts equal their targets, so only the tail changes to -1). With
 // one chunk a row (many rows) out[b, j] gets the index; with several (few rows: the vocabulary
-// split so the GPU fills up) each chunk's best is atomicMax-ed into out[b, j] as an
-// argmax_key (zeroed first) and the walk turns the keys into indices.
+// split so the GPU fills up) each chunk's best goes into a scratch of argmax_keys, one a
+// (position, chunk), and the walk's block reduces a row's keys to indices first (no zeroed
+// buffer, so no third launch).
 //
 // Argmax rules (as torch.argmax): the first NaN wins over everything; otherwise the largest
 // value, ties to the lowest index; a row of -inf gives 0.
@@ -91,7 +92,7 @@ template <class Ty, int kThreads>
 __global__ void __launch_bounds__(kThreads)
 greedy_argmax_kernel(const typename Ty::Storage* __restrict__ logits, int64_t l_sb, int64_t l_sk,
                      const int32_t* __restrict__ num_draft, int64_t n_s, int64_t* __restrict__ out,
-                     int64_t K, int64_t V, int64_t chunk) {
+                     uint64_t* __restrict__ keys, int64_t K, int64_t V, int64_t chunk) {
   const int64_t b = blockIdx.x / (K + 1), j = blockIdx.x % (K + 1);
   const int32_t nd = num_draft[b * n_s];
   SWIFTKERN_DEVICE_REQUIRE(nd >= 0 && nd <= K, "greedy_accept: num_draft[%lld] = %d is outside [0, K = %lld]\n",
@@ -101,28 +102,55 @@ greedy_argmax_kernel(const typename Ty::Storage* __restrict__ logits, int64_t l_
   const int64_t n = V - start < chunk ? V - start : chunk;
   const ArgBest best = row_argmax<Ty, kThreads>(logits + b * l_sb + j * l_sk + start, n);
   if (threadIdx.x != 0) return;
-  int64_t* o = out + b * (K + 1) + j;
-  if (gridDim.y == 1) *o = best.index;
-  else atomicMax(reinterpret_cast<unsigned long long*>(o), argmax_key(best.value, start + best.index));
+  if (gridDim.y == 1) out[b * (K + 1) + j] = best.index;
+  else keys[static_cast<int64_t>(blockIdx.x) * gridDim.y + blockIdx.y] = argmax_key(best.value, start + best.index);
 }
 
-// One thread per row: out[b, :] holds the targets of positions 0..num_draft[b] (as argmax_keys
-// when `keyed`); keep the drafts that match (they equal their targets), the target at the first
-// mismatch, then -1.
-__global__ void greedy_finalize_kernel(const int64_t* __restrict__ draft, int64_t d_sb, int64_t d_sk,
-                                       const int32_t* __restrict__ num_draft, int64_t n_s,
-                                       int64_t* __restrict__ out, int32_t* __restrict__ num_accepted,
-                                       int64_t B, int64_t K, bool keyed) {
-  const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (b >= B) return;
-  const int64_t nd = num_draft[b * n_s];
-  int64_t* o = out + b * (K + 1);
-  if (keyed)
-    for (int64_t i = 0; i <= nd; ++i) o[i] = argmax_key_index(static_cast<uint64_t>(o[i]));
+// Row b's walk: out[b, 0..num_draft[b]] hold its targets; keep the drafts that match (they equal
+// their targets), the target at the first mismatch, then -1.
+__device__ __forceinline__ void walk_row(const int64_t* __restrict__ draft, int64_t d_sb, int64_t d_sk, int64_t b,
+                                         int64_t nd, int64_t K, int64_t* __restrict__ o,
+                                         int32_t* __restrict__ num_accepted) {
   int64_t a = 0;
   while (a < nd && draft[b * d_sb + a * d_sk] == o[a]) ++a;
   for (int64_t i = a + 1; i <= K; ++i) o[i] = -1;
   num_accepted[b] = static_cast<int32_t>(a);
+}
+
+// One block a row: each warp takes positions 0..num_draft[b] in turn and reduces their chunks'
+// keys (the largest key is the argmax) into out[b, j], then thread 0 walks the row.
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads)
+greedy_finalize_keyed_kernel(const int64_t* __restrict__ draft, int64_t d_sb, int64_t d_sk,
+                             const int32_t* __restrict__ num_draft, int64_t n_s, const uint64_t* __restrict__ keys,
+                             int64_t* __restrict__ out, int32_t* __restrict__ num_accepted, int64_t K, int64_t chunks) {
+  const int64_t b = blockIdx.x;
+  const int64_t nd = num_draft[b * n_s];
+  int64_t* o = out + b * (K + 1);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  for (int64_t j = warp; j <= nd; j += kThreads / 32) {
+    const uint64_t* row = keys + (b * (K + 1) + j) * chunks;
+    unsigned long long best = 0;
+    for (int64_t c = lane; c < chunks; c += 32) best = row[c] > best ? row[c] : best;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      const unsigned long long other = __shfl_xor_sync(0xffffffffu, best, off);
+      best = other > best ? other : best;
+    }
+    if (lane == 0) o[j] = argmax_key_index(best);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) walk_row(draft, d_sb, d_sk, b, nd, K, o, num_accepted);
+}
+
+// One thread per row (one chunk a position: out[b, :] holds the target indices already).
+__global__ void greedy_finalize_kernel(const int64_t* __restrict__ draft, int64_t d_sb, int64_t d_sk,
+                                       const int32_t* __restrict__ num_draft, int64_t n_s,
+                                       int64_t* __restrict__ out, int32_t* __restrict__ num_accepted,
+                                       int64_t B, int64_t K) {
+  const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (b >= B) return;
+  walk_row(draft, d_sb, d_sk, b, num_draft[b * n_s], K, out + b * (K + 1), num_accepted);
 }
 
 }  // namespace cuda

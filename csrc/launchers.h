@@ -22,8 +22,12 @@ struct GreedyAcceptArgs {
   const int32_t* num_draft; int64_t num_draft_s;
   int64_t* out; int32_t* num_accepted;
   int64_t B, K, V;
+  // scratch of greedy_keys_elems(B, K, V) uint64 argmax keys (each vocabulary chunk's best);
+  // may be null when that is 0
+  uint64_t* keys;
 };
 cudaError_t greedy_accept(const GreedyAcceptArgs& a, cudaStream_t stream);
+int64_t greedy_keys_elems(int64_t B, int64_t K, int64_t V);
 // Vocabulary chunks a position's argmax is split into: enough blocks for kGreedyBlocksPerSm per
 // SM when there are few positions (B * (K+1)), each chunk at least kGreedyMinChunk elements; 1
 // when the positions alone fill the GPU (one block a row streamed at 93 % of an H100's copy

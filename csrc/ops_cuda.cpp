@@ -73,10 +73,14 @@ std::tuple<at::Tensor, at::Tensor> greedy_accept_cuda(const at::Tensor& draft_to
   const DeviceGuard guard(draft_tokens.device());
   auto out = at::empty({B, K + 1}, draft_tokens.options());
   auto num_accepted = at::empty({B}, num_draft.options());
+  // each vocabulary chunk's best key when the vocabulary is split (few rows); uint64 held as int64
+  const int64_t key_elems = cuda::greedy_keys_elems(B, K, V);
+  const at::Tensor keys = key_elems ? at::empty({key_elems}, draft_tokens.options()) : at::Tensor();
   const cuda::GreedyAcceptArgs a{draft_tokens.data_ptr<int64_t>(), draft_tokens.stride(0), draft_tokens.stride(1),
                                  target_logits.data_ptr(), kernel_dtype(target_logits.scalar_type()),
                                  target_logits.stride(0), target_logits.stride(1), num_draft.data_ptr<int32_t>(),
-                                 num_draft.stride(0), out.data_ptr<int64_t>(), num_accepted.data_ptr<int32_t>(), B, K, V};
+                                 num_draft.stride(0), out.data_ptr<int64_t>(), num_accepted.data_ptr<int32_t>(), B, K, V,
+                                 key_elems ? reinterpret_cast<uint64_t*>(keys.data_ptr<int64_t>()) : nullptr};
   check_launch(cuda::greedy_accept(a, stream_of(draft_tokens)), "greedy_accept");
   return {out, num_accepted};
 }

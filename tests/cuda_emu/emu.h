@@ -74,6 +74,12 @@ uint64_t warp_exchange(uint64_t bits, int src);
 [[noreturn]] void trap();
 
 // One launch: checks the configuration as CUDA does, then runs body() as every thread of every block.
+// device work the stream got so far: kernel launches and memsets (a CUDA graph's nodes)
+struct StreamWork {
+  long long kernels = 0, memsets = 0;
+};
+StreamWork& stream_work();
+
 struct Launch {
   dim3 grid, block;
   size_t shared_bytes;

@@ -2,6 +2,7 @@
 // by emu_runtime.cpp) as a Python module with the names and arguments of torch.ops.swiftkern.
 #include <torch/extension.h>
 
+#include "emu.h"
 #include "ops_cuda.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -11,4 +12,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_add_rms_norm", &swiftkern::fused_add_rms_norm_cuda);
   m.def("rope_kv_append", &swiftkern::rope_kv_append_cuda);
   m.def("kv_compact", &swiftkern::kv_compact_cuda);
+  m.def("stream_work", [] {  // (kernel launches, memsets) so far: the nodes a CUDA graph of them holds
+    const auto& w = ::emu::stream_work();
+    return std::make_tuple(w.kernels, w.memsets);
+  });
 }

@@ -190,8 +190,14 @@ void trap() {
   std::abort();  // never resumed
 }
 
+StreamWork& stream_work() {
+  static StreamWork work;
+  return work;
+}
+
 void Launch::run(void (*body)(void*), void* context) const {
   Machine& m = machine();
+  ++stream_work().kernels;
   const unsigned long long threads = 1ull * block.x * block.y * block.z;
   if (threads == 0 || threads > kMaxThreads || block.z > 64 || grid.x == 0 || grid.y == 0 || grid.z == 0 ||
       grid.y > 65535 || grid.z > 65535 || shared_bytes > 227 * 1024) {
@@ -240,6 +246,7 @@ const char* cudaGetErrorString(cudaError_t err) {
 }
 
 cudaError_t cudaMemsetAsync(void* ptr, int value, size_t bytes, cudaStream_t) {
+  ++::emu::stream_work().memsets;
   std::memset(ptr, value, bytes);
   return cudaSuccess;
 }
