@@ -59,7 +59,8 @@ def parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
                     help="draft_step: also time every provider with a verify pass run between its calls")
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="on a GPU: determinism runs every Generator with cuda_graphs=True; generate adds "
-                         "<provider>+graphs next to each swiftkern provider; verify_cost adds T<t>+graphs")
+                         "<provider>+graphs next to each swiftkern provider; verify_cost adds T<t>+graphs; "
+                         "verifier_pass adds <set>+graphs")
     return ap
 
 

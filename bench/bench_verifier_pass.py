@@ -1,6 +1,6 @@
 """One pass of the deterministic verifier (``verify_batch x window`` tokens) with each kernel set.
 
-    python -m bench --routine verifier_pass [--model smollm2] [--reps 10] [--smoke]
+    python -m bench --routine verifier_pass [--model smollm2] [--reps 10] [--smoke] [--cuda-graphs]
 
 Providers (``verifier_kernels``), timed interleaved on one cache holding a 200-token context
 per row (with room past the pass, as in the middle of a generation), verify batch 4, window 32:
@@ -8,6 +8,9 @@ per row (with room past the pass, as in the middle of a generation), verify batc
     portable   the batch_invariant torch compositions (tree_sum norms, bi_exp SwiGLU, blocked
                attention) around the bi_linear matmuls
     fused      one kernel per op (the C++ kernels on the CPU, Triton on CUDA)
+    <set>+graphs  with --cuda-graphs (a GPU): the same pass replayed from a CUDA graph, as the
+               deterministic loop runs it inside ``cuda_graphs`` (the LM head on the pass's
+               logits stays eager there too): the pass's device time plus one replay's host time
 
 Columns: ops_per_pass, the torch ops one pass dispatches here (views and other metadata-only
 ops left out; a custom op counts once), and ops_as_on_cuda, the same count with the ops that
@@ -77,6 +80,14 @@ def verify_pass(verifier: Verifier, model, context: int):
     return fn
 
 
+def _graphed(runner, fn):
+    """fn with the model's passes going through ``runner`` (CUDA graphs)."""
+    def run():
+        with runner.model.cuda_graphs(runner):
+            fn()
+    return run
+
+
 def _count(fn) -> int:
     counter = _OpCount()
     with counter:
@@ -101,6 +112,14 @@ def run(args) -> list[dict]:
             with _as_on_cuda():
                 cuda_like = _count(fn)
         fns[kernels], counts[kernels] = fn, (here, cuda_like)
+        if getattr(args, "cuda_graphs", False):
+            from swiftkern.cuda_graphs import GraphRunner
+
+            graphed = _graphed(GraphRunner(model), fn)
+            graphed()  # the first sight runs eagerly, the second captures: the timed calls replay
+            graphed()
+            fns[kernels + "+graphs"], counts[kernels + "+graphs"] = graphed, (here, cuda_like)
+            names[kernels + "+graphs"] = names[kernels]
     times = common.time_fn(fns, args.device, warmup=1, reps=args.reps or (2 if args.smoke else 10))
     base = times.get("portable", {}).get("median_ms")
     return [common.row(ROUTINE, p, args.device, model.dtype, f"R={R} W={W} ctx={context}", t, model=name,

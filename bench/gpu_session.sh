@@ -13,7 +13,8 @@
 #   bash bench/gpu_session.sh bimatmul     bi_matmul's native tests (every candidate plan) and the plan sweep, summed
 #                                          over one SmolLM2 verify pass of 128 rows per plan
 #   bash bench/gpu_session.sh detplan      determinism with CUDA graphs (ar, deterministic, self-spec+det) and
-#                                          verifier_pass under the plan bimatmul picked (/tmp/plan.txt on a warm machine)
+#                                          verifier_pass (eager and graphed) under the plan bimatmul picked
+#                                          (/tmp/plan.txt on a warm machine)
 #   bash bench/gpu_session.sh det          determinism with CUDA graphs, the throughput and batch-1 groups with the
 #                                          portable verifier set beside the default (fused), and verifier_pass (eager)
 # Stages chain: `bash bench/gpu_session.sh setup tests`. Everything under bench/results and the
@@ -176,7 +177,7 @@ stage_detplan() {
   timeout 330 python3 -m bench --routine determinism --max-new-tokens 64 --reps 2 --cuda-graphs \
     --providers ar,deterministic,self-spec+det > "$OUT/determinism-plan.log" 2>&1
   echo "determinism graphs: exit $?"; tail -22 "$OUT/determinism-plan.log"
-  timeout 90 python3 -m bench --routine verifier_pass --reps 10 > "$OUT/verifier-pass.log" 2>&1
+  timeout 120 python3 -m bench --routine verifier_pass --reps 10 --cuda-graphs > "$OUT/verifier-pass.log" 2>&1
   echo "verifier_pass: exit $?"; tail -6 "$OUT/verifier-pass.log"
 }
 
