@@ -132,7 +132,7 @@ stage_dettests() {
 }
 
 stage_bimatmul() {
-  pytest_gpu bimatmul 200 -n 6 tests/test_bi_matmul.py tests/test_triton_silu_mul.py tests/test_triton_verifier.py \
+  pytest_gpu bimatmul 200 -n 6 -m "not slow" tests/test_bi_matmul.py tests/test_triton_silu_mul.py tests/test_triton_verifier.py \
     tests/test_cuda_graphs.py
   timeout 300 python3 -m bench --routine bi_matmul --reps 10 > "$OUT/bimatmul.log" 2>&1
   echo "bi_matmul bench: exit $?"
