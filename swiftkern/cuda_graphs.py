@@ -113,11 +113,15 @@ class GraphRunner:
         and no call holds it (graphs are keyed on the cache's storage, so a reused cache reuses
         them across calls and Generators), else a new one of ``needed`` rounded up to CACHE_STEP
         positions. A reused cache holds stale keys and values past every row's length: finite
-        model values, masked, overwritten."""
+        model values, masked, overwritten. A cache larger than a call needs costs it memory, not
+        time (attention spans follow the rows' lengths), so it is kept for any call it fits, as
+        for fewer rows: replacing it by a smaller one, as this did when it was over twice the
+        positions needed, made calls of alternating prompt lengths re-capture their graphs on
+        every call (the emulation counted 4 captures a round of five batch-1 prompts)."""
         used = needed if used is None else used
         cache = self.cache
         if (cache is not None and not self.cache_leased and batch <= cache.capacity
-                and needed <= cache.max_len < 2 * needed + CACHE_STEP):
+                and needed <= cache.max_len):
             self.model.check_positions(used)
             cache.reset(batch)
             return cache

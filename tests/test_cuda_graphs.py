@@ -325,6 +325,25 @@ def test_a_smaller_batch_reuses_the_runners_cache(tiny, graph_type):
     assert out.tokens == Generator(tiny).generate(prompts, max_new_tokens=12, eos_token_id=[]).tokens
 
 
+@pytest.mark.parametrize("mode", ["ar", "deterministic"])
+def test_prompts_of_alternating_length_replay_without_capturing_again(tiny, graph_type, mode):
+    """Batch-1 calls whose prompts alternate between short and long (as the determinism bench's
+    batch-1 group runs them): the runner keeps the long call's cache for the short ones, so a
+    round of calls after the cache and every key's second sight (rounds 1-3) captures nothing,
+    and tokens equal a run without graphs."""
+    kw = dict(mode=mode) if mode == "ar" else dict(mode=mode, window=8, verify_batch=1, replay="always")
+    runner = GraphRunner(tiny, graph_type)
+    gen = Generator(tiny, cuda_graphs=runner, **kw)
+    prompts = [list(range(3, 23)), [3 + i % 290 for i in range(300)], list(range(40, 80))]
+    captures = []
+    for _ in range(4):
+        outs = [gen.generate([p], max_new_tokens=12, eos_token_id=[]) for p in prompts]
+        captures.append(runner.captures)
+    assert captures[3] == captures[2], captures
+    assert [o.tokens for o in outs] == [Generator(tiny, **kw).generate([p], max_new_tokens=12, eos_token_id=[]).tokens
+                                        for p in prompts]
+
+
 def test_drafter_costs_are_timed_on_replays_only(tiny, monkeypatch):
     """A first sight or a capture costs many replays; the drafter policy's cost model must not
     see them (it would shun that draft length for good)."""
