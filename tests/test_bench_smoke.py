@@ -222,3 +222,21 @@ def test_plot_without_matplotlib_is_refused_before_the_run():
     run = _bench("--routine", "silu_mul", "--plot", timeout=120)
     assert run.returncode == 2 and "--plot needs matplotlib" in run.stderr, run.stderr[-500:]
     assert "== silu_mul" not in run.stdout and open(results).read() == before
+
+
+def test_graph_warm_up_runs_until_a_call_captures_nothing():
+    """bench determinism's warm-up with --cuda-graphs: at least two runs, then until one adds no
+    capture (the timed reps must replay only), at most WARM_CALLS_MAX."""
+    import sys
+    sys.path.insert(0, ROOT)
+    from bench.bench_determinism import WARM_CALLS_MAX, _until_no_capture
+
+    class Runner:
+        captures = 0
+
+    for new_captures, runs in (([0, 0], 2), ([3, 2, 2, 0], 4), ([1] * 9, WARM_CALLS_MAX)):
+        runner, plan = Runner(), iter(new_captures + [0] * 9)
+
+        def fn():
+            runner.captures += next(plan)
+        assert _until_no_capture(runner, fn) == runs
