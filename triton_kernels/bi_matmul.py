@@ -8,9 +8,12 @@ in float32. So row i of c is the same bits whether a has 1 row or 10 000.
 
 Each input dtype has one fixed plan (``PLANS``: tiles, warps, pipeline stages and, for float32,
 the dot's precision). bf16/fp16 inputs use tensor-core dots with a float32 accumulator on a
-GPU; float32 inputs the plan's ``input_precision``. Under TRITON_INTERPRET=1 (no GPU) tl.dot is numpy's BLAS, which gives a
-row different bits at different places in a tile, and bf16 arithmetic is not the GPU's: there
-the tiles are upcast to float32 and multiplied by ``interpreter_dot``.
+GPU; float32 inputs the plan's ``input_precision``. One launch may multiply a by up to three
+weights side by side (``bi_matmul_group``: a layer's q, k and v); an output element's sum does
+not depend on its tile, so each column keeps the bits of its own ``bi_matmul``. Under
+TRITON_INTERPRET=1 (no GPU) tl.dot is numpy's BLAS, which gives a row different bits at
+different places in a tile, and bf16 arithmetic is not the GPU's: there the tiles are upcast to
+float32 and multiplied by ``interpreter_dot``.
 """
 
 from __future__ import annotations
