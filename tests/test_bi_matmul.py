@@ -211,3 +211,13 @@ def test_plan_from_env_replaces_float32s_plan_by_a_candidate_name():
     assert picked[torch.float32] == CANDIDATES[2] and picked[torch.bfloat16] == PLANS[torch.bfloat16]
     with pytest.raises(SwiftkernError, match="SWIFTKERN_BI_MATMUL_PLAN='64x64' names no candidate plan"):
         plan_from_env(PLANS, CANDIDATES, "64x64")
+
+
+def test_opcheck_of_both_ops():
+    """torch.library.opcheck (schema, fake tensors, autograd registration, AOT) of the
+    registered bi_matmul and bi_matmul_group (a Tensor[] argument)."""
+    from triton_cases import opcheck
+
+    a, b = operands(9, 40, 24, torch.float32, seed=11)
+    opcheck(torch.ops.swiftkern_triton.bi_matmul, (a, b))
+    opcheck(torch.ops.swiftkern_triton.bi_matmul_group, (a, [b, b[:, :5], b[:, 3:20]]))
