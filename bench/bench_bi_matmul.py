@@ -18,7 +18,9 @@ a float32 model), and Llama-3-8B's q, gate and down at M = 128 in bfloat16. The 
 passed as the model passes it, a [N, K] tensor's transposed view. On a GPU also the grouped
 launches the verifier makes (``bi_matmul_group``: a layer's q, k and v, or gate and up, in one
 launch; its bar the separate cuBLAS matmuls). Row ``tflop_s``: 2 M N K per call;
-``pct_of_ceiling``: of a bf16 8192^3 cuBLAS matmul measured in the same run.
+``pct_of_ceiling``: of a matmul measured in the same run (``common.matmul_tflops``: bf16 8192^3
+with cuBLAS on a GPU; float32 1024^3 torch.matmul on the CPU, which the C++ kernel can beat:
+over 100 % there).
 """
 
 from __future__ import annotations
