@@ -153,13 +153,16 @@ stage_bimatmul() {
   python3 - "$OUT/bimatmul.log" <<'PY'
 import glob, csv, collections, sys
 rows = [r for f in glob.glob("bench/results/bi_matmul-*.csv") for r in csv.DictReader(open(f))]
+if not rows:
+    sys.exit("no bench/results/bi_matmul-<gpu>.csv rows: the bench did not run")
 last = max(r["date"] for r in rows)[:13]  # this run's hour
 rows = [r for r in rows if r["date"].startswith(last)]
 ms = collections.defaultdict(dict)
 for r in rows:
     ms[r["provider"]][r["shape"]] = float(r["median_ms"])
-# one SmolLM2 verify pass of M rows: 30 layers x (q, o, k, v, gate, up, down) + the LM head
-mix = {"q": 2, "k": 2, "gate": 2, "down": 1}
+# one SmolLM2 verify pass of M rows as the verifier launches it: 30 layers x (q/k/v grouped, o,
+# gate/up grouped, down) + the LM head (o has q's shape)
+mix = {"qkv": 1, "q": 1, "gate+up": 1, "down": 1}
 totals = {}
 for M in (32, 128, 512):
     print(f"SmolLM2 pass of {M} rows (ms, graph replays):")
