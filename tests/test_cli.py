@@ -94,6 +94,14 @@ def test_info_says_when_the_cuda_greedy_split_is_off(monkeypatch):
     assert r.returncode == 0 and "cuda_greedy_vocab_split: off" in r.stdout, r.stdout + r.stderr
 
 
+def test_info_names_the_bi_matmul_plan(monkeypatch):
+    r = run("info")
+    assert "cuda_bi_matmul_float32_plan: PLANS[float32]" in r.stdout, r.stdout + r.stderr
+    monkeypatch.setenv("SWIFTKERN_BI_MATMUL_PLAN", "64x64x32-w4-s3-tf32x3")
+    r = run("info")
+    assert "cuda_bi_matmul_float32_plan: 64x64x32-w4-s3-tf32x3 (SWIFTKERN_BI_MATMUL_PLAN)" in r.stdout, r.stdout
+
+
 @pytest.mark.parametrize("args,msg", [
     (["generate", "--prompt", "hi", "--mode", "self-spec", "--skip-ratio", "1.5"], "skip ratio must be in"),
     (["search", "--prompt", "hi", "--skip-ratio", "x"], "expected 'auto' or a fraction"),
