@@ -1,10 +1,12 @@
 """The deterministic verifier: a fixed-shape, batch-invariant forward of the full model.
 
-Every verify pass has exactly the shape ``verify_batch x window`` tokens (prefill passes
-``verify_batch x w``, w the longest slot rounded up to 16, at most ``prefill_chunk``): up to
-``verify_batch`` slots (a cache row, the absolute
-position of its first token, its tokens), short slots padded, missing slots filled with dummy
-rows. The layers run ``batch_invariant.bi_linear`` and a ``verifier_kernels`` set (portable
+Every verify pass has exactly the shape ``verify_batch x window`` tokens: up to
+``verify_batch`` slots (a cache row, the absolute position of its first token, its tokens),
+short slots padded, missing slots filled with dummy rows. A prefill pass takes one row a slot
+and the longest slot rounded up to 16 tokens (at most ``prefill_chunk``); inside CUDA graphs
+both round up to powers of two, so that its few shapes replay graphs (``prefill_shape``). The
+layers run ``batch_invariant.bi_linear`` (a layer's q/k/v and gate/up in one launch each where
+the Triton matmul runs) and a ``verifier_kernels`` set (portable
 torch compositions, or one fused kernel per op), so what a slot gets back depends on its
 own tokens and its row's cache alone (and, the kernels being row- and chunk-invariant too, not
 on the pass width or on where a chunk starts). The pass writes each slot's keys and values
