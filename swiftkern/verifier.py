@@ -146,7 +146,7 @@ class Verifier:
         """``[_linear(x, w, b) for w, b]`` with the same bits; where the Triton kernel runs the
         matmul (CUDA), one ``bi_matmul_group`` launch for them all: x: [..., K] -> [..., N_i]
         each (views into one [..., sum N_i] buffer)."""
-        if self._packed_index or ops.backend_for("bi_matmul_group", x.device) != "triton":
+        if self._packed_index or not ops.invariant.group_in_one_launch(x.device.type):
             return [self._linear(x, w, b) for w, b in zip(weights, biases)]
         out = ops.bi_matmul_group(x.reshape(-1, x.shape[-1]), [w.t() for w in weights])  # [M, sum N_i]
         parts = out.split([w.shape[0] for w in weights], dim=1)

@@ -221,3 +221,26 @@ def test_opcheck_of_both_ops():
     a, b = operands(9, 40, 24, torch.float32, seed=11)
     opcheck(torch.ops.swiftkern_triton.bi_matmul, (a, b))
     opcheck(torch.ops.swiftkern_triton.bi_matmul_group, (a, [b, b[:, :5], b[:, 3:20]]))
+
+
+@pytest.mark.parametrize("backend", ["auto", "cpp", "reference"])
+def test_group_follows_bi_matmuls_backend(backend):
+    """bi_matmul_group (and the verifier's grouped projections) run where bi_matmul runs: with
+    SWIFTKERN_BACKEND=cpp it asked for a C++ kernel of its own and refused, and every
+    deterministic replay with it."""
+    from conftest import tiny_model
+    from swiftkern import Generator, SkipModel
+
+    if backend == "cpp" and ops.registry.COMPILED.get("skinny_linear", {}).get("cpu") != "cpp":
+        pytest.skip("swiftkern._C is not built (no C++ CPU kernels)")
+    a, _ = operands(6, 33, 1, torch.float32, seed=12)
+    g = torch.Generator().manual_seed(12)
+    bs = [torch.randn(n, 33, generator=g).t() for n in (9, 4)]
+    ops.set_backend(backend)
+    try:
+        assert torch.equal(ops.bi_matmul_group(a.cpu(), bs), torch.cat([ops.bi_matmul(a.cpu(), b) for b in bs], 1))
+        out = Generator(SkipModel(tiny_model("llama", seed=3)), mode="deterministic", replay="always", window=4,
+                        verify_batch=2).generate([[5, 6, 7, 8], [9, 3]], max_new_tokens=6, eos_token_id=[])
+        assert [len(t) for t in out.tokens] == [6, 6]
+    finally:
+        ops.set_backend("auto")

@@ -70,12 +70,24 @@ def bi_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     same order from elementwise torch ops, slow); SWIFTKERN_BACKEND=triton also runs the
     Triton kernel on CPU tensors under TRITON_INTERPRET=1.
     """
-    op = "bi_matmul"
-    bi_matmul_checks(a, b, op)
+    bi_matmul_checks(a, b, "bi_matmul")
+    return _bi_matmul(a, b)
+
+
+def _bi_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``bi_matmul`` on checked inputs."""
     if cpu_kernel("skinny_linear", a.device.type):
         # b.t(): [N, K], no copy for b = weight.t(); bf16 / fp16 are summed in fp32 and rounded once
         return torch.ops.swiftkern.skinny_linear(a, b.t(), None)
-    return run(op, a.device, a, b)
+    return run("bi_matmul", a.device, a, b)
+
+
+def group_in_one_launch(device_type: str) -> bool:
+    """True where ``bi_matmul`` runs the Triton kernel (CUDA, or SWIFTKERN_BACKEND=triton under
+    the interpreter), which multiplies a group of weights in one launch; elsewhere
+    ``bi_matmul_group`` is ``bi_matmul`` per weight. Raises SwiftkernError where a forced
+    backend cannot run ``bi_matmul`` (as ``bi_matmul`` itself would)."""
+    return not cpu_kernel("skinny_linear", device_type) and resolve("bi_matmul", device_type) == "triton"
 
 
 def bi_matmul_group(a: torch.Tensor, bs: list[torch.Tensor]) -> torch.Tensor:
@@ -83,9 +95,9 @@ def bi_matmul_group(a: torch.Tensor, bs: list[torch.Tensor]) -> torch.Tensor:
     its own ``bi_matmul``: a layer's q, k and v projections (or gate and up) as one op.
 
     a: [M, K]; bs: 1 to 3 weights [K, N_i] (a's dtype and device, any strides) -> [M, sum N_i]
-    in a's dtype. CUDA: one launch of
-    the Triton kernel (``triton_kernels/bi_matmul.py``), whose extra tiles also fill more of the
-    GPU at a verify pass's few rows; CPU: ``bi_matmul`` per weight, concatenated.
+    in a's dtype. Where ``bi_matmul`` runs the Triton kernel (``group_in_one_launch``): one
+    launch (``triton_kernels/bi_matmul.py``), whose extra tiles also fill more of the GPU at a
+    verify pass's few rows; elsewhere ``bi_matmul`` per weight, concatenated.
     """
     op = "bi_matmul_group"
     if not isinstance(a, torch.Tensor) or not isinstance(bs, (list, tuple)) or not 1 <= len(bs) <= 3 or not all(
@@ -93,6 +105,6 @@ def bi_matmul_group(a: torch.Tensor, bs: list[torch.Tensor]) -> torch.Tensor:
         raise SwiftkernError(f"{op}: a must be a tensor [M, K] and bs a list of 1 to 3 tensors [K, N_i]")
     for b in bs:
         bi_matmul_checks(a, b, op)
-    if resolve(op, a.device.type) != "triton":
-        return torch.cat([bi_matmul(a, b) for b in bs], dim=1)
+    if not group_in_one_launch(a.device.type):
+        return torch.cat([_bi_matmul(a, b) for b in bs], dim=1)
     return torch.ops.swiftkern_triton.bi_matmul_group(a, list(bs))
