@@ -35,7 +35,7 @@ def cases():
     """(label, launcher, args) triples: one launcher on meta tensors of one shape the model
     runner uses on a GPU (meta tensors hold no memory, so the args are built up front)."""
     from . import KERNELS
-    from .bi_matmul import bi_matmul
+    from .bi_matmul import CANDIDATES, bi_matmul, launch
 
     k = {name: fn for name, (fn, _) in KERNELS.items()}
     i64, i32 = torch.int64, torch.int32
@@ -70,7 +70,6 @@ def cases():
                     yield f"bi_matmul {tag} M={rows} N={n_out} K={n_in}", bi_matmul, (
                         _m(rows, n_in, dtype=dt), _m(n_out, n_in, dtype=dt).t())
         if model == "smollm2":  # the plans the bench sweeps must fit too (float32: where they differ most)
-            from .bi_matmul import CANDIDATES, launch
             for plan in CANDIDATES:
                 yield f"bi_matmul candidate {plan.name} {model} float32 M=128", launch, (
                     _m(128, H, dtype=torch.float32), _m(I, H, dtype=torch.float32).t(), plan)
