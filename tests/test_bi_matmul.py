@@ -66,12 +66,51 @@ def test_every_candidate_plan_is_row_invariant_and_close(plan):
     float32 results within the kernel's float32 tolerance (tf32x3 included; plain tf32 is not)."""
     from swiftkern.triton_kernels.bi_matmul import launch
 
-    a, b = operands(140, 200, 70, torch.float32, seed=5)
+    a, b = operands(140, 300, 70, torch.float32, seed=5)  # K = 300: chunks of 128 and 256 end short
     full = launch(a, b, plan)
     for m in (1, 31, 32, 33, 64, 65, 129, 139):
         assert torch.equal(launch(a[:m], b, plan), full[:m]), m
     atol, rtol = TOLERANCES["bi_matmul"][torch.float32]
-    torch.testing.assert_close(full, reference.bi_matmul(a, b), atol=atol * 200 ** 0.5, rtol=rtol)
+    torch.testing.assert_close(full, reference.bi_matmul(a, b), atol=atol * 300 ** 0.5, rtol=rtol)
+
+
+SPLIT_PLANS = [plan for plan in CANDIDATES if plan.k_chunk]
+
+
+@pytest.mark.parametrize("plan", SPLIT_PLANS, ids=lambda plan: plan.name)
+@pytest.mark.parametrize("K", [1, 129, 300])
+def test_split_plan_adds_its_chunks_partials_in_order(plan, K):
+    """A K-split plan's c is, bit for bit, partial(chunk 0) + partial(chunk 1) + ... added left to
+    right in float32, each partial the same plan's unsplit product over that chunk of K alone."""
+    from dataclasses import replace
+
+    from swiftkern.triton_kernels.bi_matmul import launch
+
+    a, b = operands(37, K, 45, torch.float32, seed=K)
+    whole = replace(plan, k_chunk=0)
+    want = None
+    for k0 in range(0, K, plan.k_chunk):
+        part = launch(a[:, k0:k0 + plan.k_chunk], b[k0:k0 + plan.k_chunk], whole)
+        want = part if want is None else want + part
+    assert plan.chunks(K) == -(-K // plan.k_chunk)
+    assert torch.equal(launch(a, b, plan), want)
+
+
+@pytest.mark.parametrize("plan", SPLIT_PLANS[:1], ids=lambda plan: plan.name)
+def test_split_plan_group_columns_have_the_bits_of_their_own_matmul(plan):
+    from swiftkern.triton_kernels.bi_matmul import launch
+
+    a, _ = operands(70, 300, 1, torch.float32, seed=8)
+    g = torch.Generator().manual_seed(8)
+    bs = [torch.randn(n, 300, generator=g).to(DEVICE).t() for n in (50, 20, 70)]
+    assert torch.equal(launch(a, bs, plan), torch.cat([launch(a, b, plan) for b in bs], dim=1))
+
+
+def test_plan_refuses_a_chunk_that_is_not_whole_k_steps():
+    from swiftkern.triton_kernels.bi_matmul import Plan
+
+    with pytest.raises(ValueError, match="multiple of block_k"):
+        Plan(64, 64, 32, k_chunk=48)
 
 
 def test_kernel_rows_do_not_depend_on_position_or_neighbours():

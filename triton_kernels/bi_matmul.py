@@ -3,8 +3,14 @@
 What makes a GPU matmul batch-variant is a launch configuration picked from the shape (tile
 sizes, split-K, stream-K), which changes the order in which an output element's K products
 are added. Here the tiles are constants (never derived from M, N or K), one program computes
-a whole output tile walking K from 0 upwards in BLOCK_K steps (no split-K), and accumulates
-in float32. So row i of c is the same bits whether a has 1 row or 10 000.
+a whole output tile walking K from 0 upwards in BLOCK_K steps, and accumulates in float32. So
+row i of c is the same bits whether a has 1 row or 10 000.
+
+A plan may split K into fixed chunks (``Plan.k_chunk``): each program then sums one chunk into a
+float32 partial, and a second kernel adds the partials in chunk order. Unlike a split-K that a
+library picks from the shape, the chunks are the plan's constant and K's alone, never M's, so a
+row's sum is the same additions in the same order at every M: still batch-invariant, with K /
+k_chunk times the programs at a verify pass's few rows (whose few output tiles leave most SMs idle).
 
 Each input dtype has one fixed plan (``PLANS``: tiles, warps, pipeline stages and, for float32,
 the dot's precision). bf16/fp16 inputs use tensor-core dots with a float32 accumulator on a
@@ -42,17 +48,29 @@ class Plan:
     on is that nothing here is ever chosen from M, N or K. ``precision``: tl.dot's
     input_precision for float32 inputs ("ieee": exact float32 products on CUDA cores;
     "tf32x3": three tensor-core TF32 dots of split operands, ~float32 accuracy); 16-bit inputs
-    always take native tensor-core dots."""
+    always take native tensor-core dots. ``k_chunk``: 0 = one program walks all of K; else a
+    program sums k_chunk of K (a multiple of block_k) and a second launch adds the chunks' float32
+    partials in order (the chunking follows K alone, so rows stay invariant)."""
     block_m: int
     block_n: int
     block_k: int
     warps: int = 4
     stages: int = 3
     precision: str = "ieee"
+    k_chunk: int = 0
+
+    def __post_init__(self):
+        if self.k_chunk % self.block_k or self.k_chunk < 0:
+            raise ValueError(f"k_chunk {self.k_chunk} must be 0 or a multiple of block_k {self.block_k}")
 
     @property
     def name(self) -> str:
-        return f"{self.block_m}x{self.block_n}x{self.block_k}-w{self.warps}-s{self.stages}-{self.precision}"
+        split = f"-k{self.k_chunk}" if self.k_chunk else ""
+        return f"{self.block_m}x{self.block_n}x{self.block_k}-w{self.warps}-s{self.stages}-{self.precision}{split}"
+
+    def chunks(self, K: int) -> int:
+        """Programs along K (1 without a split): a function of K and the plan, never of M."""
+        return cdiv(K, self.k_chunk) if self.k_chunk else 1
 
 
 PLANS = {torch.float32: Plan(64, 64, 32), torch.bfloat16: Plan(64, 64, 32), torch.float16: Plan(64, 64, 32)}
@@ -64,6 +82,9 @@ CANDIDATES = (
     Plan(64, 32, 32, precision="tf32x3"), Plan(32, 64, 32, precision="tf32x3"),
     Plan(64, 64, 32, stages=4, precision="tf32x3"), Plan(128, 64, 32, warps=8, precision="tf32x3"),
     Plan(64, 128, 32, warps=8, precision="tf32x3"),
+    # K in fixed chunks: more programs at few rows (SmolLM2's K = 576 / 1536: 5 / 12 chunks of 128)
+    Plan(64, 64, 32, k_chunk=128), Plan(64, 64, 32, precision="tf32x3", k_chunk=128),
+    Plan(32, 64, 32, precision="tf32x3", k_chunk=128), Plan(64, 64, 32, precision="tf32x3", k_chunk=256),
 )
 
 
@@ -109,12 +130,12 @@ def _group_member(pid_n, n0, n1, n2, p0, p1, p2, sk0, sk1, sk2, sn0, sn1, sn2, B
 def _bi_matmul_kernel(
     a_ptr,  # [M, K]
     b0_ptr, b1_ptr, b2_ptr,  # [K, N0], [K, N1], [K, N2]: the group's weights (unused ones: N = 0)
-    c_ptr,  # [M, N0 + N1 + N2]: the products side by side
-    M, N0, N1, N2, K,
+    c_ptr,  # [M, N0 + N1 + N2], or float32 partials [chunks, CHUNK_STRIDE] when SPLIT
+    M, N0, N1, N2, K, K_CHUNK, CHUNK_STRIDE,
     stride_am, stride_ak, stride_b0k, stride_b1k, stride_b2k, stride_b0n, stride_b1n, stride_b2n,
     stride_cm, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+    PRECISION: tl.constexpr, INTERPRET: tl.constexpr, SPLIT: tl.constexpr,
 ):
     b_ptr, N, stride_bk, stride_bn, col, tile = _group_member(
         tl.program_id(1), N0, N1, N2, b0_ptr, b1_ptr, b2_ptr, stride_b0k, stride_b1k, stride_b2k, stride_b0n,
@@ -123,7 +144,13 @@ def _bi_matmul_kernel(
     offs_n = (tile * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K).to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # the whole K axis, in order, in this one program
+    if SPLIT:  # this program's chunk of K, in order
+        k_first = tl.program_id(2) * K_CHUNK
+        k_end = tl.minimum(k_first + K_CHUNK, K)
+    else:  # the whole K axis, in order, in this one program
+        k_first = 0
+        k_end = K
+    for k0 in range(k_first, k_end, BLOCK_K):
         ks = k0 + offs_k
         a = tl.load(a_ptr + offs_m[:, None] * stride_am + ks[None, :] * stride_ak,
                     mask=(offs_m[:, None] < M) & (ks[None, :] < K), other=0.0)
@@ -135,8 +162,28 @@ def _bi_matmul_kernel(
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=PRECISION)
         else:
             acc = tl.dot(a, b, acc)
+    if SPLIT:  # partials[chunk, :M * (N0 + N1 + N2)] is this chunk's [M, N0 + N1 + N2], contiguous
+        c_ptr += tl.program_id(2).to(tl.int64) * CHUNK_STRIDE
     tl.store(c_ptr + offs_m[:, None] * stride_cm + (col + offs_n[None, :]) * stride_cn,
              acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+@triton.jit(do_not_specialize=["numel"])
+def _sum_chunks_kernel(
+    partials_ptr,  # [CHUNKS, chunk_stride] float32; chunk_stride: numel rounded up to BLOCK
+    c_ptr,  # [numel]: c, contiguous
+    numel, chunk_stride, CHUNKS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """c = partials[0] + partials[1] + ... in chunk order, per element (so per row: invariant).
+    The partials are padded to whole blocks so their loads need no mask (16-byte loads)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    total = tl.load(partials_ptr + offs)
+    for chunk in tl.static_range(1, CHUNKS):
+        total += tl.load(partials_ptr + chunk * chunk_stride.to(tl.int64) + offs)
+    tl.store(c_ptr + offs, total.to(c_ptr.dtype.element_ty), mask=offs < numel)
+
+
+SUM_BLOCK = 1024  # elements a program of _sum_chunks_kernel adds up
 
 
 def bi_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -177,13 +224,18 @@ def launch(a: torch.Tensor, b: torch.Tensor | list[torch.Tensor], plan: Plan | N
         if K == 0:
             return c.zero_()
         ptrs = bs + [bs[0]] * (MAX_GROUP - len(bs))
-        grid = (cdiv(M, plan.block_m), sum(cdiv(n, plan.block_n) for n in widths))
-        _bi_matmul_kernel[grid](a, *ptrs, c, M, *widths, K, a.stride(0), a.stride(1),
-                                *(x.stride(0) for x in ptrs), *(x.stride(1) for x in ptrs),
-                                c.stride(0), c.stride(1), BLOCK_M=plan.block_m,
-                                BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, UPCAST=a.dtype == torch.float32,
-                                PRECISION=plan.precision, INTERPRET=interpreting(), num_warps=plan.warps,
+        chunks, stride = plan.chunks(K), cdiv(M * N, SUM_BLOCK) * SUM_BLOCK
+        out = empty((chunks, stride), torch.float32, a.device) if chunks > 1 else c  # partials, or c
+        grid = (cdiv(M, plan.block_m), sum(cdiv(n, plan.block_n) for n in widths), chunks)
+        _bi_matmul_kernel[grid](a, *ptrs, out, M, *widths, K, plan.k_chunk, stride,
+                                a.stride(0), a.stride(1), *(x.stride(0) for x in ptrs),
+                                *(x.stride(1) for x in ptrs), N, 1,
+                                BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
+                                UPCAST=a.dtype == torch.float32, PRECISION=plan.precision,
+                                INTERPRET=interpreting(), SPLIT=chunks > 1, num_warps=plan.warps,
                                 num_stages=plan.stages)
+        if chunks > 1:
+            _sum_chunks_kernel[(stride // SUM_BLOCK,)](out, c, M * N, stride, CHUNKS=chunks, BLOCK=SUM_BLOCK)
     return c
 
 
