@@ -28,8 +28,11 @@ to fill the batch (chat template):
                 must beat) vs self-spec alone (layer-skip
                 drafter), layer set LAYER_SET
 
-Where the batch-invariant kernels do not run (a GPU), replay "auto" replays too, and the
-providers that would repeat another (det-replay, self-spec+det-replay) are left out.
+Where the C++ batch-invariant kernels do not run (a GPU), replay "auto" replays too, and the
+providers that would repeat another (det-replay, self-spec+det-replay) are left out; there
+det-invariant and self-spec+det-invariant (``replay="never"``: every step through the Triton
+invariant set, ``bi_matmul`` in place of cuBLAS, nothing replayed) stand beside deterministic
+and self-spec+det in the groups that have them: which of the two ways costs less.
 
 ``--providers`` keeps ar in every group and skips a group where none of the other named providers
 is (``--providers det-replay-portable,det-replay-1/8`` runs the throughput group alone).
@@ -107,6 +110,12 @@ def _setups(smoke: bool, layer_set: str, verify_batch: int = 4, replay_differs: 
         if not replay_differs:
             configs.pop("det-replay", None)
             configs.pop("self-spec+det-replay", None)
+            # no replay: every step through the invariant set (on CUDA the verifier's Triton
+            # kernels), against the replay of batch-variant steps ("deterministic" there)
+            if "deterministic" in configs:
+                configs["det-invariant"] = dict(configs["deterministic"], replay="never")
+            if "self-spec+det" in configs:
+                configs["self-spec+det-invariant"] = dict(configs["self-spec+det"], replay="never")
     return groups
 
 

@@ -93,11 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--verify-batch", type=positive_int, default=4,
                      help="deterministic: rows of every (fixed-shape) verify pass (default 4; fewer when "
                           "fewer prompts are verified)")
-    gen.add_argument("--replay", default="auto", choices=["auto", "always"],
+    gen.add_argument("--replay", default="auto", choices=["auto", "always", "never"],
                      help="deterministic: auto (default) skips the replay where it cannot change a bit "
                           "(CPU with the C++ kernels, float32, bf16 or fp16: every kernel is batch- and "
                           "length-invariant, so rows decode directly; --drafter self-spec then speculates with "
-                          "lookup and the --layer-set draft); always: the LLM-42 replay everywhere")
+                          "lookup and the --layer-set draft); always: the LLM-42 replay everywhere; never: "
+                          "decode through the batch-invariant kernels wherever a set runs (on CUDA the "
+                          "verifier's Triton kernels, bi_matmul for every matmul) and replay nothing")
     gen.add_argument("--verifier-kernels", default="auto", choices=["auto", "portable", "fused"],
                      help="deterministic replay: the verifier's per-row ops. portable: torch compositions, "
                           "any device, many small ops; fused: one kernel per op (C++ on the CPU, Triton on "

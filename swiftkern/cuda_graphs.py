@@ -15,7 +15,8 @@ into a graph are those in its key.
 A graph's key: the batch and token count, the skip plan, the attention span (the longest row +
 T rounded up to a power of two, at most the cache's capacity: the keys the attention kernels
 are planned for; past a row's length they are masked), the positions whose logits are wanted,
-whether the full LM head runs inside, the cache's storage, the backend and the invariant flag.
+whether the full LM head runs inside, the cache's storage, the backend and the invariant flag
+(with the invariant set's RoPE table, which a capture reads).
 A key seen once runs eagerly (with the same span, so eager and replayed calls of one key give
 the same bits); the second time it is captured (a warm-up on a side stream, then the capture)
 and from then on replayed. Calls that a graph cannot serve run as ``forward`` always does:
@@ -159,7 +160,8 @@ class GraphRunner:
         key = ("forward", B, T, tuple(skip_attn), tuple(skip_mlp), span,
                None if logits_positions is None else tuple(logits_positions.shape), with_head,
                cache.k.data_ptr(), cache.v.data_ptr(), cache.lengths.data_ptr(), tuple(cache.k.shape),
-               cache.k.stride(), model.invariant, tokens.device)
+               cache.k.stride(), model.invariant, model.rope_table_address() if model.invariant else None,
+               tokens.device)
 
         def body(tok, pos=None):
             hidden = model.forward_device(tok, cache, skip_attn, skip_mlp, span, None, pos)

@@ -12,11 +12,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import ops
 from .arg_checks import flag, real, token_ids, whole
 from .errors import SwiftkernError
 from .kv_cache import KVCache
 from .layer_set import LayerSet
-from .layer_kernels import invariant_kernels_available
+from .layer_kernels import invariant_backend, invariant_kernels_available
 from .model import SkipModel
 from .batch_invariant import bi_token_logprob
 from .prompt_ids import encode_prompts
@@ -32,7 +33,7 @@ from .deterministic import FastPath, decode_deterministic
 from .cuda_graphs import GraphRunner
 from .verifier_kernels import CHOICES as VERIFIER_KERNELS, verifier_kernels as verifier_kernels_for
 
-REPLAY = ("auto", "always")
+REPLAY = ("auto", "always", "never")
 MODES = ("ar", "self-spec", "deterministic")
 DRAFTERS = ("auto", "layer-skip", "lookup", "none", "self-spec")
 
@@ -134,7 +135,11 @@ class Generator:
     decode, verify and prefill runs the batch- and length-invariant kernels (``SkipModel.batch_invariant``), so
     rows decode as in ``ar`` (``drafter="self-spec"``: as in self-spec, the drafter policy over
     lookup, the layer-skipped draft and no draft, whose verify passes are the invariant model)
-    and ``logprobs`` are those of the model itself; ``replay="always"`` keeps the LLM-42 replay.
+    and ``logprobs`` are those of the model itself; ``replay="always"`` keeps the LLM-42 replay;
+    ``replay="never"`` decodes through the invariant kernels wherever a set runs, also on CUDA
+    (the verifier's Triton kernels: ``bi_matmul`` in place of cuBLAS for every step), instead
+    of replaying; which of the two costs less on a GPU is measured by ``python -m bench
+    --routine determinism`` (its ``det-invariant`` rows).
     ``verifier_kernels``: the replay's per-row ops, "auto" | "portable" | "fused"
     (``verifier_kernels.verifier_kernels``: auto is fused, with the C++ kernels on the CPU and
     Triton on CUDA, where they run; portable elsewhere).
@@ -180,6 +185,13 @@ class Generator:
         if replay not in REPLAY:
             raise SwiftkernError(f"replay must be one of {', '.join(REPLAY)}, got {replay!r}")
         self.replay = replay
+        if mode == "deterministic" and replay == "never" and invariant_backend(
+                self.model.device.type, self.model.dtype) is None:
+            raise SwiftkernError(
+                f"replay='never' decodes through the batch-invariant kernels, which run on the CPU with the C++ "
+                f"extension (float32, bfloat16, float16) or on CUDA with the Triton kernels (SWIFTKERN_BACKEND auto "
+                f"or triton); here: {self.model.device.type}, {self.model.dtype}, SWIFTKERN_BACKEND="
+                f"{ops.backends.current_backend()}. Use replay='auto' or 'always'")
         if verifier_kernels not in VERIFIER_KERNELS or mode == "deterministic":  # refuse a bad choice now
             verifier_kernels_for(verifier_kernels, self.model.device.type, self.model.dtype)
         self.verifier_kernels = verifier_kernels
@@ -250,10 +262,11 @@ class Generator:
         self._tuner_state = None
 
     def replay_elided(self) -> bool:
-        """Whether mode deterministic skips the LLM-42 replay here (``replay="auto"`` and the
-        batch-invariant kernels run on this model's device and dtype)."""
-        return (self.mode == "deterministic" and self.replay == "auto"
-                and invariant_kernels_available(self.model.device.type, self.model.dtype))
+        """Whether mode deterministic skips the LLM-42 replay here: ``replay="never"`` (decoding
+        through the invariant set wherever it runs: the CPU's C++ kernels or CUDA's Triton
+        kernels), or ``replay="auto"`` where the C++ invariant set runs (the CPU)."""
+        return self.mode == "deterministic" and (self.replay == "never" or (
+            self.replay == "auto" and invariant_kernels_available(self.model.device.type, self.model.dtype)))
 
     def invariant_decode(self) -> bool:
         """Whether this Generator's decoding passes (decode steps, drafts, verify passes; not the

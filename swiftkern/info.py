@@ -31,7 +31,7 @@ def collect_info() -> dict:
         except ImportError:
             info[name] = "not installed"
     info.update(ops.backend_info())
-    from .layer_kernels import LayerKernels, invariant_kernels_available
+    from .layer_kernels import LayerKernels, invariant_backend, invariant_kernels_available
 
     # CPU forwards: the layer loop in one C++ call, or op by op from Python
     info["cpu_layer_loop"] = ("C++ decoder_stack (float32, bfloat16, float16)"
@@ -56,6 +56,9 @@ def collect_info() -> dict:
     info["deterministic_without_replay"] = ("cpu float32, bfloat16, float16"
                                             if invariant_kernels_available("cpu", torch.float32)
                                             else "no (the LLM-42 replay runs)")
+    # replay="never": every step through the invariant set of that device (layer_kernels.invariant_backend)
+    info["deterministic_replay_never"] = {dev: invariant_backend(dev, torch.float32) or "not available"
+                                          for dev in ("cpu", "cuda")}
     # modes ar and self-spec decode, draft and verify through the invariant set where it runs:
     # self-spec's greedy output is then ar's bit for bit (Generator.invariant_decode)
     info["decode_kernels"] = ("cpu: batch-invariant (self-spec equals ar bit for bit); cuda: regular"

@@ -11,11 +11,14 @@ kernels, the same arguments, the same bits.
 ``LayerKernels.for_device(device_type)`` is cached per device type and ``SWIFTKERN_BACKEND``
 state; ``ops.set_backend`` takes effect at the next forward.
 
-``LayerKernels.for_device("cpu", invariant=True)`` is the batch- and length-invariant set (see
-``invariant_kernels_available``): every op computes a row's (a token's) result in an order
-fixed by that row alone, so decode, verify and prefill of the same tokens give the same bits
-in any batch. On the CPU this costs little: the C++ matmul, norms and SwiGLU already are, and
-the attention takes its one-query path for every query.
+``LayerKernels.for_device(device_type, invariant=True)`` is the batch- and length-invariant set
+(``invariant_backend``): every op computes a row's (a token's) result in an order fixed by that
+row alone, so decode, verify and prefill of the same tokens give the same bits in any batch.
+On the CPU it is the C++ kernels and costs little there: the C++ matmul, norms and SwiGLU
+already are, and the attention takes its one-query path for every query. On CUDA it is the
+deterministic verifier's Triton kernels (``bi_matmul`` in its fixed plan, the per-row norms,
+SwiGLU, RoPE, ``verify_attention_invariant``), which the regular set does not use: cuBLAS's
+matmul is faster and batch-variant there.
 """
 
 from __future__ import annotations
@@ -68,19 +71,66 @@ INVARIANT_CPU_OPS = ("skinny_linear", "rms_norm", "fused_add_rms_norm", "silu_mu
                      "verify_attention_invariant")
 
 
+INVARIANT_TRITON_OPS = ("bi_matmul", "rms_norm", "fused_add_rms_norm", "silu_mul", "rope_kv_append",
+                        "verify_attention_invariant")
+
+
 def invariant_kernels_available(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether the batch- and length-invariant kernel set runs here: float32, bfloat16 or float16
-    on the CPU with the C++ kernels built and allowed (SWIFTKERN_BACKEND auto or cpp)."""
+    """Whether the C++ batch- and length-invariant kernel set runs here: float32, bfloat16 or
+    float16 on the CPU with the C++ kernels built and allowed (SWIFTKERN_BACKEND auto or cpp).
+    There it costs nothing measurable, so the Generator decodes through it by default."""
     return (dtype in ops.SKINNY_DTYPES
             and all(ops.backends.cpu_kernel(op, device_type) for op in INVARIANT_CPU_OPS))
 
 
+def invariant_backend(device_type: str, dtype: torch.dtype) -> str | None:
+    """Which batch- and length-invariant kernel set runs here: "cpp" (``invariant_kernels_available``),
+    "triton" (CUDA with SWIFTKERN_BACKEND auto or triton, or CPU tensors under TRITON_INTERPRET=1
+    with SWIFTKERN_BACKEND=triton: the tests; a float dtype, the Triton kernels importable), or
+    None. The deterministic verifier's fused set and ``SkipModel.batch_invariant`` both run it."""
+    backend = ops.backends.current_backend()
+    if (device_type == "cuda" and backend in ("auto", "triton")) or (device_type == "cpu" and backend == "triton"):
+        ready = dtype.is_floating_point and set(INVARIANT_TRITON_OPS) <= ops.backends.triton_ops(device_type)
+        return "triton" if ready else None
+    return "cpp" if invariant_kernels_available(device_type, dtype) else None
+
+
 def _bind_invariant(device_type: str) -> LayerKernels:
-    """Every op with a row's bits fixed by the row: the C++ fixed-order matmul at any number
-    of rows, the C++ per-row norms, per-element SwiGLU (bi_exp) and RoPE, and the attention
-    that takes the one-query path for every query."""
-    if not invariant_kernels_available(device_type, torch.float32):
-        raise RuntimeError("the invariant kernel set needs the C++ CPU kernels (see invariant_kernels_available)")
+    """Every op with a row's bits fixed by the row (``invariant_backend``'s set)."""
+    backend = invariant_backend(device_type, torch.float32)
+    if backend == "triton":
+        return _bind_invariant_triton()
+    if backend != "cpp":
+        raise RuntimeError("no invariant kernel set runs here (see invariant_backend)")
+    return _bind_invariant_cpp(device_type)
+
+
+def _bind_invariant_triton() -> LayerKernels:
+    """The Triton set: ``bi_matmul`` (fixed tiles, K in its plan's order), per-row norms,
+    elementwise SwiGLU and RoPE, and ``verify_attention_invariant`` given whole key blocks, as
+    the verifier gives them (a row's bits never depend on how many keys the pass spans; one
+    binary for every span)."""
+    from .batch_invariant import KEY_BLOCK, bi_linear
+    from .triton_kernels import KERNELS
+
+    k = {name: fn for name, (fn, _) in KERNELS.items()}
+    attend = k["verify_attention_invariant"]
+
+    def verify_attention(q, k_cache, v_cache, cache_lens, scale, max_len, mask):
+        S = k_cache.shape[2]
+        span = S if max_len is None else min(S, -(-max_len // KEY_BLOCK) * KEY_BLOCK)
+        return attend(q, k_cache[:, :, :span], v_cache[:, :, :span], cache_lens, float(scale))
+
+    backends = {op: "triton" for op in ("rms_norm", "fused_add_rms_norm", "silu_mul", "rope_kv_append",
+                                        "verify_attention")}
+    return LayerKernels(linear=bi_linear, rms_norm=k["rms_norm"], fused_add_rms_norm=k["fused_add_rms_norm"],
+                        silu_mul=k["silu_mul"], rope_kv_append=_kernel_rope(k["rope_kv_append"]),
+                        verify_attention=verify_attention, backends=backends)
+
+
+def _bind_invariant_cpp(device_type: str) -> LayerKernels:
+    """The C++ fixed-order matmul at any number of rows, the C++ per-row norms, per-element
+    SwiGLU (bi_exp) and RoPE, and the attention that takes the one-query path for every query."""
     cpp = torch.ops.swiftkern
     backends = {op: "cpp" for op in ("rms_norm", "fused_add_rms_norm", "silu_mul", "rope_kv_append",
                                      "verify_attention")}

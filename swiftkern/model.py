@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from . import ops, reference
-from .layer_kernels import LayerKernels, invariant_kernels_available
+from .layer_kernels import LayerKernels, invariant_backend
 from .arg_checks import flag, whole
 from .errors import SwiftkernError
 from .kv_cache import KVCache
@@ -172,18 +172,19 @@ class SkipModel:
     @contextmanager
     def batch_invariant(self, on: bool = True):
         """Within this context every forward runs the batch- and length-invariant kernel set
-        (``layer_kernels.invariant_kernels_available``; RoPE from a ``RopeTable``): a row's
-        logits depend on its own tokens alone, bit for bit, whatever the other rows, and
-        decoding token by token, verifying drafts and prefilling give a token the same bits.
-        Raises SwiftkernError where the set does not run (not the CPU with the C++ kernels, in
-        float32, bfloat16 or float16); the deterministic mode then replays through its verifier
-        instead. ``on=False``: the regular kernel set within (e.g. a prompt's prefill inside
-        invariant decoding), which runs everywhere."""
-        if on and not invariant_kernels_available(self.device.type, self.dtype):
+        (``layer_kernels.invariant_backend``; RoPE from a ``RopeTable``): a row's logits depend
+        on its own tokens alone, bit for bit, whatever the other rows, and decoding token by
+        token, verifying drafts and prefilling give a token the same bits. The set is the C++
+        kernels on the CPU (float32, bfloat16 or float16) and the deterministic verifier's Triton
+        kernels on CUDA. Raises SwiftkernError where neither runs. ``on=False``: the regular
+        kernel set within (e.g. a prompt's prefill inside invariant decoding), which runs
+        everywhere."""
+        if on and invariant_backend(self.device.type, self.dtype) is None:
             raise SwiftkernError(
                 f"the batch-invariant kernels run on the CPU in float32, bfloat16 or float16 with the C++ "
-                f"extension built (here: {self.device.type}, {self.dtype}); use the deterministic mode's replay "
-                f"(replay='always')")
+                f"extension built, or on CUDA with the Triton kernels (SWIFTKERN_BACKEND auto or triton); here: "
+                f"{self.device.type}, {self.dtype}, SWIFTKERN_BACKEND={ops.backends.current_backend()}. Use the "
+                f"deterministic mode's replay (replay='always')")
         if on and self._rope_table is None:
             self._rope_table = RopeTable(self.rotary, self.dtype, self.device)
         before = self.invariant
@@ -192,6 +193,13 @@ class SkipModel:
             yield self
         finally:
             self.invariant = before
+
+    def rope_table_address(self) -> int | None:
+        """Where the invariant set's RoPE table lives now (None: not made yet). A CUDA graph of an
+        invariant forward reads it, so the graph runner keys its graphs on it: a table that grew
+        (and freed the old one) is never read through an older graph."""
+        table = self._rope_table
+        return None if table is None or table.cos is None else table.cos.data_ptr()
 
     @property
     def device(self) -> torch.device:
@@ -383,8 +391,8 @@ class SkipModel:
         # HF's arithmetic (add, then norm) operation for operation
         fuse = kern.backends["fused_add_rms_norm"] != "reference"
         hidden = F.embedding(tokens, self.embed)  # [B, T, H]
-        if self.invariant:
-            cos, sin = self._rope_table.lookup(positions, max_len)  # [B, T, D] each
+        if self.invariant:  # the table covers the whole cache: it grows with a larger cache only
+            cos, sin = self._rope_table.lookup(positions, max(max_len, cache.max_len))  # [B, T, D] each
         else:
             cos, sin = self.rotary(hidden, positions)  # [B, T, D] each
         plain = all(s is True or s is False for s in skip_attn + skip_mlp)  # no per-row masks

@@ -29,7 +29,7 @@ import torch
 from . import ops, reference
 from .batch_invariant import KEY_BLOCK, bi_attention, bi_rms_norm, bi_silu_mul
 from .errors import SwiftkernError
-from .layer_kernels import invariant_kernels_available
+from .layer_kernels import invariant_backend
 
 CHOICES = ("auto", "portable", "fused")
 # the device types where "auto" takes the fused set: those where its invariance has been tested
@@ -94,15 +94,10 @@ def rope_from_append(kernel: Callable) -> Callable:
 
 
 def _fused_backend(device_type: str, dtype: torch.dtype) -> str | None:
-    """'cpp' or 'triton' where the fused set runs, else None. Triton runs on CUDA (SWIFTKERN_BACKEND
-    auto or triton), and on CPU tensors when SWIFTKERN_BACKEND=triton under TRITON_INTERPRET=1
-    (the tests); the C++ kernels on the CPU with SWIFTKERN_BACKEND auto or cpp. A backend forced
-    to anything else (reference, or cuda: no CUDA kernel for the attention) runs no fused set."""
-    if (device_type == "cuda" and ops.backends.current_backend() in ("auto", "triton")) or (
-            device_type == "cpu" and ops.backends.current_backend() == "triton"):
-        # the Triton ops registered for this device ({} when triton cannot be imported)
-        return "triton" if "verify_attention_invariant" in ops.backends.triton_ops(device_type) else None
-    return "cpp" if invariant_kernels_available(device_type, dtype) else None
+    """'cpp' or 'triton' where the fused set runs, else None: the backend of the invariant layer
+    set (``layer_kernels.invariant_backend``). A backend forced to anything else (reference, or
+    cuda: no CUDA kernel for the attention) runs no fused set."""
+    return invariant_backend(device_type, dtype)
 
 
 def attention_from_cache_lens(kernel: Callable) -> Callable:

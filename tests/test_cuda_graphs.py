@@ -28,6 +28,7 @@ from swiftkern import Generator, SkipModel, ops
 from swiftkern.cuda_graphs import MIN_SPAN, GraphRunner, attention_span
 from swiftkern.graph_capture import EmulatedGraph, RecordedGraph
 from swiftkern.errors import SwiftkernError
+from swiftkern.layer_kernels import invariant_kernels_available
 from swiftkern.layer_set import LayerSet
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -630,3 +631,26 @@ def test_per_row_prefill_replays_across_calls(tiny, monkeypatch):
     assert graphs[1] == graphs[2] == graphs[3], graphs
     assert [outs[2].stats["cuda_graphs"][k] for k in ("captures", "eager")] == [0, 0]
     assert all(o.tokens == outs[0].tokens for o in outs)
+
+
+@pytest.mark.skipif(not invariant_kernels_available("cpu", torch.float32), reason="needs the C++ invariant set")
+def test_invariant_graphs_never_read_a_rope_table_that_grew():
+    """The invariant set reads RoPE from the model's table (``RopeTable``), which a graph of an
+    invariant forward captures. It grew in blocks of 1024 positions as rows got longer, freeing
+    the old table, and graphs captured before went on reading it (a replay here refuses that).
+    The table now covers the whole cache at its first use, and graphs are keyed on it: steps
+    replayed after a row ran past 1024 positions keep a plain forward's logits."""
+    model = SkipModel(tiny_model("llama", seed=3, max_position_embeddings=2048))
+    runner = GraphRunner(model, EmulatedGraph)
+    cache = model.new_cache(3, 1600)
+    with model.batch_invariant():
+        plain = _steps(model, None, SCHEDULE)
+        first = _steps(model, runner, SCHEDULE, cache=cache)
+        cache.set_lengths([0, 0, 0])
+        with model.cuda_graphs(runner):  # eager (too many tokens for a graph), past position 1024
+            model.forward(torch.randint(0, model.vocab_size, (3, 1100), generator=torch.Generator().manual_seed(1)),
+                          cache)
+        again = _steps(model, runner, SCHEDULE, cache=cache)
+    for a, b, c in zip(plain, first, again):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    assert runner.stats()["replays"] >= 12, runner.stats()

@@ -517,7 +517,7 @@ def test_generator_stats_and_errors(tiny):
                                                                           eos_token_id=[])
     assert len(one.tokens[0]) == 1 and one.stats["verify_passes"] == 0
     with pytest.raises(SwiftkernError, match="replay must be one of"):
-        Generator(tiny, mode="deterministic", replay="never")
+        Generator(tiny, mode="deterministic", replay="sometimes")
     with pytest.raises(SwiftkernError, match="window"):
         Generator(tiny, mode="deterministic", window=0)
     with pytest.raises(SwiftkernError, match="does not go with mode"):

@@ -138,3 +138,34 @@ def verifier_cases():
                         _m(rows, n_in, dtype=dt), _m(n_out, n_in, dtype=dt).t())
                 yield f"{tag} bi_matmul_group:qkv {shape}", bi_matmul_group, (
                     _m(rows, H, dtype=dt), [_m(n, H, dtype=dt).t() for n in (Hq * D, Hkv * D, Hkv * D)])
+            yield from _runner_invariant_cases(k, tag, H, Hq, Hkv, D, I, dt)
+
+
+# decode steps and draft verifications of the runner's invariant set (``replay="never"``), whose
+# tokens must have the verifier's bits: its reductions must be the verifier's binaries. (B, T,
+# the cache's capacity, the attention span: whole key blocks, as the set cuts the cache to)
+RUNNER_SHAPES = ((1, 1, 1000, 64), (3, 1, 1000, 512), (8, 5, 2500, 1024), (32, 1, 4160, 4160))
+
+
+def _runner_invariant_cases(k, tag, H, Hq, Hkv, D, I, dt):
+    """The invariant set's reductions as ``SkipModel.forward_device`` launches them: [B, T, H]
+    norms, attention over a layer's cache rows cut to the span (``layer_kernels.
+    _bind_invariant_triton``), the projections of [B * T, K] rows. Its elementwise ops (SwiGLU,
+    RoPE into the cache) compile to other binaries than the verifier's (other strides, another
+    output): their vector width changes, not an element's arithmetic, so they are not held to
+    one binary; tests/test_invariant_triton.py checks the runner's bits against the verifier's."""
+    from .bi_matmul import bi_matmul
+
+    for B, T, S, span in RUNNER_SHAPES:
+        shape = f"runner B={B} T={T} S={S} span={span}"
+        x = _m(B, T, H, dtype=dt)
+        yield f"{tag} rms_norm {shape}", k["rms_norm"], (x, _m(H, dtype=dt), 1e-5)
+        yield f"{tag} fused_add_rms_norm {shape}", k["fused_add_rms_norm"], (x, _m(B, T, H, dtype=dt),
+                                                                            _m(H, dtype=dt), 1e-5)
+        k_cache, v_cache = _m(2, B, Hkv, S, D, dtype=dt)  # one layer's rows of the model's cache
+        yield f"{tag} verify_attention_invariant {shape}", k["verify_attention_invariant"], (
+            _heads(B, T, Hq, D, dt), k_cache[:, :, :span], v_cache[:, :, :span], _m(B, dtype=torch.int64),
+            D ** -0.5)
+        for n_out, n_in in ((Hq * D, H), (I, H), (H, I)):
+            yield f"{tag} bi_matmul:N={n_out},K={n_in} {shape}", bi_matmul, (
+                _m(B * T, n_in, dtype=dt), _m(n_out, n_in, dtype=dt).t())
