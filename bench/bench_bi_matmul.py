@@ -11,8 +11,8 @@ kernels to) is a loop of elementwise ops, too slow to be the bar. Other provider
 dtype's plan, ``PLANS``) and ``triton-<plan>`` for each of ``CANDIDATES`` (tiles, warps,
 stages, float32 dot precision), so that one run shows which plan to fix.
 
-Cases: a verify pass's rows M (32: one slot of a window of 32; 128: four slots; 512: a
-prefill pass of four 128-token chunks) times SmolLM2's weights (q/o 576x576, k/v 192x576,
+Cases: rows M (on a GPU 8: a decode step at batch 8 through the invariant set, replay never;
+32: one slot of a window of 32; 128: a verify pass of four slots) times SmolLM2's weights (q/o 576x576, k/v 192x576,
 gate/up 1536x576, down 576x1536, the LM head 49152x576) in float32 (the verifier's dtype with
 a float32 model), and Llama-3-8B's q, gate and down at M = 128 in bfloat16. The weight is
 passed as the model passes it, a [N, K] tensor's transposed view. On a GPU also the grouped
@@ -39,6 +39,9 @@ ROUTINE = "bi_matmul"
 PRINT_KEYS = ("provider", "dtype", "shape", "timed_as", "median_ms", "tflop_s", "x_vs_reference", "eager_ms")
 SMOLLM2 = {"q": (576, 576), "k": (192, 576), "gate": (1536, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 LLAMA3_8B = {"q": (4096, 4096), "gate": (14336, 4096), "down": (4096, 14336)}
+# a decode step of 8 rows (replay never: every step through bi_matmul), a replay slot's window of
+# 32, a verify pass of four such slots
+GPU_ROWS = (8, 32, 128)
 
 
 def _grid(args) -> list[tuple[str, int, int, int, torch.dtype]]:
@@ -46,7 +49,7 @@ def _grid(args) -> list[tuple[str, int, int, int, torch.dtype]]:
     f32 = getattr(torch, args.dtype) if args.dtype else torch.float32
     if args.smoke:
         return [("smollm2 k", 7, 192, 576, f32)]
-    rows = (32, 128, 512) if args.device.startswith("cuda") else (32, 128)
+    rows = GPU_ROWS if args.device.startswith("cuda") else (32, 128)
     grid = [(f"smollm2 {name}", m, n, k, f32) for m in rows for name, (n, k) in SMOLLM2.items()]
     if args.device.startswith("cuda"):
         b16 = getattr(torch, args.dtype) if args.dtype else torch.bfloat16
@@ -72,7 +75,7 @@ def group_cases(args) -> list[Case]:
         return []
     dtype = getattr(torch, args.dtype) if args.dtype else torch.float32
     out = []
-    for M in (32, 128, 512):
+    for M in GPU_ROWS:
         for label, names in (("qkv", ("q", "k", "k")), ("gate+up", ("gate", "gate"))):
             K = SMOLLM2[names[0]][1]
             widths = [SMOLLM2[n][0] for n in names]
