@@ -60,9 +60,25 @@ def test_halves_skip_the_copies():
     assert module._row_stride(both[:, :32]) == 64
     assert module._row_stride(both.view(2, 2, 64)[..., 32:]) == 64
     assert module._row_stride(both.t()) is None  # columns apart: copied
-    assert module._row_stride(both.view(2, 2, 64)[:, :1, :32]) == 64  # a dim of 1 merges
+    assert module._row_stride(both.view(2, 2, 64)[:, :1, :32]) == 128  # rows 0 and 2 (this said 64: the bug)
     assert module._row_stride(both[::2]) == 128  # rows two apart, still one stride
     assert module._row_stride(torch.randn(2, 3, 64, device=DEVICE)[:, :2]) is None  # two strides: copied
+    assert module._row_stride(both[:, :32].view(4, 1, 32)) == 64  # strides (64, 32, 1): the 1 says nothing
+    assert module._row_stride(both[:1, :32].view(1, 1, 32)) == 32  # one row
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_decode_rows_of_a_grouped_projection(rows):
+    """A decode step's gate and up as the runner's grouped projection gives them: halves of a
+    [rows, 2I] buffer viewed as [rows, 1, I], whose size-1 dim has the stride I (torch's view
+    picks it). The kernel once read their rows I apart instead of 2I: wrong values, not bits."""
+    I = 96
+    both = torch.randn(rows, 2 * I, generator=torch.Generator().manual_seed(rows)).to(DEVICE)
+    gate, up = (half.view(rows, 1, I) for half in both.split([I, I], dim=1))
+    with poisoned():
+        out = triton_op("silu_mul")(gate, up)
+    assert torch.equal(out, triton_op("silu_mul")(gate.contiguous(), up.contiguous()))
+    assert_close("silu_mul", out, reference.silu_mul(gate, up))
 
 
 def test_opcheck():

@@ -38,13 +38,16 @@ def _silu_mul_kernel(
 
 def _row_stride(x: torch.Tensor) -> int | None:
     """The stride between rows of x seen as [rows, x.shape[-1]] without a copy (contiguous
-    rows, dims before the last mergeable), or None."""
+    rows, dims before the last mergeable), or None. Dims of size 1 are passed over: their
+    strides mean nothing (a [3, 96] column slice viewed as [3, 1, 96] has strides (192, 96, 1),
+    and its rows are 192 apart, not 96)."""
     if x.dim() == 0 or (x.shape[-1] > 1 and x.stride(-1) != 1):
         return None
-    for i in range(x.dim() - 2):
-        if x.shape[i + 1] > 1 and x.stride(i) != x.stride(i + 1) * x.shape[i + 1]:
+    outer = [(n, stride) for n, stride in zip(x.shape[:-1], x.stride()[:-1]) if n > 1]  # (size, stride)
+    for (_, stride), (n_in, stride_in) in zip(outer, outer[1:]):
+        if stride != stride_in * n_in:
             return None
-    return x.stride(-2) if x.dim() >= 2 else x.shape[-1]
+    return outer[-1][1] if outer else x.shape[-1]  # one row: any stride
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
