@@ -67,6 +67,19 @@ def bi_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
+def bi_linears(x: torch.Tensor, weights: tuple, biases: tuple) -> list[torch.Tensor]:
+    """``[bi_linear(x, w, b) for w, b in zip(weights, biases)]`` with the same bits; where the
+    Triton kernel runs the matmul (``ops.invariant.group_in_one_launch``: CUDA), one
+    ``bi_matmul_group`` launch for them all (a layer's q, k and v, or gate and up).
+    x: [..., K]; weights: 1 to 3 of [N_i, K]; biases: [N_i] or None each -> [..., N_i] each
+    (views into one [..., sum N_i] buffer where grouped)."""
+    if not ops.invariant.group_in_one_launch(x.device.type):
+        return [bi_linear(x, w, b) for w, b in zip(weights, biases)]
+    out = ops.bi_matmul_group(x.reshape(-1, x.shape[-1]), [w.t() for w in weights])  # [M, sum N_i]
+    parts = out.split([w.shape[0] for w in weights], dim=1)
+    return [(p if b is None else p + b.to(p.dtype)).view(*x.shape[:-1], p.shape[1]) for p, b in zip(parts, biases)]
+
+
 def bi_log_softmax(logits: torch.Tensor) -> torch.Tensor:
     """Row-wise log-softmax with a fixed-order sum. logits: [..., V] -> float32 [..., V]"""
     z = logits.to(torch.float32)

@@ -278,12 +278,14 @@ class SkipModel:
         B, T = hidden.shape[:2]
         pending = None  # the last kept sub-layer's output, added to hidden by the next norm
         linear = kern.linear
+        linears = kern.linears or (lambda x, weights, biases: [linear(x, w, b) for w, b in zip(weights, biases)])
         for i, w in enumerate(self.layers):
             if skip_attn[i] is not True:
                 x, hidden = self._add_norm(kern, hidden, pending, w.ln_attn, fuse)
-                q = linear(x, w.q, w.q_bias).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
-                k = linear(x, w.k, w.k_bias).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-                v = linear(x, w.v, w.v_bias).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+                q, k, v = linears(x, (w.q, w.k, w.v), (w.q_bias, w.k_bias, w.v_bias))
+                q = q.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+                k = k.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+                v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
                 q = kern.rope_kv_append(q, k, v, cos, sin, cache.k[i], cache.v[i], positions, uniform_start, max_len)
                 attn = kern.verify_attention(q, cache.k[i], cache.v[i], new_lengths, self.scale, max_len, mask)
                 attn = attn.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
@@ -291,7 +293,7 @@ class SkipModel:
                 pending = out if skip_attn[i] is False else out * skip_attn[i]
             if skip_mlp[i] is not True:
                 x, hidden = self._add_norm(kern, hidden, pending, w.ln_mlp, fuse)
-                act = kern.silu_mul(linear(x, w.gate, w.gate_bias), linear(x, w.up, w.up_bias))
+                act = kern.silu_mul(*linears(x, (w.gate, w.up), (w.gate_bias, w.up_bias)))
                 out = linear(act, w.down, w.down_bias)
                 pending = out if skip_mlp[i] is False else out * skip_mlp[i]
         return hidden, pending

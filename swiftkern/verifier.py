@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from . import ops
-from .batch_invariant import KEY_BLOCK, bi_linear, bi_log_softmax
+from .batch_invariant import KEY_BLOCK, bi_linear, bi_linears, bi_log_softmax
 from .cuda_graphs import attention_span
 from .errors import SwiftkernError
 from .kv_cache import KVCache
@@ -146,11 +146,9 @@ class Verifier:
         """``[_linear(x, w, b) for w, b]`` with the same bits; where the Triton kernel runs the
         matmul (CUDA), one ``bi_matmul_group`` launch for them all: x: [..., K] -> [..., N_i]
         each (views into one [..., sum N_i] buffer)."""
-        if self._packed_index or not ops.invariant.group_in_one_launch(x.device.type):
+        if self._packed_index:
             return [self._linear(x, w, b) for w, b in zip(weights, biases)]
-        out = ops.bi_matmul_group(x.reshape(-1, x.shape[-1]), [w.t() for w in weights])  # [M, sum N_i]
-        parts = out.split([w.shape[0] for w in weights], dim=1)
-        return [(p if b is None else p + b.to(p.dtype)).view(*x.shape[:-1], p.shape[1]) for p, b in zip(parts, biases)]
+        return bi_linears(x, weights, biases)
 
     def _pass(self, cache: KVCache, key_len: int, tokens: torch.Tensor, starts: torch.Tensor, rows: torch.Tensor,
               real: torch.Tensor, write_rows: torch.Tensor) -> torch.Tensor:

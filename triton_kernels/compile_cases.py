@@ -148,13 +148,14 @@ RUNNER_SHAPES = ((1, 1, 1000, 64), (3, 1, 1000, 512), (8, 5, 2500, 1024), (32, 1
 
 
 def _runner_invariant_cases(k, tag, H, Hq, Hkv, D, I, dt):
-    """The invariant set's reductions as ``SkipModel.forward_device`` launches them: [B, T, H]
-    norms, attention over a layer's cache rows cut to the span (``layer_kernels.
-    _bind_invariant_triton``), the projections of [B * T, K] rows. Its elementwise ops (SwiGLU,
-    RoPE into the cache) compile to other binaries than the verifier's (other strides, another
-    output): their vector width changes, not an element's arithmetic, so they are not held to
-    one binary; tests/test_invariant_triton.py checks the runner's bits against the verifier's."""
-    from .bi_matmul import bi_matmul
+    """The invariant set's launches as ``SkipModel.forward_device`` makes them: [B, T, H] norms,
+    attention over a layer's cache rows cut to the span (``layer_kernels._bind_invariant_triton``),
+    the projections of [B * T, K] rows (q/k/v grouped). Its elementwise ops compile to other
+    binaries than the verifier's at some shapes (RoPE writes into the cache, not the verifier's
+    buffers; SwiGLU's halves of one decode row are contiguous), whose vector width changes, not
+    an element's arithmetic, so they are not held to one; tests/test_invariant_triton.py checks
+    the runner's bits against the verifier's."""
+    from .bi_matmul import bi_matmul, bi_matmul_group
 
     for B, T, S, span in RUNNER_SHAPES:
         shape = f"runner B={B} T={T} S={S} span={span}"
@@ -169,3 +170,5 @@ def _runner_invariant_cases(k, tag, H, Hq, Hkv, D, I, dt):
         for n_out, n_in in ((Hq * D, H), (I, H), (H, I)):
             yield f"{tag} bi_matmul:N={n_out},K={n_in} {shape}", bi_matmul, (
                 _m(B * T, n_in, dtype=dt), _m(n_out, n_in, dtype=dt).t())
+        yield f"{tag} bi_matmul_group:qkv {shape}", bi_matmul_group, (
+            _m(B * T, H, dtype=dt), [_m(n, H, dtype=dt).t() for n in (Hq * D, Hkv * D, Hkv * D)])
