@@ -23,7 +23,9 @@ Words: the *pending* token of a row is its last verified token, whose KV is not 
 Where every kernel of the regular path is itself batch- and length-invariant (the CPU with the
 C++ kernels, float32, bfloat16 or float16: ``SkipModel.batch_invariant``), the replay would
 reproduce the fast path bit for bit: ``Generator(replay="auto")`` then decodes without it, and
-``invariant_token_logprobs`` re-scores an output.
+``invariant_token_logprobs`` re-scores an output. ``Generator(replay="never")`` decodes that way
+wherever an invariant set runs, on CUDA too (the verifier's Triton kernels, every step paying
+``bi_matmul`` for cuBLAS's matmul), trading the replay for slower steps.
 """
 
 from __future__ import annotations
