@@ -452,7 +452,11 @@ class Generator:
                 t0 = time.perf_counter()
                 # deterministic mode with replay prefills through its verifier
                 replayed = self.mode == "deterministic" and not invariant
-                per_row = invariant or per_row_pays(self.model)
+                # one forward per prompt where the invariant set is the CPU's compute-bound C++
+                # kernels (padding costs its full share); Triton's (CUDA) pads: one pass, the same
+                # bits (row- and length-invariant), not a pass of host time per prompt
+                per_row = (invariant and invariant_backend(device.type, self.model.dtype) == "cpp") or per_row_pays(
+                    self.model)
                 first_logits = (prefill(self.model, cache, [ids[r] for r in start], per_row=per_row)
                                 if not replayed else None)
                 _sync(device)
