@@ -157,9 +157,9 @@ stage_openitems() {
 }
 
 stage_bimatmul() {
-  pytest_gpu bimatmul 200 -n 6 -m "not slow" tests/test_bi_matmul.py tests/test_triton_silu_mul.py tests/test_triton_verifier.py \
+  pytest_gpu bimatmul 150 -n 6 -m "not slow" tests/test_bi_matmul.py tests/test_triton_silu_mul.py tests/test_triton_verifier.py \
     tests/test_cuda_graphs.py tests/test_invariant_triton.py
-  timeout 300 python3 -m bench --routine bi_matmul --reps 10 > "$OUT/bimatmul.log" 2>&1
+  timeout 250 python3 -m bench --routine bi_matmul --reps 5 > "$OUT/bimatmul.log" 2>&1
   echo "bi_matmul bench: exit $?"
   python3 - "$OUT/bimatmul.log" <<'PY'
 import glob, csv, collections, math, sys
@@ -207,16 +207,16 @@ stage_detplan() {
   # determinism with CUDA graphs, SmolLM2 float32, under the plan stage bimatmul picked (/tmp/plan.txt)
   export SWIFTKERN_BI_MATMUL_PLAN=$(cat /tmp/plan.txt 2>/dev/null)
   echo "SWIFTKERN_BI_MATMUL_PLAN=$SWIFTKERN_BI_MATMUL_PLAN" | tee "$OUT/plan.txt"
-  pytest_gpu detplan-tests 100 -n 6 -m "not slow" tests/test_deterministic_gpu.py tests/test_invariant_triton.py
+  pytest_gpu detplan-tests 60 -n 6 -m "not slow" tests/test_deterministic_gpu.py tests/test_invariant_triton.py
   # the replay of batch-variant steps (deterministic) beside every step on the invariant set
   # (det-invariant, replay never); two runs, so a timeout loses one half only
-  timeout 240 python3 -m bench --routine determinism --max-new-tokens 64 --reps 2 --cuda-graphs \
+  timeout 210 python3 -m bench --routine determinism --max-new-tokens 64 --reps 2 --cuda-graphs \
     --providers ar,deterministic,det-invariant > "$OUT/determinism-plan.log" 2>&1
   echo "determinism graphs: exit $?"; tail -16 "$OUT/determinism-plan.log"
-  timeout 130 python3 -m bench --routine determinism --max-new-tokens 64 --reps 2 --cuda-graphs \
+  timeout 110 python3 -m bench --routine determinism --max-new-tokens 64 --reps 2 --cuda-graphs \
     --providers ar,self-spec+det,self-spec+det-invariant > "$OUT/determinism-spec.log" 2>&1
   echo "determinism self-spec graphs: exit $?"; tail -6 "$OUT/determinism-spec.log"
-  timeout 60 python3 -m bench --routine verifier_pass --reps 10 --cuda-graphs > "$OUT/verifier-pass.log" 2>&1
+  timeout 45 python3 -m bench --routine verifier_pass --reps 10 --cuda-graphs > "$OUT/verifier-pass.log" 2>&1
   echo "verifier_pass: exit $?"; tail -6 "$OUT/verifier-pass.log"
 }
 
