@@ -118,16 +118,17 @@ def test_never_is_refused_where_no_invariant_set_runs(tiny):
 
 
 def test_graphs_replay_the_invariant_steps_with_the_same_bits(tiny, triton_backend):
-    """replay never through the graph runner (here the emulated graph that reruns each step and
-    refuses a host read inside it or a replay that launches other than its capture; real graphs
-    on a GPU): the Triton invariant steps replay, with the tokens and logprobs of eager steps."""
+    """replay never through the graph runner (on the CPU the emulated graph that reruns each step
+    and refuses a host read inside it or a replay that launches other than its capture; real
+    graphs on a GPU): the Triton invariant steps replay, with the tokens and logprobs of eager
+    steps."""
     from swiftkern.cuda_graphs import GraphRunner
     from swiftkern.graph_capture import EmulatedGraph
 
     kw = dict(mode="deterministic", replay="never")
     prompts = PROMPTS[:2]
     eager = Generator(tiny, **kw).generate(prompts, max_new_tokens=6, eos_token_id=[])
-    runner = GraphRunner(tiny, EmulatedGraph)
+    runner = GraphRunner(tiny, None if DEVICE == "cuda" else EmulatedGraph)  # real graphs on a GPU
     for _ in range(2):
         graphed = Generator(tiny, cuda_graphs=runner, **kw).generate(prompts, max_new_tokens=6, eos_token_id=[])
         assert graphed.tokens == eager.tokens
