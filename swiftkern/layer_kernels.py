@@ -89,11 +89,11 @@ def invariant_kernels_available(device_type: str, dtype: torch.dtype) -> bool:
 def invariant_backend(device_type: str, dtype: torch.dtype) -> str | None:
     """Which batch- and length-invariant kernel set runs here: "cpp" (``invariant_kernels_available``),
     "triton" (CUDA with SWIFTKERN_BACKEND auto or triton, or CPU tensors under TRITON_INTERPRET=1
-    with SWIFTKERN_BACKEND=triton: the tests; a float dtype, the Triton kernels importable), or
-    None. The deterministic verifier's fused set and ``SkipModel.batch_invariant`` both run it."""
+    with SWIFTKERN_BACKEND=triton: the tests; float32, bfloat16 or float16, the Triton kernels
+    importable), or None. The deterministic verifier's fused set and ``SkipModel.batch_invariant`` both run it."""
     backend = ops.backends.current_backend()
     if (device_type == "cuda" and backend in ("auto", "triton")) or (device_type == "cpu" and backend == "triton"):
-        ready = dtype.is_floating_point and set(INVARIANT_TRITON_OPS) <= ops.backends.triton_ops(device_type)
+        ready = dtype in ops.SKINNY_DTYPES and set(INVARIANT_TRITON_OPS) <= ops.backends.triton_ops(device_type)
         return "triton" if ready else None
     return "cpp" if invariant_kernels_available(device_type, dtype) else None
 
