@@ -1,4 +1,5 @@
-"""Deterministic mode on a GPU (skipped without one): the needle check with the model on CUDA,
+"""Deterministic mode on a GPU (skipped without one): the needle check with the model on CUDA
+(with the replay, and without it: replay never, every step on the Triton invariant set),
 where the fast path runs the GPU kernels (batch-variant allowed) and the verifier runs the
 Triton ``bi_matmul`` and either verifier kernel set (portable: the batch-invariant torch
 ops; fused: the Triton norms, SwiGLU and ``verify_attention_invariant``, which ``auto`` takes
@@ -63,3 +64,18 @@ def test_needle_smollm2_on_gpu(kernels):
 
     model, tok = swiftkern.load_model("smollm2", device="cuda")
     smollm2_needle(model, tok, 24, [(2, 6), (7, 16)], verifier_kernels=kernels)
+
+
+@pytest.mark.parametrize("sample", [False, True])
+def test_needle_tiny_on_gpu_without_replay(tiny_gpu, sample):
+    """replay never: every step on the Triton invariant set (bi_matmul for cuBLAS), no replay;
+    the needle keeps its bits in batches of 1-16 and alone gives ar's tokens and HF's logprobs."""
+    needle_tiny(tiny_gpu, sample, seed=19, trials=5, replay="never")
+
+
+@pytest.mark.slow
+def test_smollm2_needle_without_replay_on_gpu():
+    import swiftkern
+
+    model, tok = swiftkern.load_model("smollm2", device="cuda")
+    smollm2_needle(model, tok, 24, [(2, 6), (7, 16)], replay="never")
