@@ -13,8 +13,14 @@ batch 1, timed interleaved within their family (one weight format), one family a
     T<t>-reference   the same with every op forced to the plain torch reference (MKL matmuls)
     T<t>+graphs      with --cuda-graphs (a GPU): T<t> replayed from a CUDA graph (GraphRunner;
                      the warm-up calls are its first sight and its capture)
+    T<t>-invariant   the same inside ``SkipModel.batch_invariant()`` (the batch-invariant set:
+                     the C++ kernels on the CPU, the Triton ones with bi_matmul on CUDA: every
+                     step of deterministic mode with ``replay="never"``), where one runs; with
+                     --cuda-graphs also T<t>-invariant+graphs
 
-Column ratio_vs_T1: median time / the same provider family's T = 1 median, same run.
+Column ratio_vs_T1: median time / the same provider family's T = 1 median, same run. Each
+invariant provider's time over the regular one's at the same T is printed after the rows (the
+families are timed one after the other in one run, not interleaved).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench import common  # noqa: E402
 from bench.bench_generate import skip_model  # noqa: E402
 from swiftkern import ops  # noqa: E402
+from swiftkern.layer_kernels import invariant_backend  # noqa: E402
 
 ROUTINE = "verify_cost"
 PRINT_KEYS = ("provider", "median_ms", "p20_ms", "p80_ms", "ratio_vs_T1")
@@ -55,6 +62,14 @@ def _unpacked(model, fn):
             fn()
         finally:
             model.packed = packed
+    return run
+
+
+def _invariant(model, fn):
+    """fn run inside ``model.batch_invariant()``."""
+    def run():
+        with model.batch_invariant():
+            fn()
     return run
 
 
@@ -102,14 +117,19 @@ def run(args) -> list[dict]:
         fns[f"T{T}-reference"] = _forced("reference", step(T))
         if model.packed is not None:
             fns[f"T{T}-float32"] = _unpacked(model, step(T))
+    invariant = invariant_backend(model.device.type, model.dtype) is not None
+    if invariant:
+        fns.update({f"T{T}-invariant": _invariant(model, step(T)) for T in TOKENS})
     if getattr(args, "cuda_graphs", False):
         from swiftkern.cuda_graphs import GraphRunner
 
         runner = GraphRunner(model)
         fns.update({f"T{T}+graphs": _graphed(runner, step(T)) for T in TOKENS})
+        if invariant:
+            fns.update({f"T{T}-invariant+graphs": _graphed(runner, _invariant(model, step(T))) for T in TOKENS})
     if args.providers:
         fns = {k: v for k, v in fns.items()
-               if k in args.providers or k in ("T1", "T1-reference", "T1-float32", "T1+graphs")}
+               if k in args.providers or (_tokens(k) == 1 and any(_family(k) == _family(p) for p in args.providers))}
     # one family at a time (interleaved within it): a family reading the 538 MB of float32
     # weights would evict the packed family's 115 MB from a large L3 (480 MiB on the CPU
     # machine), where a generation reading only packed weights keeps them
@@ -124,6 +144,9 @@ def run(args) -> list[dict]:
         backend = "reference" if p.endswith("-reference") else ops.backends.current_backend()
         rows.append(common.row(ROUTINE, p, args.device, model.dtype, f"B=1 T={T} ctx={ctx}", t, model=name,
                                backend=backend, ratio_vs_T1=round(t["median_ms"] / one, 3)))
+        regular = times.get(p.replace("-invariant", "")) if "-invariant" in p else None
+        if regular:
+            print(f"  {p} / {p.replace('-invariant', '')}: {t['median_ms'] / regular['median_ms']:.3f}x the time")
     return rows
 
 

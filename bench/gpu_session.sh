@@ -218,6 +218,10 @@ stage_detplan() {
   timeout 110 python3 -m bench --routine determinism --max-new-tokens 64 --reps 2 --cuda-graphs \
     --providers ar,self-spec+det,self-spec+det-invariant > "$OUT/determinism-spec.log" 2>&1
   echo "determinism self-spec graphs: exit $?"; tail -6 "$OUT/determinism-spec.log"
+  # a batch-1 decode step (and a verify pass of 8) on the invariant set against the regular one, graphed
+  timeout 40 python3 -m bench --routine verify_cost --reps 10 --cuda-graphs \
+    --providers T1+graphs,T8+graphs,T1-invariant+graphs,T8-invariant+graphs > "$OUT/verify-cost.log" 2>&1
+  echo "verify_cost: exit $?"; grep -E "the time|graphs" "$OUT/verify-cost.log" | tail -6
   timeout 45 python3 -m bench --routine verifier_pass --reps 10 --cuda-graphs > "$OUT/verifier-pass.log" 2>&1
   echo "verifier_pass: exit $?"; tail -6 "$OUT/verifier-pass.log"
 }
