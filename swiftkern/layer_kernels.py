@@ -118,13 +118,7 @@ def _bind_invariant_triton() -> LayerKernels:
     from .triton_kernels import KERNELS
 
     k = {name: fn for name, (fn, _) in KERNELS.items()}
-    attend = k["verify_attention_invariant"]
-
-    def verify_attention(q, k_cache, v_cache, cache_lens, scale, max_len, mask):
-        S = k_cache.shape[2]
-        span = S if max_len is None else min(S, -(-max_len // KEY_BLOCK) * KEY_BLOCK)
-        return attend(q, k_cache[:, :, :span], v_cache[:, :, :span], cache_lens, float(scale))
-
+    verify_attention = _kernel_attention(k["verify_attention_invariant"], key_block=KEY_BLOCK)
     backends = {op: "triton" for op in ("rms_norm", "fused_add_rms_norm", "silu_mul", "rope_kv_append",
                                         "verify_attention")}
     return LayerKernels(linear=bi_linear, rms_norm=k["rms_norm"], fused_add_rms_norm=k["fused_add_rms_norm"],
@@ -199,10 +193,12 @@ def _kernel_rope(rope: Callable) -> Callable:
     return rope_kv_append
 
 
-def _kernel_attention(attend: Callable) -> Callable:
-    """A compiled attention op in the runner's signature: the caches cut to max_len keys, the
-    mask (a reference-only hint) dropped."""
+def _kernel_attention(attend: Callable, key_block: int = 1) -> Callable:
+    """A compiled attention op in the runner's signature: the caches cut to max_len keys rounded
+    up to a whole ``key_block`` (at most the cache), the mask (a reference-only hint) dropped."""
     def verify_attention(q, k_cache, v_cache, cache_lens, scale, max_len, mask):
+        if max_len is not None:
+            max_len = -(-max_len // key_block) * key_block
         return attend(q, *ops.keys_in_use(k_cache, v_cache, max_len), cache_lens, float(scale))
     return verify_attention
 
