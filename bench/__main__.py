@@ -107,6 +107,9 @@ def main(argv=None, prog: str = "python -m bench") -> int:
         if args.plot and rows:
             from bench import plot
             print(f"wrote {os.path.relpath(plot.plot_routine(common.results_name(name, rows[0]['device']), rows))}")
+        if common.interrupted():  # the rows of what finished are written; the rest is not run
+            print(f"{prog}: interrupted in {name}; the routines after it did not run", file=sys.stderr)
+            return 130
     return 0
 
 

@@ -164,53 +164,56 @@ def run(args) -> list[dict]:
     from swiftkern.layer_kernels import invariant_kernels_available
 
     replay_differs = invariant_kernels_available(torch_device_type(args.device), hf.dtype)
-    for group, batch, configs in _setups(args.smoke, layer_set, verify_batch, replay_differs):
-        if args.providers:
-            configs = {k: v for k, v in configs.items() if k in args.providers or k == "ar"}
-            if set(configs) == {"ar"} and args.providers != ["ar"]:
-                continue  # none of the named providers is in this group: ar alone would compare nothing
-        # batch 1: every prompt kind in turn (one prompt alone says little); else one batch of
-        # the prompts cycled
-        calls = [[t] for t in texts] if batch == 1 else [[texts[i % len(texts)] for i in range(batch)]]
-        graphs = getattr(args, "cuda_graphs", False)
-        gens = {name: swiftkern.Generator(model, tok, cuda_graphs=graphs,
-                                          **{k: v for k, v in kw.items() if k not in ("share", "arrive")})
-                for name, kw in configs.items()}
-        flags = {name: [i % round(1 / kw["share"]) == 0 for i in range(batch)] if "share" in kw else True
-                 for name, kw in configs.items()}
-        last = {}
+    with common.KeepRowsOnInterrupt(rows, "groups"):
+        for group, batch, configs in _setups(args.smoke, layer_set, verify_batch, replay_differs):
+            if args.providers:
+                configs = {k: v for k, v in configs.items() if k in args.providers or k == "ar"}
+                if set(configs) == {"ar"} and args.providers != ["ar"]:
+                    continue  # none of the named providers is in this group: ar alone would compare nothing
+            # batch 1: every prompt kind in turn (one prompt alone says little); else one batch of
+            # the prompts cycled
+            calls = [[t] for t in texts] if batch == 1 else [[texts[i % len(texts)] for i in range(batch)]]
+            graphs = getattr(args, "cuda_graphs", False)
+            gens = {name: swiftkern.Generator(model, tok, cuda_graphs=graphs,
+                                              **{k: v for k, v in kw.items() if k not in ("share", "arrive")})
+                    for name, kw in configs.items()}
+            flags = {name: [i % round(1 / kw["share"]) == 0 for i in range(batch)] if "share" in kw else True
+                     for name, kw in configs.items()}
+            last = {}
 
-        def timed(name):
-            def fn():
-                last[name] = [gens[name].generate(prompts, max_new_tokens=n, eos_token_id=[],
-                                                  deterministic=flags[name], arrive_at=configs[name].get("arrive"))
-                               for prompts in calls]
-            return fn
+            def timed(name):
+                def fn():
+                    last[name] = [gens[name].generate(prompts, max_new_tokens=n, eos_token_id=[],
+                                                      deterministic=flags[name], arrive_at=configs[name].get("arrive"))
+                                   for prompts in calls]
+                return fn
 
-        for name in gens:  # warm-up at the timed batch: kernel compiles for its shapes stay out of the timing
-            gens[name].generate(calls[0], max_new_tokens=2, eos_token_id=[])
-            if graphs:  # every graph of the timed calls seen once (eager) and captured: the reps replay
-                _until_no_capture(gens[name].graph_runner, timed(name))
-        times = common.time_fn({name: timed(name) for name in gens}, args.device, warmup=0, reps=reps)
-        new_tokens = batch * n * len(calls)
-        ar_tok_s = new_tokens / (times["ar"]["median_ms"] * 1e-3) if "ar" in times else None
-        for name, timing in times.items():
-            outs, kw = last[name], configs[name]
-            s = _merged_stats([o.stats for o in outs])
-            tok_s = new_tokens / (timing["median_ms"] * 1e-3)
-            rows.append(common.row(
-                ROUTINE, name + ("+graphs" if graphs else ""), args.device, hf.dtype, f"B={batch} N={n}", timing,
-                model=model_name, group=group,
-                batch=batch, new_tokens=n, reps=reps, window=kw.get("window", ""),
-                deterministic_share=kw.get("share", 1.0 if kw["mode"] == "deterministic" else 0.0),
-                verify_batch=kw.get("verify_batch", ""), fast_path=s.get("fast_path", ""),
-                verifier_kernels=s.get("verifier_kernels", ""),
-                replay=("elided" if "replay" in s else "replayed") if kw["mode"] == "deterministic" else "",
-                layer_set=kw.get("layer_set", ""), tok_s=round(tok_s, 2),
-                ratio_vs_ar=round(tok_s / ar_tok_s, 3) if ar_tok_s else "",
-                rollback_fraction=round(s["rollback_fraction"], 5) if "rollback_fraction" in s else "",
-                verify_passes=s.get("verify_passes", ""), dummy_rows=s.get("dummy_rows", ""),
-                tokens_equal_ar=[o.tokens for o in outs] == [o.tokens for o in last["ar"]] if "ar" in last else ""))
+            for name in gens:  # warm-up at the timed batch: kernel compiles for its shapes stay out of the timing
+                gens[name].generate(calls[0], max_new_tokens=2, eos_token_id=[])
+                if graphs:  # every graph of the timed calls seen once (eager) and captured: the reps replay
+                    _until_no_capture(gens[name].graph_runner, timed(name))
+            times = common.time_fn({name: timed(name) for name in gens}, args.device, warmup=0, reps=reps)
+            new_tokens = batch * n * len(calls)
+            ar_tok_s = new_tokens / (times["ar"]["median_ms"] * 1e-3) if "ar" in times else None
+            group_rows = []  # added whole: an interrupt leaves no group half in rows
+            for name, timing in times.items():
+                outs, kw = last[name], configs[name]
+                s = _merged_stats([o.stats for o in outs])
+                tok_s = new_tokens / (timing["median_ms"] * 1e-3)
+                group_rows.append(common.row(
+                    ROUTINE, name + ("+graphs" if graphs else ""), args.device, hf.dtype, f"B={batch} N={n}", timing,
+                    model=model_name, group=group,
+                    batch=batch, new_tokens=n, reps=reps, window=kw.get("window", ""),
+                    deterministic_share=kw.get("share", 1.0 if kw["mode"] == "deterministic" else 0.0),
+                    verify_batch=kw.get("verify_batch", ""), fast_path=s.get("fast_path", ""),
+                    verifier_kernels=s.get("verifier_kernels", ""),
+                    replay=("elided" if "replay" in s else "replayed") if kw["mode"] == "deterministic" else "",
+                    layer_set=kw.get("layer_set", ""), tok_s=round(tok_s, 2),
+                    ratio_vs_ar=round(tok_s / ar_tok_s, 3) if ar_tok_s else "",
+                    rollback_fraction=round(s["rollback_fraction"], 5) if "rollback_fraction" in s else "",
+                    verify_passes=s.get("verify_passes", ""), dummy_rows=s.get("dummy_rows", ""),
+                    tokens_equal_ar=[o.tokens for o in outs] == [o.tokens for o in last["ar"]] if "ar" in last else ""))
+            rows.extend(group_rows)
     _summary(rows)
     return rows
 

@@ -53,6 +53,36 @@ def commit() -> str:
     return head + ("+dirty" if changed else "")
 
 
+class KeepRowsOnInterrupt:
+    """``with KeepRowsOnInterrupt(rows, "cases"):`` around a routine's loop over its cases or
+    groups: an interrupt (Ctrl-C, or ``timeout -s INT`` on a GPU lease) ends the loop, and the
+    routine returns the rows of the items it finished, which the driver then writes. What was
+    timed to completion is worth keeping when a device's minutes run out; an item cut short
+    adds no row (its rows are appended only after all of its providers were timed). After one,
+    ``interrupted()`` is true: a routine with several loops, and the driver, run no more."""
+
+    seen = False
+
+    def __init__(self, rows: list, what: str):
+        self.rows, self.what = rows, what
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if kind is not KeyboardInterrupt:
+            return False
+        KeepRowsOnInterrupt.seen = True
+        print(f"\ninterrupted: keeping the {len(self.rows)} rows of the {self.what} timed to completion",
+              file=sys.stderr, flush=True)
+        return True
+
+
+def interrupted() -> bool:
+    """True once a ``KeepRowsOnInterrupt`` loop was interrupted in this process."""
+    return KeepRowsOnInterrupt.seen
+
+
 @functools.lru_cache(maxsize=None)
 def device_name(device: str) -> str:
     """'NVIDIA H200' or 'cpu: <model> (N threads)'."""

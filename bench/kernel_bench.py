@@ -125,35 +125,38 @@ def run_cases(routine: str, op: str, cases: list[Case], args, extra: dict | None
     fns_of = providers(op, args.device, extra, args.providers)
     reps = args.reps or (3 if args.smoke else 20)
     rows = []
-    for case in cases:
-        inputs = case.make_args()
-        if args.refcheck:
-            want = fns_of["reference"](*[t.clone() if torch.is_tensor(t) else t for t in inputs])
-            for name, fn in fns_of.items():
-                check(op, name, fn(*[t.clone() if torch.is_tensor(t) else t for t in inputs]), want, *tol)
-        fns = {name: (lambda fn=fn: fn(*inputs)) for name, fn in fns_of.items()}
-        warmup = 1 if args.smoke else 3
-        times = common.time_fn(dict(fns), args.device, warmup=warmup, reps=reps)
-        gpu = args.device.startswith("cuda")
-        # on a GPU: the device time of each call from CUDA-graph replays (median_ms), and the
-        # eager time with Python and launch overhead beside it (eager_ms)
-        graphed = times
-        if gpu:  # ops that cannot be captured (host syncs: the references of some) keep their eager times
-            graphed = dict(times, **common.time_fn(dict(fns), args.device, warmup=0, reps=reps,
-                                                   graph_calls=GRAPH_CALLS, graph_only=True))
-        base, base_eager = graphed["reference"]["median_ms"], times["reference"]["median_ms"]
-        dtype = next((t.dtype for t in inputs if torch.is_tensor(t) and t.is_floating_point()), None)
-        for name, timing in graphed.items():
-            eager = times[name]["median_ms"]
-            on_gpu = dict(timed_as=timing["mode"], eager_ms=round(eager, 5),
-                          x_vs_reference_eager=round(base_eager / eager, 2)) if gpu else {}
-            rows.append(common.row(routine, name, args.device, dtype, case.shape, timing, bytes_moved=case.bytes_moved,
-                                   flops=case.flops,
-                                   x_vs_reference=round(base / timing["median_ms"], 2), reps=reps, **on_gpu,
-                                   **case.extra))
-        del graphed, times, fns, inputs
-        if gpu:
-            torch.cuda.empty_cache()
+    with common.KeepRowsOnInterrupt(rows, "cases"):
+        for case in cases:
+            inputs = case.make_args()
+            if args.refcheck:
+                want = fns_of["reference"](*[t.clone() if torch.is_tensor(t) else t for t in inputs])
+                for name, fn in fns_of.items():
+                    check(op, name, fn(*[t.clone() if torch.is_tensor(t) else t for t in inputs]), want, *tol)
+            fns = {name: (lambda fn=fn: fn(*inputs)) for name, fn in fns_of.items()}
+            warmup = 1 if args.smoke else 3
+            times = common.time_fn(dict(fns), args.device, warmup=warmup, reps=reps)
+            gpu = args.device.startswith("cuda")
+            # on a GPU: the device time of each call from CUDA-graph replays (median_ms), and the
+            # eager time with Python and launch overhead beside it (eager_ms)
+            graphed = times
+            if gpu:  # ops that cannot be captured (host syncs: the references of some) keep their eager times
+                graphed = dict(times, **common.time_fn(dict(fns), args.device, warmup=0, reps=reps,
+                                                       graph_calls=GRAPH_CALLS, graph_only=True))
+            base, base_eager = graphed["reference"]["median_ms"], times["reference"]["median_ms"]
+            dtype = next((t.dtype for t in inputs if torch.is_tensor(t) and t.is_floating_point()), None)
+            case_rows = []  # added whole: an interrupt leaves no case half in rows
+            for name, timing in graphed.items():
+                eager = times[name]["median_ms"]
+                on_gpu = dict(timed_as=timing["mode"], eager_ms=round(eager, 5),
+                              x_vs_reference_eager=round(base_eager / eager, 2)) if gpu else {}
+                case_rows.append(common.row(routine, name, args.device, dtype, case.shape, timing,
+                                            bytes_moved=case.bytes_moved, flops=case.flops,
+                                            x_vs_reference=round(base / timing["median_ms"], 2), reps=reps,
+                                            **on_gpu, **case.extra))
+            rows.extend(case_rows)
+            del graphed, times, fns, inputs
+            if gpu:
+                torch.cuda.empty_cache()
     return rows
 
 

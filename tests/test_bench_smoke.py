@@ -240,3 +240,29 @@ def test_graph_warm_up_runs_until_a_call_captures_nothing():
         def fn():
             runner.captures += next(plan)
         assert _until_no_capture(runner, fn) == runs
+
+
+def test_an_interrupted_kernel_bench_keeps_the_cases_it_finished(monkeypatch):
+    """A GPU lease's `timeout -s INT` cut a routine short and its rows were lost with it: the
+    cases timed to completion are now returned (and written by the driver), none of the cut one."""
+    import argparse
+
+    import torch
+
+    sys.path.insert(0, ROOT)
+    from bench import common
+    from bench.kernel_bench import Case, run_cases
+
+    monkeypatch.setattr(common.KeepRowsOnInterrupt, "seen", False)  # restored after: other tests run on
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    made = lambda: (torch.randn(3, 8), torch.randn(3, 8))  # noqa: E731  (gate, up)
+    cases = [Case("first", made, bytes_moved=64.0), Case("cut", interrupted, bytes_moved=64.0),
+             Case("never", made, bytes_moved=64.0)]
+    args = argparse.Namespace(device="cpu", providers=None, reps=2, smoke=True, refcheck=False)
+    rows = run_cases("silu_mul", "silu_mul", cases, args)
+    assert rows and {r["shape"] for r in rows} == {"first"}
+    assert {r["provider"] for r in rows} >= {"reference"}
+    assert common.interrupted()  # a routine's later loops and the driver's later routines stop
