@@ -133,10 +133,11 @@ def run(args) -> list[dict]:
     # one family at a time (interleaved within it): a family reading the 538 MB of float32
     # weights would evict the packed family's 115 MB from a large L3 (480 MiB on the CPU
     # machine), where a generation reading only packed weights keeps them
-    times = {}
-    for family in dict.fromkeys(map(_family, fns)):
-        group = {p: fn for p, fn in fns.items() if _family(p) == family}
-        times.update(common.time_fn(group, args.device, warmup=2, reps=args.reps or (3 if args.smoke else 20)))
+    times = {}  # a provider's timing, one row each
+    with common.KeepRowsOnInterrupt(times, "weight families"):
+        for family in dict.fromkeys(map(_family, fns)):
+            group = {p: fn for p, fn in fns.items() if _family(p) == family}
+            times.update(common.time_fn(group, args.device, warmup=2, reps=args.reps or (3 if args.smoke else 20)))
     rows = []
     for p, t in times.items():
         T = _tokens(p)
