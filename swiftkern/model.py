@@ -407,13 +407,14 @@ class SkipModel:
         else:
             hidden, pending = self._layer_loop(kern, cache, hidden, cos, sin, positions, new_lengths, max_len,
                                                uniform_start, mask, fuse, skip_attn, skip_mlp)
-        if pending is not None:
-            hidden = hidden + pending
         cache.advance_device(T)
-        if logits_positions is not None:
+        if logits_positions is not None:  # every op below is per row: pick the rows first
             idx = logits_positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
             hidden = hidden.gather(1, idx)  # [B, P, H]
-        return kern.rms_norm(hidden, self.final_norm, self.eps)
+            pending = None if pending is None else pending.gather(1, idx)
+        # the last add through the kernel of every other (the verifier's too): its rounding of
+        # the sum, not torch's (the Triton interpreter rounds bf16 toward zero, a GPU to nearest)
+        return self._add_norm(kern, hidden, pending, self.final_norm, fuse)[0]
 
     def head_logits(self, hidden: torch.Tensor,
                     head: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:

@@ -43,9 +43,14 @@ def test_the_set_is_triton_and_runs_the_fixed_order_matmul(triton_backend):
     assert kern.linear is bi_linear
 
 
-def test_never_replaying_gives_the_replays_bits(tiny, triton_backend):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_never_replaying_gives_the_replays_bits(tiny, triton_backend, dtype):
     """The runner's invariant decode and the verifier's replay are two programs over one kernel
-    set; a token's logprob must be the same bits from either (and so the same tokens)."""
+    set; a token's logprob must be the same bits from either (and so the same tokens). bfloat16:
+    the GPU bench's serving dtype (``bi_matmul``'s bfloat16 plan, tensor cores on a GPU)."""
+    if dtype != torch.float32:
+        tiny = SkipModel(tiny_model("llama", num_attention_heads=6, num_key_value_heads=2, hidden_size=96,
+                                    seed=3).to(DEVICE, dtype))
     kw = dict(mode="deterministic", window=4, verify_batch=2)
     never = Generator(tiny, **kw, replay="never").generate(PROMPTS[:3], max_new_tokens=7, eos_token_id=[])
     always = Generator(tiny, **kw, replay="always").generate(PROMPTS[:3], max_new_tokens=7, eos_token_id=[])
