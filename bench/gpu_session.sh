@@ -19,6 +19,7 @@
 #                                          self-spec+det and self-spec+det-invariant) and verify_cost
 #                                          (a graphed step on the invariant set against the regular one)
 #                                          under the plan bimatmul picked (/tmp/plan.txt on a warm machine)
+#   bash bench/gpu_session.sh detbf16      the first half of detplan's determinism run in bfloat16 (90 s)
 #   bash bench/gpu_session.sh det          determinism with CUDA graphs, the throughput and batch-1 groups with the
 #                                          portable verifier set beside the default (fused), and verifier_pass (eager)
 # Stages chain: `bash bench/gpu_session.sh setup tests`. Everything under bench/results and the
@@ -226,6 +227,14 @@ stage_detplan() {
   bench_cut 40 --routine verify_cost --reps 10 --cuda-graphs \
     --providers T1+graphs,T8+graphs,T1-invariant+graphs,T8-invariant+graphs > "$OUT/verify-cost.log" 2>&1
   echo "verify_cost: exit $?"; grep -E "the time|graphs" "$OUT/verify-cost.log" | tail -6
+}
+
+stage_detbf16() {
+  # the same in bfloat16 (the serving dtype: cuBLAS and bi_matmul both on tensor cores), as far
+  # as 90 s go (the groups finished are kept; throughput at batch 8 first)
+  bench_cut 90 --routine determinism --max-new-tokens 64 --reps 2 --cuda-graphs --dtype bfloat16 \
+    --providers ar,deterministic,det-invariant > "$OUT/determinism-bf16.log" 2>&1
+  echo "determinism bf16 graphs: exit $?"; tail -12 "$OUT/determinism-bf16.log"
 }
 
 stage_det() {
