@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--adaptive-eps", action="store_true",
                      help="self-spec: move --eps toward a 0.9 acceptance rate as generation goes (Self-SD)")
     gen.add_argument("--temperature", type=_float_in(0.0, 100.0, False), default=0.0,
-                     help="0 = greedy (default); > 0 samples from softmax(logits / T)")
+                     help="0 = greedy (default); >= 1e-5 samples from softmax(logits / T)")
     gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens when sampling (0 = all)")
     gen.add_argument("--top-p", type=_float_in(0.0, 1.0, True), default=1.0, help="nucleus sampling mass (default 1.0 = off)")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed; a token depends only on (seed, position)")

@@ -38,6 +38,11 @@ def keyed_uniforms(seeds: list[int], positions: list[int], stream: int = 0,
     return torch.tensor(vals, dtype=torch.float32, device=device)
 
 
+# below it, logits / temperature overflow float32 for ordinary logits (1e-40: every one, so
+# the softmax is NaN and nothing valid is drawn); the distribution is greedy's long before
+MIN_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick a token. do_sample=False is greedy (argmax); otherwise temperature,
@@ -53,8 +58,9 @@ class SamplingParams:
         real("temperature", self.temperature)  # a wrong kind is refused before the comparisons below
         real("top_p", self.top_p)
         whole("top_k", self.top_k)
-        if self.do_sample and not self.temperature > 0:
-            raise SwiftkernError(f"temperature must be > 0 when sampling, got {self.temperature}")
+        if self.do_sample and not self.temperature >= MIN_TEMPERATURE:
+            raise SwiftkernError(f"temperature must be >= {MIN_TEMPERATURE} when sampling, got {self.temperature}; "
+                                 "for the limit of temperature -> 0 decode greedily (do_sample=False)")
         if self.top_k < 0:
             raise SwiftkernError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:

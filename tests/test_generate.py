@@ -67,6 +67,25 @@ def test_eos_and_max_new_tokens_are_exact():
     assert [len(t) for t in gen.generate(PROMPTS, max_new_tokens=7, eos_token_id=[]).tokens] == [7] * 4
 
 
+@pytest.mark.parametrize("mode", ["self-spec", "deterministic"])
+def test_the_cache_is_sized_by_the_drafts_a_call_can_make(mode, monkeypatch):
+    """A verify pass overshoots a row's tokens by at most min(k_max, max_new_tokens) + 1: a huge
+    k_max allocated a cache of k_max positions for a call of 4 tokens (1 GB at k_max 10^6 on a
+    tiny model; SmolLM2 at 10^5: ~4.6 GB). The output stays HF's greedy."""
+    hf = tiny_model("llama")
+    model = SkipModel.from_hf(hf)
+    sizes = []
+    new_cache = model.new_cache
+    monkeypatch.setattr(model, "new_cache", lambda batch, max_len, used=None: sizes.append(max_len) or
+                        new_cache(batch, max_len, used))
+    kw = dict(drafter="self-spec", layer_set="mlp:1", replay="always") if mode == "deterministic" else {}
+    gen = Generator(model, mode=mode, k_max=100000, **kw)
+    out = gen.generate([PROMPTS[0]], max_new_tokens=4, eos_token_id=[])
+    assert out.tokens[0] == hf_greedy(hf, PROMPTS[0], 4, eos_token_id=[])
+    window = gen.window if mode == "deterministic" else 0
+    assert sizes and max(sizes) <= len(PROMPTS[0]) + 4 + max(window, 4 + 1), sizes
+
+
 def test_stats_are_consistent():
     out = Generator(tiny_model("llama")).generate(PROMPTS, max_new_tokens=9, eos_token_id=[])
     s = out.stats
@@ -132,8 +151,9 @@ def test_bad_inputs_are_refused():
         gen.generate([[1, 99999]])
     with pytest.raises(SwiftkernError, match="tokenizer"):
         gen.generate("hello")
-    with pytest.raises(SwiftkernError, match="temperature"):
-        gen.generate([[1]], do_sample=True, temperature=0.0)
+    for tiny_temperature in (0.0, 1e-40, 1e-6):  # 1e-40: logits / t overflowed, the last id was drawn
+        with pytest.raises(SwiftkernError, match="temperature must be >= 1e-05.*greedily"):
+            gen.generate([[1]], do_sample=True, temperature=tiny_temperature)
     with pytest.raises(SwiftkernError, match="top_p"):
         gen.generate([[1]], do_sample=True, top_p=1.5)
     with pytest.raises(SwiftkernError, match="unknown mode"):
