@@ -436,9 +436,11 @@ class Generator:
                 f"{limit} positions; shorten the prompt or lower --max-new-tokens")
         stop_ids = self._stop_ids(eos_token_id, stop_token_ids)
         device = self.model.device
-        slack = self.k_max + 1 if self.mode == "self-spec" else 0  # a verify pass may overshoot by K+1
-        if self.mode == "deterministic":  # a window-wide replay, or (no replay, self-spec) a verify pass
-            slack = max(self.window, self.k_max + 1)
+        # a verify pass may overshoot by K+1, K at most k_max and a row's remaining tokens
+        spec_slack = min(self.k_max, max_new_tokens) + 1
+        slack = spec_slack if self.mode == "self-spec" else 0
+        if self.mode == "deterministic":  # a window-wide replay, or (self-spec) a verify pass
+            slack = max(self.window, spec_slack if self.drafter == "self-spec" else 0)
         start = [r for r in range(len(ids)) if arrive_at is None or arrive_at[r] == 0]  # the first batch
         needed, used = longest + max_new_tokens + slack, longest + max_new_tokens
         # one call at a time on this model (its contexts, a runner's cache); a call from inside

@@ -201,7 +201,7 @@ def decode_self_spec(model: SkipModel, cache: KVCache, first_logits: torch.Tenso
     draft length, or no draft, the same way). ``tuner`` (``tuner.OnTheFlyTuner``)
     finds the layer set while generating and replaces ``layer_set`` as it goes.
 
-    The cache needs room for max_new_tokens + policy.k_max + 1 positions past the longest
+    The cache needs room for max_new_tokens + min(policy.k_max, max_new_tokens) + 1 positions past the longest
     prompt (a verify pass writes K+1 positions for every row). Finished rows leave the batch;
     requests that arrive later (``Requests.arrive_at``) join it at their step as new rows.
     -> stats: draft_steps and verify_steps (batched forwards), row_verifies (rows verified,
