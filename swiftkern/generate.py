@@ -185,6 +185,9 @@ class Generator:
         if replay not in REPLAY:
             raise SwiftkernError(f"replay must be one of {', '.join(REPLAY)}, got {replay!r}")
         self.replay = replay
+        if mode != "deterministic" and (replay != "auto" or verifier_kernels != "auto"):
+            raise SwiftkernError(f"replay and verifier_kernels are for mode deterministic; mode {mode} would ignore "
+                                 f"replay={replay!r}, verifier_kernels={verifier_kernels!r}: leave them out")
         if mode == "deterministic" and replay == "never" and invariant_backend(
                 self.model.device.type, self.model.dtype) is None:
             raise SwiftkernError(
@@ -225,6 +228,9 @@ class Generator:
                                  f"{self.model.num_layers}")
         self.layer_set = layer_set
         self.k_max, self.eps, self.adaptive_eps = k_max, eps, flag("adaptive_eps", adaptive_eps)
+        if self.adaptive_eps and not (mode == "self-spec" and drafter in ("auto", "layer-skip")):
+            raise SwiftkernError(f"adaptive_eps moves the layer-skipped draft's eps in mode self-spec (drafter auto or "
+                                 f"layer-skip); mode {mode} with drafter {drafter} would ignore it: leave it out")
         if isinstance(cuda_graphs, GraphRunner):
             self.graph_runner = cuda_graphs
         elif cuda_graphs is True:
@@ -368,16 +374,22 @@ class Generator:
                                               self.verify_batch, fast, verified, self.verifier_kernels)
             steps = spec_stats["fast_steps"] + spec_stats["verify_passes"]
         else:
+            # seeded sampling: rejection sampling draws from the drafts, so the drafts a row
+            # verifies must follow its own tokens alone: no pass width fitted to the batch, no
+            # pruned head grown from every row's tokens, no layer-set search over the batch
+            # (seeded calls draft with lookup alone there); adaptive eps is refused in generate
+            seeded = params.do_sample
+            search = self.auto_layer_set and not seeded
             policy = DraftPolicy(k_max=self.k_max, eps=self.eps, adaptive=self.adaptive_eps)
             uses_skip = self.drafter == "layer-skip" or (self.drafter == "auto" and (
-                self.layer_set is not None or self.auto_layer_set))
+                self.layer_set is not None or search))
             chooser = None
             if self.drafter in ("auto", "lookup"):  # lookup too: how many of its drafts pay is a cost question
                 allowed = ("lookup", "none") + (("layer-skip",) if uses_skip else ())
-                chooser = DrafterPolicy(allowed, self.k_max, measure=not params.do_sample,  # seeded: no timing
-                                        costs=self._drafter_costs)
-            head = self._draft_head(ids) if uses_skip else None
-            tuner = self._tuner(chooser) if self.auto_layer_set else None
+                chooser = DrafterPolicy(allowed, self.k_max, measure=not seeded,  # seeded: no timing
+                                        costs=self._drafter_costs, rows_alone=seeded)
+            head = self._draft_head(ids) if uses_skip and not seeded else None
+            tuner = self._tuner(chooser) if search else None
             start_set = tuner.current if tuner is not None and tuner.enabled else self.layer_set
             spec_stats = decode_self_spec(self.model, cache, first_logits, params, seeds, requests,
                                           start_set, policy, self.drafter, ids, chooser, head, tuner)
@@ -385,6 +397,20 @@ class Generator:
                 spec_stats.update(tuner.stats(), searched_layer_set=str(tuner.current or ""))
             steps = spec_stats["draft_steps"] + spec_stats["verify_steps"]
         return steps, spec_stats
+
+    def _check_sampling_fits(self, params: SamplingParams) -> None:
+        """Seeded sampling keeps a row's tokens its own only if the drafts it verifies follow
+        its tokens alone (rejection sampling draws from them): refuse the options that steer
+        every row's drafts from the whole batch."""
+        if not params.do_sample or self.mode != "self-spec":
+            return
+        if self.adaptive_eps:
+            raise SwiftkernError("adaptive_eps moves one eps for the whole batch, so a row's sampled tokens "
+                                 "would follow the other rows: sample with adaptive_eps=False, or decode greedily")
+        if self.auto_layer_set and self.drafter == "layer-skip":
+            raise SwiftkernError("layer_set='auto' searches over the whole batch, so a row's sampled tokens would "
+                                 "follow the other rows; with do_sample give a layer set, or drafter auto (sampled "
+                                 "calls then draft with prompt lookup)")
 
     # --- the call ----------------------------------------------------------------------
     def generate(self, prompts, max_new_tokens: int = 64, do_sample: bool = False,
@@ -417,6 +443,7 @@ class Generator:
         if streamer is not None and not callable(streamer):
             raise SwiftkernError(f"streamer must be a callable streamer(request, tokens), got {type(streamer).__name__}")
         params = SamplingParams(do_sample, temperature, top_k, top_p)
+        self._check_sampling_fits(params)
         ids = self.encode(prompts, chat)
         seeds = [whole("seed", s, *SEED_RANGE) for s in (seed if isinstance(seed, (list, tuple)) else [seed] * len(ids))]
         if len(seeds) != len(ids):

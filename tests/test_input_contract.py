@@ -22,7 +22,7 @@ SETTINGS = settings(max_examples=120, deadline=None, database=None, suppress_hea
 
 GOOD = dict(
     k_max=[1, 2, 5, 25], eps=[0.0, 0.5, 1.0], draft_vocab=[None, 1, 50, V, 8192], window=[1, 2, 32],
-    verify_batch=[1, 2, 4], skip_ratio=["auto", 0.2, 0.6], replay=["auto", "always"],
+    verify_batch=[1, 2, 4], skip_ratio=["auto", 0.2, 0.6], replay=["auto", "always", "never"],
     verifier_kernels=["auto", "portable", "fused"], adaptive_eps=[False, True], cuda_graphs=[False],
     max_new_tokens=[1, 2, 6], temperature=[0.5, 1.0, 2.0], top_k=[0, 1, 5, V + 10], top_p=[1.0, 0.9, 1e-9],
     seed=[0, 3, -1, 2**64 - 1], eos_token_id=[None, 2, [2, 3], []], stop_token_ids=[None, 5, [5], []],
@@ -31,7 +31,7 @@ GOOD = dict(
 BAD = dict(
     k_max=[0, -1, 1.5, True, "3", None], eps=[-0.1, 1.5, NAN, "0.5", None], draft_vocab=[0, -1, 2.5, "x", True],
     window=[0, 1.5, None, True], verify_batch=[0, 2.5, None], skip_ratio=[0.0, 1.0, NAN, "x", None],
-    replay=["never", None], verifier_kernels=["z", None], adaptive_eps=["yes", None, 1], cuda_graphs=[True, "yes"],
+    replay=["sometimes", None], verifier_kernels=["z", None], adaptive_eps=["yes", None, 1], cuda_graphs=[True, "yes"],
     max_new_tokens=[0, -1, 1.5, True, None, "4"], temperature=[0.0, -1.0, NAN, None, "1"], top_k=[-1, 2.5, None],
     top_p=[0.0, 1.5, NAN, None], seed=[2**64, -(2**63) - 1, 1.5, "s", None, [1] * 7],
     eos_token_id=[V, -1, 2.0, [2, V], "2"], stop_token_ids=[[V + 1], [-3], [1.0], V, "x"],
@@ -76,6 +76,9 @@ def test_any_generator_input_runs_or_is_refused_with_a_swiftkern_error(llama, da
         return draw(st.sampled_from(BAD[name] if name == spoiled else GOOD[name]))
 
     init = {**_modes(draw), **{name: value(name) for name in GENERATOR_ARGS}}
+    for name in ("replay", "verifier_kernels"):  # mode deterministic's options: refused in another mode
+        if init["mode"] != "deterministic" and name != spoiled:
+            init[name] = "auto"
     if spoiled == "layer_set":
         init["layer_set"] = draw(st.sampled_from(BAD["layer_set"]))
     n = draw(st.integers(1, 3))
@@ -84,6 +87,14 @@ def test_any_generator_input_runs_or_is_refused_with_a_swiftkern_error(llama, da
         prompts = draw(st.sampled_from(BAD["prompts"]))
     call = {name: value(name) for name in GENERATE_ARGS}
     call["do_sample"] = value("do_sample") if spoiled == "do_sample" else draw(st.booleans())
+    sampled = call["do_sample"] is True
+    # adaptive eps: mode self-spec's layer-skipped draft, greedy (one eps for the batch would steer
+    # a sampled row by the others); a sampled layer-skip draft takes a given layer set, not "auto"
+    if spoiled != "adaptive_eps" and (init["mode"] != "self-spec" or init["drafter"] not in ("auto", "layer-skip")
+                                      or sampled):
+        init["adaptive_eps"] = False
+    if sampled and init["drafter"] == "layer-skip" and init["layer_set"] == "auto" and spoiled != "layer_set":
+        init["layer_set"] = "mlp:1"
     flags = [True, [i % 2 == 0 for i in range(n)]] if init["mode"] == "deterministic" and init["drafter"] != "self-spec" else [True]
     call["deterministic"] = value("deterministic") if spoiled == "deterministic" else draw(st.sampled_from(flags))
     call["arrive_at"] = value("arrive_at") if spoiled == "arrive_at" else draw(

@@ -170,6 +170,35 @@ def test_sampled_self_spec_is_seeded():
     assert gen.generate([PROMPTS[1]], seed=2, **kw).tokens[0] == a[1]
 
 
+@pytest.mark.parametrize("config", [dict(drafter="lookup"), dict(layer_set="attn:2|mlp:3"), dict(layer_set="auto")],
+                         ids=["lookup", "auto-drafter", "auto-layer-set"])
+def test_a_sampled_row_keeps_its_tokens_in_any_batch(config):
+    """Rejection sampling draws from the drafts, so the drafts a row verifies must follow its
+    own tokens: the drafter policy fitted one pass width to the batch, and the lookup / auto
+    drafters' rows then took other tokens batched than alone (prompt 2 repeats a pattern, so
+    lookup drafts there). The layer-set search scores the whole batch: sampled calls skip it."""
+    hf, _ = model("llama")
+    prompts = [[5, 6, 7], [9, 9, 9, 9], [3, 4, 3, 4, 3, 4, 3, 4], [100, 101], [7]]
+    seeds = [11, 12, 13, 14, 15]
+    kw = dict(max_new_tokens=20, do_sample=True, temperature=1.2, eos_token_id=[])
+    gen = Generator(hf, mode="self-spec", **config)
+    alone = [gen.generate([p], seed=s, **kw).tokens[0] for p, s in zip(prompts, seeds)]
+    assert gen.generate(prompts, seed=seeds, **kw).tokens == alone
+    assert [gen.generate([p], seed=s, **kw).tokens[0] for p, s in zip(prompts, seeds)] == alone
+
+
+def test_sampling_refuses_what_steers_a_row_by_the_batch():
+    hf, _ = model("llama")
+    kw = dict(max_new_tokens=4, do_sample=True, eos_token_id=[])
+    with pytest.raises(SwiftkernError, match="adaptive_eps moves one eps"):
+        Generator(hf, mode="self-spec", layer_set="attn:2", adaptive_eps=True).generate(PROMPTS, **kw)
+    with pytest.raises(SwiftkernError, match="searches over the whole batch"):
+        Generator(hf, mode="self-spec", drafter="layer-skip", layer_set="auto").generate(PROMPTS, **kw)
+    for mode, extra in (("ar", {}), ("deterministic", dict(drafter="self-spec", layer_set="attn:2"))):
+        with pytest.raises(SwiftkernError, match="would ignore it"):
+            Generator(hf, mode=mode, adaptive_eps=True, **extra)
+
+
 def test_bad_configuration_is_refused():
     hf, _ = model("llama")
     with pytest.raises(SwiftkernError, match="needs a layer set"):
