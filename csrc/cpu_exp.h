@@ -3,7 +3,7 @@
 // float32, no fused multiply-add: setup.py compiles with -ffp-contract=off):
 //   t = clamp(x, -87, 88); n = round_half_even(t * log2 e); r = (t - n * ln2_hi) - n * ln2_lo;
 //   p = Horner over the degree-7 Taylor coefficients of exp (p = p * r + c);
-//   exp = p * 2^n (2^n from its exponent bits); 0 where x < -87.
+//   exp = p * 2^n (2^n from its exponent bits); 0 where x < -87; NaN where x is NaN.
 // Used by bi_exp (the deterministic verifier's softmax) and the CPU attention kernel.
 #pragma once
 
@@ -24,6 +24,7 @@ inline constexpr float kLow = -87.0f, kHigh = 88.0f;
 inline constexpr float kTaylor[8] = {1.0f / 5040, 1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
 
 inline float bi_exp_one(float x) {
+  if (x != x) return x;  // NaN stays NaN, as torch.clamp keeps it (fmax would clamp it to kLow)
   const float t = std::fmin(std::fmax(x, kLow), kHigh);
   const float n = std::nearbyint(t * kLog2e);  // default rounding: half to even, as torch.round
   const float r = (t - n * kLn2Hi) - n * kLn2Lo;
@@ -43,7 +44,8 @@ inline void bi_exp_scalar(const float* x, float* y, int64_t n) {
 // 16 lanes of bi_exp_one, same bits
 __attribute__((target("avx512f"))) inline __m512 bi_exp_avx512_vec(__m512 v) {
   const __mmask16 tiny = _mm512_cmp_ps_mask(v, _mm512_set1_ps(kLow), _CMP_LT_OQ);
-  const __m512 t = _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(kLow)), _mm512_set1_ps(kHigh));
+  // max / min return their second operand where one is NaN: v there, so NaN stays NaN (the reference's clamp)
+  const __m512 t = _mm512_min_ps(_mm512_set1_ps(kHigh), _mm512_max_ps(_mm512_set1_ps(kLow), v));
   const __m512 nf = _mm512_roundscale_ps(_mm512_mul_ps(t, _mm512_set1_ps(kLog2e)),
                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 r = _mm512_sub_ps(_mm512_sub_ps(t, _mm512_mul_ps(nf, _mm512_set1_ps(kLn2Hi))),

@@ -97,6 +97,24 @@ def test_every_instruction_set_matches_the_definition(isa, invariant, dtype, hea
 
 
 @needs_cpp
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("invariant", [False, True])
+@pytest.mark.parametrize("T", [1, 8])
+def test_a_nan_score_makes_its_query_nan_as_the_definition_does(isa, invariant, T):
+    """A NaN in a query or in a seen key makes that query's output NaN (the definition's
+    softmax). The kernels' exp clamped NaN to exp(-87): a NaN query came back as the mean of
+    the values, a NaN key was dropped: a broken model's NaN hidden as numbers."""
+    g = torch.Generator().manual_seed(T)
+    q, k, v = (torch.randn(1, 2, n, 16, generator=g) for n in (T, 40, 40))
+    q[0, 0, T - 1, 3] = float("nan")  # head 0: its last query
+    k[0, 1, 5, 0] = float("nan")  # head 1: a key every query sees
+    lens = torch.tensor([40])
+    got = ops.registry.extension.verify_attention_isa(q, k, v, lens, 0.25, isa, invariant)
+    want = naive_attention(q, k, v, lens, 0.25)
+    assert torch.equal(got.isnan(), want.isnan()) and want.isnan().any()
+
+
+@needs_cpp
 @pytest.mark.parametrize("T", [1, 8])  # one query at a time; the 16-lane path
 def test_a_row_does_not_depend_on_the_batch(T):
     torch.manual_seed(0)
