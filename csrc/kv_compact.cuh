@@ -46,7 +46,8 @@ struct CompactSlice {
     start = a.dst_start[b * a.dst_s];
   }
   __device__ __forceinline__ void require_in_cache(const KvCompactArgs& a) const {
-    SWIFTKERN_DEVICE_REQUIRE(n >= 0 && n <= a.M && start >= 0 && start + n <= a.S,
+    // a row that moves nothing may name any start (the reference and the CPU kernel skip it)
+    SWIFTKERN_DEVICE_REQUIRE(n >= 0 && n <= a.M && (n == 0 || (start >= 0 && start + n <= a.S)),
                              "kv_compact: row %lld moves counts = %lld entries to [%lld, %lld), outside the "
                              "cache (S = %lld) or more than M = %lld\n",
                              static_cast<long long>(b), static_cast<long long>(n), static_cast<long long>(start),

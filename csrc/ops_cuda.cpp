@@ -194,6 +194,10 @@ void kv_compact_cuda(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& s
                       {{"k_cache", &k_cache}, {"v_cache", &v_cache}, {"src_positions", &src_positions},
                        {"dst_start", &dst_start}, {"counts", &counts}});
   const DeviceGuard guard(k_cache.device());
+  if (src_positions.size(1) == 0) {  // no kernel runs to check the counts: every one must be 0 (a sync, M = 0 only)
+    TORCH_CHECK(counts.numel() == 0 || counts.eq(0).all().item<bool>(),
+                "kv_compact: src_positions has M = 0 columns, so every counts[b] must be 0, got ", counts.cpu());
+  }
   cuda::KvCompactArgs a{k_cache.data_ptr(), v_cache.data_ptr(), static_cast<int64_t>(k_cache.element_size()),
                         k_cache.size(0), k_cache.size(1), k_cache.size(2), k_cache.size(3), k_cache.size(4),
                         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),

@@ -256,7 +256,7 @@ def test_kv_compact_matches_reference(kernels, L, B, H, D, M, dtype, data):
     for _ in range(B):
         n = data.draw(st.integers(0, M))
         src.append([data.draw(st.integers(0, S - 1)) for _ in range(M)])
-        dst.append(data.draw(st.integers(0, S - n)))
+        dst.append(data.draw(st.integers(0, S - n) if n else st.integers(-3, S + 3)))  # n = 0: any start, a no-op
         counts.append(n)
     src = torch.tensor(src, dtype=torch.int64).reshape(B, M)
     dst, counts = torch.tensor(dst), torch.tensor(counts, dtype=torch.int32)
@@ -269,6 +269,17 @@ def test_kv_compact_matches_reference(kernels, L, B, H, D, M, dtype, data):
         ck, cv = (torch.cat([t, t], dim=3)[:, :, :, :S] for t in (ck, cv))
     kernels.ops.kv_compact(ck, cv, src.to(dev), dst.to(dev), counts.to(dev))
     assert torch.equal(ck.cpu(), want_k) and torch.equal(cv.cpu(), want_v)
+
+
+def test_kv_compact_with_no_columns_refuses_a_count(kernels):
+    """M = 0: no kernel runs, so nothing checked counts on the device and a count of 2 moved
+    nothing, silently (the CPU kernel and the reference refuse it)."""
+    k = torch.zeros(1, 2, 1, 4, 2, device=kernels.device)
+    src = torch.zeros(2, 0, dtype=torch.int64, device=kernels.device)
+    dst, counts = torch.zeros(2, dtype=torch.int64, device=kernels.device), torch.tensor([0, 2], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=r"counts\[1\] = 2|every counts\[b\] must be 0"):
+        kernels.ops.kv_compact(k, k.clone(), src, dst, counts.to(kernels.device))
+    kernels.ops.kv_compact(k, k.clone(), src, dst, torch.zeros(2, dtype=torch.int32, device=kernels.device))
 
 
 @pytest.mark.parametrize("M", [16, 17])
