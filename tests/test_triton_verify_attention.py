@@ -110,6 +110,25 @@ def test_decode_rows_of_length_one_and_wrapper_hints():
     assert got.transpose(1, 2).is_contiguous()
 
 
+@pytest.mark.parametrize("invariant", [False, True])
+def test_lengths_given_as_a_strided_or_expanded_view(invariant):
+    """cache_lens as a column of a [B, 2] table and as one length expanded to B rows: the kernel
+    read it as contiguous, so rows took another row's (or past the table's) value as their
+    length, and a length past S reads keys outside the cache."""
+    lens = [5, 9, 12]
+    q, k, v, cache_lens, stale = case(lens, 9, 3, 1, 64, 16, torch.float32, 4)
+    run = launch_invariant if invariant else launch
+    table = torch.stack([cache_lens, torch.full_like(cache_lens, 99)], dim=1)  # [B, 2]
+    with poisoned():
+        got = run(q, k, v, table[:, 0], 0.125)
+    assert_close("verify_attention", got, want(q, k, v, cache_lens, stale, 0.125))
+    same = torch.tensor([12], dtype=torch.int64, device=DEVICE).expand(3)  # stride 0
+    _, k2, v2, _, stale2 = case([12] * 3, 9, 3, 1, 64, 16, torch.float32, 4)
+    with poisoned():
+        got = run(q, k2, v2, same, 0.125)
+    assert_close("verify_attention", got, want(q, k2, v2, same.contiguous(), stale2, 0.125))
+
+
 def test_opcheck():
     q, k, v, cache_lens, stale = case([3, 7], 9, 3, 2, 64, 8, torch.bfloat16, 3)
     k, v = k.masked_fill(stale, 0.0), v.masked_fill(stale, 0.0)

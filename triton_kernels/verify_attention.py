@@ -28,7 +28,7 @@ def _verify_attention_kernel(
     q_ptr, sq_b, sq_h, sq_t, sq_d,  # [B, Hq, T, D]
     k_ptr, sk_b, sk_h, sk_s, sk_d,  # [B, Hkv, S, D]
     v_ptr, sv_b, sv_h, sv_s, sv_d,  # [B, Hkv, S, D]
-    lens_ptr,  # int64 [B], including the T new tokens
+    lens_ptr, s_lens,  # int64 [B], including the T new tokens (any stride: a view, an expand)
     out_ptr, so_b, so_h, so_t, so_d,  # [B, Hq, T, D] (one split only)
     mid_o_ptr,  # float32 [B, Hq, T, SPLITS, D] (several splits only)
     mid_lse_ptr,  # float32 [B, Hq, T, SPLITS]
@@ -43,7 +43,7 @@ def _verify_attention_kernel(
     row_ok = rows < GROUP * T
     t = rows // GROUP
     h = kvh * GROUP + rows % GROUP
-    length = tl.load(lens_ptr + b).to(tl.int32)
+    length = tl.load(lens_ptr + b * s_lens).to(tl.int32)
     limit = tl.where(row_ok, length - T + t + 1, 0)  # [BLOCK_M] keys < limit are visible
     lo = tl.program_id(2) * CHUNK
     chunk_end = lo + CHUNK
@@ -164,7 +164,7 @@ def verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         mid_o = mid_lse = out  # unused
     grid = (B * Hkv, plan.m_blocks, plan.splits)
     _verify_attention_kernel[grid](
-        q, *q.stride(), k_cache, *k_cache.stride(), v_cache, *v_cache.stride(), cache_lens,
+        q, *q.stride(), k_cache, *k_cache.stride(), v_cache, *v_cache.stride(), cache_lens, cache_lens.stride(0),
         out, *out.stride(), mid_o, mid_lse,
         float(scale) * math.log2(math.e), T, group, Hkv, Hq, D, plan.chunk, plan.splits,
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d, SPLIT=split, FP32_DOT=fp32_dot,
