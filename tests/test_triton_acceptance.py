@@ -189,6 +189,45 @@ def test_rejection_exact_cases():
     assert out.cpu().tolist() == [[0, -1]]
 
 
+@pytest.mark.parametrize("sms", [None, 132], ids=["this-device", "h100-plan"])
+def test_rejection_never_draws_a_token_of_weight_zero(sms):
+    """The draw compared a block's in-order scan with its tree-summed total (and the chunk's):
+    when the two rounded to either side of the threshold, no token of that block crossed, and
+    the next block's first token was taken at weight 0. Row: p[0] = 1, p[2] = p[3] = 2^-53,
+    p[BLOCK + 1] = 1, u = 0.5 (the reference's sequential sums: token BLOCK + 1)."""
+    import contextlib
+
+    from swiftkern.triton_kernels.launch import gpu_launch_plans, vocab_plan
+
+    V = 49152
+    with gpu_launch_plans(sms) if sms else contextlib.nullcontext():
+        block = vocab_plan(1, V, torch.device(DEVICE)).block
+        p = torch.zeros(1, 1, V)
+        p[0, 0, 0] = p[0, 0, block + 1] = 1.0
+        p[0, 0, 2] = p[0, 0, 3] = 2.0 ** -53
+        args = (torch.zeros(1, 0, dtype=torch.int64), None, p, torch.zeros(1, dtype=torch.int32), torch.zeros(1, 0),
+                torch.tensor([[0.5]]))
+        out, _ = rejection_launch(*on(*args))
+    assert out.cpu().tolist() == reference.rejection_sample(*args)[0].tolist() == [[block + 1]]
+
+
+@pytest.mark.parametrize("with_q", [False, True])
+def test_rejection_keeps_a_nan_of_the_residual_as_the_reference(with_q):
+    """A NaN probability at the rejected position: max(p - q, 0) dropped it (maxnum) and drew
+    from the rest; the reference's clamp keeps it, the residual's sum is NaN, and the draw falls
+    back to p (whose NaN leaves no crossing: token V - 1), as the C++ kernel does."""
+    V = 8
+    p = torch.full((1, 2, V), 1.0 / V)
+    p[0, 0, 5] = float("nan")
+    q = torch.full((1, 1, V), 0.1 / 7)
+    q[0, 0, 3] = 0.9
+    args = (torch.tensor([[3]]), q if with_q else None, p, torch.tensor([1], dtype=torch.int32),
+            torch.tensor([[0.99]]), torch.tensor([[0.0, 0.0]]))
+    out, acc = rejection_launch(*on(*args))
+    want, want_acc = reference.rejection_sample(*args)
+    assert out.cpu().tolist() == want.tolist() and acc.cpu().tolist() == want_acc.tolist()
+
+
 def test_rejection_registered_op_and_wrapper():
     g = torch.Generator().manual_seed(5)
     target, q = probs((3, 4, 1000), g), probs((3, 3, 1000), g)

@@ -47,7 +47,7 @@ def _weights(p_row, q_row, x_star, offs, V, rejected, use_residual, HAS_Q: tl.co
         q = tl.load(q_row + offs, mask=tl.where(rejected, offs < V, False), other=0.0).to(tl.float64)
     else:
         q = tl.where(offs == x_star, 1.0, 0.0).to(tl.float64)
-    residual = tl.maximum(p - q, 0.0)
+    residual = tl.maximum(p - q, 0.0, propagate_nan=tl.PropagateNan.ALL)  # NaN kept, as the reference's clamp
     return p, tl.where(use_residual, residual, p)
 
 
@@ -106,25 +106,33 @@ def _draw_kernel(
     p_sums = tl.load(p_sum_ptr + b * SPLITS + sp, mask=sp < SPLITS, other=0.0)
     use_residual = rejected & (tl.sum(res_sums, axis=0) > 0.0)
     sums = tl.where(use_residual, res_sums, p_sums)  # [BLOCK_S] float64
-    thresh = tl.load(u_smp_ptr + b * sus_b + j_star).to(tl.float64) * tl.sum(sums, axis=0)
+    # the threshold, the crossing chunk and the mass before it all from one scan of the chunk
+    # sums, so a positive total always has a crossing (u < 1); NaN or 0: none, token V - 1
     cum = tl.cumsum(sums, axis=0)
+    total = tl.sum(tl.where(sp == SPLITS - 1, cum, 0.0), axis=0)
+    thresh = tl.load(u_smp_ptr + b * sus_b + j_star).to(tl.float64) * total
     chunk = tl.min(tl.where((cum > thresh) & (sp < SPLITS), sp, _NONE), axis=0)
     found = chunk != _NONE
-    carry = tl.sum(tl.where(sp < chunk, sums, 0.0), axis=0)  # mass before the crossing chunk
+    carry = tl.sum(tl.where(sp == chunk - 1, cum, 0.0), axis=0)  # mass before the crossing chunk
 
     p_row = p_ptr + b * sp_b + j_star * sp_j
     q_row = q_ptr + b * sq_b + j_star * sq_j
     token = tl.full([], _NONE, tl.int32)
+    last = tl.full([], -1, tl.int32)  # the chunk's last token of positive weight so far
     lo = tl.where(found, chunk, 0) * CHUNK
     hi = tl.where(found, tl.minimum(lo + CHUNK, V), lo)
     for start in range(lo, hi, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         _, w = _weights(p_row, q_row, x_star, offs, V, rejected, use_residual, HAS_Q)
         cdf = carry + tl.cumsum(w, axis=0)
-        here = tl.min(tl.where((cdf > thresh) & (offs < V), offs, _NONE), axis=0)
+        # a token of weight 0 is never the first to cross (in exact sums the one before it did)
+        here = tl.min(tl.where((cdf > thresh) & (w > 0.0) & (offs < V), offs, _NONE), axis=0)
         token = tl.minimum(token, here)
-        carry += tl.sum(w, axis=0)
-    token = tl.where(token == _NONE, V - 1, token).to(tl.int64)  # rounding left no crossing
+        last = tl.maximum(last, tl.max(tl.where((w > 0.0) & (offs < V), offs, -1), axis=0))
+        carry = tl.max(cdf, axis=0)  # the scan's own total (w >= 0: cdf does not decrease)
+    # the chunk's block sums and this scan round apart: no crossing in it -> its last token of
+    # positive weight (the crossing within rounding); no chunk at all (total 0 or NaN) -> V - 1
+    token = tl.where(token == _NONE, tl.where(last >= 0, last, V - 1), token).to(tl.int64)
 
     j = tl.arange(0, BLOCK_K1)
     draft = tl.load(draft_ptr + b * sd_b + j, mask=j < K, other=-1)
