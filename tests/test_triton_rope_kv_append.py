@@ -101,3 +101,23 @@ def test_bad_input_is_refused():
                            cache[1, ..., :3], positions)
     with pytest.raises(SwiftkernError, match="int64"):
         ops.rope_kv_append(q, k, v, cos, sin, cache[0], cache[1], positions.int())
+
+
+def test_the_launcher_refuses_mixed_dtypes():
+    """The model runner calls the launcher unchecked (``ops.unchecked``): bf16 q with float32
+    cos and sin came back bf16 with the products rounded, where the reference gives float32."""
+    from swiftkern.triton_kernels.rope_kv_append import rope_kv_append as launch
+
+    q, k, v, cos, sin, cache, positions = case(1, 2, 1, 2, 8, 4, [0], torch.bfloat16, 5)
+    with pytest.raises(SwiftkernError, match="must share one dtype"):
+        launch(q, k, v, cos.float(), sin.float(), cache[0], cache[1], positions)
+
+
+def test_keys_and_values_are_written_with_no_query_heads():
+    """Hq = 0 (the wrapper takes it): the launcher returned before the launch, so k and v never
+    reached the cache, which the reference and the C++ kernel write."""
+    q, k, v, cos, sin, cache, positions = case(1, 0, 1, 2, 8, 4, [1], torch.float32, 6)
+    with backend("triton"):
+        got = ops.rope_kv_append(q, k, v, cos, sin, cache[0], cache[1], positions)
+    assert got.shape == q.shape
+    assert torch.equal(cache[1, :, :, 1:3], v) and not cache[0, :, :, 1:3].isnan().any()
