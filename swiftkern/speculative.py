@@ -280,9 +280,6 @@ def decode_self_spec(model: SkipModel, cache: KVCache, first_logits: torch.Tenso
             r = alive[i]
             used = choices[i].drafter if num_draft[i] else "none"
             stats["drafter_steps"][used] += 1
-            for counts in (stats, per_row[r]):
-                counts["drafted"] += num_draft[i]
-                counts["accepted"] += num_accepted[i]
             per_row[r]["verifies"] += 1
             if used == "layer-skip":
                 policy.update(num_accepted[i], num_draft[i])
@@ -293,8 +290,11 @@ def decode_self_spec(model: SkipModel, cache: KVCache, first_logits: torch.Tenso
             committed = row[: num_accepted[i] + 1]
             before = len(requests.out[r])
             requests.commit(r, committed)
+            n = len(requests.out[r]) - before  # a stop inside the accepted drafts cuts the rest
+            for counts in (stats, per_row[r]):  # the stats count what reached the output
+                counts["drafted"] += num_draft[i]
+                counts["accepted"] += min(num_accepted[i], n)
             if logprobs is not None:
-                n = len(requests.out[r]) - before
                 logprobs[r].append(bi_token_logprob(logits[i, :n], out_tokens[i, :n]))
             if draft_head is not None:
                 draft_head.add(committed)

@@ -211,6 +211,19 @@ def test_bad_configuration_is_refused():
         Generator(hf, mode="self-spec", drafter="layer-skip", layer_set="attn:9")
 
 
+def test_accepted_drafts_cut_by_a_stop_are_not_counted():
+    """A stop token inside an accepted run ends the output there: the drafts the verifier
+    accepted after it never reach the output, and counting them made mean_accepted 8 for an
+    output of 3 tokens."""
+    hf, _ = model("llama")
+    gen = Generator(hf, mode="self-spec", drafter="layer-skip", layer_set="none", eps=0.0, k_max=8)
+    free = gen.generate([PROMPTS[0]], max_new_tokens=12, eos_token_id=[]).tokens[0]
+    out = gen.generate([PROMPTS[0]], max_new_tokens=12, eos_token_id=free[2])  # the empty set: all accepted
+    assert out.tokens[0] == free[:free.index(free[2]) + 1]
+    s = out.stats
+    assert s["accepted"] <= s["new_tokens"] - 1 and s["accepted"] == out.request_stats[0]["accepted"]
+
+
 def test_per_request_stats_add_up():
     hf, _ = model("llama")
     out = Generator(hf, mode="self-spec", drafter="layer-skip", layer_set="attn:2|mlp:3", k_max=4, eps=0.0).generate(
