@@ -190,8 +190,10 @@ def decode_deterministic(model: SkipModel, cache: KVCache, prompts: list[list[in
 
     stats["prefill_passes"] = 0
     start = list(requests.alive)
+    t0 = time.perf_counter()
     rows = _prefill_rows(model, verifier, cache, start, list(range(len(start))), prompts, params, seeds, verified,
                          requests, logprobs, fast_path, stats, batched=True)
+    stats["prefill_s"] = time.perf_counter() - t0  # the first tokens' draw has waited for the device
     rows = _drop_finished(requests, cache, rows)
     while True:
         due, new_rows = requests.admit(cache)  # arrivals: new rows after the alive ones

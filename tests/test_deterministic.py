@@ -625,3 +625,21 @@ def test_cli_deterministic_json(smollm2, capsys, monkeypatch):
                          "--max-new-tokens", "10", "--json"]) == 0
         plain = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert plain["tokens"] == rec["tokens"] and plain["stats"]["verify_passes"] == 0
+
+
+def test_the_replays_prefill_is_timed_as_prefill(monkeypatch):
+    """With the replay the prompts prefill through the verifier, inside decoding: prefill_s was
+    ~0 and the prefill's time went to decode_s (and decode_tokens_per_s)."""
+    import time
+
+    tiny = SkipModel.from_hf(tiny_model("llama"))
+    slow = Verifier.prefill
+
+    def prefill_slowly(self, *args, **kwargs):
+        time.sleep(0.3)
+        return slow(self, *args, **kwargs)
+
+    monkeypatch.setattr(Verifier, "prefill", prefill_slowly)
+    out = Generator(tiny, mode="deterministic", replay="always", window=4).generate([[5, 6, 7]], max_new_tokens=3,
+                                                                                    eos_token_id=[])
+    assert out.stats["prefill_s"] >= 0.3
