@@ -330,6 +330,8 @@ class Generator:
     def _check_arrivals(self, arrive_at, n: int) -> list[int] | None:
         if arrive_at is None:
             return None
+        if not isinstance(arrive_at, (list, tuple)):
+            raise SwiftkernError(f"arrive_at: a list of one step per prompt ({n}), got {arrive_at!r}")
         arrive_at = list(arrive_at)
         if len(arrive_at) != n or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in arrive_at) or 0 not in arrive_at:
             raise SwiftkernError(f"arrive_at: one step >= 0 per prompt ({n}), at least one 0; got {arrive_at}")
@@ -348,8 +350,10 @@ class Generator:
         return frozenset(stops + [int(t) for t in eos])
 
     def _stop_check(self, stop: str | list[str] | None):
-        if not stop:
+        if stop is None or (isinstance(stop, (list, tuple)) and not stop):
             return None
+        if not isinstance(stop, (str, list, tuple)) or stop == "":
+            raise SwiftkernError(f"stop must be a non-empty string or a list of them, got {stop!r}")
         stop = [stop] if isinstance(stop, str) else list(stop)  # a str is one stop string, not its characters
         if not all(isinstance(s, str) and s for s in stop):
             raise SwiftkernError(f"stop must be a non-empty string or a list of them, got {stop!r}")

@@ -156,6 +156,11 @@ def test_bad_inputs_are_refused():
             gen.generate([[1]], do_sample=True, temperature=tiny_temperature)
     with pytest.raises(SwiftkernError, match="top_p"):
         gen.generate([[1]], do_sample=True, top_p=1.5)
+    for stop in (5, 3.5, ""):  # a TypeError from list(5), or no stop at all for ""
+        with pytest.raises(SwiftkernError, match="stop must be a non-empty string"):
+            gen.generate([[1]], stop=stop)
+    with pytest.raises(SwiftkernError, match="arrive_at: a list"):
+        gen.generate([[1]], arrive_at=0)
     with pytest.raises(SwiftkernError, match="unknown mode"):
         Generator(tiny_model("llama"), mode="warp")
 

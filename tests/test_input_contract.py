@@ -38,7 +38,7 @@ BAD = dict(
     chat=["yes", None, 1], do_sample=["yes", None, 1],
     layer_set=["attn:9", "mlp:a", "attn:1|attn:2", "foo", "attn:-1", "attn:0,1,2,3|mlp:0,1,2,3", 3, ["attn:1"]],
     prompts=[[], [[]], "", [""], [[5] * 600], [[1.0, 2.0]], [[3, None]], [[V]], [[-1]], 5, None],
-    deterministic=["yes", None, [True] * 7], arrive_at=[[1] * 7, [-1] * 7, [1.5] * 7, "0", [0, None]],
+    deterministic=["yes", None, [True] * 7], arrive_at=[[1] * 7, [-1] * 7, [1.5] * 7, "0", [0, None], 0],
     streamer=["x", 3], search_options=[{"bogus": 1}, "x", {"window": 0}, {"skip_ratio": 0.3}],
 )
 GENERATOR_ARGS = ("k_max", "eps", "draft_vocab", "window", "verify_batch", "skip_ratio", "replay",
