@@ -184,15 +184,27 @@ REQUEST_OPTIONS = ("seed", "max_new_tokens", "max_tokens", "temperature", "top_k
                    "stop", "stop_token_ids", "eos_token_id", "deterministic", "mode", "chat")
 
 
+def _lines(f, path: str):
+    """(line number, line) of a file opened in binary, each line decoded as UTF-8 (a line that
+    is not: refused with its number)."""
+    for n, raw in enumerate(f, 1):
+        try:
+            yield n, raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise SwiftkernError(f"{path}:{n}: not UTF-8 text; save the prompt file as UTF-8") from None
+
+
 def read_prompt_records(path: str) -> tuple[list[str], list[int] | None]:
     """(prompts, arrive_at) from a JSONL file of {"prompt": "..."} objects (or "text"), each
     with an optional "arrive_at": the decoding step at which it joins the batch (0 when left
     out); arrive_at is None when no line has one."""
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise SwiftkernError(f"prompt file {path!r} does not exist")
+    if not os.path.isfile(path):
+        raise SwiftkernError(f"prompt file {path!r} is not a file (a directory?); give a JSONL file")
     prompts, arrive_at = [], []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for n, line in _lines(f, path):
             if not line.strip():
                 continue
             try:

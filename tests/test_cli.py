@@ -37,6 +37,12 @@ def test_malformed_jsonl(tmp_path, capsys):
     f.write_text('{"prompt": "ok"}\nnot json\n')
     assert cli.main(["generate", "--prompt-file", str(f)]) == 2
     assert cli.main(["generate", "--prompt-file", str(tmp_path / "missing.jsonl")]) == 2
+    capsys.readouterr()
+    f.write_bytes('{"prompt": "ok"}\n{"prompt": "caf\u00e9"}\n'.encode("latin-1"))  # a traceback before
+    assert cli.main(["generate", "--prompt-file", str(f)]) == 2
+    assert "p.jsonl:2: not UTF-8" in capsys.readouterr().err
+    assert cli.main(["generate", "--prompt-file", str(tmp_path)]) == 2  # was "does not exist"
+    assert "is not a file" in capsys.readouterr().err
 
 
 def test_a_generation_option_in_a_prompt_file_is_refused_not_ignored(tmp_path):
