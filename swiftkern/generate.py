@@ -210,6 +210,9 @@ class Generator:
         if not (skip_ratio == "auto" or (isinstance(skip_ratio, (int, float)) and 0 < skip_ratio < 1)):
             raise SwiftkernError(f"skip_ratio must be 'auto' or in (0, 1), got {skip_ratio!r}")
         self.skip_ratio = skip_ratio
+        if skip_ratio != "auto" and not self.auto_layer_set:
+            raise SwiftkernError(f"skip_ratio is the search's (layer_set='auto'); with layer_set {layer_set!r} it "
+                                 "would be ignored: leave it out")
         self.search_options = tuner_options(search_options)
         if self.search_options and not self.auto_layer_set:
             raise SwiftkernError("search_options are for the search of layer_set='auto'; leave them out here")

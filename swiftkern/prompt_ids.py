@@ -42,6 +42,9 @@ def _prompt_ids(p, i: int, tokenizer, vocab_size: int, chat: bool) -> list[int]:
             ids = tokenizer(p)["input_ids"]
         ids = list(ids)
     elif isinstance(p, (list, tuple)):
+        if chat:
+            raise SwiftkernError(f"chat applies the tokenizer's chat template to text; prompt {i} is token ids, "
+                                 "used as given: leave chat off, or pass the text")
         if not all(is_integer(t) for t in p):
             wrong = next(t for t in p if not is_integer(t))
             raise SwiftkernError(f"prompt {i} must be text or integer token ids, got {wrong!r} "

@@ -161,6 +161,10 @@ def test_bad_inputs_are_refused():
             gen.generate([[1]], stop=stop)
     with pytest.raises(SwiftkernError, match="arrive_at: a list"):
         gen.generate([[1]], arrive_at=0)
+    with pytest.raises(SwiftkernError, match="chat applies the tokenizer's chat template to text"):
+        gen.generate([[1, 2]], chat=True)  # was ignored: the ids ran without a template
+    with pytest.raises(SwiftkernError, match="skip_ratio is the search's"):
+        Generator(tiny_model("llama"), mode="self-spec", layer_set="mlp:1", skip_ratio=0.3)
     with pytest.raises(SwiftkernError, match="unknown mode"):
         Generator(tiny_model("llama"), mode="warp")
 

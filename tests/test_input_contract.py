@@ -79,6 +79,8 @@ def test_any_generator_input_runs_or_is_refused_with_a_swiftkern_error(llama, da
     for name in ("replay", "verifier_kernels"):  # mode deterministic's options: refused in another mode
         if init["mode"] != "deterministic" and name != spoiled:
             init[name] = "auto"
+    if init["layer_set"] != "auto" and spoiled != "skip_ratio":  # the search's: refused without it
+        init["skip_ratio"] = "auto"
     if spoiled == "layer_set":
         init["layer_set"] = draw(st.sampled_from(BAD["layer_set"]))
     n = draw(st.integers(1, 3))
