@@ -17,6 +17,7 @@ from .kv_cache import KVCache
 from .layer_set import LayerSet
 from .packed_weights import PackedSet
 from .rope_table import RopeTable
+from .transient import transient
 
 SUPPORTED_MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
@@ -71,7 +72,7 @@ class SkipModel:
     def __init__(self, hf_model, pack_weights: bool | None = None):
         _check_supported(hf_model)
         cfg = hf_model.config
-        self.hf_model = hf_model.eval()
+        self.hf_model = hf_model  # its mode left as it is: the runner has no dropout, HF's generate leaves it too
         self.config = cfg
         self.num_layers = cfg.num_hidden_layers
         self.num_heads = cfg.num_attention_heads
@@ -122,11 +123,11 @@ class SkipModel:
                                      "with the C++ extension built (SWIFTKERN_BACKEND auto or cpp)")
             return None
         weights = self._stack_weights + [self.lm_head]
-        shared = getattr(self.hf_model, "_swiftkern_packed", None)  # packed once per HF model
+        state = transient(self.hf_model)
+        shared = state.get("packed")  # packed once per HF model
         if shared is None or len(shared.weights) != len(weights) or any(
                 a is not b for a, b in zip(shared.weights, weights)):
-            shared = PackedSet(weights)
-            self.hf_model._swiftkern_packed = shared
+            shared = state["packed"] = PackedSet(weights)
         return shared if shared.count else None
 
     def _reads_packed(self, kern: LayerKernels, rows: int) -> bool:

@@ -105,10 +105,17 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
     return (scale * codes + offset).reshape(N, B * BLOCK)
 
 
+def _version(w) -> tuple | None:
+    """What a packed copy of ``w`` is current for: an in-place change moves ``_version``, a new
+    storage (``param.data = ...``, ``.to()`` and back) moves the address (and not the version)."""
+    return None if w is None else (w._version, w.data_ptr())
+
+
 class PackedSet:
     """Packed copies of a list of weights (None where a weight is absent or does not pack),
-    kept current: a weight changed in place since it was packed (its ``_version`` moved) is
-    packed again before the list is handed out, so a stale copy is never read.
+    kept current: a weight changed in place since it was packed (its ``_version`` moved) or given
+    new storage (``param.data = ...``) is packed again before the list is handed out, so a stale
+    copy is never read.
 
     ``PackedSet(weights)``; ``slots()`` -> list aligned with ``weights``; ``slot(i)``: one of
     them (checking that weight alone); ``count``: how many packed."""
@@ -116,7 +123,7 @@ class PackedSet:
     def __init__(self, weights: list):
         self.weights = weights
         self._packed = [self._pack(w) for w in weights]
-        self._versions = [w._version if w is not None else None for w in weights]
+        self._versions = [_version(w) for w in weights]
 
     @staticmethod
     def _pack(w):
@@ -124,13 +131,13 @@ class PackedSet:
 
     def slot(self, i: int) -> torch.Tensor | None:
         w = self.weights[i]
-        if w is not None and w._version != self._versions[i]:
+        if w is not None and _version(w) != self._versions[i]:
             self._packed[i] = self._pack(w)
-            self._versions[i] = w._version
+            self._versions[i] = _version(w)
         return self._packed[i]
 
     def slots(self) -> list:
-        versions = [w._version if w is not None else None for w in self.weights]  # one pass: a forward's hot path
+        versions = [_version(w) for w in self.weights]  # one pass: a forward's hot path
         if versions != self._versions:
             for i in range(len(self.weights)):
                 self.slot(i)

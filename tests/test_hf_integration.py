@@ -10,6 +10,7 @@ import swiftkern
 from swiftkern.errors import SwiftkernError
 from swiftkern.integrations import compat
 from swiftkern.integrations.transformers import _refusals, generate as swift_generate
+from swiftkern.transient import transient
 
 from conftest import tiny_model
 
@@ -305,14 +306,37 @@ def test_the_generator_is_kept_across_calls_with_the_same_options(llama):
               drafter="lookup", k_max=4)
     want = _hf(llama, ids, max_new_tokens=12, do_sample=False)
     first = _hf(llama, ids, **kw)
-    kept = dict(llama._swiftkern_generators)
+    kept = dict(transient(llama)["generators"])
     gen = next(g for (mode, opts), g in kept.items() if mode == "self-spec" and "'lookup'" in opts and "4)" in opts)
     assert gen._drafter_costs and 1 in gen._drafter_costs and gen._drafter_costs[1].known()
     second = _hf(llama, ids, **kw)
     assert torch.equal(first, want) and torch.equal(second, want)
-    assert llama._swiftkern_generators == kept  # the same Generator, no new one
+    assert transient(llama)["generators"] == kept  # the same Generator, no new one
     _hf(llama, ids, **dict(kw, k_max=3))
-    assert len(llama._swiftkern_generators) == len(kept) + 1  # other options: another Generator
+    assert len(transient(llama)["generators"]) == len(kept) + 1  # other options: another Generator
     sampled = [_hf(llama, ids, **dict(kw, do_sample=True, temperature=0.9, seed=3)) for _ in range(2)]
     assert torch.equal(sampled[0], sampled[1])  # sampling: a new Generator each call, same seed same tokens
-    assert len(llama._swiftkern_generators) == len(kept) + 1
+    assert len(transient(llama)["generators"]) == len(kept) + 1
+
+
+def test_a_changed_model_gets_a_new_generator_and_copies_carry_none(llama):
+    """The kept Generator read the parameters of its first call: after a load with assign=True
+    it returned the old weights' tokens, after resize_token_embeddings it refused the new ids,
+    after .to(bfloat16) it failed; and once kept, the model could not be deep-copied or saved
+    (a Generator holds a lock). A call also left a training model in eval mode."""
+    import copy
+    import io
+
+    hf = tiny_model("llama", seed=11)
+    ids = torch.tensor(PROMPT)
+    kw = dict(max_new_tokens=8, do_sample=False)
+    _hf(hf, ids, custom_generate=swift_generate, **kw)
+    other = tiny_model("llama", seed=12)
+    hf.load_state_dict(other.state_dict(), assign=True)
+    assert torch.equal(_hf(hf, ids, custom_generate=swift_generate, **kw), _hf(other, ids, **kw))
+    copy.deepcopy(hf)
+    torch.save(hf, io.BytesIO())
+    assert transient(copy.deepcopy(hf)) == {}
+    hf.train()
+    _hf(hf, ids, custom_generate=swift_generate, **kw)
+    assert hf.training

@@ -137,6 +137,10 @@ def test_packed_set_repacks_a_weight_changed_in_place():
     assert bitwise_equal(unpack(packed.slots()[0]), b)
     weights[0].add_(torch.randn(6, 64))  # no longer codes times a scale: not read packed
     assert packed.slots()[0] is None
+    param = torch.nn.Parameter(a.clone(), requires_grad=False)
+    packed = PackedSet([param])
+    param.data = b.clone()  # new storage, the same _version: the old codes were read on
+    assert bitwise_equal(unpack(packed.slots()[0]), b)
 
 
 def gguf_like(hf):

@@ -19,6 +19,7 @@ from ..arg_checks import whole
 from ..errors import SwiftkernError
 from ..generate import Generator
 from ..sampling import SEED_RANGE
+from ..transient import transient, weights_key
 from . import compat
 
 # logits processors whose effect the Generator reproduces (HF's order: temperature, top-k, top-p)
@@ -149,7 +150,8 @@ def _generator_options(swift_kwargs, **named) -> dict:
 
 def _generator_for(model, swift_mode: str, options: dict, keep: bool) -> Generator:
     """The Generator for ``model`` with this mode and these options. keep: made on the first
-    call and kept on the model (``model._swiftkern_generators``), so that what it learns while
+    call and kept on the model (``transient.transient(model)``, for as long as its parameters are
+    the same objects, storage and dtype: ``transient.weights_key``), so that what it learns while
     generating, the layer set it searched and the drafter policy's timed costs, carries over to
     the next greedy ``model.generate`` with the same options, as it does for a Generator a caller
     keeps (a new one per call searched again, and timed again, every time). Sampling takes a new
@@ -157,9 +159,11 @@ def _generator_for(model, swift_mode: str, options: dict, keep: bool) -> Generat
     distribution), so a seed gives the same tokens on every call only from the same start."""
     if not keep:
         return Generator(model, mode=swift_mode, **options)
-    kept = getattr(model, "_swiftkern_generators", None)
-    if kept is None:
-        kept = model._swiftkern_generators = {}
+    state = transient(model)
+    weights = weights_key(model)
+    if state.get("generators_for") != weights:  # new parameters, storage or dtype: the kept ones read the old
+        state["generators"], state["generators_for"] = {}, weights
+    kept = state["generators"]
     key = (swift_mode, repr(sorted(options.items())))
     if key not in kept:
         kept[key] = Generator(model, mode=swift_mode, **options)
