@@ -53,6 +53,34 @@ def test_patched_model_matches_unpatched(arch, dtype, level, spy):
     assert torch.equal(_logits(model, ids), want)  # undone
 
 
+@pytest.mark.parametrize("backend", ["cpp", "triton", "reference"])
+def test_a_patched_model_trains_with_the_unpatched_gradients(backend, spy):
+    """The kernels compute forward only: a patched model's loss.backward() ran and only the LM
+    head got a gradient (1 of 39 parameters). Now every parameter's gradient is HF's own."""
+    from triton_cases import backend as use_backend
+
+    model = tiny_model("llama", seed=4).train()
+    ids = torch.randint(3, 300, (2, 11))
+
+    def grads():
+        model.zero_grad()
+        model(ids, labels=ids).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want = grads()
+    patch = swiftkern.apply_swiftkern_to_llama(model=model)
+    try:
+        with use_backend(backend):
+            got = grads()
+    finally:
+        patch.undo()
+    assert spy["rms_norm"] and spy["silu_mul"]
+    assert got.keys() == want.keys() and len(want) == len(list(model.parameters()))
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-5 * want[name].abs().max().item(), rtol=1e-4,
+                                   msg=name)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hidden", [111, 64])
 def test_modules_on_odd_shapes(dtype, hidden):

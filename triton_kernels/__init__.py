@@ -26,6 +26,7 @@ from . import silu_mul as _silu
 from . import verify_attention as _attention
 from .launch import interpreting
 from .registry import register, registered
+from swiftkern.ops.autograd import register_autograd  # noqa: E402
 
 # op -> (implementation, fake); the schemas are swiftkern.ops.registry.SCHEMAS[op]
 KERNELS = {
@@ -49,5 +50,6 @@ def _register_all() -> None:
 
 
 _register_all()
+register_autograd("swiftkern_triton")  # rms_norm and silu_mul in a patched model that trains
 
 __all__ = ["KERNELS", "interpreting", "register", "registered"]

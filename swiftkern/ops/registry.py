@@ -142,3 +142,7 @@ def _packed_linear_fake(x, packed, bias):
 
 # op -> {"cpu": "cpp" | "reference", "cuda": "cuda" | "reference"}: what torch.ops.swiftkern runs
 COMPILED = {name: _register(name, getattr(reference, name), globals()[f"_{name}_fake"]) for name in SCHEMAS}
+
+from .autograd import register_autograd  # noqa: E402  (needs _STATE above)
+
+register_autograd("swiftkern")
