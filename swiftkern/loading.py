@@ -58,12 +58,18 @@ def _from_pretrained(path: str, dtype):
     else:
         raise SwiftkernError(
             f"unknown model {path!r}: use 'smollm2', a local HF model folder, or a .gguf file")
+    # the model first: a config or weights it cannot read is what the error should name; any
+    # failure inside transformers (a truncated safetensors file, weights of other shapes than
+    # the config's) is said in one line, not as its traceback
+    what = "model"
     try:
-        tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
         gguf = dense_gguf_options() if "gguf_file" in kwargs else {}
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs, **gguf)
-    except (OSError, ValueError, KeyError) as e:
-        raise SwiftkernError(f"could not load {path!r}: {str(e).splitlines()[0]}") from None
+        what = "tokenizer"
+        tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
+    except Exception as e:  # noqa: BLE001 (the boundary of a library that raises many kinds)
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise SwiftkernError(f"could not load the {what} of {path!r}: {type(e).__name__}: {first}") from None
     return model, tokenizer
 
 
@@ -115,8 +121,8 @@ def load_model(model="smollm2", dtype=None, device: str | None = None, pack_weig
         device = check_device(device)
     dtype = _model_dtype(dtype)
     tokenizer = None
-    if isinstance(model, str):
-        path = smollm2_path() if model == "smollm2" else model
+    if isinstance(model, (str, os.PathLike)):
+        path = smollm2_path() if model == "smollm2" else os.fspath(model)
         hf_model, tokenizer = _from_pretrained(path, dtype or torch.float32)
     elif dtype is not None:
         raise SwiftkernError("dtype is for a model loaded from a name or path; convert an HF model object "

@@ -145,6 +145,30 @@ def test_load_model_refuses_a_dtype_it_would_not_use():
     assert tokenizer is None and model.dtype == torch.float32
 
 
+def test_a_damaged_model_folder_is_refused_in_one_line(tmp_path):
+    """A truncated safetensors file and weights of other shapes than the config's came out of
+    load_model as transformers' own tracebacks (the CLI exited 1, not 2); a pathlib.Path folder
+    was refused as an unsupported model; a folder without tokenizer files was named a tokenizer
+    problem even when the model itself could not load."""
+    import json
+
+    import swiftkern
+
+    folder = tmp_path / "tiny"
+    tiny_model("llama").save_pretrained(folder)
+    with pytest.raises(SwiftkernError, match=r"could not load the tokenizer of .*tiny"):
+        swiftkern.load_model(folder)  # a Path: its weights load, the folder has no tokenizer
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(dict(config, intermediate_size=100)))
+    with pytest.raises(SwiftkernError, match=r"could not load the model of .*tiny.*: RuntimeError"):
+        swiftkern.load_model(str(folder))
+    (folder / "config.json").write_text(json.dumps(config))
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(SwiftkernError, match=r"could not load the model of .*tiny"):
+        swiftkern.load_model(str(folder))
+
+
 def test_pack_weights_must_be_a_flag():
     with pytest.raises(SwiftkernError, match=r"pack_weights \(None: where it pays\) must be True or False"):
         SkipModel.from_hf(tiny_model("llama"), pack_weights="yes")
