@@ -21,8 +21,9 @@ import importlib
 
 import torch
 
-from . import ops
+from . import ops, reference
 from .errors import SwiftkernError
+from .ops.checks import FLOAT_DTYPES
 
 # family -> (HF modeling module, RMSNorm class, MLP class)
 FAMILIES = {
@@ -33,7 +34,12 @@ FAMILIES = {
 
 
 def rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    """HF RMSNorm.forward on swiftkern.ops.rms_norm. hidden_states: [..., H] -> [..., H]"""
+    """HF RMSNorm.forward on swiftkern.ops.rms_norm. hidden_states: [..., H] -> [..., H]. A
+    weight of another dtype than the input (a float32 norm in a bf16 model: HF promotes the
+    output to float32) or a dtype the kernels do not take (float64) runs HF's own arithmetic
+    (``reference.rms_norm``), as the unpatched module would, instead of being refused."""
+    if hidden_states.dtype != self.weight.dtype or hidden_states.dtype not in FLOAT_DTYPES:
+        return reference.rms_norm(hidden_states, self.weight, self.variance_epsilon)
     return ops.rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
 

@@ -53,6 +53,22 @@ def test_patched_model_matches_unpatched(arch, dtype, level, spy):
     assert torch.equal(_logits(model, ids), want)  # undone
 
 
+def test_a_norm_weight_of_another_dtype_runs_as_hf():
+    """A float32 norm weight in a bfloat16 model (HF promotes the output to float32) and a
+    float64 model were refused by the patched norm: they now run HF's own arithmetic."""
+    norm = tiny_model("llama").model.norm
+    x = torch.randn(3, 64)
+    for x_dtype, w_dtype in ((torch.bfloat16, torch.float32), (torch.float64, torch.float64)):
+        norm.to(w_dtype)
+        want = norm(x.to(x_dtype))
+        patch = swiftkern.apply_swiftkern_to_llama(model=norm)
+        try:
+            got = norm(x.to(x_dtype))
+        finally:
+            patch.undo()
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
 @pytest.mark.parametrize("backend", ["cpp", "triton", "reference"])
 def test_a_patched_model_trains_with_the_unpatched_gradients(backend, spy):
     """The kernels compute forward only: a patched model's loss.backward() ran and only the LM
