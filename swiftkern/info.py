@@ -42,6 +42,8 @@ def collect_info() -> dict:
                               if ops.packed_linear_fast() else "no (needs the C++ kernels and AVX-512)")
     # which kernel takes the float32 projections on the CPU (ops.projections.mkl_lags_here)
     info["cpu_float32_projections"] = (
+        f"torch's matmul at every size (the C++ kernels are not built or not allowed: SWIFTKERN_BACKEND="
+        f"{ops.backends.current_backend()})" if not ops.backends.cpu_kernel("skinny_linear", "cpu") else
         f"C++ kernels at every size (torch's matmul is MKL, which runs AVX2 code on this "
         f"{ops.projections.cpu_vendor()} CPU)" if ops.mkl_lags_here() else
         f"C++ kernels up to {ops.SKINNY_MAX_ROWS} rows ({ops.PACKED_MAX_ROWS} from packed weights), "

@@ -100,6 +100,12 @@ def test_info_says_when_the_cuda_greedy_split_is_off(monkeypatch):
     assert r.returncode == 0 and "cuda_greedy_vocab_split: off" in r.stdout, r.stdout + r.stderr
 
 
+def test_info_says_the_reference_backend_projects_with_torch(monkeypatch):
+    monkeypatch.setenv("SWIFTKERN_BACKEND", "reference")  # the line named the C++ kernels here
+    r = run("info")
+    assert "cpu_float32_projections: torch's matmul at every size" in r.stdout, r.stdout + r.stderr
+
+
 def test_info_names_the_bi_matmul_plan(monkeypatch):
     r = run("info")
     assert "cuda_bi_matmul_float32_plan: PLANS[float32]" in r.stdout, r.stdout + r.stderr
