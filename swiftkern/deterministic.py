@@ -301,15 +301,25 @@ def _lookup_drafts(rows, prompts, requests, window, stats, per_row, policy: Fast
         room = min(window - 1, requests.remaining(r)) - len(row.unverified)
         context = prompts[r] + requests.out[r] + row.unverified
         match = lookup_match(context, room, min_ngram=1 if policy is not None else LOOKUP_MIN_NGRAM_UNJUDGED)
-        if match.tokens and (policy is None or policy.take(
-                r, row.kind or kind, len(row.unverified), len(match.tokens), match.ngram,
+        tokens = _through_stop(match.tokens, requests.stop_ids)
+        if tokens and (policy is None or policy.take(
+                r, row.kind or kind, len(row.unverified), len(tokens), match.ngram,
                 wait=_steps_to_verify(rows, row, window, policy.verify_batch))):
             row.lookup_from, row.lookup_ngram = len(row.unverified), match.ngram
-            row.unverified.extend(match.tokens)
+            row.unverified.extend(tokens)
             row.stopped = True
-            stats["fast_tokens"] += len(match.tokens)
-            stats["lookup_tokens"] += len(match.tokens)
-            per_row[r]["fast_tokens"] += len(match.tokens)
+            stats["fast_tokens"] += len(tokens)
+            stats["lookup_tokens"] += len(tokens)
+            per_row[r]["fast_tokens"] += len(tokens)
+
+
+def _through_stop(tokens: list[int], stop_ids) -> list[int]:
+    """tokens up to and including the first stop id: a match runs on past it, and what follows
+    a stop is never committed (the fast path's own tokens stop there too)."""
+    for i, t in enumerate(tokens):
+        if t in stop_ids:
+            return tokens[:i + 1]
+    return tokens
 
 
 def _checked_lookups(rows, prompts, requests, window) -> list[list[int]]:
@@ -324,7 +334,8 @@ def _checked_lookups(rows, prompts, requests, window) -> list[list[int]]:
             drafts.append([])
             continue
         context = prompts[r] + requests.out[r] + row.unverified
-        drafts.append(lookup_match(context, min(room, RIDE_ALONG_MAX), min_ngram=LOOKUP_MIN_NGRAM_UNJUDGED).tokens)
+        match = lookup_match(context, min(room, RIDE_ALONG_MAX), min_ngram=LOOKUP_MIN_NGRAM_UNJUDGED)
+        drafts.append(_through_stop(match.tokens, requests.stop_ids))
     return drafts
 
 

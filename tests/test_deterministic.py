@@ -643,3 +643,32 @@ def test_the_replays_prefill_is_timed_as_prefill(monkeypatch):
     out = Generator(tiny, mode="deterministic", replay="always", window=4).generate([[5, 6, 7]], max_new_tokens=3,
                                                                                     eos_token_id=[])
     assert out.stats["prefill_s"] >= 0.3
+
+
+def test_a_lookup_draft_stops_at_a_stop_token():
+    """A prompt-lookup match ran on past a stop token: the tokens after it were verified, then
+    dropped by the commit without being counted as rolled back (rollback_fraction said 0 while
+    most fast tokens were thrown away). A repeated prompt makes lookup predict through the stop."""
+    import random
+
+    from swiftkern.deterministic import decode_deterministic
+    from swiftkern.layer_set import LayerSet
+    from swiftkern.requests import Requests
+    from swiftkern.sampling import SamplingParams
+
+    model = SkipModel(tiny_model("llama", seed=3))
+    ar = Generator(model, mode="ar")
+    rng = random.Random(1)
+    for _ in range(5):  # the fifth draw: a prompt whose lookup match runs through the stop
+        prompt = [rng.randrange(3, 300) for _ in range(rng.randint(3, 8))]
+    prompt = prompt + ar.generate([prompt], max_new_tokens=20, eos_token_id=[]).tokens[0] + prompt
+    stop = ar.generate([prompt], max_new_tokens=24, eos_token_id=[]).tokens[0][2]
+    want = ar.generate([prompt], max_new_tokens=24, eos_token_id=[stop]).tokens[0]
+    for window in (8, 16):
+        fast = FastPath(LayerSet.parse("attn:1|mlp:2", model.num_layers), eps=0.5, lookup=True, adaptive=False)
+        requests = Requests(1, 24, frozenset([stop]))
+        stats = decode_deterministic(model, model.new_cache(1, len(prompt) + 24 + window + 26), [prompt],
+                                     SamplingParams(), [0], requests, window, 1, fast)
+        assert requests.out[0] == want and stats["lookup_tokens"] > 0
+        # every fast token is committed or counted as rolled back (the first token is the prefill's)
+        assert stats["fast_tokens"] == len(requests.out[0]) - 1 - stats["corrected"] + stats["rolled_back"]
