@@ -18,6 +18,7 @@ from .errors import SwiftkernError
 from .kv_cache import KVCache
 from .layer_set import LayerSet
 from .layer_kernels import invariant_backend, invariant_kernels_available
+from .rope_table import rope_follows_the_batch
 from .model import SkipModel
 from .batch_invariant import bi_token_logprob
 from .prompt_ids import encode_prompts
@@ -195,6 +196,9 @@ class Generator:
                 f"extension (float32, bfloat16, float16) or on CUDA with the Triton kernels (SWIFTKERN_BACKEND auto "
                 f"or triton); here: {self.model.device.type}, {self.model.dtype}, SWIFTKERN_BACKEND="
                 f"{ops.backends.current_backend()}. Use replay='auto' or 'always'")
+        if mode == "deterministic" and rope_follows_the_batch(self.model.rotary):
+            raise SwiftkernError(f"mode deterministic does not support rope_type {self.model.rotary.rope_type!r}: its "
+                                 "frequencies follow the longest position in the batch; use mode ar or self-spec")
         if verifier_kernels not in VERIFIER_KERNELS or mode == "deterministic":  # refuse a bad choice now
             verifier_kernels_for(verifier_kernels, self.model.device.type, self.model.dtype)
         self.verifier_kernels = verifier_kernels
@@ -289,7 +293,8 @@ class Generator:
         takes long prompts faster (600 tokens: the invariant set 1.26x the time)."""
         return self.replay_elided() or (
             self.mode in ("ar", "self-spec")
-            and invariant_kernels_available(self.model.device.type, self.model.dtype))
+            and invariant_kernels_available(self.model.device.type, self.model.dtype)
+            and not rope_follows_the_batch(self.model.rotary))  # its table would hold other frequencies
 
     def _draft_head(self, ids: list[list[int]]) -> DraftHead | None:
         if self.draft_vocab is None or self.draft_vocab >= self.model.vocab_size:

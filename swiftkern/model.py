@@ -16,7 +16,7 @@ from .errors import SwiftkernError
 from .kv_cache import KVCache
 from .layer_set import LayerSet
 from .packed_weights import PackedSet
-from .rope_table import RopeTable
+from .rope_table import RopeTable, rope_follows_the_batch
 from .transient import transient
 
 SUPPORTED_MODEL_TYPES = {
@@ -186,6 +186,9 @@ class SkipModel:
                 f"extension built, or on CUDA with the Triton kernels (SWIFTKERN_BACKEND auto or triton); here: "
                 f"{self.device.type}, {self.dtype}, SWIFTKERN_BACKEND={ops.backends.current_backend()}. Use the "
                 f"deterministic mode's replay (replay='always')")
+        if on and rope_follows_the_batch(self.rotary):
+            raise SwiftkernError(f"rope_type {self.rotary.rope_type!r} rescales its frequencies by the longest "
+                                 "position of a forward: no batch-invariant decoding (run the regular kernels)")
         if on and self._rope_table is None:
             self._rope_table = RopeTable(self.rotary, self.dtype, self.device)
         before = self.invariant

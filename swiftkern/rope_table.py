@@ -14,6 +14,16 @@ from __future__ import annotations
 import torch
 
 BLOCK = 1024  # positions per block
+# HF rope types whose frequencies follow the longest position of the forward (dynamic NTK
+# scaling, longrope's short/long factors): no table of positions can hold them, and a row's
+# rotation depends on the other rows of its batch
+BATCH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def rope_follows_the_batch(rotary) -> bool:
+    """Whether an HF rotary module's cos/sin for a position depend on the forward's positions."""
+    kind = str(getattr(rotary, "rope_type", "default"))
+    return any(k in kind for k in BATCH_DEPENDENT_ROPE)
 
 
 class RopeTable:

@@ -28,9 +28,9 @@ from .errors import SwiftkernError
 from .kv_cache import KVCache
 from .model import SkipModel
 from .verifier_kernels import verifier_kernels
+from .rope_table import rope_follows_the_batch
 
 # RoPE variants whose frequencies depend on the longest sequence in the batch
-_BATCH_DEPENDENT_ROPE = ("dynamic", "longrope")
 PREFILL_CHUNK = 128  # tokens per row of a prefill pass, at most
 PREFILL_WIDTH_STEP = 16  # a prefill pass narrower than PREFILL_CHUNK is a multiple of this
 
@@ -62,9 +62,8 @@ class Verifier:
         if window < 1 or verify_batch < 1 or prefill_chunk < 1:
             raise SwiftkernError(f"window, verify_batch and prefill_chunk must be >= 1, got {window}, "
                                  f"{verify_batch} and {prefill_chunk}")
-        rope_type = getattr(model.rotary, "rope_type", "default")
-        if any(kind in str(rope_type) for kind in _BATCH_DEPENDENT_ROPE):
-            raise SwiftkernError(f"deterministic mode does not support rope_type {rope_type!r}: its "
+        if rope_follows_the_batch(model.rotary):
+            raise SwiftkernError(f"deterministic mode does not support rope_type {model.rotary.rope_type!r}: its "
                                  "frequencies depend on the longest sequence in the batch")
         self.model = model
         self.kernels = verifier_kernels(kernels, model.device.type, model.dtype)

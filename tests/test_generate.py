@@ -1,6 +1,7 @@
 """Generator in mode ar against HF generate (tiny random models) and sampling statistics."""
 
 import itertools
+import random
 
 import numpy as np
 import pytest
@@ -84,6 +85,29 @@ def test_the_cache_is_sized_by_the_drafts_a_call_can_make(mode, monkeypatch):
     assert out.tokens[0] == hf_greedy(hf, PROMPTS[0], 4, eos_token_id=[])
     window = gen.window if mode == "deterministic" else 0
     assert sizes and max(sizes) <= len(PROMPTS[0]) + 4 + max(window, 4 + 1), sizes
+
+
+@pytest.mark.parametrize("mode", ["ar", "self-spec"])
+def test_dynamic_rope_decodes_as_hf(mode):
+    """Dynamic NTK scaling rescales the frequencies by the longest position of a forward: the
+    invariant set's RoPE table, filled 1024 positions at a time past the model's 512, rotated
+    every position with rescaled frequencies (6 of 20 prompts left HF's greedy tokens). Such a
+    model decodes with the regular kernels; what cannot hold it (mode deterministic, the
+    invariant context) refuses it."""
+    hf = tiny_model("llama", seed=3, rope_scaling={"rope_type": "dynamic", "factor": 8.0})
+    model = SkipModel.from_hf(hf)
+    gen = Generator(model, mode=mode, **({"layer_set": "mlp:1"} if mode == "self-spec" else {}))
+    assert not gen.invariant_decode()
+    rng = random.Random(0)
+    for _ in range(8):
+        prompt = [rng.randrange(3, 300) for _ in range(rng.randint(5, 60))]
+        got = gen.generate([prompt], max_new_tokens=40, eos_token_id=[]).tokens[0]
+        assert got == hf_greedy(hf, prompt, 40, eos_token_id=[]), prompt
+    with pytest.raises(SwiftkernError, match="rope_type 'dynamic'"):
+        Generator(model, mode="deterministic")
+    with pytest.raises(SwiftkernError, match="rope_type 'dynamic'"):
+        with model.batch_invariant():
+            pass
 
 
 def test_stats_are_consistent():
