@@ -20,7 +20,8 @@ PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [9, 8, 9, 8
 def test_replay_matches_a_generation_with_the_same_costs(prompt, monkeypatch):
     # the generation's policy at fixed costs (1 + 0.15 (T - 1), measure=False) instead of timings
     monkeypatch.setattr(generate, "DrafterPolicy",
-                        lambda allowed, k_max, measure=True, costs=None: DrafterPolicy(allowed, k_max, measure=False))
+                        lambda allowed, k_max, measure=True, costs=None, **kw: DrafterPolicy(allowed, k_max,
+                                                                                             measure=False, **kw))
     hf = tiny_model("llama", num_hidden_layers=3)
     out = Generator(hf, mode="self-spec", drafter="lookup").generate([prompt], max_new_tokens=40, eos_token_id=[])
     ar = Generator(hf).generate([prompt], max_new_tokens=40, eos_token_id=[]).tokens[0]
