@@ -148,9 +148,12 @@ def _apply(families: tuple[str, ...], model, rms_norm: bool, swiglu: bool) -> Pa
                                  " swiglu=True needs a SwiGLU model: pass swiglu=False")
     for modules, enabled, forward, what in ((norms, rms_norm, rms_norm_forward, "RMSNorm"),
                                             (mlps, swiglu, swiglu_forward, "MLP")):
-        if enabled and modules:
-            patch._undo.extend(_patch_instance(m, forward) for m in modules)
-            patch.targets.append(f"{len(modules)} {what} modules")
+        # a module patched already by an earlier call stays that call's (its undo restores it),
+        # as a patched class does: this patch neither takes nor reports it
+        fresh = [m for m in modules if "forward" not in m.__dict__]
+        if enabled and fresh:
+            patch._undo.extend(_patch_instance(m, forward) for m in fresh)
+            patch.targets.append(f"{len(fresh)} {what} modules")
     return patch
 
 

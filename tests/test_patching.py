@@ -53,6 +53,19 @@ def test_patched_model_matches_unpatched(arch, dtype, level, spy):
     assert torch.equal(_logits(model, ids), want)  # undone
 
 
+def test_a_second_patch_of_a_model_owns_nothing_the_first_patched():
+    """p2 on a model p1 patched reported its modules patched, then p1.undo() unpatched them
+    under it; now p2 takes (and reports) none, as a second class patch does."""
+    model = tiny_model("llama")
+    p1 = swiftkern.apply_swiftkern_to_llama(model=model)
+    p2 = swiftkern.apply_swiftkern_to_llama(model=model)
+    assert p1.targets and p2.targets == []
+    p2.undo()
+    assert patching.is_patched(model.model.norm)
+    p1.undo()
+    assert not patching.is_patched(model.model.norm)
+
+
 def test_a_norm_weight_of_another_dtype_runs_as_hf():
     """A float32 norm weight in a bfloat16 model (HF promotes the output to float32) and a
     float64 model were refused by the patched norm: they now run HF's own arithmetic."""
