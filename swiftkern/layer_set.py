@@ -34,6 +34,9 @@ def _parse_indices(text: str, num_layers: int, what: str) -> tuple[int, ...]:
             ) from None
         if stop < start:
             raise SwiftkernError(f"layer set: {what} range {part!r} runs backwards; write it as {stop}-{start}")
+        if start < 0 or stop >= num_layers:  # before expanding it: "1-3000000" built a list of millions
+            raise SwiftkernError(f"layer set: {what} entry {part!r} is outside the {num_layers} layers "
+                                 f"(indices 0..{num_layers - 1})")
         out.update(range(start, stop + 1))
     return tuple(sorted(out))
 

@@ -65,10 +65,11 @@ def load_record(path: str, model) -> dict:
     """Read a stored record and check it belongs to ``model``; -> the record with a LayerSet
     under "layer_set". Raises SwiftkernError for another model's file or a malformed one."""
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             record = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise SwiftkernError(f"layer-set file {path}: cannot read it ({e})") from None
+    except (OSError, ValueError) as e:  # ValueError: bad JSON, or bytes that are not UTF-8 text
+        raise SwiftkernError(f"layer-set file {path}: cannot read it ({e}); delete it or run `swiftkern search` "
+                             "again") from None
     redo = "delete it or run `swiftkern search` again"
     if not isinstance(record, dict) or not isinstance(record.get("layer_set"), str):
         raise SwiftkernError(f"layer-set file {path} is not a swiftkern search record (no layer_set string); {redo}")

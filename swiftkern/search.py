@@ -14,6 +14,8 @@ candidates without improvement, or after ``max_steps`` (SWIFT's rules and defaul
 
 from __future__ import annotations
 
+import math
+
 import random
 from dataclasses import dataclass, field
 
@@ -179,6 +181,8 @@ class LayerSetSearch:
         for i in sorted(range(len(self.y)), key=lambda i: -self.y[i])[:4]:
             on = [c for c in self.coords if self.x[i][c]]
             off = [c for c in self.coords if not self.x[i][c]]
+            if not on or not off:  # k = 0 or every searchable sub-layer: a set has no neighbours
+                continue
             for _ in range(self.config.pool // 8):
                 bits = list(self.x[i])
                 bits[self.rng.choice(on)] = 0
@@ -233,6 +237,8 @@ class LayerSetSearch:
     def done(self) -> str | None:
         if self.best_score >= self.config.target:
             return "target"
+        if len(self.seen) >= math.comb(len(self.coords), self.k):  # every set of k sub-layers scored
+            return "exhausted"
         if self.since_improvement >= self.config.patience:
             return "patience"
         if self.steps >= self.config.max_steps:

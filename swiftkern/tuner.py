@@ -93,10 +93,11 @@ class OnTheFlyTuner:
         start = {}
         if initial is not None and not initial.is_empty:  # a stored set: its ratio's search starts from it
             match = [r for r in ratios if skip_count(num_layers, r) == initial.num_skipped]
-            if not match:
+            if not match and skip_ratio == "auto":  # an asked ratio is kept: a stored set of another one is left out
                 ratios.append(initial.num_skipped / (2 * num_layers))
                 match = ratios[-1:]
-            start[match[0]] = initial
+            if match:
+                start[match[0]] = initial
         self.searches = {r: LayerSetSearch(num_layers, SearchConfig(**{**base.__dict__, "skip_ratio": r}),
                                            start.get(r)) for r in ratios}
         self.chooser = chooser

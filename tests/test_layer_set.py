@@ -98,3 +98,13 @@ def test_random_keeps_both_ends_of_both_kinds_over_seeds(L, ratio):
 def test_arguments_of_the_wrong_kind_are_refused_not_truncated(make, msg):
     with pytest.raises(SwiftkernError, match=msg):
         make()
+
+
+def test_a_huge_range_is_refused_before_it_is_expanded():
+    """"attn:1-3000000" built a list of three million indices and a 26 MB message first."""
+    import time
+
+    t = time.perf_counter()
+    with pytest.raises(SwiftkernError, match=r"entry '1-3000000' is outside the 4 layers") as refused:
+        LayerSet.parse("attn:1-3000000", 4)
+    assert time.perf_counter() - t < 0.5 and len(str(refused.value)) < 200

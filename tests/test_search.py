@@ -146,6 +146,52 @@ def test_a_malformed_stored_file_is_refused_naming_it(tmp_path, monkeypatch, con
             [[5, 6, 7]], max_new_tokens=4)
 
 
+def test_a_stored_file_of_binary_bytes_is_refused_naming_it(tmp_path, monkeypatch):
+    """Bytes that are not UTF-8 came out as a UnicodeDecodeError naming no file, and every
+    layer_set="auto" call on the model failed with it until the file was found by hand."""
+    monkeypatch.setenv("SWIFTKERN_CACHE_DIR", str(tmp_path))
+    model = SkipModel.from_hf(tiny_model("llama"))
+    path = layer_set_store.save(model, LayerSet.parse("attn:1", 4))
+    with open(path, "wb") as f:
+        f.write(b"\xff\xfe\x00garbage")
+    with pytest.raises(SwiftkernError, match="cannot read it.*delete it") as refused:
+        layer_set_store.load(model)
+    assert path in str(refused.value)
+
+
+def test_a_search_over_every_searchable_sub_layer_runs_to_its_one_set(fixed_costs, tmp_path, monkeypatch):
+    """At k = 2(L - 2) (a 4-layer model at the auto ladder's 0.45) there is one set and it has no
+    neighbours: the first Bayesian-optimization proposal raised IndexError from rng.choice([]),
+    in the offline search and in generate(layer_set="auto"). It now stops as exhausted."""
+    from swiftkern.search import LayerSetSearch, SearchConfig
+
+    search = LayerSetSearch(4, SearchConfig(skip_ratio=0.45, target=2.0))
+    assert search.k == len(search.coords)
+    for step in range(60):
+        if search.done():
+            break
+        for c in search.propose(1):
+            search.observe(c, 0.1 + 0.001 * step)
+    assert search.done() == "exhausted" and search.steps == 1
+    monkeypatch.setenv("SWIFTKERN_CACHE_DIR", str(tmp_path))
+    hf = tiny_model("llama")
+    gen = Generator(hf, mode="self-spec", layer_set="auto", skip_ratio=0.45, search_options=SMALL_SEARCH)
+    out = gen.generate([[5, 6, 7, 8]], max_new_tokens=60, eos_token_id=[])
+    assert out.tokens[0] == Generator(hf).generate([[5, 6, 7, 8]], max_new_tokens=60, eos_token_id=[]).tokens[0]
+
+
+def test_an_asked_skip_ratio_is_the_only_one_searched(tmp_path, monkeypatch):
+    """A stored set of another ratio added its ratio to the search even where skip_ratio was
+    given (0.2 asked, a set of 5/12 drafted with); with "auto" it still joins the ladder."""
+    from swiftkern.tuner import OnTheFlyTuner
+
+    stored = LayerSet.parse("attn:1-2|mlp:1", 6)  # 3 of 12 sub-layers: no ratio of the auto ladder's
+    asked = OnTheFlyTuner(6, None, skip_ratio=0.2, initial=stored)
+    assert list(asked.searches) == [0.2]
+    auto = OnTheFlyTuner(6, None, skip_ratio="auto", initial=stored)
+    assert 3 / 12 in auto.searches
+
+
 def test_offline_search_stores_a_measured_set(tmp_path, monkeypatch):
     from swiftkern.offline_search import search_layer_set
 
