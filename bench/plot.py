@@ -44,8 +44,12 @@ def plot_routine(name: str, rows: list[dict], path: str | None = None) -> str:
     group_key = "prompt_kind" if any(r.get("prompt_kind") for r in rows) else "shape"
     lengths = {r.get("new_tokens", "") for r in rows}
 
-    def group(r):  # "story", or "story 256" when the rows hold several generation lengths
-        return str(r.get(group_key, "")) + (f" {r.get('new_tokens')}" if len(lengths) > 1 else "")
+    routine_groups = {r.get("group", "") for r in rows}
+
+    def group(r):  # "story", or "story 256" when the rows hold several generation lengths; a
+        # routine's own groups (determinism's throughput / windows / arrivals) name their bars too
+        return (str(r.get(group_key, "")) + (f" {r.get('new_tokens')}" if len(lengths) > 1 else "")
+                + (f" {r.get('group')}" if len(routine_groups) > 1 else ""))
 
     groups = list(dict.fromkeys(group(r) for r in rows))
     providers = list(dict.fromkeys(str(r["provider"]) for r in rows))

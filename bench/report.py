@@ -35,9 +35,9 @@ def read_csv(path: str) -> list[dict]:
 
 
 def latest_runs(rows: list[dict], by: tuple[str, ...] = ("device",)) -> dict[tuple, list[dict]]:
-    """{(device, ...): rows of that group's last commit, newest row per (provider, prompt/shape,
-    dtype, new tokens)}; ``by``: the columns whose values make a group (a generation routine's
-    runs at batch 1 and at batch 8 are different runs)."""
+    """{(device, ...): rows of that group's last commit, newest row per (provider, routine group,
+    batch, prompt/shape, dtype, new tokens)}; ``by``: the columns whose values make a group (a
+    generation routine's runs at batch 1 and at batch 8, or of two models, are different runs)."""
     out = {}
     for group in dict.fromkeys(tuple(r.get(k) or "" for k in by) for r in rows):
         mine = [r for r in rows if tuple(r.get(k) or "" for k in by) == group]
@@ -45,8 +45,8 @@ def latest_runs(rows: list[dict], by: tuple[str, ...] = ("device",)) -> dict[tup
         newest = {}
         for r in mine:
             if r["commit"] == last_commit:
-                key = (r["provider"], r.get("prompt_kind") or r.get("shape", ""), r.get("dtype", ""),
-                       r.get("new_tokens", ""))
+                key = (r["provider"], r.get("group", ""), r.get("batch", ""), r.get("prompt_kind") or r.get("shape", ""),
+                       r.get("dtype", ""), r.get("new_tokens", ""))  # group: determinism's ar runs in several
                 newest[key] = r
         out[group] = list(newest.values())
     return out
@@ -101,7 +101,7 @@ def generate_table(rows: list[dict]) -> list[str]:
 
 
 def op_table(rows: list[dict]) -> list[str]:
-    cols = [c for c in ("provider", "dtype", "shape", "window", "timed_as", "median_ms", "p20_ms", "p80_ms", "gb_s",
+    cols = [c for c in ("provider", "group", "batch", "dtype", "shape", "window", "timed_as", "median_ms", "p20_ms", "p80_ms", "gb_s",
                         "tflop_s", "pct_of_ceiling", "x_vs_reference", "eager_ms", "x_vs_reference_eager", "tok_s",
                         "ratio_vs_ar", "ratio_vs_T1", "ratio_vs_full", "ratio_vs_copy", "rollback_fraction", "tokens_equal_ar",
                         "prompt_kind", "new_tokens", "mean_accepted", "share_lookup", "replay_ratio_vs_ar",
@@ -115,9 +115,9 @@ def op_table(rows: list[dict]) -> list[str]:
     return lines
 
 
-def plot_or_note(routine: str, rows: list[dict], plot: bool) -> tuple[str | None, str]:
-    """(png path relative to the repo or None, a note for stdout)."""
-    path = os.path.join(RESULTS_DIR, f"{routine}.png")
+def plot_or_note(routine: str, rows: list[dict], plot: bool, results_dir: str = RESULTS_DIR) -> tuple[str | None, str]:
+    """(png path relative to the repo or None, a note for stdout); the png beside the CSVs."""
+    path = os.path.join(results_dir, f"{routine}.png")
     if plot:
         from bench.plot import plot_routine  # imports matplotlib only when drawing
 
@@ -143,7 +143,7 @@ def render(results_dir: str = RESULTS_DIR, plot: bool = True, repo_root: str | N
         if not rows:
             continue
         generation = "prompt_kind" in rows[0] and "tok_s" in rows[0]  # per prompt: a table per length
-        by_device = latest_runs(rows, ("device", "dtype", "batch") if generation else ("device", "dtype"))
+        by_device = latest_runs(rows, ("device", "dtype", "batch", "model") if generation else ("device", "dtype", "model"))
         for run in by_device.values():
             parts += [heading(routine, run), ""]
             if generation:
@@ -155,7 +155,7 @@ def render(results_dir: str = RESULTS_DIR, plot: bool = True, repo_root: str | N
         plotted = groups[-1]
         if generation:  # the per-prompt run at batch 1, where there is one
             plotted = ([g for g in groups if g[2] in ("", "1")] or [plotted])[-1]
-        png, note = plot_or_note(routine, by_device[plotted], plot)
+        png, note = plot_or_note(routine, by_device[plotted], plot, results_dir)
         notes.append(f"{routine}: {note}")
         if png:
             parts += [f"![{routine}]({os.path.relpath(png, repo_root)})", ""]

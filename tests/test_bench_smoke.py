@@ -108,6 +108,34 @@ def test_report_tables_take_each_machines_latest_run(tmp_path):
     assert report.main([*args, "--check"]) == 0
 
 
+def test_report_keeps_every_group_of_a_routine_and_every_model_apart(tmp_path):
+    """determinism's throughput, windows and arrivals groups all time `ar` at the same shape: the
+    report kept one row per (provider, shape), so later groups overwrote the throughput rows (24
+    rows, 20 shown). Two models at one commit shared one table under one model's name."""
+    sys.path.insert(0, ROOT)
+    from bench import report
+
+    results = tmp_path / "results"
+    results.mkdir()
+    base = dict(date="2026-11-22T01:00:00", commit="c1", device="cpu: A", machine="x86_64", dtype="float32",
+                shape="B=8 N=64", median_ms=1.0, model="smollm2", batch=8)
+    rows = [dict(base, provider="ar", group="throughput", tok_s=100.0),
+            dict(base, provider="deterministic", group="throughput", tok_s=95.0),
+            dict(base, provider="ar", group="arrivals", tok_s=111.0),
+            dict(base, provider="ar", group="windows", tok_s=122.0),
+            dict(base, provider="ar", group="throughput", tok_s=55.0, model="tiny")]
+    _write_csv(results / "determinism.csv", rows)
+    body, _ = report.render(str(results), plot=False, repo_root=str(tmp_path))
+    for tok_s in ("100.000", "111.000", "122.000", "95.000", "55.000"):
+        assert f"| {tok_s} |" in body, tok_s
+    assert "| ar | throughput | 8 |" in body and "| ar | arrivals | 8 |" in body
+    assert body.count("**determinism** on **cpu: A**") == 2 and "model tiny" in body and "model smollm2" in body
+    png = results / "determinism.png"
+    png.write_bytes(b"png")  # the plot beside the CSVs given, not bench/results'
+    body, _ = report.render(str(results), plot=False, repo_root=str(tmp_path))
+    assert "](results/determinism.png)" in body
+
+
 def test_report_gives_each_generation_length_its_own_table(tmp_path):
     sys.path.insert(0, ROOT)
     from bench import report
