@@ -99,6 +99,14 @@ def main(argv=None, prog: str = "python -m bench") -> int:
     for name in names:
         print(f"== {name} on {common.device_name(args.device)}", flush=True)
         rows = found[name].run(args)
+        if args.providers:  # a name no row carries: a typo, or a provider that does not run here
+            ran = {str(r.get("provider", "")).split("+graphs")[0] for r in rows}
+            missing = [p for p in args.providers if p.split("+graphs")[0] not in ran]
+            if missing:
+                print(f"{prog}: --providers {','.join(missing)}: no rows from {name} (not one of its providers, or "
+                      "not run on this machine; see the routine's docstring)", file=sys.stderr)
+            if not rows or len(missing) == len(args.providers):
+                return 2
         keys = getattr(found[name], "PRINT_KEYS", None)  # a routine may name the columns worth printing
         common.print_rows(rows, **({"keys": keys} if keys else {}))
         keep = rows and not args.no_csv and not args.smoke

@@ -128,8 +128,8 @@ def run(args) -> list[dict]:
         if invariant:
             fns.update({f"T{T}-invariant+graphs": _graphed(runner, _invariant(model, step(T))) for T in TOKENS})
     if args.providers:
-        fns = {k: v for k, v in fns.items()
-               if k in args.providers or (_tokens(k) == 1 and any(_family(k) == _family(p) for p in args.providers))}
+        families = {_family(p) for p in args.providers if p in fns}  # a name of no provider here selects nothing
+        fns = {k: v for k, v in fns.items() if k in args.providers or (_tokens(k) == 1 and _family(k) in families)}
     # one family at a time (interleaved within it): a family reading the 538 MB of float32
     # weights would evict the packed family's 115 MB from a large L3 (480 MiB on the CPU
     # machine), where a generation reading only packed weights keeps them

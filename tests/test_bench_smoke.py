@@ -294,3 +294,12 @@ def test_an_interrupted_kernel_bench_keeps_the_cases_it_finished(monkeypatch):
     assert rows and {r["shape"] for r in rows} == {"first"}
     assert {r["provider"] for r in rows} >= {"reference"}
     assert common.interrupted()  # a routine's later loops and the driver's later routines stop
+
+
+def test_a_providers_typo_is_an_error_not_an_empty_run():
+    """--providers tpyo ran nothing (0 rows, exit 0), or only the baseline, and in verify_cost
+    raised a ValueError from parsing the name."""
+    for routine in ("verify_cost", "cache_rows", "generate"):
+        run = _bench("--routine", routine, "--providers", "tpyo", "--smoke", "--no-csv", timeout=300)
+        assert run.returncode == 2 and "--providers tpyo: no rows from" in run.stderr, run.stderr[-2000:]
+        assert "Traceback" not in run.stderr
