@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from swiftkern.ops.checks import check_same_dtype
+
 from .launch import check_device, check_float, empty_like, next_pow2, require
 
 
@@ -104,10 +106,8 @@ def rope_kv_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
             f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
     require(positions.shape == (B, T) and positions.dtype == torch.int64, op,
             f"positions must be int64 [B, T] = [{B}, {T}], got {positions.dtype} {tuple(positions.shape)}")
-    dtypes = {t.dtype for t in (q, k, v, cos, sin)}  # the products are rounded to q's dtype
-    require(len(dtypes) == 1 and k_cache.dtype == v_cache.dtype, op, "q, k, v, cos, sin must share one dtype "
-            f"(and k_cache, v_cache theirs), got {q.dtype}, {k.dtype}, {v.dtype}, {cos.dtype}, {sin.dtype} "
-            f"({k_cache.dtype}, {v_cache.dtype})")
+    check_same_dtype(op, q=q, k=k, v=v, cos=cos, sin=sin)  # the products are rounded to q's dtype
+    check_same_dtype(op, k_cache=k_cache, v_cache=v_cache)
     q_out = empty_like(q)
     if B * T == 0 or Hq + Hkv == 0:  # no query heads: the keys and values are still written
         return q_out
