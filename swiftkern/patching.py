@@ -68,10 +68,14 @@ rms_norm_forward._swiftkern = True
 swiglu_forward._swiftkern = True
 
 
+def _is_swiftkern(forward) -> bool:
+    """Whether a forward (a function or a bound method) is one of swiftkern's."""
+    return getattr(getattr(forward, "__func__", forward), "_swiftkern", False)
+
+
 def is_patched(module) -> bool:
     """Whether the module's forward (its own or its class's) is a swiftkern forward."""
-    fwd = module.__dict__.get("forward", None) or type(module).forward
-    return getattr(getattr(fwd, "__func__", fwd), "_swiftkern", False)
+    return _is_swiftkern(module.__dict__.get("forward", None) or type(module).forward)
 
 
 class Patch:
@@ -102,7 +106,7 @@ def _classes(family: str):
 def _patch_class(patch: Patch, cls, make_forward) -> None:
     """cls.forward = make_forward(HF's forward), undone by the patch."""
     original = cls.__dict__["forward"]
-    if getattr(original, "_swiftkern", False):
+    if _is_swiftkern(original):
         return  # patched already (by an earlier call, which owns the undo)
     cls.forward = make_forward(original)
 
@@ -150,7 +154,7 @@ def _apply(families: tuple[str, ...], model, rms_norm: bool, swiglu: bool) -> Pa
                                             (mlps, swiglu, swiglu_forward, "MLP")):
         # a module patched already by an earlier call stays that call's (its undo restores it),
         # as a patched class does: this patch neither takes nor reports it
-        fresh = [m for m in modules if "forward" not in m.__dict__]
+        fresh = [m for m in modules if not _is_swiftkern(m.__dict__.get("forward"))]
         if enabled and fresh:
             patch._undo.extend(_patch_instance(m, forward) for m in fresh)
             patch.targets.append(f"{len(fresh)} {what} modules")

@@ -64,6 +64,10 @@ def test_a_second_patch_of_a_model_owns_nothing_the_first_patched():
     assert patching.is_patched(model.model.norm)
     p1.undo()
     assert not patching.is_patched(model.model.norm)
+    hooked = model.model.norm.forward  # a forward of the instance's own that is not swiftkern's (a
+    model.model.norm.forward = lambda x: hooked(x)  # hook's, as accelerate sets): patched as before
+    with swiftkern.apply_swiftkern_to_llama(model=model):
+        assert patching.is_patched(model.model.norm)
 
 
 def test_a_norm_weight_of_another_dtype_runs_as_hf():
