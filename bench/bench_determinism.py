@@ -28,11 +28,12 @@ to fill the batch (chat template):
                 must beat) vs self-spec alone (layer-skip
                 drafter), layer set LAYER_SET
 
-Where the C++ batch-invariant kernels do not run (a GPU), replay "auto" replays too, and the
-providers that would repeat another (det-replay, self-spec+det-replay) are left out; there
-det-invariant and self-spec+det-invariant (``replay="never"``: every step through the Triton
-invariant set, ``bi_matmul`` in place of cuBLAS, nothing replayed) stand beside deterministic
-and self-spec+det in the groups that have them: which of the two ways costs less.
+Where replay "auto" replays (``Generator.replay_elided``: on a GPU under the self-spec drafter;
+on a CPU without the C++ kernels), the provider that would repeat it (det-replay,
+self-spec+det-replay) is left out and det-invariant / self-spec+det-invariant (``replay="never"``:
+every step through the invariant set, on CUDA the Triton one with ``bi_matmul`` in place of
+cuBLAS, nothing replayed) stands beside it: which of the two ways costs less. On a GPU,
+deterministic (auto) decodes through the Triton invariant set and det-replay is the replay.
 
 ``--providers`` keeps ar in every group and skips a group where none of the other named providers
 is (``--providers det-replay-portable,det-replay-1/8`` runs the throughput group alone).
@@ -72,11 +73,13 @@ PRINT_KEYS = ("group", "provider", "batch", "window", "tok_s", "ratio_vs_ar", "r
               "dummy_rows", "tokens_equal_ar", "median_ms")
 
 
-def _setups(smoke: bool, layer_set: str, verify_batch: int = 4, replay_differs: bool = True
-            ) -> list[tuple[str, int, dict]]:
-    """[(group, batch, {provider: Generator kwargs})] in the documented order. replay_differs
-    False (no invariant kernels on the device: replay "auto" replays too) drops the providers
-    that would repeat another (det-replay, self-spec+det-replay)."""
+def _setups(smoke: bool, layer_set: str, verify_batch: int = 4, auto_elides: bool = True,
+            spec_auto_elides: bool = True) -> list[tuple[str, int, dict]]:
+    """[(group, batch, {provider: Generator kwargs})] in the documented order. ``auto_elides`` /
+    ``spec_auto_elides``: whether replay "auto" skips the replay here for deterministic / for
+    self-spec+det (``Generator.replay_elided``); each named provider stands beside the other way
+    (det-replay or det-invariant, self-spec+det-replay or self-spec+det-invariant), and none
+    repeats another."""
     det = dict(mode="deterministic", verify_batch=verify_batch)
     batches = (2, 4) if smoke else (8, 32)
     windows = (4, 8) if smoke else (8, 16, 32, 64)
@@ -104,19 +107,28 @@ def _setups(smoke: bool, layer_set: str, verify_batch: int = 4, replay_differs: 
         f"det-replay-w{w32}": dict(mode="deterministic", window=w32, verify_batch=1, replay="always"),
         "self-spec": dict(mode="self-spec", drafter="layer-skip", **spec),
     }))
-    for _, _, configs in groups:
-        if replay_differs:  # no replay there: the verifier's kernel set does not run
+    for i, (group, batch, configs) in enumerate(groups):
+        if spec_auto_elides:  # no replay there: the verifier's kernel set does not run
             configs.pop("self-spec+det-portable", None)
-        if not replay_differs:
-            configs.pop("det-replay", None)
-            configs.pop("self-spec+det-replay", None)
-            # no replay: every step through the invariant set (on CUDA the verifier's Triton
-            # kernels), against the replay of batch-variant steps ("deterministic" there)
-            if "deterministic" in configs:
-                configs["det-invariant"] = dict(configs["deterministic"], replay="never")
-            if "self-spec+det" in configs:
-                configs["self-spec+det-invariant"] = dict(configs["self-spec+det"], replay="never")
+        # every step through the invariant set (replay never) beside the auto providers
+        for name in ("deterministic", "self-spec+det"):
+            if name in configs:
+                configs[name.replace("deterministic", "det") + "-invariant"] = dict(configs[name], replay="never")
+        # a provider doing what an earlier one does (replay auto taking the way it names) goes
+        taken = {}
+        for name, kw in configs.items():
+            taken.setdefault(_as_run(kw, auto_elides, spec_auto_elides), name)
+        groups[i] = (group, batch, {name: configs[name] for name in taken.values()})
     return groups
+
+
+def _as_run(kw: dict, auto_elides: bool, spec_auto_elides: bool) -> tuple:
+    """Generator kwargs as they run: replay "auto" of mode deterministic named by the way it
+    takes here (never / always) -> a hashable key."""
+    if kw.get("mode") == "deterministic" and kw.get("replay", "auto") == "auto":
+        elides = spec_auto_elides if kw.get("drafter") == "self-spec" else auto_elides
+        kw = dict(kw, replay="never" if elides else "always")
+    return tuple(sorted((k, repr(v)) for k, v in kw.items()))
 
 
 WARM_CALLS_MAX = 5
@@ -134,10 +146,6 @@ def _until_no_capture(runner, fn) -> int:
         if run >= 2 and runner.captures == before:
             return run
     return WARM_CALLS_MAX
-
-
-def torch_device_type(device: str) -> str:
-    return device.split(":")[0]
 
 
 def run(args) -> list[dict]:
@@ -161,11 +169,11 @@ def run(args) -> list[dict]:
     # it at these sizes), so the GPU runs fewer, wider passes; the output is the same bits for any
     # verify batch (rows are independent in the verifier)
     verify_batch = VERIFY_BATCH_GPU if args.device.startswith("cuda") else 4
-    from swiftkern.layer_kernels import invariant_kernels_available
-
-    replay_differs = invariant_kernels_available(torch_device_type(args.device), hf.dtype)
+    # which way replay "auto" takes here (Generator.replay_elided), for plain and self-spec drafting
+    elides = {d: swiftkern.Generator(model, mode="deterministic", **kw).replay_elided()
+              for d, kw in (("plain", {}), ("spec", dict(drafter="self-spec", layer_set=layer_set)))}
     with common.KeepRowsOnInterrupt(rows, "groups"):
-        for group, batch, configs in _setups(args.smoke, layer_set, verify_batch, replay_differs):
+        for group, batch, configs in _setups(args.smoke, layer_set, verify_batch, elides["plain"], elides["spec"]):
             if args.providers:
                 configs = {k: v for k, v in configs.items() if k in args.providers or k == "ar"}
                 if set(configs) == {"ar"} and args.providers != ["ar"]:

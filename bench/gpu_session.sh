@@ -20,6 +20,9 @@
 #                                          (a graphed step on the invariant set against the regular one)
 #                                          under the plan bimatmul picked (/tmp/plan.txt on a warm machine)
 #   bash bench/gpu_session.sh detbf16      the first half of detplan's determinism run in bfloat16 (90 s)
+#   bash bench/gpu_session.sh autotests    the GPU tests of replay auto on CUDA and of the float32 plan (110 s)
+#   bash bench/gpu_session.sh autodet      determinism with CUDA graphs: deterministic (auto) beside det-replay,
+#                                          self-spec+det beside self-spec+det-invariant (160 s; SmolLM2)
 #   bash bench/gpu_session.sh det          determinism with CUDA graphs, the throughput and batch-1 groups with the
 #                                          portable verifier set beside the default (fused), and verifier_pass (eager)
 # Stages chain: `bash bench/gpu_session.sh setup tests`. Everything under bench/results and the
@@ -164,9 +167,9 @@ stage_openitems() {
 
 stage_bimatmul() {
   pytest_gpu bimatmul 100 -n 6 -m "not slow" tests/test_bi_matmul.py tests/test_triton_silu_mul.py
-  bench_cut 230 --routine bi_matmul --reps 5 > "$OUT/bimatmul.log" 2>&1
+  bench_cut 230 --routine bi_matmul --reps 5 > "$OUT/bimatmul-sweep.log" 2>&1
   echo "bi_matmul bench: exit $?"
-  python3 - "$OUT/bimatmul.log" <<'PY'
+  python3 - <<'PY'
 import glob, csv, collections, math, sys
 rows = [r for f in glob.glob("bench/results/bi_matmul-*.csv") for r in csv.DictReader(open(f))]
 if not rows:
@@ -227,6 +230,20 @@ stage_detplan() {
   bench_cut 40 --routine verify_cost --reps 10 --cuda-graphs \
     --providers T1+graphs,T8+graphs,T1-invariant+graphs,T8-invariant+graphs > "$OUT/verify-cost.log" 2>&1
   echo "verify_cost: exit $?"; grep -E "the time|graphs" "$OUT/verify-cost.log" | tail -6
+}
+
+stage_autotests() {
+  # replay auto on CUDA (the Triton invariant set at every step) and the float32 plan in PLANS
+  pytest_gpu autotests 110 -n 6 -m "not slow" tests/test_deterministic_gpu.py tests/test_bi_matmul.py \
+    tests/test_invariant_triton.py
+}
+
+stage_autodet() {
+  # deterministic (replay auto: the invariant set) beside det-replay, and self-spec+det (auto: the
+  # replay) beside self-spec+det-invariant, SmolLM2 float32 with CUDA graphs, under PLANS
+  bench_cut 160 --routine determinism --max-new-tokens 64 --reps 2 --cuda-graphs \
+    --providers ar,deterministic,det-replay,self-spec+det,self-spec+det-invariant > "$OUT/determinism-auto.log" 2>&1
+  echo "determinism auto graphs: exit $?"; tail -14 "$OUT/determinism-auto.log"
 }
 
 stage_detbf16() {

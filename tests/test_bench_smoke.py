@@ -5,6 +5,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -303,3 +305,29 @@ def test_a_providers_typo_is_an_error_not_an_empty_run():
         run = _bench("--routine", routine, "--providers", "tpyo", "--smoke", "--no-csv", timeout=300)
         assert run.returncode == 2 and "--providers tpyo: no rows from" in run.stderr, run.stderr[-2000:]
         assert "Traceback" not in run.stderr
+
+
+@pytest.mark.parametrize("plain, spec", [(True, True), (True, False), (False, False)])
+def test_determinism_sets_the_other_way_beside_each_auto_provider(plain, spec):
+    """Each of deterministic and self-spec+det (replay auto) has the other way beside it in its
+    groups (det-replay or det-invariant; self-spec+det-replay or self-spec+det-invariant) and no
+    two providers run alike: a GPU (True, False), the CPU with the C++ kernels (True, True), the
+    CPU without them (False, False)."""
+    from bench.bench_determinism import _setups
+
+    def as_run(kw):  # replay auto written as the way it takes, independently of the bench's own rule
+        if kw.get("mode") == "deterministic" and kw.get("replay", "auto") == "auto":
+            kw = dict(kw, replay="never" if (spec if kw.get("drafter") == "self-spec" else plain) else "always")
+        return sorted((k, repr(v)) for k, v in kw.items())
+
+    for group, _, configs in _setups(False, "attn:1", 4, plain, spec):
+        runs = [as_run(kw) for kw in configs.values()]
+        assert all(runs.count(r) == 1 for r in runs), (group, list(configs))
+        replays = [dict(r).get("replay") for r in runs]
+        if "deterministic" in configs or "self-spec+det" in configs:
+            assert "'never'" in replays and "'always'" in replays, (group, list(configs))
+        if "deterministic" in configs:
+            assert ("det-invariant" in configs) is (not plain)
+        if "self-spec+det" in configs:
+            assert ("self-spec+det-invariant" in configs) is (not spec)
+            assert ("self-spec+det-portable" in configs) is (not spec)

@@ -79,3 +79,18 @@ def test_smollm2_needle_without_replay_on_gpu():
 
     model, tok = swiftkern.load_model("smollm2", device="cuda")
     smollm2_needle(model, tok, 24, [(2, 6), (7, 16)], replay="never")
+
+
+def test_auto_decodes_through_the_invariant_set_on_cuda(tiny_gpu):
+    """replay auto on CUDA: every step through the Triton invariant set, no replay (measured the
+    cheaper way there), with the bits of replay never; the self-spec drafter keeps the replay."""
+    prompts = [[4, 77, 31], list(range(10, 40)), [200]]
+    auto = Generator(tiny_gpu, mode="deterministic", window=8, verify_batch=2)
+    assert auto.replay_elided()
+    out = auto.generate(prompts, max_new_tokens=12, eos_token_id=[])
+    never = Generator(tiny_gpu, mode="deterministic", window=8, verify_batch=2, replay="never").generate(
+        prompts, max_new_tokens=12, eos_token_id=[])
+    assert out.stats["verify_passes"] == 0 and out.tokens == never.tokens
+    assert all(torch.equal(a, b) for a, b in zip(out.logprobs, never.logprobs))
+    spec = Generator(tiny_gpu, mode="deterministic", drafter="self-spec", layer_set="attn:1", window=8)
+    assert not spec.replay_elided()

@@ -143,3 +143,29 @@ def test_graphs_replay_the_invariant_steps_with_the_same_bits(tiny, triton_backe
         assert graphed.tokens == eager.tokens
         assert all(torch.equal(a, b) for a, b in zip(graphed.logprobs, eager.logprobs))
     assert runner.stats()["replays"] >= 4, runner.stats()
+
+
+@pytest.mark.parametrize("device, drafter, replay, backend_name, cpp, elided", [
+    ("cuda", "auto", "auto", "triton", False, True),        # the Triton set at every step: cheaper than the replay
+    ("cuda", "self-spec", "auto", "triton", False, False),  # the self-spec drafter's steps: cheaper replayed
+    ("cuda", "auto", "auto", None, False, False),           # no invariant set there (e.g. SWIFTKERN_BACKEND=reference)
+    ("cuda", "auto", "always", "triton", False, False),
+    ("cuda", "self-spec", "never", "triton", False, True),
+    ("cpu", "auto", "auto", "triton", False, False),        # the interpreter's Triton set on the CPU: replayed
+    ("cpu", "self-spec", "auto", "cpp", True, True),        # the C++ set: the replay could not change a bit
+])
+def test_auto_replay_follows_the_measured_cheaper_way(monkeypatch, device, drafter, replay, backend_name, cpp,
+                                                      elided):
+    """``replay="auto"``'s decision table (Generator.replay_elided), with the kernel sets that run
+    faked: on CUDA every step through the Triton invariant set, except under the self-spec drafter;
+    on the CPU only where the C++ set runs. (A stand-in Generator: the rule reads nothing else.)"""
+    from types import SimpleNamespace
+
+    import swiftkern.generate as generate
+
+    monkeypatch.setattr(generate, "invariant_backend", lambda dev, dtype: backend_name)
+    monkeypatch.setattr(generate, "invariant_kernels_available", lambda dev, dtype: cpp)
+    gen = SimpleNamespace(mode="deterministic", replay=replay, drafter=drafter,
+                          model=SimpleNamespace(device=torch.device(device), dtype=torch.float32))
+    assert Generator.replay_elided(gen) is elided
+    assert Generator.replay_elided(SimpleNamespace(**{**vars(gen), "mode": "ar"})) is False
