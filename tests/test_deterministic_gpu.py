@@ -40,8 +40,8 @@ def test_needle_tiny_on_gpu(tiny_gpu, sample, kernels):
 @pytest.mark.parametrize("kernels", KERNEL_SETS)
 def test_decode_equals_prefill_on_gpu(tiny_gpu, kernels):
     prompts = [[4, 77, 31], list(range(10, 60)), [200]]
-    out = Generator(tiny_gpu, mode="deterministic", window=8, verify_batch=2, verifier_kernels=kernels).generate(
-        prompts, max_new_tokens=20, eos_token_id=[])
+    out = Generator(tiny_gpu, mode="deterministic", window=8, verify_batch=2, verifier_kernels=kernels,
+                    replay="always").generate(prompts, max_new_tokens=20, eos_token_id=[])
     assert out.stats["verifier_kernels"] == {"portable": "portable", "fused": "fused (triton)"}[kernels]
     verifier = Verifier(tiny_gpu, window=8, verify_batch=2, kernels=kernels)
     for p, toks, lp in zip(prompts, out.tokens, out.logprobs):
