@@ -234,7 +234,7 @@ stage_detplan() {
 
 stage_autotests() {
   # replay auto on CUDA (the Triton invariant set at every step) and the float32 plan in PLANS
-  pytest_gpu autotests 110 -n 6 -m "not slow" tests/test_deterministic_gpu.py tests/test_bi_matmul.py \
+  pytest_gpu autotests 150 -n 6 -m "not slow" tests/test_deterministic_gpu.py tests/test_bi_matmul.py \
     tests/test_invariant_triton.py
 }
 

@@ -97,7 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="deterministic: auto (default) skips the replay where it cannot change a bit "
                           "(CPU with the C++ kernels, float32, bf16 or fp16: every kernel is batch- and "
                           "length-invariant, so rows decode directly; --drafter self-spec then speculates with "
-                          "lookup and the --layer-set draft); always: the LLM-42 replay everywhere; never: "
+                          "lookup and the --layer-set draft) and on CUDA, where every step on the Triton "
+                          "invariant set costs less than the replay (not with --drafter self-spec, which "
+                          "replays there); always: the LLM-42 replay everywhere; never: "
                           "decode through the batch-invariant kernels wherever a set runs (on CUDA the "
                           "verifier's Triton kernels, bi_matmul for every matmul) and replay nothing")
     gen.add_argument("--verifier-kernels", default="auto", choices=["auto", "portable", "fused"],

@@ -24,8 +24,9 @@ Where every kernel of the regular path is itself batch- and length-invariant (th
 C++ kernels, float32, bfloat16 or float16: ``SkipModel.batch_invariant``), the replay would
 reproduce the fast path bit for bit: ``Generator(replay="auto")`` then decodes without it, and
 ``invariant_token_logprobs`` re-scores an output. ``Generator(replay="never")`` decodes that way
-wherever an invariant set runs, on CUDA too (the verifier's Triton kernels, every step paying
-``bi_matmul`` for cuBLAS's matmul), trading the replay for slower steps.
+wherever an invariant set runs, on CUDA too (the verifier's Triton kernels, ``bi_matmul`` for
+cuBLAS's matmul at every step), which ``replay="auto"`` takes on CUDA unless the self-spec
+drafter runs (measured cheaper than the replay there: ``Generator.replay_elided``).
 """
 
 from __future__ import annotations

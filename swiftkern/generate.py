@@ -139,8 +139,9 @@ class Generator:
     and ``logprobs`` are those of the model itself; ``replay="always"`` keeps the LLM-42 replay;
     ``replay="never"`` decodes through the invariant kernels wherever a set runs, also on CUDA
     (the verifier's Triton kernels: ``bi_matmul`` in place of cuBLAS for every step), instead
-    of replaying; which of the two costs less on a GPU is measured by ``python -m bench
-    --routine determinism`` (its ``det-invariant`` rows).
+    of replaying. On CUDA ``"auto"`` takes that way too, except with ``drafter="self-spec"``,
+    whose replayed steps cost less there (``replay_elided``; measured by ``python -m bench
+    --routine determinism``, its ``det-invariant`` / ``det-replay`` rows).
     ``verifier_kernels``: the replay's per-row ops, "auto" | "portable" | "fused"
     (``verifier_kernels.verifier_kernels``: auto is fused, with the C++ kernels on the CPU and
     Triton on CUDA, where they run; portable elsewhere).

@@ -55,9 +55,10 @@ def collect_info() -> dict:
     info["cuda_graphs"] = ("available: Generator(cuda_graphs=True) / --cuda-graphs" if torch.cuda.is_available()
                            else "not available (no CUDA device)")
     # where the batch-invariant kernel set runs, mode deterministic needs no replay (replay="auto")
-    info["deterministic_without_replay"] = ("cpu float32, bfloat16, float16"
-                                            if invariant_kernels_available("cpu", torch.float32)
-                                            else "no (the LLM-42 replay runs)")
+    cpu = "cpu float32, bfloat16, float16" if invariant_kernels_available("cpu", torch.float32) else ""
+    cuda = ("cuda (the Triton set; the replay with drafter self-spec)"
+            if torch.cuda.is_available() and invariant_backend("cuda", torch.float32) == "triton" else "")
+    info["deterministic_without_replay"] = "; ".join(x for x in (cpu, cuda) if x) or "no (the LLM-42 replay runs)"
     # replay="never": every step through the invariant set of that device (layer_kernels.invariant_backend)
     info["deterministic_replay_never"] = {dev: invariant_backend(dev, torch.float32) or "not available"
                                           for dev in ("cpu", "cuda")}

@@ -75,14 +75,16 @@ def test_info_names_backends():
     assert r.returncode == 0, r.stderr
     assert "torch:" in r.stdout and "greedy_accept" in r.stdout
     from swiftkern.layer_kernels import invariant_kernels_available
+    from swiftkern.ops import backends
 
-    said = "cpu float32" if invariant_kernels_available("cpu", torch.float32) else "the LLM-42 replay runs"
+    on_cpu = invariant_kernels_available("cpu", torch.float32)
+    on_cuda = torch.cuda.is_available() and backends.current_backend() in ("auto", "triton")
+    said = "cpu float32" if on_cpu else "cuda (the Triton set" if on_cuda else "the LLM-42 replay runs"
     assert "deterministic_without_replay:" in r.stdout and said in r.stdout
+    assert ("cuda (the Triton set" in r.stdout) is on_cuda  # replay auto's way there (Generator.replay_elided)
     decoding = "cpu: batch-invariant" if invariant_kernels_available("cpu", torch.float32) else "regular"
     assert f"decode_kernels: {decoding}" in r.stdout
     cpu_set = '"fused (cpp)"' if invariant_kernels_available("cpu", torch.float32) else '"portable"'
-    from swiftkern.ops import backends
-
     cuda_set = '"fused (triton)"' if "verify_attention_invariant" in backends.triton_ops("cuda") else '"portable"'
     assert f'verifier_kernels_auto: {{"cpu": {cpu_set}, "cuda": {cuda_set}}}' in r.stdout
     from swiftkern.layer_kernels import LayerKernels
