@@ -9,7 +9,8 @@ verify pass competes with; ``reference.bi_matmul`` (the fixed-order twin the tes
 kernels to) is a loop of elementwise ops, too slow to be the bar. Other providers: ``cpp``
 (``ops.bi_matmul`` on the CPU: the C++ fixed-order kernel) and, on a GPU, ``triton`` (the
 dtype's plan, ``PLANS``) and ``triton-<plan>`` for each of ``CANDIDATES`` (tiles, warps,
-stages, float32 dot precision), so that one run shows which plan to fix.
+stages, float32 dot precision, K chunks), so that one run shows which plan to fix
+(``--dtype bfloat16``: SmolLM2's cases in bf16, for bf16's plan; ``bench/pick_plan.py`` picks).
 
 Cases: rows M (on a GPU 8: a decode step at batch 8 through the invariant set, replay never;
 32: one slot of a window of 32; 128: a verify pass of four slots) times SmolLM2's weights (q/o 576x576, k/v 192x576,
@@ -90,18 +91,27 @@ def group_cases(args) -> list[Case]:
     return out
 
 
-def plan_sweep(device: str) -> dict:
+def plan_sweep(device: str, dtype: torch.dtype = torch.float32) -> dict:
     """On a GPU, ``triton-<plan>`` providers: the Triton kernel in each candidate plan (a list
-    of weights: one grouped launch)."""
+    of weights: one grouped launch). A 16-bit dtype's dots ignore the plan's precision, so of
+    candidates alike but for it the first alone is timed."""
     if not device.startswith("cuda"):
         return {}
+    from dataclasses import replace
+
     from swiftkern.triton_kernels import bi_matmul as kernel
 
-    return {f"triton-{plan.name}": (lambda a, b, plan=plan: kernel.launch(a, b, plan)) for plan in kernel.CANDIDATES}
+    plans, seen = [], set()
+    for plan in kernel.CANDIDATES:
+        key = plan if dtype == torch.float32 else replace(plan, precision="ieee")
+        if key not in seen:
+            seen.add(key)
+            plans.append(plan)
+    return {f"triton-{plan.name}": (lambda a, b, plan=plan: kernel.launch(a, b, plan)) for plan in plans}
 
 
 def run(args) -> list[dict]:
-    extra = {"reference": torch.matmul, **plan_sweep(args.device)}
+    extra = {"reference": torch.matmul, **plan_sweep(args.device, getattr(torch, args.dtype or "float32"))}
     if args.device.startswith("cpu"):
         extra["cpp"] = ops.bi_matmul
     else:

@@ -15,12 +15,13 @@
 #   bash bench/gpu_session.sh bimatmul     bi_matmul's native tests (every candidate plan) and the plan sweep, summed
 #                                          over SmolLM2 passes of 8, 32 and 128 rows; picks the plan least
 #                                          slower than cuBLAS (geometric mean) into /tmp/plan.txt
-#   bash bench/gpu_session.sh detplan      determinism with CUDA graphs (ar, deterministic and det-invariant,
+#   bash bench/gpu_session.sh bimatmulbf16 the plan sweep in bfloat16 (SmolLM2's cases), its pick added to /tmp/plan.txt
+#   bash bench/gpu_session.sh detplan      determinism with CUDA graphs (ar, deterministic and det-replay,
 #                                          self-spec+det and self-spec+det-invariant) and verify_cost
 #                                          (a graphed step on the invariant set against the regular one)
 #                                          under the plan bimatmul picked (/tmp/plan.txt on a warm machine)
 #   bash bench/gpu_session.sh detbf16      the first half of detplan's determinism run in bfloat16 (90 s)
-#   bash bench/gpu_session.sh autotests    the GPU tests of replay auto on CUDA and of the float32 plan (110 s)
+#   bash bench/gpu_session.sh autotests    the GPU tests of replay auto on CUDA and of the float32 plan (150 s)
 #   bash bench/gpu_session.sh autodet      determinism with CUDA graphs: deterministic (auto) beside det-replay,
 #                                          self-spec+det beside self-spec+det-invariant (160 s; SmolLM2)
 #   bash bench/gpu_session.sh det          determinism with CUDA graphs, the throughput and batch-1 groups with the
@@ -169,59 +170,30 @@ stage_bimatmul() {
   pytest_gpu bimatmul 100 -n 6 -m "not slow" tests/test_bi_matmul.py tests/test_triton_silu_mul.py
   bench_cut 230 --routine bi_matmul --reps 5 > "$OUT/bimatmul-sweep.log" 2>&1
   echo "bi_matmul bench: exit $?"
-  python3 - <<'PY'
-import glob, csv, collections, math, sys
-rows = [r for f in glob.glob("bench/results/bi_matmul-*.csv") for r in csv.DictReader(open(f))]
-if not rows:
-    sys.exit("no bench/results/bi_matmul-<gpu>.csv rows: the bench did not run")
-last = max(r["date"] for r in rows)[:13]  # this run's hour
-rows = [r for r in rows if r["date"].startswith(last)]
-ms = collections.defaultdict(dict)
-for r in rows:
-    ms[r["provider"]][r["shape"]] = float(r["median_ms"])
-# one SmolLM2 pass of M rows as the verifier launches it: 30 layers x (q/k/v grouped, o,
-# gate/up grouped, down) + the LM head (o has q's shape); the reference: cuBLAS, separately
-mix = {"qkv": 1, "q": 1, "gate+up": 1, "down": 1}
-SIZES = (8, 32, 128)  # a decode step at batch 8 (replay never), a window of 32, a pass of four
-totals = {}
-for M in SIZES:
-    print(f"SmolLM2 pass of {M} rows (ms, graph replays):")
-    for p, t in sorted(ms.items(), key=lambda kv: kv[0]):
-        got = {w: [v for s, v in t.items() if s.startswith(f"smollm2 {w} M={M} ")] for w in (*mix, "lm_head")}
-        if not all(got.values()):
-            continue
-        layers, head = sum(n * got[w][0] for w, n in mix.items()), got["lm_head"][0]
-        print(f"  {p:42s} layers {30 * layers:8.3f}  lm_head {head:7.3f}  total {30 * layers + head:8.3f}")
-        totals.setdefault(p, []).append(30 * layers + head)
-for s in sorted({s for t in ms.values() for s in t if s.startswith("llama") or "+" in s or "qkv" in s}):
-    best = sorted((t[s], p) for p, t in ms.items() if s in t)[:4]
-    print(s, " | ".join(f"{p} {v:.4f}" for v, p in best))
-# the candidate with the least geometric mean of its time over cuBLAS's across the sizes (one
-# plan serves every size: a decode step and a verify pass must give a token the same bits)
-ref = totals.get("reference", [])
-ranked = sorted((math.prod(v / r for v, r in zip(t, ref)) ** (1 / len(ref)), p) for p, t in totals.items()
-                if p.startswith("triton-") and len(t) == len(SIZES) == len(ref))
-for slowdown, p in ranked:
-    print(f"  {p:42s} {slowdown:6.2f}x cuBLAS's time (geometric mean over {SIZES} rows)")
-if ranked:
-    print(f"fastest float32 plan: {ranked[0][1]} ({ranked[0][0]:.2f}x cuBLAS)")
-    open("/tmp/plan.txt", "w").write(ranked[0][1].removeprefix("triton-"))
-else:
-    print(f"no triton-<plan> and reference rows at all of {SIZES} rows: no plan picked")
-PY
+  python3 bench/pick_plan.py --out /tmp/plan.txt
+}
+
+stage_bimatmulbf16() {
+  # the same sweep in bfloat16 (SmolLM2's cases; a 16-bit dot ignores a plan's precision), its
+  # pick appended to /tmp/plan.txt as bfloat16:<plan> (SWIFTKERN_BI_MATMUL_PLAN takes both)
+  bench_cut 200 --routine bi_matmul --reps 5 --dtype bfloat16 > "$OUT/bimatmul-bf16-sweep.log" 2>&1
+  echo "bi_matmul bf16 bench: exit $?"
+  python3 bench/pick_plan.py --dtype bfloat16 --out /tmp/plan-bf16.txt && {
+    if [ -s /tmp/plan.txt ]; then echo ",$(cat /tmp/plan-bf16.txt)" >> /tmp/plan.txt; else cp /tmp/plan-bf16.txt /tmp/plan.txt; fi
+    tr -d '\n' < /tmp/plan.txt > /tmp/plan.one && mv /tmp/plan.one /tmp/plan.txt; cat /tmp/plan.txt; echo; }
 }
 
 stage_detplan() {
-  # determinism with CUDA graphs, SmolLM2 float32, under the plan stage bimatmul picked (/tmp/plan.txt)
+  # determinism with CUDA graphs, SmolLM2 float32, under the plans bimatmul(bf16) picked (/tmp/plan.txt)
   export SWIFTKERN_BI_MATMUL_PLAN=$(cat /tmp/plan.txt 2>/dev/null)
   echo "SWIFTKERN_BI_MATMUL_PLAN=$SWIFTKERN_BI_MATMUL_PLAN" | tee "$OUT/plan.txt"
   # SmolLM2's needle without replay included; the replay's (slow) ones left to the stage dettests
   pytest_gpu detplan-tests 80 -n 6 -k "not test_needle_smollm2_on_gpu" tests/test_deterministic_gpu.py \
     tests/test_invariant_triton.py
-  # the replay of batch-variant steps (deterministic) beside every step on the invariant set
-  # (det-invariant, replay never); two runs, so a timeout loses one half only
+  # every step on the invariant set (deterministic: replay auto on CUDA) beside the replay of
+  # batch-variant steps (det-replay); two runs, so a timeout loses one half only
   bench_cut 170 --routine determinism --max-new-tokens 64 --reps 2 --cuda-graphs \
-    --providers ar,deterministic,det-invariant > "$OUT/determinism-plan.log" 2>&1
+    --providers ar,deterministic,det-replay > "$OUT/determinism-plan.log" 2>&1
   echo "determinism graphs: exit $?"; tail -16 "$OUT/determinism-plan.log"
   bench_cut 90 --routine determinism --max-new-tokens 64 --reps 2 --cuda-graphs \
     --providers ar,self-spec+det,self-spec+det-invariant > "$OUT/determinism-spec.log" 2>&1
@@ -248,9 +220,10 @@ stage_autodet() {
 
 stage_detbf16() {
   # the same in bfloat16 (the serving dtype: cuBLAS and bi_matmul both on tensor cores), as far
-  # as 90 s go (the groups finished are kept; throughput at batch 8 first)
+  # as 90 s go (the groups finished are kept; throughput at batch 8 first), under /tmp/plan.txt's plans
+  export SWIFTKERN_BI_MATMUL_PLAN=$(cat /tmp/plan.txt 2>/dev/null)
   bench_cut 90 --routine determinism --max-new-tokens 64 --reps 2 --cuda-graphs --dtype bfloat16 \
-    --providers ar,deterministic,det-invariant > "$OUT/determinism-bf16.log" 2>&1
+    --providers ar,deterministic,det-replay > "$OUT/determinism-bf16.log" 2>&1
   echo "determinism bf16 graphs: exit $?"; tail -12 "$OUT/determinism-bf16.log"
 }
 

@@ -69,8 +69,8 @@ def collect_info() -> dict:
     # what the replay's verifier runs per row with verifier_kernels="auto" (swiftkern/verifier_kernels.py)
     from .verifier_kernels import verifier_kernels
     info["verifier_kernels_auto"] = {dev: verifier_kernels("auto", dev, torch.float32).name for dev in ("cpu", "cuda")}
-    # the verifier's float32 matmul plan on CUDA (triton_kernels/bi_matmul.py; SWIFTKERN_BI_MATMUL_PLAN)
+    # the invariant matmul's plans on CUDA (triton_kernels/bi_matmul.py; SWIFTKERN_BI_MATMUL_PLAN)
     plan = os.environ.get("SWIFTKERN_BI_MATMUL_PLAN", "").strip()
-    info["cuda_bi_matmul_float32_plan"] = (f"{plan} (SWIFTKERN_BI_MATMUL_PLAN)" if plan
-                                           else "PLANS[float32] (triton_kernels/bi_matmul.py)")
+    info["cuda_bi_matmul_plans"] = (f"{plan} (SWIFTKERN_BI_MATMUL_PLAN)" if plan
+                                    else "PLANS (triton_kernels/bi_matmul.py)")
     return info

@@ -248,8 +248,22 @@ def test_plan_from_env_replaces_float32s_plan_by_a_candidate_name():
     assert plan_from_env(PLANS, CANDIDATES, "") is PLANS
     picked = plan_from_env(PLANS, CANDIDATES, CANDIDATES[2].name)
     assert picked[torch.float32] == CANDIDATES[2] and picked[torch.bfloat16] == PLANS[torch.bfloat16]
-    with pytest.raises(SwiftkernError, match="SWIFTKERN_BI_MATMUL_PLAN='64x64' names no candidate plan"):
+    with pytest.raises(SwiftkernError, match="SWIFTKERN_BI_MATMUL_PLAN='64x64': '64x64' names no candidate plan"):
         plan_from_env(PLANS, CANDIDATES, "64x64")
+
+
+def test_plan_from_env_takes_a_plan_per_dtype():
+    """``<dtype>:<name>`` items, comma-separated, replace that dtype's plan alone; a bare name is
+    float32's; an unknown dtype is refused with the ones there are."""
+    from swiftkern.triton_kernels.bi_matmul import PLANS, plan_from_env
+
+    picked = plan_from_env(PLANS, CANDIDATES, f"bfloat16:{CANDIDATES[7].name}, {CANDIDATES[3].name}")
+    assert picked[torch.bfloat16] == CANDIDATES[7] and picked[torch.float32] == CANDIDATES[3]
+    assert picked[torch.float16] == PLANS[torch.float16] and PLANS[torch.bfloat16] != CANDIDATES[7]
+    only = plan_from_env(PLANS, CANDIDATES, f"float16:{CANDIDATES[1].name}")
+    assert only[torch.float16] == CANDIDATES[1] and only[torch.float32] == PLANS[torch.float32]
+    with pytest.raises(SwiftkernError, match="'int8:.*' names no dtype \\(one of float32, bfloat16, float16\\)"):
+        plan_from_env(PLANS, CANDIDATES, f"int8:{CANDIDATES[1].name}")
 
 
 def test_opcheck_of_both_ops():

@@ -110,10 +110,10 @@ def test_info_says_the_reference_backend_projects_with_torch(monkeypatch):
 
 def test_info_names_the_bi_matmul_plan(monkeypatch):
     r = run("info")
-    assert "cuda_bi_matmul_float32_plan: PLANS[float32]" in r.stdout, r.stdout + r.stderr
+    assert "cuda_bi_matmul_plans: PLANS (triton_kernels/bi_matmul.py)" in r.stdout, r.stdout + r.stderr
     monkeypatch.setenv("SWIFTKERN_BI_MATMUL_PLAN", "64x64x32-w4-s3-tf32x3")
     r = run("info")
-    assert "cuda_bi_matmul_float32_plan: 64x64x32-w4-s3-tf32x3 (SWIFTKERN_BI_MATMUL_PLAN)" in r.stdout, r.stdout
+    assert "cuda_bi_matmul_plans: 64x64x32-w4-s3-tf32x3 (SWIFTKERN_BI_MATMUL_PLAN)" in r.stdout, r.stdout
 
 
 @pytest.mark.parametrize("args,msg", [

@@ -93,23 +93,35 @@ CANDIDATES = (
 )
 
 
+PLAN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def plan_from_env(plans: dict, candidates: tuple, value: str | None) -> dict:
-    """``PLANS`` with float32's replaced by the candidate named in SWIFTKERN_BI_MATMUL_PLAN
-    (``value``; e.g. "64x64x32-w4-s3-tf32x3"), for measuring a plan in whole runs. The
-    verifier's bits follow the plan: two runs compare bit for bit only under one setting."""
+    """``PLANS`` with plans replaced by the candidates SWIFTKERN_BI_MATMUL_PLAN (``value``) names,
+    for measuring a plan in whole runs: comma-separated items, each a candidate's name (float32's
+    plan, e.g. "64x64x32-w4-s3-tf32x3") or ``<dtype>:<name>`` (dtype float32, bfloat16 or
+    float16; a 16-bit plan's precision is unused: its dots are native). The verifier's bits
+    follow the plan: two runs compare bit for bit only under one setting."""
     if not value:
         return plans
     named = {plan.name: plan for plan in candidates}
-    if value not in named:
-        raise SwiftkernError(f"SWIFTKERN_BI_MATMUL_PLAN={value!r} names no candidate plan; use one of "
-                             f"{', '.join(named)}, or unset it")
-    return {**plans, torch.float32: named[value]}
+    picked = dict(plans)
+    for item in value.split(","):
+        dtype_name, _, plan_name = item.strip().rpartition(":")
+        dtype = PLAN_DTYPES.get(dtype_name or "float32")
+        if dtype is None or plan_name not in named:
+            raise SwiftkernError(
+                f"SWIFTKERN_BI_MATMUL_PLAN={value!r}: {item.strip()!r} names no "
+                + (f"dtype (one of {', '.join(PLAN_DTYPES)})" if dtype is None else "candidate plan")
+                + f"; give [<dtype>:]<plan>, comma-separated, with a plan one of {', '.join(named)}, or unset it")
+        picked[dtype] = named[plan_name]
+    return picked
 
 
 @functools.lru_cache(maxsize=None)
 def plans_in_use() -> dict:
-    """PLANS, or with SWIFTKERN_BI_MATMUL_PLAN's float32 plan (read at the first matmul, so a
-    bad name fails that call with its message rather than the import of every Triton kernel)."""
+    """PLANS, or with SWIFTKERN_BI_MATMUL_PLAN's plans (read at the first matmul, so a bad name
+    fails that call with its message rather than the import of every Triton kernel)."""
     return plan_from_env(PLANS, CANDIDATES, os.environ.get("SWIFTKERN_BI_MATMUL_PLAN", "").strip())
 
 
