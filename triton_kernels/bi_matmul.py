@@ -90,6 +90,8 @@ CANDIDATES = (
     Plan(32, 64, 32, precision="tf32x3", k_chunk=128), Plan(64, 64, 32, precision="tf32x3", k_chunk=256),
     # tiles of 16 rows: a decode step of a few rows through the invariant set (replay never)
     Plan(16, 64, 32, k_chunk=128), Plan(16, 64, 32, precision="tf32x3", k_chunk=128),
+    # K steps of 64 (fewer loop trips; bf16's dots are half the registers of float32's)
+    Plan(16, 64, 64, k_chunk=128), Plan(16, 64, 64, precision="tf32x3", k_chunk=128),
 )
 
 
