@@ -7,8 +7,9 @@ Three groups, each timed interleaved (A B C ... A B C) so drift hits every provi
 exactly ``--max-new-tokens`` per prompt (EOS off), prompts from bench/prompts.jsonl cycled
 to fill the batch (chat template):
 
-    throughput  batch 8 and 32: ar vs deterministic (replay auto: none where the batch-invariant
-                kernels run, the CPU; else window 32, verify batch 4, 16 on a GPU) vs det-replay
+    throughput  batch 8 and 32: ar vs deterministic (replay auto: no replay where an invariant set
+                runs, the CPU's C++ kernels or CUDA's Triton set; else window 32, verify batch 4,
+                16 on a GPU) vs det-replay
                 (the LLM-42 replay forced; verifier kernels auto: the fused set) vs
                 det-replay-portable (the replay with the portable set of torch compositions)
                 vs det-replay-1/8 (one request in eight needs determinism, the others skip
@@ -18,7 +19,7 @@ to fill the batch (chat template):
                 ARRIVAL_GAP steps: dynamic batching, LLM-42's setting): ar vs deterministic vs
                 det-replay, each with the same arrivals
     batch 1     each of the five prompts alone, in turn: ar vs deterministic (replay auto;
-                window 32, verify batch 1) vs self-spec + deterministic (replay auto: on the
+                window 32, verify batch 1, unused where auto skips the replay) vs self-spec + deterministic (replay auto: on the
                 CPU the speculative loop on the invariant kernels, drafter policy over lookup
                 and the layer set; with replay: the full model checking prompt-lookup drafts
                 and the layer-skipped draft are the fast path, window 32, verify batch 1) vs
@@ -211,9 +212,9 @@ def run(args) -> list[dict]:
                 group_rows.append(common.row(
                     ROUTINE, name + ("+graphs" if graphs else ""), args.device, hf.dtype, f"B={batch} N={n}", timing,
                     model=model_name, group=group,
-                    batch=batch, new_tokens=n, reps=reps, window=kw.get("window", ""),
+                    batch=batch, new_tokens=n, reps=reps, window=s.get("window", ""),  # the replay's, where it ran
                     deterministic_share=kw.get("share", 1.0 if kw["mode"] == "deterministic" else 0.0),
-                    verify_batch=kw.get("verify_batch", ""), fast_path=s.get("fast_path", ""),
+                    verify_batch=s.get("verify_batch", ""), fast_path=s.get("fast_path", ""),
                     verifier_kernels=s.get("verifier_kernels", ""),
                     replay=("elided" if "replay" in s else "replayed") if kw["mode"] == "deterministic" else "",
                     layer_set=kw.get("layer_set", ""), tok_s=round(tok_s, 2),

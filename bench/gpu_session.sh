@@ -24,8 +24,9 @@
 #   bash bench/gpu_session.sh autotests    the GPU tests of replay auto on CUDA and of the float32 plan (150 s)
 #   bash bench/gpu_session.sh autodet      determinism with CUDA graphs: deterministic (auto) beside det-replay,
 #                                          self-spec+det beside self-spec+det-invariant (160 s; SmolLM2)
-#   bash bench/gpu_session.sh det          determinism with CUDA graphs, the throughput and batch-1 groups with the
-#                                          portable verifier set beside the default (fused), and verifier_pass (eager)
+#   bash bench/gpu_session.sh det          determinism with CUDA graphs: the replay with the portable verifier set
+#                                          (det-replay-portable) beside the default fused one (det-replay), deterministic
+#                                          (auto: the invariant set on CUDA), one request in eight; verifier_pass (eager)
 # Stages chain: `bash bench/gpu_session.sh setup tests`. Everything under bench/results and the
 # logs are packed into $OUT/results.tgz after every stage.
 #
@@ -229,7 +230,7 @@ stage_detbf16() {
 
 stage_det() {
   timeout 420 python3 -m bench --routine determinism --max-new-tokens 64 --reps 2 --cuda-graphs --plot \
-    --providers ar,deterministic,det-replay-portable,det-replay-1/8,self-spec+det,self-spec+det-portable \
+    --providers ar,deterministic,det-replay,det-replay-portable,det-replay-1/8,self-spec+det,self-spec+det-portable \
     > "$OUT/determinism-graphs.log" 2>&1
   echo "determinism graphs: exit $?"; tail -22 "$OUT/determinism-graphs.log"
   timeout 90 python3 -m bench --routine verifier_pass --reps 10 > "$OUT/verifier-pass.log" 2>&1

@@ -86,12 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--mode", default="ar", choices=["ar", "self-spec", "deterministic"],
                      help="ar: plain decoding (default); self-spec: draft with --layer-set skipped, "
                           "verify with the full model (same greedy output, same sampling distribution); "
-                          "deterministic: batched decoding replayed every --window tokens by a fixed-shape "
-                          "batch-invariant verifier (a prompt's output is the same whatever the batch)")
+                          "deterministic: a prompt's output is the same whatever the batch: decoded through "
+                          "batch-invariant kernels, or batched decoding replayed every --window tokens by a "
+                          "fixed-shape batch-invariant verifier (see --replay)")
     gen.add_argument("--window", type=positive_int, default=32,
-                     help="deterministic: unverified tokens per row before a verify pass (default 32)")
+                     help="deterministic with the replay: unverified tokens per row before a verify pass (default 32)")
     gen.add_argument("--verify-batch", type=positive_int, default=4,
-                     help="deterministic: rows of every (fixed-shape) verify pass (default 4; fewer when "
+                     help="deterministic with the replay: rows of every (fixed-shape) verify pass (default 4; fewer when "
                           "fewer prompts are verified)")
     gen.add_argument("--replay", default="auto", choices=["auto", "always", "never"],
                      help="deterministic: auto (default) skips the replay where it cannot change a bit "
@@ -114,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "drafts nothing. deterministic: self-spec "
                           "speculates with the --layer-set draft and prompt lookup (with the replay: each step "
                           "the draft or the full model proposes, and lookup matches are taken, by measured cost "
-                          "and agreement; auto/none: regular batched decoding)")
+                          "and agreement; auto/none: no drafts, regular batched decoding with the replay, else the "
+                          "invariant kernels)")
     gen.add_argument("--layer-set", default=None,
                      help="self-spec: sub-layers the draft skips, 'attn:3,5-7|mlp:4,9', JSON, 'none', or "
                           "'auto' (default for self-spec: searched while generating, starting from the set "

@@ -126,8 +126,8 @@ class Generator:
     starting from the set ``swiftkern search`` stored for this model when there is one; what it
     finds carries over to this Generator's later calls (``reset_search()`` forgets it).
     Mode ``deterministic`` (LLM-42, ``deterministic.decode_deterministic``): a prompt's output
-    and ``logprobs`` are the same bits whatever else is in the batch. Rows decode together
-    (regular batched decoding; ``drafter="self-spec"``: prompt-lookup drafts where a row's
+    and ``logprobs`` are the same bits whatever else is in the batch. With the replay, rows
+    decode together (regular batched decoding; ``drafter="self-spec"``: prompt-lookup drafts where a row's
     context repeats, else the draft with ``layer_set`` skipped, stopping at confidence < ``eps``),
     and every ``window`` unverified tokens are replayed in a
     fixed-shape ``verify_batch x window`` batch-invariant pass that commits the matching prefix
@@ -174,7 +174,7 @@ class Generator:
         self.drafter = drafter
         if (drafter == "self-spec") != (mode == "deterministic" and drafter not in ("auto", "none")):
             raise SwiftkernError(f"drafter {drafter} does not go with mode {mode}: mode deterministic takes "
-                                 "drafter self-spec (or auto/none: regular batched decoding), and only it does")
+                                 "drafter self-spec (or auto/none: no drafts), and only it does")
         if mode == "ar" and drafter not in ("auto", "none"):
             raise SwiftkernError(f"drafter {drafter} needs mode self-spec: mode ar drafts nothing")
         drafts_with_layers = (mode == "self-spec" and drafter in ("auto", "layer-skip")) or drafter == "self-spec"
@@ -205,6 +205,11 @@ class Generator:
         self.verifier_kernels = verifier_kernels
         if drafter == "self-spec" and layer_set is None:
             raise SwiftkernError("drafter self-spec needs a layer set (e.g. 'attn:3,5|mlp:4')")
+        if verifier_kernels != "auto" and self.replay_elided():
+            raise SwiftkernError(
+                f"verifier_kernels={verifier_kernels!r} picks the replay's per-row ops, but replay={replay!r} runs no "
+                f"replay here ({self.model.device.type}, {self.model.dtype}: every step on the batch-invariant "
+                "kernels); pass replay='always' to replay with them, or leave verifier_kernels out")
         self._tuner_state: OnTheFlyTuner | None = None  # layer_set "auto": kept across calls
         self._drafter_costs: dict = {}  # the drafter policy's timed costs per batch size: kept across calls
         if self.auto_layer_set:
@@ -449,8 +454,10 @@ class Generator:
         (``eos_token_id``, default the model's), a ``stop_token_ids`` token (each one id or a
         list), a ``stop`` string in its text, or ``max_new_tokens``. Mode deterministic: ``deterministic``
         (one bool or one per prompt) False lets a request skip verification (regular decoding);
-        where no replay runs (``replay_elided()``) every request is deterministic at no cost and
-        the flags change nothing. ``streamer(request, tokens)``: called with each request's
+        where no replay runs (``replay_elided()``) every row decodes through the invariant kernels,
+        so every request is deterministic and the flags change nothing (on the CPU at no
+        measurable cost; on CUDA every row pays ``bi_matmul``: with few deterministic requests
+        ``replay="always"`` may cost less; unmeasured). ``streamer(request, tokens)``: called with each request's
         tokens as they become final (only verified ones in mode deterministic), in order, while
         decoding runs (``streaming.TextStream`` makes text of them); its time counts in the stats.
         ``arrive_at`` (one int per prompt, at least one 0): the decoding step at which each
@@ -560,7 +567,9 @@ class Generator:
         logprobs = None
         if self.mode == "deterministic":
             per_row, logprobs = spec_stats.pop("per_row"), spec_stats.pop("logprobs")
-            stats.update(spec_stats, window=self.window, verify_batch=spec_stats.get("verify_batch", self.verify_batch),
+            replayed = {} if self.replay_elided() else dict(  # the replay's shape, where it ran
+                window=self.window, verify_batch=spec_stats.get("verify_batch", self.verify_batch))
+            stats.update(spec_stats, **replayed,
                          fast_path="self-spec " + str(self.layer_set) if self.drafter == "self-spec" else "ar")
             for req, row in zip(request_stats, per_row):
                 req.update(row)

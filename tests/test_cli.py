@@ -74,11 +74,11 @@ def test_info_names_backends():
     r = run("info")
     assert r.returncode == 0, r.stderr
     assert "torch:" in r.stdout and "greedy_accept" in r.stdout
-    from swiftkern.layer_kernels import invariant_kernels_available
+    from swiftkern.layer_kernels import invariant_backend, invariant_kernels_available
     from swiftkern.ops import backends
 
     on_cpu = invariant_kernels_available("cpu", torch.float32)
-    on_cuda = torch.cuda.is_available() and backends.current_backend() in ("auto", "triton")
+    on_cuda = torch.cuda.is_available() and invariant_backend("cuda", torch.float32) == "triton"
     said = "cpu float32" if on_cpu else "cuda (the Triton set" if on_cuda else "the LLM-42 replay runs"
     assert "deterministic_without_replay:" in r.stdout and said in r.stdout
     assert ("cuda (the Triton set" in r.stdout) is on_cuda  # replay auto's way there (Generator.replay_elided)

@@ -672,3 +672,18 @@ def test_a_lookup_draft_stops_at_a_stop_token():
         assert requests.out[0] == want and stats["lookup_tokens"] > 0
         # every fast token is committed or counted as rolled back (the first token is the prefill's)
         assert stats["fast_tokens"] == len(requests.out[0]) - 1 - stats["corrected"] + stats["rolled_back"]
+
+
+@needs_invariant
+def test_verifier_kernels_without_a_replay_are_refused(tiny):
+    """verifier_kernels picks the replay's ops: where replay auto (or never) runs no replay, a
+    set named there would be ignored, so it is refused with what to pass; with the replay it runs."""
+    for replay in ("auto", "never"):
+        with pytest.raises(SwiftkernError, match="verifier_kernels='portable' picks the replay's per-row ops.*"
+                                                 "pass replay='always'"):
+            Generator(tiny, mode="deterministic", replay=replay, verifier_kernels="portable")
+    out = Generator(tiny, mode="deterministic", replay="always", verifier_kernels="portable", window=4).generate(
+        [[5, 6, 7]], max_new_tokens=5, eos_token_id=[])
+    assert out.stats["verifier_kernels"] == "portable" and out.stats["verify_passes"] >= 1
+    plain = Generator(tiny, mode="deterministic").generate([[5, 6, 7]], max_new_tokens=5, eos_token_id=[])
+    assert "window" not in plain.stats and plain.stats["verify_passes"] == 0  # no replay: no replay shape

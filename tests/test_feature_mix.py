@@ -41,12 +41,18 @@ if INVARIANT:
         # the portable config's shapes: a runner shared by both must still keep their graphs apart
         "det-replay-fused": dict(mode="deterministic", replay="always", window=3, verify_batch=2,
                                  verifier_kernels="fused"),
-        "det-no-replay": dict(mode="deterministic", replay="auto"),
-        "det-no-replay-self-spec": dict(mode="deterministic", replay="auto", drafter="self-spec",
-                                        layer_set=SKIP, eps=0.0, k_max=4),
+    })
+if INVARIANT or torch.cuda.is_available():
+    CONFIGS.update({
+        # replay auto: no replay on the CPU's C++ set and on CUDA's Triton set (Generator.replay_elided),
+        # except the self-spec drafter's on CUDA, which replays
+        "det-auto": dict(mode="deterministic", replay="auto"),
+        "det-auto-self-spec": dict(mode="deterministic", replay="auto", drafter="self-spec",
+                                   layer_set=SKIP, eps=0.0, k_max=4),
     })
 DETERMINISTIC = [name for name in CONFIGS if name.startswith("det")]
-ALL_VERIFIED = {"det-replay-self-spec"}  # a replayed layer-skipped fast path refuses unverified requests
+# a replayed layer-skipped fast path refuses unverified requests (auto replays on a CPU without the C++ set)
+ALL_VERIFIED = {"det-replay-self-spec"} | (set() if INVARIANT else {"det-auto-self-spec"})
 
 MODELS = {  # tiny random models of each family and attention layout the runner takes
     "llama": ("llama", {}),
@@ -201,8 +207,9 @@ def test_one_graph_runner_shared_by_every_config_across_calls(fixed_costs, graph
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_one_cuda_graph_runner_shared_by_every_config_on_the_gpu(fixed_costs):
-    """The same with real CUDA graphs on the GPU: each request's tokens are those the same
-    config gives it alone without graphs on the GPU (the same kernels, so the same bits)."""
+    """The same with real CUDA graphs on the GPU: each request's tokens are those `ar` gives it
+    alone without graphs on the GPU (the deterministic configs' tokens come from the invariant
+    kernels, ``bi_matmul`` for cuBLAS: equal on this model, as the CPU's are)."""
     model = SkipModel(tiny_model("llama", num_hidden_layers=4).to("cuda"))
     alone = Generator(model)
     _calls_through_one_runner(model, GraphRunner(model, max_graphs=24),
