@@ -136,15 +136,15 @@ WARM_CALLS_MAX = 5
 
 
 def _until_no_capture(runner, fn) -> int:
-    """Run fn (every call of a timed rep) until one whole run captures no graph, at least twice
-    (a key's first sight runs eagerly, its second captures), at most WARM_CALLS_MAX times -> the
-    runs. Two were not always enough: the batch-1 group's first warm call sized the runner's
+    """Run fn (every call of a timed rep) until one whole run captures no graph and meets no new
+    key (a first sight runs eagerly and the next one captures: either in a timed rep costs
+    launches or a capture), at least twice, at most WARM_CALLS_MAX times -> the runs. Two were not always enough: the batch-1 group's first warm call sized the runner's
     cache for its first prompt, a longer one replaced it, and keys seen with the first cache were
     captured during the timed reps (the emulated graphs showed 2 captures in the third round)."""
     for run in range(1, WARM_CALLS_MAX + 1):
-        before = runner.captures
+        before = (runner.captures, runner.first_sights)
         fn()
-        if run >= 2 and runner.captures == before:
+        if run >= 2 and (runner.captures, runner.first_sights) == before:
             return run
     return WARM_CALLS_MAX
 

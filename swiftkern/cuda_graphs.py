@@ -103,6 +103,7 @@ class GraphRunner:
         self.cache = None  # the KVCache new_cache handed out last
         self.cache_leased = False  # a generate call holds self.cache (lease)
         self.captures = self.replays = self.eager = 0
+        self.first_sights = 0  # keys met for the first time (run eagerly; the next sight captures)
         self.replays_by_kind: dict = {}  # "forward" | "verify" -> replays
         cuda = graph_type is CudaGraph
         self.pool = torch.cuda.graph_pool_handle() if cuda else None
@@ -183,6 +184,7 @@ class GraphRunner:
         key = key + (ops.backends.current_backend(),)
         entry = self.entries.get(key)
         if entry is None:  # first sight: eager, the same arithmetic as the graph will do
+            self.first_sights += 1
             self.entries[key] = _Entry()
             while len(self.entries) > self.max_graphs:
                 self.entries.popitem(last=False)

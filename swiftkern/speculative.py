@@ -111,26 +111,66 @@ def _chunk_uniforms(seeds: list[int], start: list[int], count: int, stream: int,
     return torch.stack(cols, dim=1) if cols else torch.zeros(len(seeds), 0, device=device)
 
 
-def verify_and_accept(model: SkipModel, cache: KVCache, pending: torch.Tensor, drafts: torch.Tensor,
-                      draft_probs, num_draft: list[int], params: SamplingParams, seeds: list[int]):
-    """One full-model forward over [pending, drafts] and the acceptance rule.
+def queue_logprobs(device: torch.device) -> bool:
+    """Whether a verify step computes every position's logprob before its read (a GPU: it runs
+    while the host waits anyway) rather than each row's kept tokens after it (the CPU: fewer
+    rows to compute). The same bits either way."""
+    return device.type != "cpu"
 
-    -> out_tokens int64 [B, K+1] (accepted drafts, then the corrected/bonus token, then -1),
-       num_accepted list[int], logits [B, K+1, V]. The cache is advanced by K+1 (the caller
-       rolls it back).
-    """
+
+@dataclass
+class Verified:
+    """One verify step's outcome. rows: each row's out tokens on the host (its accepted drafts,
+    then the corrected/bonus token, then -1); num_accepted: list[int]; pending: int64 [B] on the
+    device, each row's corrected or bonus token; out: int64 [B, K+1] and logits [B, K+1, V] on
+    the device; queued: float32 [B, K+1], every out token's ``bi_token_logprob`` launched before
+    the read (on a GPU, where it overlaps the forward; entries past a row's tokens are token
+    0's), or None."""
+    rows: list[list[int]]
+    num_accepted: list[int]
+    pending: torch.Tensor
+    out: torch.Tensor
+    logits: torch.Tensor
+    queued: torch.Tensor | None
+
+    def logprobs(self, i: int, n: int) -> torch.Tensor:
+        """float32 [n]: row i's first n out tokens' log-probabilities (the same bits either way:
+        the op is row-invariant; on the CPU computed for those n alone, which costs less)."""
+        if self.queued is not None:
+            return self.queued[i, :n]
+        return bi_token_logprob(self.logits[i, :n], self.out[i, :n])
+
+
+def verify_and_accept(model: SkipModel, cache: KVCache, pending: torch.Tensor, drafts: torch.Tensor,
+                      draft_probs, num_draft: list[int], params: SamplingParams, seeds: list[int],
+                      logprobs: bool = False) -> Verified:
+    """One full-model forward over [pending, drafts] [B, K+1] and the acceptance rule, read back
+    to the host once: everything the step launches is queued before that read, and nothing
+    before it waits for the GPU (host values are copied in before the forward; the acceptance
+    op's checks take max(num_draft) from the host list), so on a GPU the host's next work
+    overlaps the forward. The cache is advanced by K+1 (the caller rolls it back)."""
     B, K = drafts.shape
+    device = drafts.device
     start = list(cache.host_lengths)  # position of each row's pending token
+    nd = torch.tensor(num_draft, dtype=torch.int32, device=device)  # [B]
+    if params.do_sample:
+        u_accept = _chunk_uniforms(seeds, start, K, STREAM_ACCEPT, device)  # [B, K]
+        u_sample = _chunk_uniforms(seeds, start, K + 1, STREAM_RESIDUAL, device)  # [B, K+1]
     logits = model.forward(torch.cat([pending.unsqueeze(1), drafts], dim=1), cache)  # [B, K+1, V]
-    nd = torch.tensor(num_draft, dtype=torch.int32, device=drafts.device)
+    max_draft = max(num_draft, default=0)
     if not params.do_sample:
-        out, acc = ops.greedy_accept(drafts, logits, nd)
-        return out, acc.tolist(), logits
-    target = probs_from_logits(logits.reshape(B * (K + 1), -1), params).view(B, K + 1, -1)
-    u_accept = _chunk_uniforms(seeds, start, K, STREAM_ACCEPT, drafts.device)  # [B, K]
-    u_sample = _chunk_uniforms(seeds, start, K + 1, STREAM_RESIDUAL, drafts.device)  # [B, K+1]
-    out, acc = ops.rejection_sample(drafts, draft_probs, target, nd, u_accept, u_sample)
-    return out, acc.tolist(), logits
+        out, acc = ops.greedy_accept(drafts, logits, nd, max_draft=max_draft)  # [B, K+1], [B]
+    else:
+        target = probs_from_logits(logits.reshape(B * (K + 1), -1), params).view(B, K + 1, -1)
+        out, acc = ops.rejection_sample(drafts, draft_probs, target, nd, u_accept, u_sample, max_draft=max_draft)
+    lps = None
+    if logprobs and queue_logprobs(device):  # every position's, queued before the read (Verified.logprobs)
+        flat = out.clamp(min=0).view(-1)  # [B*(K+1)]
+        lps = bi_token_logprob(logits.reshape(B * (K + 1), -1), flat).view(B, K + 1)
+    acc = acc.to(torch.int64)
+    next_pending = out.gather(1, acc.unsqueeze(1)).squeeze(1)  # [B] the corrected or bonus token
+    host = torch.cat([acc.unsqueeze(1), out], dim=1).tolist()  # the step's one read: [B, 1 + K+1]
+    return Verified([h[1:] for h in host], [h[0] for h in host], next_pending, out, logits, lps)
 
 
 def _assemble(B: int, choices, lookups, skip, params: SamplingParams, vocab: int, device):
@@ -270,13 +310,14 @@ def decode_self_spec(model: SkipModel, cache: KVCache, first_logits: torch.Tenso
         drafts, draft_probs, num_draft = _assemble(B, choices, lookups, skip, params, model.vocab_size,
                                                    pending.device)
         mark = unsteady_calls(model)
-        out_tokens, num_accepted, logits = verify_and_accept(model, cache, pending, drafts, draft_probs, num_draft,
-                                                     params, row_seeds)
+        verified = verify_and_accept(model, cache, pending, drafts, draft_probs, num_draft, params, row_seeds,
+                                     logprobs=logprobs is not None)
+        num_accepted = verified.num_accepted
         steady = unsteady_calls(model) == mark  # no capture's cost in the cost model
         cache.rollback([n + 1 + a for n, a in zip(base, num_accepted)])
         stats["verify_steps"] += 1
         stats["row_verifies"] += B
-        for i, row in enumerate(out_tokens.tolist()):
+        for i, row in enumerate(verified.rows):
             r = alive[i]
             used = choices[i].drafter if num_draft[i] else "none"
             stats["drafter_steps"][used] += 1
@@ -295,11 +336,10 @@ def decode_self_spec(model: SkipModel, cache: KVCache, first_logits: torch.Tenso
                 counts["drafted"] += num_draft[i]
                 counts["accepted"] += min(num_accepted[i], n)
             if logprobs is not None:
-                logprobs[r].append(bi_token_logprob(logits[i, :n], out_tokens[i, :n]))
+                logprobs[r].append(verified.logprobs(i, n))
             if draft_head is not None:
                 draft_head.add(committed)
-        index = torch.tensor(num_accepted, device=out_tokens.device).unsqueeze(1)
-        pending = out_tokens.gather(1, index).squeeze(1)  # the corrected or bonus token
+        pending = verified.pending
         if chooser is not None and steady:
             # the step's whole cost but its drafts' (lookup, choices, acceptance, commits: ~3 % of
             # a SmolLM2 decode step on the CPU, the same for any width, so a step saved saves it too)

@@ -256,19 +256,22 @@ def test_plot_without_matplotlib_is_refused_before_the_run():
 
 def test_graph_warm_up_runs_until_a_call_captures_nothing():
     """bench determinism's warm-up with --cuda-graphs: at least two runs, then until one adds no
-    capture (the timed reps must replay only), at most WARM_CALLS_MAX."""
+    capture and no first sight of a key (the timed reps must replay only), at most WARM_CALLS_MAX."""
     import sys
     sys.path.insert(0, ROOT)
     from bench.bench_determinism import WARM_CALLS_MAX, _until_no_capture
 
     class Runner:
-        captures = 0
+        captures = first_sights = 0
 
-    for new_captures, runs in (([0, 0], 2), ([3, 2, 2, 0], 4), ([1] * 9, WARM_CALLS_MAX)):
-        runner, plan = Runner(), iter(new_captures + [0] * 9)
+    for new_captures, new_sights, runs in (([0, 0], [0, 0], 2), ([3, 2, 2, 0], [0] * 4, 4),
+                                           ([1] * 9, [0] * 9, WARM_CALLS_MAX),
+                                           ([2, 1, 0, 0], [2, 0, 1, 0], 4)):  # a key first met in run 3
+        runner, plan, sights = Runner(), iter(new_captures + [0] * 9), iter(new_sights + [0] * 9)
 
         def fn():
             runner.captures += next(plan)
+            runner.first_sights += next(sights)
         assert _until_no_capture(runner, fn) == runs
 
 

@@ -350,3 +350,30 @@ def test_without_extension_the_reference_op_is_registered():
     """)
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
+
+
+def test_host_max_draft_skips_the_device_read_and_keeps_the_result(monkeypatch):
+    """max_draft (the caller's host-known max(num_draft)): the same tokens, no aminmax of
+    num_draft (on a GPU, a sync that would make the call wait for the forward), and a value
+    outside [0, K] refused. The same for rejection_sample."""
+    g = torch.Generator().manual_seed(4)
+    B, K, V = 3, 4, 37
+    draft = torch.randint(0, V, (B, K), generator=g)
+    logits = torch.randn(B, K + 1, V, generator=g)
+    nd = torch.tensor([4, 0, 2], dtype=torch.int32)
+    want = ops.greedy_accept(draft, logits, nd)
+    probs = torch.softmax(logits, -1)
+    u_a, u_s = torch.rand(B, K, generator=g), torch.rand(B, K + 1, generator=g)
+    want_rs = ops.rejection_sample(draft, None, probs, nd, u_a, u_s)
+    reads = []
+    real = torch.aminmax
+    monkeypatch.setattr(torch, "aminmax", lambda t, *a, **k: reads.append(t.shape) or real(t, *a, **k))
+    got = ops.greedy_accept(draft, logits, nd, max_draft=4)
+    got_rs = ops.rejection_sample(draft, None, probs, nd, u_a, u_s, max_draft=4)
+    assert reads == []
+    assert all(torch.equal(a, b) for a, b in zip(got + got_rs, want + want_rs))
+    ops.greedy_accept(draft, logits, nd)
+    assert reads == [(B,)]  # without it: one read of num_draft
+    for bad in (5, -1, 2.0, True):
+        with pytest.raises(SwiftkernError, match=r"greedy_accept: max_draft must be an int in \[0, K = 4\]"):
+            ops.greedy_accept(draft, logits, nd, max_draft=bad)

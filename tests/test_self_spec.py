@@ -251,3 +251,54 @@ def test_adaptive_threshold_moves_toward_the_target_and_stays_lossless():
     hf, ar = model("llama")
     gen = Generator(hf, mode="self-spec", drafter="layer-skip", layer_set="attn:2|mlp:3", k_max=5, eps=0.2, adaptive_eps=True)
     assert gen.generate(PROMPTS, max_new_tokens=24, eos_token_id=[]).tokens == ar
+
+
+def test_a_verify_step_reads_the_device_once(monkeypatch):
+    """verify_and_accept queues everything before one read back to the host (on a GPU each read
+    waits for the forward: more than one serialises the step's host work behind it): one
+    tolist, no aminmax of num_draft (int32; the forward's CPU-only token check is not a
+    device read), no item."""
+    from swiftkern.sampling import SamplingParams
+    from swiftkern.speculative import verify_and_accept
+
+    sm = SkipModel(model("llama")[0])
+    cache = sm.new_cache(2, 32)
+    prompts = torch.tensor([[5, 6, 7], [9, 10, 11]])
+    logits = sm.forward(prompts, cache)
+    pending = logits[:, -1].argmax(-1)
+    drafts = torch.tensor([[3, 4, 5], [6, 0, 0]])
+    reads = {"tolist": 0, "aminmax": 0, "item": 0}
+    for name in ("tolist", "item"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda t, *a, _r=real, _n=name, **k: reads.__setitem__(
+            _n, reads[_n] + 1) or _r(t, *a, **k))
+    real_aminmax = torch.aminmax
+    monkeypatch.setattr(torch, "aminmax", lambda t, *a, **k: reads.__setitem__(
+        "aminmax", reads["aminmax"] + (t.dtype == torch.int32)) or real_aminmax(t, *a, **k))
+    for sample in (False, True):
+        reads.update(tolist=0, aminmax=0, item=0)
+        cache.rollback([3, 3])
+        params = SamplingParams(do_sample=sample, temperature=1.0)
+        verify_and_accept(sm, cache, pending, drafts, None, [3, 1], params, [1, 2], logprobs=True)
+        assert reads == {"tolist": 1, "aminmax": 0, "item": 0}, (sample, reads)
+
+
+@pytest.mark.parametrize("queued", [False, True])
+def test_logprobs_queued_for_every_position_have_the_rows_bits(monkeypatch, queued):
+    """The GPU's way (every position's logprob before the read) and the CPU's (each row's kept
+    tokens after it) give the same bits: mode deterministic's speculative loop without replay
+    returns the logprobs of the invariant model, checked against a prefill of its output."""
+    from swiftkern import speculative
+    from swiftkern.layer_kernels import invariant_kernels_available
+    from swiftkern.deterministic import invariant_token_logprobs
+
+    if not invariant_kernels_available("cpu", torch.float32):
+        pytest.skip("needs the C++ invariant kernels (replay auto elided on the CPU)")
+    monkeypatch.setattr(speculative, "queue_logprobs", lambda device: queued)
+    sm = SkipModel(model("llama")[0])
+    gen = Generator(sm, mode="deterministic", drafter="self-spec", layer_set="attn:1|mlp:2", eps=0.0, k_max=4)
+    prompts = [[7, 8, 9, 10, 7, 8, 9, 10, 7], [40, 41, 40, 41, 40]]
+    out = gen.generate(prompts, max_new_tokens=12, eos_token_id=[])
+    assert out.stats["verify_steps"] > 0
+    for p, toks, lp in zip(prompts, out.tokens, out.logprobs):
+        assert torch.equal(invariant_token_logprobs(sm, p + toks, len(p)), lp)

@@ -11,7 +11,7 @@ from .checks import FLOAT_DTYPES, check_num_draft, check_tensors, one_device
 
 
 def greedy_accept(
-    draft_tokens: torch.Tensor, target_logits: torch.Tensor, num_draft: torch.Tensor
+    draft_tokens: torch.Tensor, target_logits: torch.Tensor, num_draft: torch.Tensor, *, max_draft: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy acceptance of drafted tokens against the full model's logits (lossless).
 
@@ -21,6 +21,9 @@ def greedy_accept(
             logits at the K+1 verified positions: position j scores the token after draft j-1
             (position 0 follows the last committed token).
         num_draft: int32 [B] (int64 is accepted and converted), each in [0, K].
+        max_draft: max(num_draft) when the caller knows it on the host (it built num_draft from
+            a list): num_draft is then not read back from the device to be checked, so the call
+            does not wait for the GPU (a speculative loop's one read a step stays its own).
 
     Returns:
         out_tokens: int64 [B, K+1]. Row b: its accepted drafts, then one target token (the
@@ -61,7 +64,7 @@ def greedy_accept(
                              f"{target_logits.dtype}")
     if num_draft.dtype not in (torch.int32, torch.int64):
         raise SwiftkernError(f"greedy_accept: num_draft must be int32 (or int64), got {num_draft.dtype}")
-    check_num_draft("greedy_accept", num_draft, K)
+    check_num_draft("greedy_accept", num_draft, K, max_draft)
     num_draft = num_draft.to(torch.int32)
     if target_logits.stride(-1) != 1:
         target_logits = target_logits.contiguous()
@@ -75,6 +78,8 @@ def rejection_sample(
     num_draft: torch.Tensor,
     u_accept: torch.Tensor,
     u_sample: torch.Tensor,
+    *,
+    max_draft: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative sampling (Leviathan et al. / Chen et al.): emitted tokens follow target_probs.
 
@@ -88,6 +93,8 @@ def rejection_sample(
         num_draft: int32 [B] (int64 is accepted and converted), each in [0, K].
         u_accept: float32 [B, K]; u_sample: float32 [B, K+1]. Uniforms in [0, 1), the only
             randomness, so every backend gives the same tokens for the same inputs.
+        max_draft: max(num_draft) known on the host, as for ``greedy_accept``: num_draft and
+            the draft tokens are then not read back from the device to be checked.
 
     Returns:
         out_tokens: int64 [B, K+1]. Row b: its accepted drafts, then one drawn token, then -1.
@@ -144,8 +151,8 @@ def rejection_sample(
             raise bad(f"{arg} must be float32, got {tensors[arg].dtype}")
     if num_draft.dtype not in (torch.int32, torch.int64):
         raise bad(f"num_draft must be int32 (or int64), got {num_draft.dtype}")
-    hi = check_num_draft("rejection_sample", num_draft, K)
-    if hi is not None:
+    hi = check_num_draft("rejection_sample", num_draft, K, max_draft)
+    if hi is not None and max_draft is None:
         if K > 0 and hi > 0:  # one cheap reduction; the mask only when some draft is out of range
             lo, hi = (int(v) for v in torch.aminmax(draft_tokens))
             if lo < 0 or hi >= V:

@@ -78,9 +78,14 @@ def check_range(op: str, name: str, t: torch.Tensor, lo: int, hi: int, what: str
         raise SwiftkernError(f"{op}: {name} must be in [{lo}, {hi}] ({what}), got min {mn}, max {mx}")
 
 
-def check_num_draft(op: str, num_draft: torch.Tensor, K: int) -> int | None:
+def check_num_draft(op: str, num_draft: torch.Tensor, K: int, max_draft: int | None = None) -> int | None:
     """Raise unless every num_draft is in [0, K]; -> max(num_draft), or None when not checked
-    (empty batch, or while torch.compile traces)."""
+    (empty batch, or while torch.compile traces). ``max_draft``: the caller's host-known
+    max(num_draft), checked against K in place of reading num_draft back (no device sync)."""
+    if max_draft is not None:
+        if not (isinstance(max_draft, int) and not isinstance(max_draft, bool) and 0 <= max_draft <= K):
+            raise SwiftkernError(f"{op}: max_draft must be an int in [0, K = {K}] (max(num_draft)), got {max_draft!r}")
+        return max_draft
     if torch.compiler.is_compiling() or num_draft.numel() == 0:
         return None
     lo, hi = (int(v) for v in torch.aminmax(num_draft))
