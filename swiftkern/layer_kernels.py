@@ -205,7 +205,16 @@ def _kernel_attention(attend: Callable, key_block: int = 1) -> Callable:
 
 def _linear_for(device_type: str) -> Callable:
     """ops.linear's choice, made once: the C++ skinny kernel on the CPU (when built and allowed)
-    where ops.skinny_fits, torch's matmul otherwise."""
+    where ops.skinny_fits, the Triton one on CUDA where ops.triton_skinny_fits, torch's matmul
+    otherwise."""
+    if ops.triton_skinny_here(device_type):
+        from .triton_kernels import KERNELS
+
+        triton_skinny, triton_fits = KERNELS["skinny_linear"][0], ops.triton_skinny_fits
+
+        def linear(x, weight, bias=None):
+            return triton_skinny(x, weight, bias) if triton_fits(x, weight) else reference.skinny_linear(x, weight, bias)
+        return linear
     if not ops.backends.cpu_kernel("skinny_linear", device_type):
         return reference.skinny_linear
     skinny, fits = torch.ops.swiftkern.skinny_linear, ops.skinny_fits

@@ -15,7 +15,7 @@ from swiftkern.errors import SwiftkernError
 from triton_cases import DEVICE, NATIVE, backend, triton_op
 
 TRITON_OPS = ("rms_norm", "fused_add_rms_norm", "silu_mul", "rope_kv_append", "verify_attention",
-              "greedy_accept", "rejection_sample", "kv_compact")
+              "greedy_accept", "rejection_sample", "kv_compact", "skinny_linear")
 
 
 def run_python(code: str, **env) -> subprocess.CompletedProcess:
@@ -76,7 +76,7 @@ def test_auto_and_forced_choices():
         assert ops.backend_for("rms_norm", DEVICE) == "triton"  # on CPU: the interpreter
         info = ops.backend_info()
         assert info["swiftkern_backend"] == "triton" and info["ops"]["rms_norm"]["cuda"] == "triton"
-        assert info["ops"]["skinny_linear"]["cuda"].startswith("unavailable: there is no Triton kernel")
+        assert info["ops"]["packed_linear"]["cuda"].startswith("unavailable: there is no Triton kernel")
 
 
 def test_forcing_a_backend_that_cannot_run_raises():

@@ -9,7 +9,8 @@ lazily, only when a Triton kernel may be needed, and picks the backend per op an
 
 Modules: launch (launch sizes and input checks), registry (the registration), and per op
 fused_add_rms_norm (with rms_norm), silu_mul, rope_kv_append, verify_attention (with
-verify_attention_invariant), greedy_accept, rejection_sample, kv_compact; bi_matmul (the
+verify_attention_invariant), greedy_accept, rejection_sample, kv_compact, skinny_linear (the
+regular path's float32 matmul at few rows on CUDA); bi_matmul (the
 deterministic verifier's matmul, not in ``ops.registry.SCHEMAS``) registers its own op through
 ``registry.register`` when imported here.
 """
@@ -23,6 +24,7 @@ from . import kv_compact as _compact
 from . import rejection_sample as _rejection
 from . import rope_kv_append as _rope
 from . import silu_mul as _silu
+from . import skinny_linear as _skinny
 from . import verify_attention as _attention
 from .launch import interpreting
 from .registry import register, registered
@@ -39,6 +41,7 @@ KERNELS = {
     "greedy_accept": (_greedy.greedy_accept, _greedy.greedy_accept_fake),
     "rejection_sample": (_rejection.rejection_sample, _rejection.rejection_sample_fake),
     "kv_compact": (_compact.kv_compact, _compact.kv_compact_fake),
+    "skinny_linear": (_skinny.skinny_linear, _skinny.skinny_linear_fake),
 }
 
 

@@ -13,7 +13,7 @@ from .. import reference
 from ..cpu_id import cpu_flags, cpuinfo_field
 from ..errors import SwiftkernError
 from . import registry
-from .backends import cpu_kernel, run
+from .backends import cpu_kernel, current_backend, run, triton_ops
 from .checks import check_float_tensors, check_tensors, one_device
 
 
@@ -87,6 +87,29 @@ def skinny_max_rows(dtype: torch.dtype) -> int:
     return -1
 
 
+# rows at which ops.linear on CUDA takes the Triton skinny_linear, float32 (torch's matmul
+# elsewhere): SmolLM2's projections and LM head on an H100 (graph replays, the bi_matmul sweep at
+# 437ed43, triton_kernels/skinny_linear.py's plan) took 1.40 / 1.98 / 5.80 ms a pass of 8 / 32 /
+# 128 rows against cuBLAS's 4.50 / 2.05 / 2.66; one row is cuBLAS's gemv (a decode step at
+# batch 1: 1.63 ms graphed, the Triton plan's tf32x3 twin 1.70)
+CUDA_SKINNY_ROWS = (2, 32)
+
+
+def triton_skinny_here(device_type: str) -> bool:
+    """Whether ops.linear may take the Triton ``skinny_linear`` on ``device_type`` tensors:
+    CUDA, SWIFTKERN_BACKEND auto or triton, the kernel registered (Triton importable)."""
+    return (device_type == "cuda" and current_backend() in ("auto", "triton")
+            and "skinny_linear" in triton_ops(device_type))
+
+
+def triton_skinny_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the Triton skinny kernel takes x @ weight.T: float32 operands, rows in
+    CUDA_SKINNY_ROWS (where it was measured faster than cuBLAS)."""
+    lo, hi = CUDA_SKINNY_ROWS
+    K = x.shape[-1]
+    return x.dtype == weight.dtype == torch.float32 and K > 0 and lo * K <= x.numel() <= hi * K
+
+
 def skinny_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the C++ skinny kernel takes x @ weight.T, once ``_cpu_kernel`` allows it:
     operands of one dtype (float32, bfloat16 or float16), at most skinny_max_rows(dtype) rows."""
@@ -104,9 +127,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     or bfloat16 / float16 (any number), it runs the C++ ``skinny_linear`` kernel: one pass over the
     weight, each output a fixed-order fp32 dot product whatever the number of rows (so a row's
     result does not depend on the batch, and a verify pass gives the bits of the decode steps it
-    replays), rounded once to the dtype. Other cases, and SWIFTKERN_BACKEND=reference | triton |
-    cuda (which have no such kernel), use torch's matmul (``reference.skinny_linear``); the two
-    agree to rounding (float32's, or one bf16 / fp16 rounding of the fp32 sum).
+    replays), rounded once to the dtype. On CUDA, float32 with 2-32 rows (``CUDA_SKINNY_ROWS``,
+    where cuBLAS is slowest) runs the Triton ``skinny_linear`` (exact float32 products, K in fixed
+    chunks; SWIFTKERN_BACKEND auto or triton). Other cases, and SWIFTKERN_BACKEND=reference |
+    triton | cuda on the CPU, use torch's matmul (``reference.skinny_linear``); they all agree to
+    rounding (float32's, or one bf16 / fp16 rounding of the fp32 sum).
     ``backend_info()["kernels"]["skinny_linear"]`` says which kernel is built.
     """
     op = "linear"
@@ -118,6 +143,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         raise SwiftkernError(f"{op}: bias must be [N] = [{weight.shape[0]}], got {tuple(bias.shape)}")
     if cpu_kernel("skinny_linear", x.device.type) and skinny_fits(x, weight):
         return torch.ops.swiftkern.skinny_linear(x, weight, bias)
+    if triton_skinny_here(x.device.type) and triton_skinny_fits(x, weight):
+        one_device(op, **tensors)
+        return torch.ops.swiftkern_triton.skinny_linear(x, weight, bias)
     return reference.skinny_linear(x, weight, bias)
 
 
