@@ -9,7 +9,8 @@ verify pass competes with; ``reference.bi_matmul`` (the fixed-order twin the tes
 kernels to) is a loop of elementwise ops, too slow to be the bar. Other providers: ``cpp``
 (``ops.bi_matmul`` on the CPU: the C++ fixed-order kernel) and, on a GPU, ``triton`` (the
 dtype's plan, ``PLANS``) and ``triton-<plan>`` for each of ``CANDIDATES`` (tiles, warps,
-stages, float32 dot precision, K chunks), so that one run shows which plan to fix
+stages, float32 dot precision, K chunks), so that one run shows which plan to fix, and
+``triton-skinny`` (the Triton ``skinny_linear``: ``ops.linear``'s float32 matmul at 2-32 rows on CUDA)
 (``--dtype bfloat16``: SmolLM2's cases in bf16, for bf16's plan; ``bench/pick_plan.py`` picks).
 
 Cases: rows M (on a GPU 8: a decode step at batch 8 through the invariant set, replay never;
@@ -116,6 +117,8 @@ def run(args) -> list[dict]:
         extra["cpp"] = ops.bi_matmul
     else:
         extra["triton"] = torch.ops.swiftkern_triton.bi_matmul
+        # the regular path's matmul at 2-32 rows (ops.linear's CUDA_SKINNY_ROWS): b is weight.t()
+        extra["triton-skinny"] = lambda a, b: torch.ops.swiftkern_triton.skinny_linear(a, b.t(), None)
     # what picks a plan first (SmolLM2's matmuls and groups), Llama-3-8B's last: a lease's
     # timeout may cut the run short (the rows of finished cases are kept)
     every = cases(args)
@@ -125,6 +128,7 @@ def run(args) -> list[dict]:
     if groups and not common.interrupted():  # the bar: the separate cuBLAS matmuls, concatenated
         group_extra = dict(extra, reference=lambda a, bs: torch.cat([a @ b for b in bs], dim=1),
                            triton=torch.ops.swiftkern_triton.bi_matmul_group)
+        group_extra.pop("triton-skinny", None)  # one weight a call
         rows += run_cases(ROUTINE, ROUTINE, groups, args, extra=group_extra, tol=(1e-3, 1e-3))
     rest = [c for c in every if not c.shape.startswith("smollm2")]
     if rest and not common.interrupted():
