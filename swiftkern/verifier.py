@@ -113,9 +113,9 @@ class Verifier:
         real += real[-1:] * (R * T - len(real))
         write_rows += write_rows[-1:] * (R * T - len(write_rows))
         starts = [s.start for s in slots] + [0] * (R - n_real)
+        wanted = [i * T + j for i, s in enumerate(slots) for j in s.want]  # the rows of the logits returned
         key_blocks = -(-(max(s.start for s in slots) + T) // KEY_BLOCK)  # past every slot's last (padded) token
-        inputs = (tokens.to(device),) + tuple(  # [R, T], then [R], [R], [R*T], [R*T]
-            torch.tensor(x, dtype=torch.int64, device=device) for x in (starts, rows, real, write_rows))
+        inputs, wanted = _copy_in(device, tokens, starts, rows, real, write_rows, wanted)
         runner = m.graphs
         if runner is None:
             hidden = self._pass(cache, KEY_BLOCK * key_blocks, *inputs)
@@ -125,8 +125,6 @@ class Verifier:
             key = (kind, R, T, key_len, cache.k.data_ptr(), cache.v.data_ptr(), tuple(cache.k.shape),
                    cache.k.stride(), self.kernels.name)
             hidden = runner.run(key, lambda *x: self._pass(cache, key_len, *x), inputs)
-        wanted = torch.tensor([i * T + j for i, s in enumerate(slots) for j in s.want], dtype=torch.int64,
-                              device=device)
         return self._linear(hidden.index_select(0, wanted), m.lm_head, m.lm_head_bias)  # [N, V]
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -204,6 +202,10 @@ class Verifier:
         graphed = self.model.graphs is not None
         rows = list(range(len(prompts))) if rows is None else list(rows)
         chunks = {b: -(-len(prompts[b]) // C) for b in rows}
+        lengths = list(cache.host_lengths)
+        for b in rows:
+            lengths[b] = len(prompts[b])
+        cache.set_lengths(lengths)  # first: the passes read none (a slot has its start), the copy waits for nothing
         last: dict[int, torch.Tensor] = {}
         for c in range(max(chunks.values(), default=0)):
             todo = [b for b in rows if chunks[b] > c]
@@ -215,10 +217,6 @@ class Verifier:
                 wanted = [s.row for s in slots if s.want]
                 for n, b in enumerate(wanted):
                     last[b] = logits[n]
-        lengths = list(cache.host_lengths)
-        for b in rows:
-            lengths[b] = len(prompts[b])
-        cache.set_lengths(lengths)
         return torch.stack([last[b] for b in rows])
 
     @torch.inference_mode()
@@ -238,6 +236,15 @@ class Verifier:
                 targets = torch.tensor([tokens[c * C + j + 1] for j in want], device=logits.device)
                 out.append(bi_log_softmax(logits).gather(1, targets.unsqueeze(1)).squeeze(1))
         return torch.cat(out)
+
+
+def _copy_in(device, tokens: torch.Tensor, *lists: list[int]) -> tuple[tuple, torch.Tensor]:
+    """A pass's host inputs on ``device`` in one copy (on a GPU each blocking copy is a sync):
+    tokens int64 [R, T] on the host, then starts, rows [R], real, write_rows [R*T] and wanted
+    [N] as lists. -> ((tokens, starts, rows, real, write_rows), wanted), views of one tensor."""
+    flat = torch.cat([tokens.reshape(-1), torch.tensor([x for xs in lists for x in xs], dtype=torch.int64)])
+    parts = flat.to(device).split([tokens.numel()] + [len(xs) for xs in lists])
+    return (parts[0].view(tokens.shape),) + parts[1:-1], parts[-1]
 
 
 def _add_norm(kern, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
