@@ -78,7 +78,9 @@ class KVCache:
         self.lengths += num_new
 
     def rollback(self, new_lengths) -> None:
-        """Set per-row lengths (a list of ints or an int tensor [B]); never grows a row."""
+        """Set per-row lengths (a list of ints or an int tensor [B]); never grows a row. Lengths
+        that did not change are not copied to the device again (it holds them: every forward
+        advances both sides), so such a rollback does not wait for a GPU's queued work."""
         new = [whole("rollback length", n) for n in (new_lengths.tolist() if torch.is_tensor(new_lengths) else new_lengths)]
         if len(new) != self.batch:
             raise SwiftkernError(f"rollback: got {len(new)} lengths for a batch of {self.batch}")
@@ -86,7 +88,8 @@ class KVCache:
         if bad:
             b, n, o = bad[0]
             raise SwiftkernError(f"rollback: row {b} to length {n} is outside [0, {o}]")
-        self.set_lengths(new)
+        if new != self.host_lengths:
+            self.set_lengths(new)
 
     def set_lengths(self, lengths: list[int]) -> None:
         """Set every row's length (may grow a row, e.g. after a pass that wrote those positions),
