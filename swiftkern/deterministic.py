@@ -42,7 +42,7 @@ from .layer_set import LayerSet
 from .model import SkipModel
 from .prefill import prefill
 from .requests import Requests
-from .sampling import SamplingParams, select_tokens
+from .sampling import SamplingParams, keyed_uniform, probs_from_logits, sample_from_weights
 from .batch_invariant import bi_log_softmax, bi_token_logprob
 from .cuda_graphs import unsteady_calls
 from .draft_head import DraftHead
@@ -53,6 +53,29 @@ from .verifier import Slot, Verifier
 # most prompt-lookup drafts a full fast forward checks per row: a forward of 4 tokens costs about
 # one of 1 (SmolLM2 on the AMD CPU, `--routine verify_cost`: 4 tokens 1.11x, 8 tokens 1.80x)
 RIDE_ALONG_MAX = 3
+
+
+# Host reads. On a GPU, reading a device tensor on the host (``tolist``) and a blocking copy of
+# host values in (``torch.tensor(..., device=...)``) both wait for every kernel queued so far. So
+# a fast step and a verify pass copy their host values in before they launch anything (the GPU
+# is then idle: the copy waits for nothing), queue all of their work, and read it back once
+# (tests/test_host_reads.py counts them).
+
+def _uniforms(params: SamplingParams, seeds: list[int], positions: list[int], device) -> torch.Tensor | None:
+    """float32 [N]: the uniforms ``sampling.select_tokens`` draws the N tokens with (row n keyed
+    on (seeds[n], positions[n])), or None when greedy; made before the forward whose logits they
+    sample (a copy after its launch would wait for it)."""
+    if not params.do_sample:
+        return None
+    return torch.tensor([keyed_uniform(s, p) for s, p in zip(seeds, positions)], dtype=torch.float32, device=device)
+
+
+def _select(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor | None) -> torch.Tensor:
+    """``sampling.select_tokens`` with its uniforms made beforehand (``_uniforms``): the same ops
+    on the same values, the same tokens. logits [N, V] -> int64 [N]"""
+    if u is None:
+        return logits.argmax(dim=-1)
+    return sample_from_weights(probs_from_logits(logits, params), u)
 
 
 @dataclass
@@ -102,36 +125,42 @@ class FastPath:
                 seeds: list[int], draft: bool = True) -> tuple[list[int], list[bool], torch.Tensor]:
         """last: int64 [B], each row's newest token (appended to the cache). draft False: the full
         model proposes (where there is a layer set). -> next token per row, whether the draft
-        was confident enough to keep it, logits [B, V]."""
+        was confident enough to keep it, logits [B, V]. One read of the device: the pruned
+        head's ids and the uniforms are copied in before the forward, the confidence is read
+        with the tokens."""
         positions = [n + 1 for n in cache.host_lengths]  # position of the token chosen now
         draft = draft and self.layer_set is not None
         head = self.head.head if self.head is not None and draft else None
+        ids = self.head.ids if head is not None else None  # int64 [V']: made anew after the head grew
+        u = _uniforms(params, seeds, positions, model.device)
         logits = model.forward(last.unsqueeze(1), cache, layer_set=self.layer_set if draft else None,
                                head=head)[:, -1]  # [B, V']
-        chosen = select_tokens(logits, params, seeds, positions)
-        tokens = (self.head.ids[chosen] if head is not None else chosen).tolist()
+        chosen = _select(logits, params, u)  # [B]
+        tokens = ids[chosen] if ids is not None else chosen  # [B] token ids
         if self.eps <= 0.0 or not draft:
-            return tokens, [True] * len(tokens), logits
-        confidence = logits.float().softmax(-1).max(-1).values
-        return tokens, (confidence >= self.eps).tolist(), logits
+            return tokens.tolist(), [True] * tokens.shape[0], logits
+        confident = logits.float().softmax(-1).max(-1).values >= self.eps  # [B]
+        host = torch.stack([tokens, confident.to(torch.int64)]).tolist()  # the step's one read: [2, B]
+        return host[0], [bool(c) for c in host[1]], logits
 
-    def check(self, model: SkipModel, cache: KVCache, last: torch.Tensor, drafts: list[list[int]],
+    def check(self, model: SkipModel, cache: KVCache, newest: list[int], drafts: list[list[int]],
               params: SamplingParams, seeds: list[int]) -> list[list[int]]:
         """The full model on each row's newest token followed by its prompt-lookup drafts, in one
         forward of 1 + the longest draft tokens a row (shorter rows padded with their newest
-        token: the caller rolls back what the padding wrote). last: int64 [B]; drafts: per row
+        token: the caller rolls back what the padding wrote). newest: the B rows' newest tokens
+        (host ids: nothing is read back from the device but the choices, once); drafts: per row
         (may be empty). -> per row, the drafts the model's own choice (``select_tokens`` at
         each position, the rule the verifier replays) agrees with, left to right, then that
         choice at the first disagreement or after the last draft."""
         T = 1 + max(len(d) for d in drafts)
-        newest = last.tolist()
         inputs = torch.tensor([[t] + d + [t] * (T - 1 - len(d)) for t, d in zip(newest, drafts)],
-                              dtype=torch.int64, device=last.device)  # [B, T]
+                              dtype=torch.int64, device=model.device)  # [B, T]
         start = [n + 1 for n in cache.host_lengths]  # position of the token chosen after the newest
+        u = _uniforms(params, [s for s in seeds for _ in range(T)], [p + j for p in start for j in range(T)],
+                      model.device)  # [B*T] or None
         logits = model.forward(inputs, cache)  # [B, T, V]
         B, V = logits.shape[0], logits.shape[-1]
-        chosen = select_tokens(logits.reshape(B * T, V), params, [s for s in seeds for _ in range(T)],
-                               [p + j for p in start for j in range(T)]).view(B, T).tolist()
+        chosen = _select(logits.reshape(B * T, V), params, u).view(B, T).tolist()  # the step's one read
         out = []
         for d, c in zip(drafts, chosen):
             n = 0
@@ -254,10 +283,13 @@ def _prefill_rows(model, verifier, cache, reqs, cache_rows, prompts, params, see
     """Prefill requests ``reqs`` into cache rows ``cache_rows``: through the verifier where
     verified (its KV is the cache of record), else with the regular runner (``batched``: one
     padded forward over the whole cache, which holds exactly ``reqs``; else one forward a
-    prompt); draw and commit each one's first token. -> their rows."""
+    prompt); draw and commit each one's first token (the indices and uniforms copied in
+    before the passes, one read after them). -> their rows."""
     n, before = len(reqs), verifier.passes
     replayed = [i for i, r in enumerate(reqs) if verified[r]]
     regular = [i for i, r in enumerate(reqs) if not verified[r]]
+    index = torch.tensor(replayed, dtype=torch.int64, device=model.device) if replayed else None  # [len(replayed)]
+    u = _uniforms(params, [seeds[r] for r in reqs], [len(prompts[r]) for r in reqs], model.device)  # [n] or None
     logits = torch.empty((n, model.vocab_size), device=model.device)  # [n, V]
     if regular and batched:  # then overwritten for the replayed rows
         logits = prefill(model, cache, [prompts[r] for r in reqs]).float()
@@ -270,14 +302,13 @@ def _prefill_rows(model, verifier, cache, reqs, cache_rows, prompts, params, see
         for i in replayed:
             by_row[cache_rows[i]] = prompts[reqs[i]]
         mine = verifier.prefill(cache, by_row, [cache_rows[i] for i in replayed]).float()  # [len(replayed), V]
-        index = torch.tensor(replayed, device=model.device)
         logits[index] = mine
         first_lp[index] = bi_log_softmax(mine)
     stats["prefill_passes"] += verifier.passes - before
-    first = select_tokens(logits, params, [seeds[r] for r in reqs], [len(prompts[r]) for r in reqs])  # [n]
+    first = _select(logits, params, u)  # [n]
     first_lp = first_lp.gather(1, first.unsqueeze(1)).squeeze(1)
     rows = []
-    for i, (r, t) in enumerate(zip(reqs, first.tolist())):
+    for i, (r, t) in enumerate(zip(reqs, first.tolist())):  # the one read
         requests.commit(r, [t])
         fast_path.committed([t])
         logprobs[r].append(first_lp[i:i + 1])
@@ -376,12 +407,12 @@ def _fast_step(model, cache, rows, fast_path, prompts, params, seeds, requests, 
         _lookup_drafts(rows, prompts, requests, window, stats, per_row, policy, kind)
     if all(row.stopped for row in rows):
         return
-    last = torch.tensor([row.unverified[-1] if row.unverified else row.pending for row in rows],
-                        dtype=torch.int64, device=model.device)
+    newest = [row.unverified[-1] if row.unverified else row.pending for row in rows]
+    last = None if checked is not None else torch.tensor(newest, dtype=torch.int64, device=model.device)  # [B]
     row_seeds = [seeds[r] for r in alive]
     t0, mark = time.perf_counter(), unsteady_calls(model)
     if checked is not None:  # every row is verified here (lookup needs a layer set)
-        proposals, logits = fast_path.check(model, cache, last, checked, params, row_seeds), None
+        proposals, logits = fast_path.check(model, cache, newest, checked, params, row_seeds), None
     else:
         tokens, confident, logits = fast_path.propose(model, cache, last, params, row_seeds, draft=kind == "draft")
         proposals = [[t] if ok else [] for t, ok in zip(tokens, confident)]  # [] a low-confidence draft
@@ -429,7 +460,8 @@ def _fast_step(model, cache, rows, fast_path, prompts, params, seeds, requests, 
 def _verify(verifier, cache, rows, picked, prompts, params, seeds, requests, stats, per_row, logprobs, fast_path,
             policy: FastPathPolicy | None = None):
     """One fixed-shape pass over the rows ``picked``; commit, correct and roll back each (and
-    tell the policy how far each row's fast and lookup tokens agreed)."""
+    tell the policy how far each row's fast and lookup tokens agreed). The pass's uniforms are
+    copied in before it, its choices' logprobs queued before its one read."""
     T = verifier.window
     alive = requests.alive
     slots = []
@@ -437,15 +469,16 @@ def _verify(verifier, cache, rows, picked, prompts, params, seeds, requests, sta
         row, r = rows[i], alive[i]
         fed = row.unverified[:T - 1]  # the replay: pending + up to window-1 unverified tokens
         slots.append(Slot(i, _vlen(prompts, requests, r) - 1, [row.pending] + fed, list(range(len(fed) + 1))))
-    t0, mark = time.perf_counter(), unsteady_calls(verifier.model)
-    logits = verifier.forward(cache, slots)  # [N, V]
     row_seeds = [seeds[alive[s.row]] for s in slots for _ in s.want]
     positions = [s.start + 1 + j for s in slots for j in s.want]  # position of each predicted token
-    chosen = select_tokens(logits, params, row_seeds, positions)  # [N]
-    chosen_host = chosen.tolist()
+    t0, mark = time.perf_counter(), unsteady_calls(verifier.model)
+    u = _uniforms(params, row_seeds, positions, verifier.model.device)  # [N] or None
+    logits = verifier.forward(cache, slots)  # [N, V]
+    chosen = _select(logits, params, u)  # [N]
+    chosen_lp = bi_token_logprob(logits, chosen)  # [N], queued before the read
+    chosen_host = chosen.tolist()  # the pass's one read
     if policy is not None and unsteady_calls(verifier.model) == mark:
         policy.record_verify(time.perf_counter() - t0, len(slots))
-    chosen_lp = bi_token_logprob(logits, chosen)
     n = 0
     for s in slots:
         row, r = rows[s.row], alive[s.row]
