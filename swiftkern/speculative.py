@@ -111,11 +111,15 @@ def _chunk_uniforms(seeds: list[int], start: list[int], count: int, stream: int,
     return torch.stack(cols, dim=1) if cols else torch.zeros(len(seeds), 0, device=device)
 
 
-def queue_logprobs(device: torch.device) -> bool:
-    """Whether a verify step computes every position's logprob before its read (a GPU: it runs
-    while the host waits anyway) rather than each row's kept tokens after it (the CPU: fewer
-    rows to compute). The same bits either way."""
-    return device.type != "cpu"
+QUEUED_LOGPROB_ROWS = 64  # B * (K+1) positions up to which a GPU step queues every logprob
+
+
+def queue_logprobs(device: torch.device, positions: int) -> bool:
+    """Whether a verify step computes every position's logprob before its read (a GPU, at most
+    QUEUED_LOGPROB_ROWS positions: it runs while the host waits anyway, and its float32
+    [positions, V] temporaries stay small) rather than each row's kept tokens after it (the CPU,
+    or a wide step: fewer rows to compute). The same bits either way."""
+    return device.type != "cpu" and positions <= QUEUED_LOGPROB_ROWS
 
 
 @dataclass
@@ -164,7 +168,7 @@ def verify_and_accept(model: SkipModel, cache: KVCache, pending: torch.Tensor, d
         target = probs_from_logits(logits.reshape(B * (K + 1), -1), params).view(B, K + 1, -1)
         out, acc = ops.rejection_sample(drafts, draft_probs, target, nd, u_accept, u_sample, max_draft=max_draft)
     lps = None
-    if logprobs and queue_logprobs(device):  # every position's, queued before the read (Verified.logprobs)
+    if logprobs and queue_logprobs(device, B * (K + 1)):  # every position's, queued before the read (Verified.logprobs)
         flat = out.clamp(min=0).view(-1)  # [B*(K+1)]
         lps = bi_token_logprob(logits.reshape(B * (K + 1), -1), flat).view(B, K + 1)
     acc = acc.to(torch.int64)

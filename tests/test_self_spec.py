@@ -294,7 +294,7 @@ def test_logprobs_queued_for_every_position_have_the_rows_bits(monkeypatch, queu
 
     if not invariant_kernels_available("cpu", torch.float32):
         pytest.skip("needs the C++ invariant kernels (replay auto elided on the CPU)")
-    monkeypatch.setattr(speculative, "queue_logprobs", lambda device: queued)
+    monkeypatch.setattr(speculative, "queue_logprobs", lambda device, positions: queued)
     sm = SkipModel(model("llama")[0])
     gen = Generator(sm, mode="deterministic", drafter="self-spec", layer_set="attn:1|mlp:2", eps=0.0, k_max=4)
     prompts = [[7, 8, 9, 10, 7, 8, 9, 10, 7], [40, 41, 40, 41, 40]]

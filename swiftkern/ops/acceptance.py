@@ -23,7 +23,9 @@ def greedy_accept(
         num_draft: int32 [B] (int64 is accepted and converted), each in [0, K].
         max_draft: max(num_draft) when the caller knows it on the host (it built num_draft from
             a list): num_draft is then not read back from the device to be checked, so the call
-            does not wait for the GPU (a speculative loop's one read a step stays its own).
+            does not wait for the GPU (a speculative loop's one read a step stays its own). It is
+            trusted: only max_draft itself is checked against K, so a num_draft above it is the
+            caller's error, unreported.
 
     Returns:
         out_tokens: int64 [B, K+1]. Row b: its accepted drafts, then one target token (the
@@ -35,7 +37,8 @@ def greedy_accept(
     NaN counting as the maximum (as torch.argmax). Draft j is accepted while every draft
     before it was accepted, j < num_draft[b] and draft_tokens[b, j] equals the target token
     at position j. Inputs must share one device. Raises SwiftkernError on a bad shape, dtype,
-    device or num_draft value (the value check is skipped while torch.compile traces).
+    device or num_draft value (the value check is skipped while torch.compile traces, and
+    replaced by max_draft's where given).
     Runs the backend of ``backend_for("greedy_accept", device)`` (see the module doc).
     """
     tensors = {"draft_tokens": draft_tokens, "target_logits": target_logits, "num_draft": num_draft}
@@ -93,8 +96,8 @@ def rejection_sample(
         num_draft: int32 [B] (int64 is accepted and converted), each in [0, K].
         u_accept: float32 [B, K]; u_sample: float32 [B, K+1]. Uniforms in [0, 1), the only
             randomness, so every backend gives the same tokens for the same inputs.
-        max_draft: max(num_draft) known on the host, as for ``greedy_accept``: num_draft and
-            the draft tokens are then not read back from the device to be checked.
+        max_draft: max(num_draft) known on the host, as for ``greedy_accept`` (trusted): num_draft
+            and the draft tokens are then not read back from the device to be checked.
 
     Returns:
         out_tokens: int64 [B, K+1]. Row b: its accepted drafts, then one drawn token, then -1.
