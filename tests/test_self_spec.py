@@ -275,12 +275,22 @@ def test_a_verify_step_reads_the_device_once(monkeypatch):
     real_aminmax = torch.aminmax
     monkeypatch.setattr(torch, "aminmax", lambda t, *a, **k: reads.__setitem__(
         "aminmax", reads["aminmax"] + (t.dtype == torch.int32)) or real_aminmax(t, *a, **k))
+    copies = []  # host lists made into tensors: on a GPU each is a blocking copy
+    real_tensor = torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda *a, **k: copies.append(1) or real_tensor(*a, **k))
+    made = {}
     for sample in (False, True):
         reads.update(tolist=0, aminmax=0, item=0)
+        copies.clear()
         cache.rollback([3, 3])
         params = SamplingParams(do_sample=sample, temperature=1.0)
         verify_and_accept(sm, cache, pending, drafts, None, [3, 1], params, [1, 2], logprobs=True)
         assert reads == {"tolist": 1, "aminmax": 0, "item": 0}, (sample, reads)
+        made[sample] = len(copies)
+    copies.clear()
+    cache.rollback([3, 3])
+    verify_and_accept(sm, cache, pending, drafts[:, :1], None, [1, 1], SamplingParams(do_sample=True), [1, 2])
+    assert len(copies) == made[True]  # the uniforms: one copy a stream, not one a drafted column
 
 
 @pytest.mark.parametrize("queued", [False, True])
