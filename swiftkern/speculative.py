@@ -183,11 +183,12 @@ def _assemble(B: int, choices, lookups, skip, params: SamplingParams, vocab: int
     of the layer-skip pass, or None. -> drafts int64 [B, K], draft_probs [B, K, V] or None,
     num_draft list."""
     rows, num_draft = [], []
+    skipped = skip[0].tolist() if skip is not None else None  # one read of the layer-skip drafts [B][Ks]
     for i, c in enumerate(choices):
         if c.drafter == "lookup":
             row = lookups[i][: c.k]
         elif c.drafter == "layer-skip":
-            row = skip[0][i, : skip[2][i]].tolist()
+            row = skipped[i][: skip[2][i]]
         else:
             row = []
         rows.append(row)

@@ -312,3 +312,20 @@ def test_logprobs_queued_for_every_position_have_the_rows_bits(monkeypatch, queu
     assert out.stats["verify_steps"] > 0
     for p, toks, lp in zip(prompts, out.tokens, out.logprobs):
         assert torch.equal(invariant_token_logprobs(sm, p + toks, len(p)), lp)
+
+
+def test_assembling_layer_skip_drafts_reads_them_once(monkeypatch):
+    """_assemble takes every row's layer-skipped drafts from one read (a GPU sync), not one a row,
+    each row cut to its own count and lookup rows from the host."""
+    from swiftkern.drafter_policy import Choice
+    from swiftkern.sampling import SamplingParams
+    from swiftkern.speculative import _assemble
+
+    skip = (torch.tensor([[4, 5, 6], [7, 8, 9], [1, 2, 3]]), None, [3, 1, 2])
+    choices = [Choice("layer-skip", 3, 0.0), Choice("layer-skip", 3, 0.0), Choice("lookup", 2, 0.0)]
+    reads = []
+    real = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.shape) or real(t))
+    drafts, probs, num_draft = _assemble(3, choices, [[], [], [11, 12, 13]], skip, SamplingParams(), 50, "cpu")
+    assert len(reads) == 1 and num_draft == [3, 1, 2] and probs is None
+    assert real(drafts) == [[4, 5, 6], [7, 0, 0], [11, 12, 0]]
