@@ -77,10 +77,12 @@ def draft_tokens(model: SkipModel, cache: KVCache, pending: torch.Tensor, layer_
     while any(active):
         forwards += 1
         positions = [n + 1 for n in cache.host_lengths]  # position of the token being drafted
+        # copied in before the forward: a copy after its launch would wait for it (a GPU sync)
+        u = keyed_uniforms(seeds, positions, STREAM_DRAFT, pending.device) if params.do_sample else None  # [B]
         logits = model.forward(token.unsqueeze(1), cache, layer_set=layer_set, head=head_weights)[:, -1]  # [B, V']
         q = probs_from_logits(logits, params) if params.do_sample else logits.float().softmax(-1)
         if params.do_sample:
-            token = sample_from_weights(q, keyed_uniforms(seeds, positions, STREAM_DRAFT, q.device))
+            token = sample_from_weights(q, u)
             probs.append(head.to_full(q, 0.0) if head is not None else q)
         else:
             token = logits.argmax(-1)
