@@ -19,8 +19,9 @@ to fill the batch (chat template):
                 ARRIVAL_GAP steps: dynamic batching, LLM-42's setting): ar vs deterministic vs
                 det-replay, each with the same arrivals
     batch 1     each of the five prompts alone, in turn: ar vs deterministic (replay auto;
-                window 32, verify batch 1, unused where auto skips the replay) vs self-spec + deterministic (replay auto: on the
-                CPU the speculative loop on the invariant kernels, drafter policy over lookup
+                window 32, verify batch 1, unused where auto skips the replay) vs self-spec +
+                deterministic (replay auto: on the CPU the speculative loop on the invariant
+                kernels, drafter policy over lookup
                 and the layer set; with replay: the full model checking prompt-lookup drafts
                 and the layer-skipped draft are the fast path, window 32, verify batch 1) vs
                 self-spec+det-replay (the replay forced) vs self-spec+det-portable (a GPU: the
@@ -138,7 +139,8 @@ WARM_CALLS_MAX = 5
 def _until_no_capture(runner, fn) -> int:
     """Run fn (every call of a timed rep) until one whole run captures no graph and meets no new
     key (a first sight runs eagerly and the next one captures: either in a timed rep costs
-    launches or a capture), at least twice, at most WARM_CALLS_MAX times -> the runs. Two were not always enough: the batch-1 group's first warm call sized the runner's
+    launches or a capture), at least twice, at most WARM_CALLS_MAX times -> the runs. Two were
+    not always enough: the batch-1 group's first warm call sized the runner's
     cache for its first prompt, a longer one replaced it, and keys seen with the first cache were
     captured during the timed reps (the emulated graphs showed 2 captures in the third round)."""
     for run in range(1, WARM_CALLS_MAX + 1):

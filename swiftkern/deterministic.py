@@ -42,7 +42,7 @@ from .layer_set import LayerSet
 from .model import SkipModel
 from .prefill import prefill
 from .requests import Requests
-from .sampling import SamplingParams, keyed_uniform, probs_from_logits, sample_from_weights
+from .sampling import SamplingParams, select_with_uniforms, token_uniforms
 from .batch_invariant import bi_log_softmax, bi_token_logprob
 from .cuda_graphs import unsteady_calls
 from .draft_head import DraftHead
@@ -60,22 +60,6 @@ RIDE_ALONG_MAX = 3
 # a fast step and a verify pass copy their host values in before they launch anything (the GPU
 # is then idle: the copy waits for nothing), queue all of their work, and read it back once
 # (tests/test_host_reads.py counts them).
-
-def _uniforms(params: SamplingParams, seeds: list[int], positions: list[int], device) -> torch.Tensor | None:
-    """float32 [N]: the uniforms ``sampling.select_tokens`` draws the N tokens with (row n keyed
-    on (seeds[n], positions[n])), or None when greedy; made before the forward whose logits they
-    sample (a copy after its launch would wait for it)."""
-    if not params.do_sample:
-        return None
-    return torch.tensor([keyed_uniform(s, p) for s, p in zip(seeds, positions)], dtype=torch.float32, device=device)
-
-
-def _select(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor | None) -> torch.Tensor:
-    """``sampling.select_tokens`` with its uniforms made beforehand (``_uniforms``): the same ops
-    on the same values, the same tokens. logits [N, V] -> int64 [N]"""
-    if u is None:
-        return logits.argmax(dim=-1)
-    return sample_from_weights(probs_from_logits(logits, params), u)
 
 
 @dataclass
@@ -132,10 +116,10 @@ class FastPath:
         draft = draft and self.layer_set is not None
         head = self.head.head if self.head is not None and draft else None
         ids = self.head.ids if head is not None else None  # int64 [V']: made anew after the head grew
-        u = _uniforms(params, seeds, positions, model.device)
+        u = token_uniforms(params, seeds, positions, model.device)
         logits = model.forward(last.unsqueeze(1), cache, layer_set=self.layer_set if draft else None,
                                head=head)[:, -1]  # [B, V']
-        chosen = _select(logits, params, u)  # [B]
+        chosen = select_with_uniforms(logits, params, u)  # [B]
         tokens = ids[chosen] if ids is not None else chosen  # [B] token ids
         if self.eps <= 0.0 or not draft:
             return tokens.tolist(), [True] * tokens.shape[0], logits
@@ -156,11 +140,11 @@ class FastPath:
         inputs = torch.tensor([[t] + d + [t] * (T - 1 - len(d)) for t, d in zip(newest, drafts)],
                               dtype=torch.int64, device=model.device)  # [B, T]
         start = [n + 1 for n in cache.host_lengths]  # position of the token chosen after the newest
-        u = _uniforms(params, [s for s in seeds for _ in range(T)], [p + j for p in start for j in range(T)],
+        u = token_uniforms(params, [s for s in seeds for _ in range(T)], [p + j for p in start for j in range(T)],
                       model.device)  # [B*T] or None
         logits = model.forward(inputs, cache)  # [B, T, V]
         B, V = logits.shape[0], logits.shape[-1]
-        chosen = _select(logits.reshape(B * T, V), params, u).view(B, T).tolist()  # the step's one read
+        chosen = select_with_uniforms(logits.reshape(B * T, V), params, u).view(B, T).tolist()  # the step's one read
         out = []
         for d, c in zip(drafts, chosen):
             n = 0
@@ -289,7 +273,7 @@ def _prefill_rows(model, verifier, cache, reqs, cache_rows, prompts, params, see
     replayed = [i for i, r in enumerate(reqs) if verified[r]]
     regular = [i for i, r in enumerate(reqs) if not verified[r]]
     index = torch.tensor(replayed, dtype=torch.int64, device=model.device) if replayed else None  # [len(replayed)]
-    u = _uniforms(params, [seeds[r] for r in reqs], [len(prompts[r]) for r in reqs], model.device)  # [n] or None
+    u = token_uniforms(params, [seeds[r] for r in reqs], [len(prompts[r]) for r in reqs], model.device)  # [n] or None
     logits = torch.empty((n, model.vocab_size), device=model.device)  # [n, V]
     if regular and batched:  # then overwritten for the replayed rows
         logits = prefill(model, cache, [prompts[r] for r in reqs]).float()
@@ -305,7 +289,7 @@ def _prefill_rows(model, verifier, cache, reqs, cache_rows, prompts, params, see
         logits[index] = mine
         first_lp[index] = bi_log_softmax(mine)
     stats["prefill_passes"] += verifier.passes - before
-    first = _select(logits, params, u)  # [n]
+    first = select_with_uniforms(logits, params, u)  # [n]
     first_lp = first_lp.gather(1, first.unsqueeze(1)).squeeze(1)
     rows = []
     for i, (r, t) in enumerate(zip(reqs, first.tolist())):  # the one read
@@ -472,9 +456,9 @@ def _verify(verifier, cache, rows, picked, prompts, params, seeds, requests, sta
     row_seeds = [seeds[alive[s.row]] for s in slots for _ in s.want]
     positions = [s.start + 1 + j for s in slots for j in s.want]  # position of each predicted token
     t0, mark = time.perf_counter(), unsteady_calls(verifier.model)
-    u = _uniforms(params, row_seeds, positions, verifier.model.device)  # [N] or None
+    u = token_uniforms(params, row_seeds, positions, verifier.model.device)  # [N] or None
     logits = verifier.forward(cache, slots)  # [N, V]
-    chosen = _select(logits, params, u)  # [N]
+    chosen = select_with_uniforms(logits, params, u)  # [N]
     chosen_lp = bi_token_logprob(logits, chosen)  # [N], queued before the read
     chosen_host = chosen.tolist()  # the pass's one read
     if policy is not None and unsteady_calls(verifier.model) == mark:

@@ -107,7 +107,19 @@ def select_tokens(logits: torch.Tensor, params: SamplingParams, seeds: list[int]
                   positions: list[int]) -> torch.Tensor:
     """The next token of each row. logits: [N, V]; positions: absolute position of the token
     being chosen, per row. -> int64 [N]"""
-    if not params.do_sample:
+    return select_with_uniforms(logits, params, token_uniforms(params, seeds, positions, logits.device))
+
+
+def token_uniforms(params: SamplingParams, seeds: list[int], positions: list[int], device) -> torch.Tensor | None:
+    """float32 [N]: the uniforms ``select_tokens`` draws N tokens with (row n keyed on (seeds[n],
+    positions[n])), or None when greedy. Made apart so a caller can copy them in before the
+    forward whose logits they sample (on a GPU a copy after its launch waits for it)."""
+    return keyed_uniforms(seeds, positions, device=device) if params.do_sample else None
+
+
+def select_with_uniforms(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor | None) -> torch.Tensor:
+    """``select_tokens`` with its uniforms made beforehand (``token_uniforms``). logits [N, V] ->
+    int64 [N]"""
+    if u is None:
         return logits.argmax(dim=-1)
-    u = keyed_uniforms(seeds, positions, device=logits.device)
     return sample_from_weights(probs_from_logits(logits, params), u)

@@ -27,7 +27,7 @@ from .drafters import LOOKUP_MIN_NGRAM_UNJUDGED, LookupMatch, lookup_match
 from .prefill import admit_arrivals
 from .batch_invariant import bi_token_logprob
 from .requests import Requests
-from .sampling import SamplingParams, keyed_uniform, keyed_uniforms, probs_from_logits, sample_from_weights, select_tokens
+from .sampling import SamplingParams, keyed_uniforms, probs_from_logits, sample_from_weights, select_tokens
 
 STREAM_TARGET, STREAM_DRAFT, STREAM_ACCEPT, STREAM_RESIDUAL = 0, 1, 2, 3
 
@@ -110,8 +110,9 @@ def draft_tokens(model: SkipModel, cache: KVCache, pending: torch.Tensor, layer_
 def _chunk_uniforms(seeds: list[int], start: list[int], count: int, stream: int, device) -> torch.Tensor:
     """float32 [B, count]: entry (b, j) keyed on (seeds[b], position start[b] + 1 + j, stream),
     made on the host and copied in once (each copy to a GPU is a sync)."""
-    vals = [[keyed_uniform(seed, s + 1 + j, stream) for j in range(count)] for seed, s in zip(seeds, start)]
-    return torch.tensor(vals, dtype=torch.float32, device=device).view(len(seeds), count)
+    flat_seeds = [seed for seed in seeds for _ in range(count)]
+    flat_positions = [s + 1 + j for s in start for j in range(count)]
+    return keyed_uniforms(flat_seeds, flat_positions, stream, device).view(len(seeds), count)
 
 
 QUEUED_LOGPROB_ROWS = 64  # B * (K+1) positions up to which a GPU step queues every logprob

@@ -35,7 +35,8 @@ from swiftkern.graph_capture import RecordedGraph
 from swiftkern.deterministic import FastPath, decode_deterministic
 from swiftkern.layer_set import LayerSet
 from swiftkern.requests import Requests
-from swiftkern.sampling import SamplingParams, select_tokens
+from swiftkern.sampling import (SamplingParams, keyed_uniforms, probs_from_logits, sample_from_weights, select_tokens,
+                                select_with_uniforms, token_uniforms)
 
 READS = frozenset(("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "nonzero",
                    "equal"))
@@ -281,14 +282,17 @@ def test_device_lengths_follow_the_host_lengths(tiny, monkeypatch, sample):
 
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(**SAMPLE), SamplingParams(True, 1.3)])
 def test_tokens_drawn_with_uniforms_made_before_the_forward_are_select_tokens(params):
-    """deterministic._select with deterministic._uniforms (made before the forward) is
-    sampling.select_tokens: the same tokens for the same seeds and positions."""
+    """sampling.select_with_uniforms with sampling.token_uniforms (made before the forward, as
+    the replay loop makes them) gives select_tokens' tokens: argmax when greedy, else the draw
+    from the filtered distribution with the uniforms keyed on (seed, position), stream 0."""
     logits = torch.randn(64, 301, generator=torch.Generator().manual_seed(1)) * 3
     seeds, positions = [s % 5 for s in range(64)], list(range(100, 164))
-    u = deterministic._uniforms(params, seeds, positions, logits.device)
-    assert torch.equal(deterministic._select(logits, params, u), select_tokens(logits, params, seeds, positions))
-
-
+    u = token_uniforms(params, seeds, positions, logits.device)
+    want = (sample_from_weights(probs_from_logits(logits, params), keyed_uniforms(seeds, positions))
+            if params.do_sample else logits.argmax(-1))
+    assert (u is None) is (not params.do_sample)
+    assert torch.equal(select_with_uniforms(logits, params, u), want)
+    assert torch.equal(select_tokens(logits, params, seeds, positions), want)
 
 
 @pytest.mark.parametrize("sample", [False, True])
