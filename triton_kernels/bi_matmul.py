@@ -76,8 +76,11 @@ class Plan:
 # float32: the plan sweep's fastest on an H100 (bench/results/bi_matmul-nvidia-h100-80gb-hbm3.csv,
 # 437ed43): 0.38x cuBLAS's float32 time over SmolLM2 passes of 8, 32 and 128 rows (geometric
 # mean), where 64x64x32 in ieee took 3.14x; tf32x3 keeps ~float32 accuracy on tensor cores
+# bfloat16: the sweep's fastest on an H200 (bench/results/bi_matmul-nvidia-h200.csv, b7b0996):
+# 0.78x cuBLAS's bf16 time over the same passes, where 64x64x32 without K chunks took 0.89x;
+# float16 takes bf16's plan (the same tensor-core dot and tiles; not swept in float16)
 PLANS = {torch.float32: Plan(16, 64, 32, precision="tf32x3", k_chunk=128),
-         torch.bfloat16: Plan(64, 64, 32), torch.float16: Plan(64, 64, 32)}
+         torch.bfloat16: Plan(64, 64, 32, k_chunk=128), torch.float16: Plan(64, 64, 32, k_chunk=128)}
 # plans ``python -m bench --routine bi_matmul`` times beside PLANS on a GPU (its triton-<plan>
 # rows), and tests/test_bi_matmul.py holds to row invariance: the ones a measurement may fix.
 # (64x64x64 and 128x128x32 in tf32x3 spilled 476 and 436 bytes of registers on sm_80.)
