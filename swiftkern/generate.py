@@ -24,7 +24,7 @@ from .batch_invariant import bi_token_logprob
 from .prompt_ids import encode_prompts
 from .prefill import admit_arrivals, per_row_pays, prefill  # noqa: F401 (prefill: part of this module's API)
 from .requests import Requests
-from .sampling import SEED_RANGE, SamplingParams, select_tokens
+from .sampling import SEED_RANGE, SamplingParams, select_with_uniforms, token_uniforms
 from .draft_head import DEFAULT_DRAFT_VOCAB, DraftHead
 from .drafter_policy import DrafterPolicy
 from . import layer_set_store
@@ -68,13 +68,16 @@ def decode_ar(model: SkipModel, cache: KVCache, first_logits: torch.Tensor, para
     new token's log-probability (``bi_token_logprob``, float32 [1] each). -> decode steps
     """
     logits, steps = first_logits, 0
+    u = None  # float32 [B]: the uniforms logits' rows are sampled with, made before their forward
     while True:
         new = admit_arrivals(model, cache, requests, prompts)
         if new is not None:
             logits = new if logits is None else torch.cat([logits, new.to(logits.dtype)])
-        positions = list(cache.host_lengths)  # absolute position of the token chosen now
-        row_seeds = [seeds[r] for r in requests.alive]
-        next_tokens = select_tokens(logits, params, row_seeds, positions)  # [B]
+            u = None  # rows joined: made again (one more wait for the device, on such steps only)
+        if u is None:
+            positions = list(cache.host_lengths)  # absolute position of the token chosen now
+            u = token_uniforms(params, [seeds[r] for r in requests.alive], positions, logits.device)
+        next_tokens = select_with_uniforms(logits, params, u)  # [B]
         if logprobs is not None:
             lps = bi_token_logprob(logits, next_tokens)  # [B]
             for i, r in enumerate(requests.alive):
@@ -86,8 +89,11 @@ def decode_ar(model: SkipModel, cache: KVCache, first_logits: torch.Tensor, para
         if next_tokens is None:
             if not requests.waiting:
                 return steps
-            logits = None  # an empty batch: the next arrivals join at once
+            logits, u = None, None  # an empty batch: the next arrivals join at once
             continue
+        # the next step's uniforms copied in before the forward (after its launch the copy waits for it)
+        u = token_uniforms(params, [seeds[r] for r in requests.alive], [n + 1 for n in cache.host_lengths],
+                           next_tokens.device)
         logits = model.forward(next_tokens.unsqueeze(1), cache)[:, -1]  # [B, V]
         steps += 1
 

@@ -332,3 +332,37 @@ def test_a_speculative_verify_step_stalls_once(tiny, sample):
         speculative.verify_and_accept(tiny, cache, pending, drafts, None, [3, 1],
                                       SamplingParams(do_sample=sample, temperature=0.8), [1, 2], logprobs=True)
     assert [s[1] for s in stream.syncs if s[3]] == ["read"], stream.syncs
+
+
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampled"])
+def test_an_ar_decode_step_stalls_once(tiny, sample):
+    """generate.decode_ar (mode ar, and deterministic without replay): between two decode
+    forwards one stall, the step's tokens read; a sampled step's uniforms are copied in after
+    that read and before the next forward (made after its launch they waited for it: two stalls
+    a step). Steps where a row joins (its prefill) or leaves (the cache's lengths) may stall
+    more. The tokens are those of select_tokens after each forward (the sampling test above)."""
+    from swiftkern import Generator
+
+    forward = tiny.forward
+    with Stream() as stream:
+        def marked(ids, cache, *a, **k):  # each decode forward begins a phase "step"
+            if ids.shape[1] == 1:
+                stream.syncs.append((("begin", "step"), "", "", False, ""))
+                stream.phase = "step"
+            return forward(ids, cache, *a, **k)
+        tiny.forward = marked
+        try:
+            kw = dict(SAMPLE, seed=3) if sample else {}
+            out = Generator(tiny, mode="ar").generate(PROMPTS, max_new_tokens=12, arrive_at=[0, 0, 3],
+                                                      eos_token_id=[], **kw)
+        finally:
+            del tiny.forward
+    assert all(len(t) == 12 for t in out.tokens)
+    steps = stream.of("step")
+    assert len(steps) >= 11
+    plain = [syncs for syncs in steps if not any("_prefill" in s[4] or "set_lengths" in s[4] for s in syncs)]
+    assert len(plain) >= 9
+    for syncs in plain:
+        assert [s[1] for s in syncs if s[3]] == ["read"], syncs
+    if sample:
+        assert sum("keyed_uniforms" in s[4] for syncs in plain for s in syncs) == len(plain) - 1  # not after the last
