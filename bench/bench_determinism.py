@@ -44,7 +44,10 @@ Columns: tok_s (all new tokens / median wall time, prefill included), replay (el
 replayed), deterministic_share (the
 fraction of requests replayed), ratio_vs_ar (same batch,
 same run), rollback_fraction (fast-path tokens discarded / proposed), verify_passes,
-dummy_rows, tokens_equal_ar (the deterministic tokens equal plain ar's, greedy).
+dummy_rows, tokens_equal_ar (the deterministic tokens equal plain ar's, greedy), host_ms_tok /
+wait_ms_tok / reads_tok (the last rep's decoding time per token outside / inside the loops'
+reads of device results, and their reads a token: on a GPU the first is host work the device
+waited for, ``swiftkern.device_reads``).
 ``--cuda-graphs`` (a GPU): every provider replays its forwards through CUDA graphs (named
 <provider>+graphs), ar included, so ratio_vs_ar compares graphed with graphed; each provider
 first runs its timed calls twice untimed (a graph is captured at a shape's second sight), so
@@ -72,7 +75,7 @@ VERIFY_BATCH_GPU = 16
 ARRIVAL_GAP = 4  # the arrivals group: a request joins every 4 decoding steps
 LAYER_SET = "attn:9,13,17,21|mlp:11,15,19"  # the README's example set for SmolLM2 (7 of 60 sub-layers)
 PRINT_KEYS = ("group", "provider", "batch", "window", "tok_s", "ratio_vs_ar", "rollback_fraction", "verify_passes",
-              "dummy_rows", "tokens_equal_ar", "median_ms")
+              "dummy_rows", "tokens_equal_ar", "median_ms", "host_ms_tok", "wait_ms_tok", "reads_tok")
 
 
 def _setups(smoke: bool, layer_set: str, verify_batch: int = 4, auto_elides: bool = True,
@@ -223,6 +226,7 @@ def run(args) -> list[dict]:
                     ratio_vs_ar=round(tok_s / ar_tok_s, 3) if ar_tok_s else "",
                     rollback_fraction=round(s["rollback_fraction"], 5) if "rollback_fraction" in s else "",
                     verify_passes=s.get("verify_passes", ""), dummy_rows=s.get("dummy_rows", ""),
+                    **_host_and_wait(outs),
                     tokens_equal_ar=[o.tokens for o in outs] == [o.tokens for o in last["ar"]] if "ar" in last else ""))
             rows.extend(group_rows)
     _summary(rows)
@@ -239,6 +243,18 @@ def _merged_stats(stats: list[dict]) -> dict:
     if "rollback_fraction" in out:
         out["rollback_fraction"] = out["rolled_back"] / out["fast_tokens"] if out["fast_tokens"] else 0.0
     return out
+
+
+def _host_and_wait(outs) -> dict:
+    """Decoding's time per generated token (ms) split at the loops' reads of device results
+    (stats read_wait_s): wait_ms_tok the host waited for the device in them, host_ms_tok the
+    rest (host work the device waited for, on a GPU); reads_tok the reads. On the CPU the
+    wait is ~0 (its kernels have run when a read starts)."""
+    tokens = sum(o.stats["new_tokens"] for o in outs)
+    wait = sum(o.stats["read_wait_s"] for o in outs)
+    decode = sum(o.stats["decode_s"] for o in outs)
+    return dict(host_ms_tok=round((decode - wait) * 1e3 / tokens, 4), wait_ms_tok=round(wait * 1e3 / tokens, 4),
+                reads_tok=round(sum(o.stats["device_reads"] for o in outs) / tokens, 3))
 
 
 def _summary(rows: list[dict]) -> None:

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .device_reads import read
 from .errors import SwiftkernError
 from .kv_cache import KVCache
 from .layer_set import LayerSet
@@ -122,9 +123,9 @@ class FastPath:
         chosen = select_with_uniforms(logits, params, u)  # [B]
         tokens = ids[chosen] if ids is not None else chosen  # [B] token ids
         if self.eps <= 0.0 or not draft:
-            return tokens.tolist(), [True] * tokens.shape[0], logits
+            return read(tokens), [True] * tokens.shape[0], logits
         confident = logits.float().softmax(-1).max(-1).values >= self.eps  # [B]
-        host = torch.stack([tokens, confident.to(torch.int64)]).tolist()  # the step's one read: [2, B]
+        host = read(torch.stack([tokens, confident.to(torch.int64)]))  # the step's one read: [2, B]
         return host[0], [bool(c) for c in host[1]], logits
 
     def check(self, model: SkipModel, cache: KVCache, newest: list[int], drafts: list[list[int]],
@@ -144,7 +145,7 @@ class FastPath:
                       model.device)  # [B*T] or None
         logits = model.forward(inputs, cache)  # [B, T, V]
         B, V = logits.shape[0], logits.shape[-1]
-        chosen = select_with_uniforms(logits.reshape(B * T, V), params, u).view(B, T).tolist()  # the step's one read
+        chosen = read(select_with_uniforms(logits.reshape(B * T, V), params, u).view(B, T))  # the step's one read
         out = []
         for d, c in zip(drafts, chosen):
             n = 0
@@ -292,7 +293,7 @@ def _prefill_rows(model, verifier, cache, reqs, cache_rows, prompts, params, see
     first = select_with_uniforms(logits, params, u)  # [n]
     first_lp = first_lp.gather(1, first.unsqueeze(1)).squeeze(1)
     rows = []
-    for i, (r, t) in enumerate(zip(reqs, first.tolist())):  # the one read
+    for i, (r, t) in enumerate(zip(reqs, read(first))):  # the one read
         requests.commit(r, [t])
         fast_path.committed([t])
         logprobs[r].append(first_lp[i:i + 1])
@@ -460,7 +461,7 @@ def _verify(verifier, cache, rows, picked, prompts, params, seeds, requests, sta
     logits = verifier.forward(cache, slots)  # [N, V]
     chosen = select_with_uniforms(logits, params, u)  # [N]
     chosen_lp = bi_token_logprob(logits, chosen)  # [N], queued before the read
-    chosen_host = chosen.tolist()  # the pass's one read
+    chosen_host = read(chosen)  # the pass's one read
     if policy is not None and unsteady_calls(verifier.model) == mark:
         policy.record_verify(time.perf_counter() - t0, len(slots))
     n = 0

@@ -25,6 +25,7 @@ from .prompt_ids import encode_prompts
 from .prefill import admit_arrivals, per_row_pays, prefill  # noqa: F401 (prefill: part of this module's API)
 from .requests import Requests
 from .sampling import SEED_RANGE, SamplingParams, select_with_uniforms, token_uniforms
+from .device_reads import CLOCK as READ_CLOCK, read
 from .draft_head import DEFAULT_DRAFT_VOCAB, DraftHead
 from .drafter_policy import DrafterPolicy
 from . import layer_set_store
@@ -82,7 +83,7 @@ def decode_ar(model: SkipModel, cache: KVCache, first_logits: torch.Tensor, para
             lps = bi_token_logprob(logits, next_tokens)  # [B]
             for i, r in enumerate(requests.alive):
                 logprobs[r].append(lps[i:i + 1])
-        for r, t in zip(requests.alive, next_tokens.tolist()):
+        for r, t in zip(requests.alive, read(next_tokens)):
             requests.commit(r, [t])
         next_tokens = requests.drop_finished(cache, next_tokens)
         requests.step += 1
@@ -526,12 +527,14 @@ class Generator:
                 t1 = time.perf_counter()
                 requests = Requests(len(ids), max_new_tokens, stop_ids, self._stop_check(stop), streamer, arrive_at,
                                     invariant_prefill=invariant)
+                waited, reads = READ_CLOCK.snapshot()
                 with self.model.batch_invariant(self.invariant_decode()):
                     steps, spec_stats = self._decode(cache, first_logits, params, seeds, requests, ids, verified,
                                                      invariant)
             _sync(device)
             t2 = time.perf_counter()
             t1 += spec_stats.pop("prefill_s", 0.0)  # the replay prefills through its verifier inside decoding
+            spec_stats.update(read_wait_s=READ_CLOCK.seconds - waited, device_reads=READ_CLOCK.reads - reads)
             return self._output(requests.out, ids, steps, spec_stats, (t0, t1, t2), graph_stats)
 
     def _output(self, tokens: list[list[int]], ids: list[list[int]], steps: int, spec_stats: dict,
@@ -556,6 +559,10 @@ class Generator:
             "tokens_per_s": new / (t2 - t0),
             "decode_tokens_per_s": decoded / (t2 - t1) if t2 > t1 and decoded else 0.0,
             "decode_kernels": "batch-invariant" if self.invariant_decode() else "regular",
+            # decoding's reads of device results (device_reads): on a GPU the host waited there, and
+            # the rest of decode_s is host work the GPU waited for
+            "read_wait_s": spec_stats.pop("read_wait_s"),
+            "device_reads": spec_stats.pop("device_reads"),
         }
         if self.graph_runner is not None:  # this call's share of the runner's counts
             now = self.graph_runner.stats()

@@ -18,6 +18,7 @@ import torch
 
 from . import ops
 from .cuda_graphs import unsteady_calls
+from .device_reads import read
 from .kv_cache import KVCache
 from .layer_set import LayerSet
 from .model import SkipModel
@@ -88,7 +89,7 @@ def draft_tokens(model: SkipModel, cache: KVCache, pending: torch.Tensor, layer_
             token = logits.argmax(-1)
         if head is not None:
             token = head.ids[token]
-        confidence = q.max(-1).values.tolist()  # the draft's top-1 probability
+        confidence = read(q.max(-1).values)  # the draft's top-1 probability
         drafts.append(token)
         for b in range(B):
             if not active[b]:
@@ -177,7 +178,7 @@ def verify_and_accept(model: SkipModel, cache: KVCache, pending: torch.Tensor, d
         lps = bi_token_logprob(logits.reshape(B * (K + 1), -1), flat).view(B, K + 1)
     acc = acc.to(torch.int64)
     next_pending = out.gather(1, acc.unsqueeze(1)).squeeze(1)  # [B] the corrected or bonus token
-    host = torch.cat([acc.unsqueeze(1), out], dim=1).tolist()  # the step's one read: [B, 1 + K+1]
+    host = read(torch.cat([acc.unsqueeze(1), out], dim=1))  # the step's one read: [B, 1 + K+1]
     return Verified([h[1:] for h in host], [h[0] for h in host], next_pending, out, logits, lps)
 
 
@@ -186,7 +187,7 @@ def _assemble(B: int, choices, lookups, skip, params: SamplingParams, vocab: int
     of the layer-skip pass, or None. -> drafts int64 [B, K], draft_probs [B, K, V] or None,
     num_draft list."""
     rows, num_draft = [], []
-    skipped = skip[0].tolist() if skip is not None else None  # one read of the layer-skip drafts [B][Ks]
+    skipped = read(skip[0]) if skip is not None else None  # one read of the layer-skip drafts [B][Ks]
     for i, c in enumerate(choices):
         if c.drafter == "lookup":
             row = lookups[i][: c.k]
@@ -220,10 +221,11 @@ def _first_tokens(logits, reqs, cache, params, seeds, requests, logprobs, draft_
         lps = bi_token_logprob(logits, tokens)  # [n]
         for i, r in enumerate(reqs):
             logprobs[r].append(lps[i:i + 1])
-    for r, t in zip(reqs, tokens.tolist()):
+    host = read(tokens)
+    for r, t in zip(reqs, host):
         requests.commit(r, [t])
     if draft_head is not None:
-        draft_head.add(tokens.tolist())
+        draft_head.add(host)
     return tokens
 
 

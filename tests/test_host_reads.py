@@ -366,3 +366,23 @@ def test_an_ar_decode_step_stalls_once(tiny, sample):
         assert [s[1] for s in syncs if s[3]] == ["read"], syncs
     if sample:
         assert sum("keyed_uniforms" in s[4] for syncs in plain for s in syncs) == len(plain) - 1  # not after the last
+
+
+def test_generate_reports_its_reads_of_device_results(tiny):
+    """stats device_reads / read_wait_s (swiftkern.device_reads): mode ar reads once a token at
+    batch 1 (the first token's read included: it comes after prefill), the same count under
+    Stream; the wait is inside decode_s; the clock counts nothing outside decoding."""
+    from swiftkern import Generator, device_reads
+
+    before = device_reads.CLOCK.snapshot()
+    assert device_reads.read(torch.tensor([[1, 2], [3, 4]])) == [[1, 2], [3, 4]]
+    assert device_reads.CLOCK.reads == before[1] + 1 and device_reads.CLOCK.seconds >= before[0]
+    out = Generator(tiny, mode="ar").generate([PROMPTS[0]], max_new_tokens=9, eos_token_id=[])
+    assert out.stats["device_reads"] == 9
+    assert 0.0 <= out.stats["read_wait_s"] <= out.stats["decode_s"]
+    with Stream() as stream:
+        Generator(tiny, mode="ar").generate([PROMPTS[0]], max_new_tokens=9, eos_token_id=[])
+    reads = [s for s in stream.syncs if s[1] == "read"]
+    assert len(reads) == 9 and all("device_reads.py" in s[4] for s in reads)  # every read goes through it
+    spec = Generator(tiny, mode="self-spec", drafter="lookup").generate([PROMPTS[1]], max_new_tokens=9, eos_token_id=[])
+    assert spec.stats["device_reads"] == 1 + spec.stats["verify_steps"]  # the first token, then one a step
