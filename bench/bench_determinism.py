@@ -28,7 +28,8 @@ to fill the batch (chat template):
                 replay with the portable verifier set) vs det-replay-w32 (the replay with the
                 regular fast path at the same window 32: what the self-spec fast path's policy
                 must beat) vs self-spec alone (layer-skip
-                drafter), layer set LAYER_SET
+                drafter), layer set LAYER_SET, vs lookup (self-spec with prompt-lookup drafts
+                alone: the speculative loop's own gain or loss against ar, no model drafts)
 
 Where replay "auto" replays (``Generator.replay_elided``: on a GPU under the self-spec drafter;
 on a CPU without the C++ kernels), the provider that would repeat it (det-replay,
@@ -111,6 +112,8 @@ def _setups(smoke: bool, layer_set: str, verify_batch: int = 4, auto_elides: boo
         "self-spec+det-replay": dict(spec_det, replay="always"),
         f"det-replay-w{w32}": dict(mode="deterministic", window=w32, verify_batch=1, replay="always"),
         "self-spec": dict(mode="self-spec", drafter="layer-skip", **spec),
+        # the speculative loop with free drafts alone (no determinism): what it can gain over ar here
+        "lookup": dict(mode="self-spec", drafter="lookup"),
     }))
     for i, (group, batch, configs) in enumerate(groups):
         if spec_auto_elides:  # no replay there: the verifier's kernel set does not run

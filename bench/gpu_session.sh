@@ -21,9 +21,12 @@
 #                                          (a graphed step on the invariant set against the regular one)
 #                                          under the plan bimatmul picked (/tmp/plan.txt on a warm machine)
 #   bash bench/gpu_session.sh detbf16      the first half of detplan's determinism run in bfloat16 (90 s)
-#   bash bench/gpu_session.sh autotests    the GPU tests of replay auto on CUDA and of the float32 plan (150 s)
+#   bash bench/gpu_session.sh autotests    the GPU tests of replay auto on CUDA and of the float32 plan (240 s: 150 ran out on an H200)
 #   bash bench/gpu_session.sh autodet      determinism with CUDA graphs: deterministic (auto) beside det-replay,
 #                                          self-spec+det beside self-spec+det-invariant (160 s; SmolLM2); verify_cost (75 s: 40 ran out compiling on an H200)
+#   bash bench/gpu_session.sh batch1       determinism at batch 1 with CUDA graphs, each token's time split into host
+#                                          work and waits for the GPU: ar, deterministic, self-spec+det(-invariant),
+#                                          self-spec, lookup (150 s; SmolLM2)
 #   bash bench/gpu_session.sh det          determinism with CUDA graphs: the replay with the portable verifier set
 #                                          (det-replay-portable) beside the default fused one (det-replay), deterministic
 #                                          (auto: the invariant set on CUDA), one request in eight; verifier_pass (eager)
@@ -207,7 +210,7 @@ stage_detplan() {
 
 stage_autotests() {
   # replay auto on CUDA (the Triton invariant set at every step) and the float32 plan in PLANS
-  pytest_gpu autotests 150 -n 6 -m "not slow" tests/test_deterministic_gpu.py tests/test_bi_matmul.py \
+  pytest_gpu autotests 240 -n 8 -m "not slow" tests/test_deterministic_gpu.py tests/test_bi_matmul.py \
     tests/test_invariant_triton.py
 }
 
@@ -221,6 +224,15 @@ stage_autodet() {
   bench_cut 75 --routine verify_cost --reps 10 --cuda-graphs \
     --providers T1+graphs,T8+graphs,T1-invariant+graphs,T8-invariant+graphs > "$OUT/verify-cost-auto.log" 2>&1
   echo "verify_cost: exit $?"; grep -E "the time|graphs" "$OUT/verify-cost-auto.log" | tail -6
+}
+
+stage_batch1() {
+  # batch 1, SmolLM2 float32, CUDA graphs: where a token's time goes (host_ms_tok: host work the
+  # GPU waited for; wait_ms_tok: the host waiting in the loops' reads) for ar, deterministic, the
+  # two self-spec + deterministic ways, and the speculative loop alone (self-spec, lookup)
+  bench_cut 150 --routine determinism --max-new-tokens 64 --reps 2 --cuda-graphs \
+    --providers ar,deterministic,self-spec+det,self-spec+det-invariant,self-spec,lookup > "$OUT/determinism-batch1.log" 2>&1
+  echo "determinism batch1 graphs: exit $?"; grep -E "^batch1|host_ms_tok" "$OUT/determinism-batch1.log" | tail -8
 }
 
 stage_detbf16() {
