@@ -26,7 +26,7 @@
 #                                          self-spec+det beside self-spec+det-invariant (160 s; SmolLM2); verify_cost (75 s: 40 ran out compiling on an H200)
 #   bash bench/gpu_session.sh batch1       determinism at batch 1 with CUDA graphs, each token's time split into host
 #                                          work and waits for the GPU: ar, deterministic, self-spec+det(-invariant),
-#                                          self-spec, lookup (150 s; SmolLM2)
+#                                          self-spec, lookup (150 s; SmolLM2); bi_exp_sum's kernel bench (60 s)
 #   bash bench/gpu_session.sh det          determinism with CUDA graphs: the replay with the portable verifier set
 #                                          (det-replay-portable) beside the default fused one (det-replay), deterministic
 #                                          (auto: the invariant set on CUDA), one request in eight; verifier_pass (eager)
@@ -111,7 +111,7 @@ stage_sanitizer() {
 }
 
 stage_kernels() {
-  for r in greedy_accept rejection_sample fused_add_rms_norm rope_kv_append silu_mul verify_attention kv_compact cache_rows; do
+  for r in greedy_accept rejection_sample fused_add_rms_norm rope_kv_append silu_mul verify_attention kv_compact cache_rows bi_exp_sum; do
     timeout 150 python3 -m bench --routine $r --reps 10 --plot >> "$OUT/kernels.log" 2>&1; echo "kernel bench $r: exit $?"
   done
 }
@@ -211,7 +211,7 @@ stage_detplan() {
 stage_autotests() {
   # replay auto on CUDA (the Triton invariant set at every step) and the float32 plan in PLANS
   pytest_gpu autotests 240 -n 8 -m "not slow" tests/test_deterministic_gpu.py tests/test_bi_matmul.py \
-    tests/test_invariant_triton.py
+    tests/test_invariant_triton.py tests/test_triton_bi_exp_sum.py
 }
 
 stage_autodet() {
@@ -233,6 +233,9 @@ stage_batch1() {
   bench_cut 150 --routine determinism --max-new-tokens 64 --reps 2 --cuda-graphs \
     --providers ar,deterministic,self-spec+det,self-spec+det-invariant,self-spec,lookup > "$OUT/determinism-batch1.log" 2>&1
   echo "determinism batch1 graphs: exit $?"; grep -E "^batch1|host_ms_tok" "$OUT/determinism-batch1.log" | tail -8
+  # the logprobs' softmax denominator: the Triton kernel (one launch) against the torch reference (~45), bits checked
+  bench_cut 60 --routine bi_exp_sum --reps 10 --refcheck > "$OUT/bi-exp-sum.log" 2>&1
+  echo "bi_exp_sum: exit $?"; grep -E "^(reference|triton) " "$OUT/bi-exp-sum.log" | cut -c1-120
 }
 
 stage_detbf16() {

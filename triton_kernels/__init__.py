@@ -10,13 +10,15 @@ lazily, only when a Triton kernel may be needed, and picks the backend per op an
 Modules: launch (launch sizes and input checks), registry (the registration), and per op
 fused_add_rms_norm (with rms_norm), silu_mul, rope_kv_append, verify_attention (with
 verify_attention_invariant), greedy_accept, rejection_sample, kv_compact, skinny_linear (the
-regular path's float32 matmul at few rows on CUDA); bi_matmul (the
+regular path's float32 matmul at few rows on CUDA), bi_exp_sum (the deterministic verifier's
+softmax denominator, the reference's bits in one launch); bi_matmul (the
 deterministic verifier's matmul, not in ``ops.registry.SCHEMAS``) registers its own op through
 ``registry.register`` when imported here.
 """
 
 from __future__ import annotations
 
+from . import bi_exp_sum as _exp_sum
 from . import bi_matmul as _bi_matmul  # noqa: F401  (registers swiftkern_triton::bi_matmul)
 from . import fused_add_rms_norm as _norm
 from . import greedy_accept as _greedy
@@ -42,6 +44,7 @@ KERNELS = {
     "rejection_sample": (_rejection.rejection_sample, _rejection.rejection_sample_fake),
     "kv_compact": (_compact.kv_compact, _compact.kv_compact_fake),
     "skinny_linear": (_skinny.skinny_linear, _skinny.skinny_linear_fake),
+    "bi_exp_sum": (_exp_sum.bi_exp_sum, _exp_sum.bi_exp_sum_fake),
 }
 
 

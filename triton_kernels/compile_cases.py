@@ -73,6 +73,8 @@ def cases():
             for plan in CANDIDATES:
                 yield f"bi_matmul candidate {plan.name} {model} float32 M=128", launch, (
                     _m(128, H, dtype=torch.float32), _m(I, H, dtype=torch.float32).t(), plan)
+        for rows in (1, 9, 16 * 33):  # a decode step's logprob, a verify step's, a replay pass's
+            yield f"bi_exp_sum {model} rows={rows}", k["bi_exp_sum"], (_m(rows, V),)
         for B, K in ((1, 4), (8, 8), (32, 8)):
             for dt in (torch.float32, torch.bfloat16):
                 yield f"greedy_accept {model} logits {str(dt).removeprefix('torch.')} B={B} K={K}", (
@@ -108,7 +110,7 @@ def verifier_cases():
 
     k = {name: fn for name, (fn, _) in KERNELS.items()}
     for model in ("smollm2", "llama3-8b", "tiny-mqa"):
-        H, Hq, Hkv, D, I = (MODELS[model][x] for x in ("H", "Hq", "Hkv", "D", "I"))
+        H, Hq, Hkv, D, I, V = (MODELS[model][x] for x in ("H", "Hq", "Hkv", "D", "I", "V"))
         for dt in (torch.float32, torch.bfloat16):
             tag = f"{VERIFIER_PREFIX}{model} {str(dt).removeprefix('torch.')}"
             for B, T, S in VERIFIER_SHAPES:
@@ -136,6 +138,8 @@ def verifier_cases():
                 for n_out, n_in in ((Hq * D, H), (I, H), (H, I)):
                     yield f"{tag} bi_matmul:N={n_out},K={n_in} {shape}", bi_matmul, (
                         _m(rows, n_in, dtype=dt), _m(n_out, n_in, dtype=dt).t())
+                # the log-probabilities' softmax denominator (float32 logits, whatever the model's dtype)
+                yield f"{tag} bi_exp_sum {shape}", k["bi_exp_sum"], (_m(rows, V),)
                 yield f"{tag} bi_matmul_group:qkv {shape}", bi_matmul_group, (
                     _m(rows, H, dtype=dt), [_m(n, H, dtype=dt).t() for n in (Hq * D, Hkv * D, Hkv * D)])
             yield from _runner_invariant_cases(k, tag, H, Hq, Hkv, D, I, dt)

@@ -7,7 +7,7 @@ import torch
 
 from .. import reference
 from ..errors import SwiftkernError
-from .backends import cpu_kernel, resolve, run
+from .backends import cpu_kernel, current_backend, resolve, run, triton_ops
 from .checks import check_float, check_tensors
 
 
@@ -36,7 +36,10 @@ def bi_exp_sum(x: torch.Tensor) -> torch.Tensor:
     One definition, ``reference.bi_exp_sum``: ``bi_exp`` of every element, then ``tree_sum``
     (zero-padded to a multiple of 64, halved by elementwise adds, the rest added in order); the
     C++ kernel (CPU, auto/cpp) makes the same additions and gives the same bits (tested) in one
-    pass, without the torch ops of every halving (SmolLM2's vocabulary: ~120 -> ~20 us a row).
+    pass, without the torch ops of every halving (SmolLM2's vocabulary: ~120 -> ~20 us a row);
+    so does the Triton kernel (CUDA, auto/triton; the CPU under TRITON_INTERPRET=1 with
+    backend triton) in one launch where the torch ops take ~45 (each a few microseconds on a
+    GPU, a tenth of a SmolLM2 decode step at batch 1). Other backends take the reference.
     """
     op = "bi_exp_sum"
     check_tensors(op, x=x)
@@ -44,8 +47,12 @@ def bi_exp_sum(x: torch.Tensor) -> torch.Tensor:
         raise SwiftkernError(f"{op}: x must be a float tensor [..., V] with V >= 1, got {x.dtype} "
                              f"{tuple(x.shape)}")
     x = x.to(torch.float32)
-    if cpu_kernel(op, x.device.type):
+    device = x.device.type
+    if cpu_kernel(op, device):
         return torch.ops.swiftkern.bi_exp_sum(x)
+    wants_triton = current_backend() == "triton" or (device == "cuda" and current_backend() == "auto")
+    if wants_triton and op in triton_ops(device):
+        return torch.ops.swiftkern_triton.bi_exp_sum(x)
     return reference.bi_exp_sum(x)
 
 
