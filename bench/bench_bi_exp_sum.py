@@ -6,8 +6,8 @@ deterministic) vs the torch reference.
 
 Rows N x vocabulary V: a decode step's logprob (N = 1), a verify step's (9), a batch's (32),
 a replay pass (16 x 33 = 528), V = 49152 (SmolLM2) and 128256 (Llama-3). float32 (the op's
-dtype). Bytes per call: read the row once. On a GPU the reference is ~45 torch launches a call
-and the Triton kernel one (same bits); on the CPU the C++ kernel (cpp) beside the reference.
+dtype). Bytes per call: read the row once. On a GPU the reference is 44 torch launches a call
+(536 at V = 128256) and the Triton kernel one (same bits); on the CPU the C++ kernel (cpp) beside the reference.
 """
 
 from __future__ import annotations
