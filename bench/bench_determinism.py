@@ -48,7 +48,9 @@ same run), rollback_fraction (fast-path tokens discarded / proposed), verify_pas
 dummy_rows, tokens_equal_ar (the deterministic tokens equal plain ar's, greedy), host_ms_tok /
 wait_ms_tok / reads_tok (the last rep's decoding time per token outside / inside the loops'
 reads of device results, and their reads a token: on a GPU the first is host work the device
-waited for, ``swiftkern.device_reads``).
+waited for, ``swiftkern.device_reads``); where the speculative loop ran, its steps, layer-
+skipped draft forwards, drafted / accepted tokens and steps by drafter (spec_steps ...
+steps_none).
 ``--cuda-graphs`` (a GPU): every provider replays its forwards through CUDA graphs (named
 <provider>+graphs), ar included, so ratio_vs_ar compares graphed with graphed; each provider
 first runs its timed calls twice untimed (a graph is captured at a shape's second sight), so
@@ -76,7 +78,8 @@ VERIFY_BATCH_GPU = 16
 ARRIVAL_GAP = 4  # the arrivals group: a request joins every 4 decoding steps
 LAYER_SET = "attn:9,13,17,21|mlp:11,15,19"  # the README's example set for SmolLM2 (7 of 60 sub-layers)
 PRINT_KEYS = ("group", "provider", "batch", "window", "tok_s", "ratio_vs_ar", "rollback_fraction", "verify_passes",
-              "dummy_rows", "tokens_equal_ar", "median_ms", "host_ms_tok", "wait_ms_tok", "reads_tok")
+              "dummy_rows", "tokens_equal_ar", "median_ms", "host_ms_tok", "wait_ms_tok", "reads_tok", "spec_steps",
+              "draft_forwards", "accepted", "steps_lookup", "steps_layer_skip", "steps_none")
 
 
 def _setups(smoke: bool, layer_set: str, verify_batch: int = 4, auto_elides: bool = True,
@@ -229,7 +232,7 @@ def run(args) -> list[dict]:
                     ratio_vs_ar=round(tok_s / ar_tok_s, 3) if ar_tok_s else "",
                     rollback_fraction=round(s["rollback_fraction"], 5) if "rollback_fraction" in s else "",
                     verify_passes=s.get("verify_passes", ""), dummy_rows=s.get("dummy_rows", ""),
-                    **_host_and_wait(outs),
+                    **_host_and_wait(outs), **_draft_counts(outs),
                     tokens_equal_ar=[o.tokens for o in outs] == [o.tokens for o in last["ar"]] if "ar" in last else ""))
             rows.extend(group_rows)
     _summary(rows)
@@ -258,6 +261,20 @@ def _host_and_wait(outs) -> dict:
     decode = sum(o.stats["decode_s"] for o in outs)
     return dict(host_ms_tok=round((decode - wait) * 1e3 / tokens, 4), wait_ms_tok=round(wait * 1e3 / tokens, 4),
                 reads_tok=round(sum(o.stats["device_reads"] for o in outs) / tokens, 3))
+
+
+def _draft_counts(outs) -> dict:
+    """The speculative loop's steps, summed over the calls (where it ran: self-spec, and
+    self-spec + deterministic without replay): steps (verify steps) and draft_forwards (layer-
+    skipped forwards), drafted / accepted tokens, and the steps by drafter (lookup, layer-skip,
+    none) -> {} elsewhere."""
+    stats = [o.stats for o in outs]
+    if not all("drafter_steps" in s for s in stats):
+        return {}
+    by = {d: sum(s["drafter_steps"][d] for s in stats) for d in ("lookup", "layer-skip", "none")}
+    return dict(spec_steps=sum(s["verify_steps"] for s in stats), draft_forwards=sum(s["draft_steps"] for s in stats),
+                drafted=sum(s["drafted"] for s in stats), accepted=sum(s["accepted"] for s in stats),
+                steps_lookup=by["lookup"], steps_layer_skip=by["layer-skip"], steps_none=by["none"])
 
 
 def _summary(rows: list[dict]) -> None:
