@@ -211,7 +211,7 @@ stage_detplan() {
 stage_autotests() {
   # replay auto on CUDA (the Triton invariant set at every step) and the float32 plan in PLANS
   pytest_gpu autotests 240 -n 8 -m "not slow" tests/test_deterministic_gpu.py tests/test_bi_matmul.py \
-    tests/test_invariant_triton.py tests/test_triton_bi_exp_sum.py
+    tests/test_invariant_triton.py tests/test_triton_bi_exp_sum.py tests/test_bi_matmul_swiglu.py
 }
 
 stage_autodet() {

@@ -80,6 +80,22 @@ def bi_linears(x: torch.Tensor, weights: tuple, biases: tuple) -> list[torch.Ten
     return [(p if b is None else p + b.to(p.dtype)).view(*x.shape[:-1], p.shape[1]) for p, b in zip(parts, biases)]
 
 
+def bi_silu_linear_triton(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor,
+                          bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``bi_linear(silu_mul(gate, up), weight, bias)`` with the Triton ``silu_mul`` and
+    ``bi_matmul``, the same bits, in one launch (``bi_matmul_swiglu``: the SwiGLU made in the
+    matmul's A-tile load; a layer's down projection). For the Triton invariant set (CUDA; the
+    CPU under TRITON_INTERPRET=1 with backend triton). gate, up: [..., I] (e.g. the halves of one
+    grouped projection); weight: [N, I]; bias: [N] or None -> [..., N]"""
+    from .triton_kernels.bi_matmul import bi_matmul_swiglu
+
+    I = gate.shape[-1]
+    out = bi_matmul_swiglu(gate.reshape(-1, I), up.reshape(-1, I), weight.t())  # [M, N]
+    if bias is not None:
+        out = out + bias.to(out.dtype)
+    return out.reshape(*gate.shape[:-1], weight.shape[0])
+
+
 def bi_log_softmax(logits: torch.Tensor) -> torch.Tensor:
     """Row-wise log-softmax with a fixed-order sum. logits: [..., V] -> float32 [..., V]"""
     z = logits.to(torch.float32)

@@ -47,7 +47,9 @@ class LayerKernels:
 
     and ``backends``: {op: the backend name} as ``ops.backend_for`` reports it. ``linears``:
     (x [..., K], weights (1-3 of [N_i, K]), biases) -> [..., N_i] each, the bits of ``linear`` per
-    weight in one launch (a layer's q, k, v; gate, up), or None (``linear`` per weight). ``stack``: where
+    weight in one launch (a layer's q, k, v; gate, up), or None (``linear`` per weight). ``silu_linear``:
+    (gate, up [..., I], weight [N, I], bias) -> ``linear(silu_mul(gate, up), weight, bias)``'s bits in
+    one launch (the Triton invariant set), or None (the two ops). ``stack``: where
     every layer op is a C++ CPU kernel, the whole layer loop in one C++ call (float32, bf16, fp16; see
     ``_stack_for``), else None."""
 
@@ -60,6 +62,7 @@ class LayerKernels:
     backends: dict
     stack: Callable | None = None
     linears: Callable | None = None
+    silu_linear: Callable | None = None
 
     @staticmethod
     def for_device(device_type: str, invariant: bool = False) -> "LayerKernels":
@@ -110,11 +113,12 @@ def _bind_invariant(device_type: str) -> LayerKernels:
 
 def _bind_invariant_triton() -> LayerKernels:
     """The Triton set: ``bi_matmul`` (fixed tiles, K in its plan's order; q/k/v and gate/up
-    grouped in one launch each, as the verifier does), per-row norms,
+    grouped in one launch each, as the verifier does; the down projection with the SwiGLU in
+    its load, ``bi_matmul_swiglu``, as the verifier does too), per-row norms,
     elementwise SwiGLU and RoPE, and ``verify_attention_invariant`` given whole key blocks, as
     the verifier gives them (a row's bits never depend on how many keys the pass spans; one
     binary for every span)."""
-    from .batch_invariant import KEY_BLOCK, bi_linear, bi_linears
+    from .batch_invariant import KEY_BLOCK, bi_linear, bi_linears, bi_silu_linear_triton
     from .triton_kernels import KERNELS
 
     k = {name: fn for name, (fn, _) in KERNELS.items()}
@@ -123,7 +127,8 @@ def _bind_invariant_triton() -> LayerKernels:
                                         "verify_attention")}
     return LayerKernels(linear=bi_linear, rms_norm=k["rms_norm"], fused_add_rms_norm=k["fused_add_rms_norm"],
                         silu_mul=k["silu_mul"], rope_kv_append=_kernel_rope(k["rope_kv_append"]),
-                        verify_attention=verify_attention, backends=backends, linears=bi_linears)
+                        verify_attention=verify_attention, backends=backends, linears=bi_linears,
+                        silu_linear=bi_silu_linear_triton)
 
 
 def _bind_invariant_cpp(device_type: str) -> LayerKernels:

@@ -297,8 +297,11 @@ class SkipModel:
                 pending = out if skip_attn[i] is False else out * skip_attn[i]
             if skip_mlp[i] is not True:
                 x, hidden = self._add_norm(kern, hidden, pending, w.ln_mlp, fuse)
-                act = kern.silu_mul(*linears(x, (w.gate, w.up), (w.gate_bias, w.up_bias)))
-                out = linear(act, w.down, w.down_bias)
+                gate, up = linears(x, (w.gate, w.up), (w.gate_bias, w.up_bias))
+                if kern.silu_linear is not None:  # one launch, the same bits
+                    out = kern.silu_linear(gate, up, w.down, w.down_bias)
+                else:
+                    out = linear(kern.silu_mul(gate, up), w.down, w.down_bias)
                 pending = out if skip_mlp[i] is False else out * skip_mlp[i]
         return hidden, pending
 

@@ -185,8 +185,11 @@ class Verifier:
             attn = kern.attention(q, keys, values, starts, ends, m.scale)  # [R, Hq, T, D]
             attn = attn.transpose(1, 2).reshape(R, T, m.num_heads * D)
             x, hidden = _add_norm(kern, hidden, self._linear(attn, w.o, w.o_bias), w.ln_mlp, m.eps)
-            act = kern.silu_mul(*self._linears(x, (w.gate, w.up), (w.gate_bias, w.up_bias)))
-            delta = self._linear(act, w.down, w.down_bias)
+            gate, up = self._linears(x, (w.gate, w.up), (w.gate_bias, w.up_bias))
+            if kern.silu_linear is not None:  # one launch, the same bits
+                delta = kern.silu_linear(gate, up, w.down, w.down_bias)
+            else:
+                delta = self._linear(kern.silu_mul(gate, up), w.down, w.down_bias)
         delta = None if delta is None else delta.reshape(R * T, -1)
         return _add_norm(kern, hidden.reshape(R * T, -1), delta, m.final_norm, m.eps)[0]
 

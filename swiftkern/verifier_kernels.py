@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from . import ops, reference
-from .batch_invariant import KEY_BLOCK, bi_attention, bi_rms_norm, bi_silu_mul
+from .batch_invariant import KEY_BLOCK, bi_attention, bi_rms_norm, bi_silu_linear_triton, bi_silu_mul
 from .errors import SwiftkernError
 from .layer_kernels import invariant_backend
 
@@ -48,6 +48,8 @@ class VerifierKernels:
         causal, query t of row r at absolute position starts[r] + t sees keys 0..starts[r] + t;
         ends = starts + T (given too, computed once a pass: the fused kernel takes it);
         S a multiple of KEY_BLOCK and >= ends[r] for every row.
+    silu_linear(gate, up [..., I], weight [N, I], bias) -> the bits of the verifier's matmul of
+        silu_mul(gate, up) in one launch (the Triton set: ``bi_matmul_swiglu``), or None.
     """
 
     name: str
@@ -56,6 +58,7 @@ class VerifierKernels:
     silu_mul: Callable
     rope: Callable
     attention: Callable
+    silu_linear: Callable | None = None
 
 
 def _rope_portable(q, k, v, cos, sin):
@@ -132,7 +135,8 @@ def verifier_kernels(choice: str, device_type: str, dtype: torch.dtype) -> Verif
     return VerifierKernels("fused (triton)", KERNELS["rms_norm"][0], KERNELS["fused_add_rms_norm"][0],
                            KERNELS["silu_mul"][0],
                            rope_from_append(KERNELS["rope_kv_append"][0]),
-                           attention_from_cache_lens(KERNELS["verify_attention_invariant"][0]))
+                           attention_from_cache_lens(KERNELS["verify_attention_invariant"][0]),
+                           silu_linear=bi_silu_linear_triton)
 
 
 __all__ = ["CHOICES", "FUSED_BY_DEFAULT", "KEY_BLOCK", "PORTABLE", "VerifierKernels", "attention_from_cache_lens",

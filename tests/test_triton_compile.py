@@ -61,7 +61,8 @@ def test_every_kernel_compiles_for_sm80_and_sm90a_within_the_limits(tmp_path):
     verifier_ops = {case.split()[3].split(":")[0] for launch in report["launches"] for case in launch["cases"]
                     if case.startswith("verifier ")}
     assert verifier_ops == {"rms_norm", "fused_add_rms_norm", "silu_mul", "rope_kv_append",
-                            "verify_attention_invariant", "bi_matmul", "bi_matmul_group", "bi_exp_sum"}
+                            "verify_attention_invariant", "bi_matmul", "bi_matmul_group", "bi_exp_sum",
+                            "bi_matmul_swiglu"}
     # the plans are a GPU's, not the interpreter's (2 SMs): on 108 / 132 SMs a single SmolLM2
     # decode row splits its 32768 keys over more than 64 programs
     splits = {(launch["target"], int(launch["constexprs"]["BLOCK_S"])) for launch in report["launches"]

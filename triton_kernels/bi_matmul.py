@@ -40,6 +40,7 @@ from .registry import register
 
 SCHEMA = "(Tensor a, Tensor b) -> Tensor"
 GROUP_SCHEMA = "(Tensor a, Tensor[] bs) -> Tensor"
+SWIGLU_SCHEMA = "(Tensor gate, Tensor up, Tensor b) -> Tensor"
 
 
 @dataclass(frozen=True)
@@ -150,14 +151,15 @@ def _group_member(pid_n, n0, n1, n2, p0, p1, p2, sk0, sk1, sk2, sn0, sn1, sn2, B
 
 @triton.jit(do_not_specialize=["M"])  # one binary for every M (a row's bits must not depend on M)
 def _bi_matmul_kernel(
-    a_ptr,  # [M, K]
+    a_ptr,  # [M, K]; with SWIGLU the gate
+    up_ptr,  # [M, K] with a's strides: with SWIGLU the up projection (else a again, unread)
     b0_ptr, b1_ptr, b2_ptr,  # [K, N0], [K, N1], [K, N2]: the group's weights (unused ones: N = 0)
     c_ptr,  # [M, N0 + N1 + N2], or float32 partials [chunks, CHUNK_STRIDE] when SPLIT
     M, N0, N1, N2, K, K_CHUNK, CHUNK_STRIDE,
     stride_am, stride_ak, stride_b0k, stride_b1k, stride_b2k, stride_b0n, stride_b1n, stride_b2n,
     stride_cm, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr, INTERPRET: tl.constexpr, SPLIT: tl.constexpr,
+    PRECISION: tl.constexpr, INTERPRET: tl.constexpr, SPLIT: tl.constexpr, SWIGLU: tl.constexpr,
 ):
     b_ptr, N, stride_bk, stride_bn, col, tile = _group_member(
         tl.program_id(1), N0, N1, N2, b0_ptr, b1_ptr, b2_ptr, stride_b0k, stride_b1k, stride_b2k, stride_b0n,
@@ -174,8 +176,15 @@ def _bi_matmul_kernel(
         k_end = K
     for k0 in range(k_first, k_end, BLOCK_K):
         ks = k0 + offs_k
-        a = tl.load(a_ptr + offs_m[:, None] * stride_am + ks[None, :] * stride_ak,
-                    mask=(offs_m[:, None] < M) & (ks[None, :] < K), other=0.0)
+        a_offs = offs_m[:, None] * stride_am + ks[None, :] * stride_ak
+        a_mask = (offs_m[:, None] < M) & (ks[None, :] < K)
+        if SWIGLU:  # silu(gate) * up made here, element for element as _silu_mul_kernel makes it
+            g = tl.load(a_ptr + a_offs, mask=a_mask, other=0.0).to(tl.float32)
+            u = tl.load(up_ptr + a_offs, mask=a_mask, other=0.0).to(tl.float32)
+            act = (g / (1.0 + tl.exp(-g))).to(a_ptr.dtype.element_ty).to(tl.float32)
+            a = (act * u).to(a_ptr.dtype.element_ty)
+        else:
+            a = tl.load(a_ptr + a_offs, mask=a_mask, other=0.0)
         b = tl.load(b_ptr + ks[:, None] * stride_bk + offs_n[None, :] * stride_bn,
                     mask=(ks[:, None] < K) & (offs_n[None, :] < N), other=0.0)
         if INTERPRET:  # numpy's BLAS behind tl.dot is not row-invariant within a tile
@@ -223,18 +232,32 @@ def bi_matmul_group(a: torch.Tensor, bs: list[torch.Tensor]) -> torch.Tensor:
     return launch(a, bs, plans_in_use().get(a.dtype))
 
 
-def launch(a: torch.Tensor, b: torch.Tensor | list[torch.Tensor], plan: Plan | None) -> torch.Tensor:
-    """``bi_matmul`` (b a tensor) or ``bi_matmul_group`` (b a list) in a given plan (the bench's
-    plan sweep calls this; the ops always run ``PLANS``). Rows are invariant within one plan;
-    two plans give different bits."""
-    op = "bi_matmul" if torch.is_tensor(b) else "bi_matmul_group"
+def bi_matmul_swiglu(gate: torch.Tensor, up: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """gate, up: [M, K]; b: [K, N] -> silu_mul(gate, up) @ b, [M, N], in one launch (a layer's
+    down projection with its SwiGLU in the A tile's load): the bits of
+    ``bi_matmul(silu_mul(gate, up), b)`` with the Triton ``silu_mul``, without its launch and
+    its [M, K] product in memory. gate and up may be the column halves of one buffer."""
+    return launch(gate, b, plans_in_use().get(gate.dtype), up=up)
+
+
+def launch(a: torch.Tensor, b: torch.Tensor | list[torch.Tensor], plan: Plan | None,
+           up: torch.Tensor | None = None) -> torch.Tensor:
+    """``bi_matmul`` (b a tensor), ``bi_matmul_group`` (b a list) or, given ``up``,
+    ``bi_matmul_swiglu`` (a the gate) in a given plan (the bench's plan sweep calls this; the
+    ops always run ``PLANS``). Rows are invariant within one plan; two plans give different bits."""
+    op = "bi_matmul_swiglu" if up is not None else "bi_matmul" if torch.is_tensor(b) else "bi_matmul_group"
     bs = [b] if torch.is_tensor(b) else list(b)
-    require(1 <= len(bs) <= MAX_GROUP, op, f"takes 1 to {MAX_GROUP} weights, got {len(bs)}")
+    require(1 <= len(bs) <= (1 if up is not None else MAX_GROUP), op, f"takes 1 to {MAX_GROUP} weights, got {len(bs)}")
     named = {f"b{i}": x for i, x in enumerate(bs)} if len(bs) > 1 else {"b": bs[0]}
-    check_device(op, a=a, **named)
+    check_device(op, a=a, **({"up": up} if up is not None else {}), **named)
     check_float(op, a=a, **named)
     require(a.dim() == 2 and all(x.dim() == 2 for x in bs), op, f"a must be [M, K] and b [K, N], got "
             f"{tuple(a.shape)} and {', '.join(str(tuple(x.shape)) for x in bs)}")
+    if up is not None:
+        require(up.shape == a.shape and up.dtype == a.dtype, op, f"gate and up must have one shape and dtype, got "
+                f"{tuple(a.shape)} {a.dtype} and {tuple(up.shape)} {up.dtype}")
+        if up.stride() != a.stride():  # the kernel reads both at the gate's strides
+            a, up = a.contiguous(), up.contiguous()
     for name, x in named.items():
         require(a.shape[1] == x.shape[0], op, f"a is [M, K = {a.shape[1]}] but {name} is [K = {x.shape[0]}, N]")
         require(a.dtype == x.dtype, op, f"a and {name} must have one dtype, got {a.dtype} and {x.dtype}")
@@ -249,12 +272,13 @@ def launch(a: torch.Tensor, b: torch.Tensor | list[torch.Tensor], plan: Plan | N
         chunks, stride = plan.chunks(K), cdiv(M * N, SUM_BLOCK) * SUM_BLOCK
         out = empty((chunks, stride), torch.float32, a.device) if chunks > 1 else c  # partials, or c
         grid = (cdiv(M, plan.block_m), sum(cdiv(n, plan.block_n) for n in widths), chunks)
-        _bi_matmul_kernel[grid](a, *ptrs, out, M, *widths, K, plan.k_chunk, stride,
+        _bi_matmul_kernel[grid](a, up if up is not None else a, *ptrs, out, M, *widths, K, plan.k_chunk, stride,
                                 a.stride(0), a.stride(1), *(x.stride(0) for x in ptrs),
                                 *(x.stride(1) for x in ptrs), N, 1,
                                 BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
                                 UPCAST=a.dtype == torch.float32, PRECISION=plan.precision,
-                                INTERPRET=interpreting(), SPLIT=chunks > 1, num_warps=plan.warps,
+                                INTERPRET=interpreting(), SPLIT=chunks > 1, SWIGLU=up is not None,
+                                num_warps=plan.warps,
                                 num_stages=plan.stages)
         if chunks > 1:
             _sum_chunks_kernel[(stride // SUM_BLOCK,)](out, c, M * N, stride, CHUNKS=chunks, BLOCK=SUM_BLOCK)
@@ -269,5 +293,10 @@ def bi_matmul_group_fake(a, bs):
     return a.new_empty((a.shape[0], sum(b.shape[1] for b in bs)))
 
 
+def bi_matmul_swiglu_fake(gate, up, b):
+    return gate.new_empty((gate.shape[0], b.shape[1]))
+
+
 register("bi_matmul", SCHEMA, bi_matmul, bi_matmul_fake)
 register("bi_matmul_group", GROUP_SCHEMA, bi_matmul_group, bi_matmul_group_fake)
+register("bi_matmul_swiglu", SWIGLU_SCHEMA, bi_matmul_swiglu, bi_matmul_swiglu_fake)

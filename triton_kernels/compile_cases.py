@@ -35,7 +35,7 @@ def cases():
     """(label, launcher, args) triples: one launcher on meta tensors of one shape the model
     runner uses on a GPU (meta tensors hold no memory, so the args are built up front)."""
     from . import KERNELS
-    from .bi_matmul import CANDIDATES, bi_matmul, launch
+    from .bi_matmul import CANDIDATES, bi_matmul, bi_matmul_swiglu, launch
 
     k = {name: fn for name, (fn, _) in KERNELS.items()}
     i64, i32 = torch.int64, torch.int32
@@ -69,6 +69,9 @@ def cases():
                     # the model multiplies by a [N, K] weight's transposed view
                     yield f"bi_matmul {tag} M={rows} N={n_out} K={n_in}", bi_matmul, (
                         _m(rows, n_in, dtype=dt), _m(n_out, n_in, dtype=dt).t())
+                gate_up = _m(rows, 2 * I, dtype=dt)  # the down projection with its SwiGLU, from the grouped halves
+                yield f"bi_matmul_swiglu {tag} M={rows} N={H} K={I}", bi_matmul_swiglu, (
+                    gate_up[:, :I], gate_up[:, I:], _m(H, I, dtype=dt).t())
         if model == "smollm2":  # the plans the bench sweeps must fit too (float32: where they differ most)
             for plan in CANDIDATES:
                 yield f"bi_matmul candidate {plan.name} {model} float32 M=128", launch, (
@@ -106,7 +109,7 @@ def verifier_cases():
     model, dtype and target across them: a row's bits then cannot depend on the batch, the
     window or the prompt length through a specialization on a shape value."""
     from . import KERNELS
-    from .bi_matmul import bi_matmul, bi_matmul_group
+    from .bi_matmul import bi_matmul, bi_matmul_group, bi_matmul_swiglu
 
     k = {name: fn for name, (fn, _) in KERNELS.items()}
     for model in ("smollm2", "llama3-8b", "tiny-mqa"):
@@ -140,6 +143,9 @@ def verifier_cases():
                         _m(rows, n_in, dtype=dt), _m(n_out, n_in, dtype=dt).t())
                 # the log-probabilities' softmax denominator (float32 logits, whatever the model's dtype)
                 yield f"{tag} bi_exp_sum {shape}", k["bi_exp_sum"], (_m(rows, V),)
+                gate_up = _m(rows, 2 * I, dtype=dt)
+                yield f"{tag} bi_matmul_swiglu {shape}", bi_matmul_swiglu, (
+                    gate_up[:, :I], gate_up[:, I:], _m(H, I, dtype=dt).t())
                 yield f"{tag} bi_matmul_group:qkv {shape}", bi_matmul_group, (
                     _m(rows, H, dtype=dt), [_m(n, H, dtype=dt).t() for n in (Hq * D, Hkv * D, Hkv * D)])
             yield from _runner_invariant_cases(k, tag, H, Hq, Hkv, D, I, dt)
@@ -159,7 +165,7 @@ def _runner_invariant_cases(k, tag, H, Hq, Hkv, D, I, dt):
     buffers; SwiGLU's halves of one decode row are contiguous), whose vector width changes, not
     an element's arithmetic, so they are not held to one; tests/test_invariant_triton.py checks
     the runner's bits against the verifier's."""
-    from .bi_matmul import bi_matmul, bi_matmul_group
+    from .bi_matmul import bi_matmul, bi_matmul_group, bi_matmul_swiglu
 
     for B, T, S, span in RUNNER_SHAPES:
         shape = f"runner B={B} T={T} S={S} span={span}"
@@ -176,3 +182,6 @@ def _runner_invariant_cases(k, tag, H, Hq, Hkv, D, I, dt):
                 _m(B * T, n_in, dtype=dt), _m(n_out, n_in, dtype=dt).t())
         yield f"{tag} bi_matmul_group:qkv {shape}", bi_matmul_group, (
             _m(B * T, H, dtype=dt), [_m(n, H, dtype=dt).t() for n in (Hq * D, Hkv * D, Hkv * D)])
+        gate_up = _m(B * T, 2 * I, dtype=dt)  # the grouped gate/up projection's halves
+        yield f"{tag} bi_matmul_swiglu {shape}", bi_matmul_swiglu, (gate_up[:, :I], gate_up[:, I:],
+                                                                    _m(H, I, dtype=dt).t())
