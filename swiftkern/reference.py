@@ -309,6 +309,12 @@ def bi_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out.to(a.dtype)
 
 
+def bi_matmul_swiglu(gate: torch.Tensor, up: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``bi_matmul(silu_mul(gate, up), b)``: a layer's down projection of its SwiGLU, the twin of
+    the Triton ``bi_matmul_swiglu`` (one launch). gate, up: [M, K]; b: [K, N] -> [M, N]"""
+    return bi_matmul(silu_mul(gate, up), b)
+
+
 def bi_matmul_group(a: torch.Tensor, bs: list[torch.Tensor]) -> torch.Tensor:
     """``bi_matmul(a, b)`` for each b of bs, side by side: a: [M, K], bs: weights [K, N_i] ->
     [M, sum N_i] in a's dtype (a layer's q, k and v in one op; each column's bits are those

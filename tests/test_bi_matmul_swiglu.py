@@ -47,6 +47,22 @@ def test_equals_silu_mul_then_bi_matmul_bitwise(M, I, N, dtype, seed):
     assert torch.equal(got, bi_matmul(silu_mul(gate, up), w))
 
 
+@pytest.mark.parametrize("M,I,N", [(1, 1, 1), (7, 130, 37), (33, 96, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_close_to_its_torch_twin(M, I, N, dtype):
+    """reference.bi_matmul_swiglu (silu_mul, then the elementwise fixed-order bi_matmul): the
+    same values to the matmul's tolerance (its sum runs in another order)."""
+    from swiftkern import reference
+    from triton_cases import TOLERANCES
+
+    _, _, fused = kernels()
+    gate, up, w = halves(M, I, N, dtype, M + I)
+    got = fused(gate, up, w)
+    atol, rtol = TOLERANCES["bi_matmul"][dtype]
+    want = reference.bi_matmul_swiglu(gate, up, w)
+    torch.testing.assert_close(got, want, atol=atol * I ** 0.5 * 4, rtol=rtol)  # |silu * up| reaches ~4x the entries
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_smollm2_shape_and_split_chunks(dtype):
     """SmolLM2's down projection (K = 1536: 12 chunks of 128 in the float32 plan), one decode
