@@ -75,7 +75,7 @@ def decode_ar(model: SkipModel, cache: KVCache, first_logits: torch.Tensor, para
         if new is not None:
             logits = new if logits is None else torch.cat([logits, new.to(logits.dtype)])
             u = None  # rows joined: made again (one more wait for the device, on such steps only)
-        if u is None:
+        if u is None and params.do_sample:
             positions = list(cache.host_lengths)  # absolute position of the token chosen now
             u = token_uniforms(params, [seeds[r] for r in requests.alive], positions, logits.device)
         next_tokens = select_with_uniforms(logits, params, u)  # [B]
@@ -92,9 +92,9 @@ def decode_ar(model: SkipModel, cache: KVCache, first_logits: torch.Tensor, para
                 return steps
             logits, u = None, None  # an empty batch: the next arrivals join at once
             continue
-        # the next step's uniforms copied in before the forward (after its launch the copy waits for it)
-        u = token_uniforms(params, [seeds[r] for r in requests.alive], [n + 1 for n in cache.host_lengths],
-                           next_tokens.device)
+        if params.do_sample:  # the next step's uniforms copied in before the forward (after its launch the copy waits)
+            u = token_uniforms(params, [seeds[r] for r in requests.alive], [n + 1 for n in cache.host_lengths],
+                               next_tokens.device)
         logits = model.forward(next_tokens.unsqueeze(1), cache)[:, -1]  # [B, V]
         steps += 1
 

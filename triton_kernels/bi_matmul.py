@@ -37,6 +37,7 @@ from swiftkern.errors import SwiftkernError
 from .interpreter_dot import interpreter_dot
 from .launch import cdiv, check_device, check_float, empty, interpreting, require
 from .registry import register
+from .silu_mul import silu_times
 
 SCHEMA = "(Tensor a, Tensor b) -> Tensor"
 GROUP_SCHEMA = "(Tensor a, Tensor[] bs) -> Tensor"
@@ -178,11 +179,10 @@ def _bi_matmul_kernel(
         ks = k0 + offs_k
         a_offs = offs_m[:, None] * stride_am + ks[None, :] * stride_ak
         a_mask = (offs_m[:, None] < M) & (ks[None, :] < K)
-        if SWIGLU:  # silu(gate) * up made here, element for element as _silu_mul_kernel makes it
+        if SWIGLU:  # silu(gate) * up made here, with _silu_mul_kernel's own function
             g = tl.load(a_ptr + a_offs, mask=a_mask, other=0.0).to(tl.float32)
             u = tl.load(up_ptr + a_offs, mask=a_mask, other=0.0).to(tl.float32)
-            act = (g / (1.0 + tl.exp(-g))).to(a_ptr.dtype.element_ty).to(tl.float32)
-            a = (act * u).to(a_ptr.dtype.element_ty)
+            a = silu_times(g, u, a_ptr.dtype.element_ty)
         else:
             a = tl.load(a_ptr + a_offs, mask=a_mask, other=0.0)
         b = tl.load(b_ptr + ks[:, None] * stride_bk + offs_n[None, :] * stride_bn,

@@ -14,6 +14,15 @@ from .launch import check_device, check_float, elementwise_plan, empty, empty_li
 
 
 @triton.jit
+def silu_times(g, up, DTYPE: tl.constexpr):
+    """silu(g) * up from float32 blocks, rounded to DTYPE as the reference rounds: silu first,
+    then the product. The one definition of an element's SwiGLU bits (``bi_matmul_swiglu``'s
+    A-tile load makes them with it too)."""
+    act = (g / (1.0 + tl.exp(-g))).to(DTYPE).to(tl.float32)
+    return (act * up).to(DTYPE)
+
+
+@triton.jit
 def _silu_mul_kernel(
     gate_ptr,  # [n] flat, or [rows, I] rows stride_in apart (ROWS)
     up_ptr,  # as gate
@@ -32,8 +41,7 @@ def _silu_mul_kernel(
         dst = src
     g = tl.load(gate_ptr + src, mask=inside, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + src, mask=inside, other=0.0).to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + dst, (act * u).to(out_ptr.dtype.element_ty), mask=inside)
+    tl.store(out_ptr + dst, silu_times(g, u, out_ptr.dtype.element_ty), mask=inside)
 
 
 def _row_stride(x: torch.Tensor) -> int | None:
