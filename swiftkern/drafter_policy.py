@@ -151,9 +151,10 @@ class DrafterPolicy:
 
     def _best_k(self, a: float, k_limit: int, draft_cost: float) -> tuple[int, float]:
         k_limit = min(k_limit, self._most_drafts())
-        best_k, best = 0, 1.0 / self.costs.verify(1)
+        verify = self.costs.verify_upto(k_limit + 1)  # verify[T - 1]: a pass of T tokens
+        best_k, best = 0, 1.0 / verify[0]
         for k in range(1, k_limit + 1):
-            rate = self._rate(a, k, draft_cost)
+            rate = expected_tokens(a, k) / (k * draft_cost + verify[k])  # as _rate values it
             if rate > best:
                 best_k, best = k, rate
         return best_k, best

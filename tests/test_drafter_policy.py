@@ -528,3 +528,19 @@ def test_forward_costs_are_positive_and_never_fall_with_width(timed, other_batch
     costs = [c.verify(T) for T in range(1, 65)]
     assert all(x > 0 for x in costs)
     assert all(b >= a * (1 - 1e-12) for a, b in zip(costs, costs[1:]))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 32), st.floats(1e-4, 1.0)), min_size=1, max_size=12),
+       st.integers(1, 40))
+def test_the_verify_table_follows_every_timing_here_and_in_the_shape(timings, n):
+    """verify_upto(n) is verify(1..n) after any sequence of timings, its own or its shape's
+    (another batch size's, which it follows while it has one point): a table kept past a timing
+    would value drafts at stale costs."""
+    shape = ForwardCosts(decay=0.5)
+    shape.add_verify(1, 0.5)
+    c = ForwardCosts(decay=0.5, shape=shape)
+    c.add_verify(2, 0.7)
+    for in_shape, T, seconds in timings:
+        (shape if in_shape else c).add_verify(T, seconds)
+        assert c.verify_upto(n)[:n] == [c.verify(T) for T in range(1, n + 1)]
