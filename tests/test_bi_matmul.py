@@ -3,6 +3,8 @@ reference.bi_matmul, and the property it exists for: a row's bits never depend o
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -87,7 +89,7 @@ def test_split_plan_adds_its_chunks_partials_in_order(plan, K):
     from swiftkern.triton_kernels.bi_matmul import launch
 
     a, b = operands(37, K, 45, torch.float32, seed=K)
-    whole = replace(plan, k_chunk=0)
+    whole = replace(plan, k_chunk=0, last_adds=False)
     want = None
     for k0 in range(0, K, plan.k_chunk):
         part = launch(a[:, k0:k0 + plan.k_chunk], b[k0:k0 + plan.k_chunk], whole)
@@ -111,6 +113,88 @@ def test_plan_refuses_a_chunk_that_is_not_whole_k_steps():
 
     with pytest.raises(ValueError, match="multiple of block_k"):
         Plan(64, 64, 32, k_chunk=48)
+    with pytest.raises(ValueError, match="needs a k_chunk"):
+        Plan(64, 64, 32, last_adds=True)
+
+
+LAST_ADDS_PLANS = [plan for plan in CANDIDATES if plan.last_adds]
+
+
+def counters_in_use() -> torch.Tensor:
+    """The tile counters of DEVICE (none yet where no launch of several chunks ran: no counts)."""
+    from swiftkern.triton_kernels.bi_matmul import _COUNTERS
+
+    device = torch.device(DEVICE)
+    return _COUNTERS.get((device.type, device.index or 0), torch.zeros(0))
+
+
+@pytest.mark.parametrize("plan", LAST_ADDS_PLANS, ids=lambda plan: plan.name)
+@settings(max_examples=8 if DEVICE == "cuda" else 4, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(M=st.integers(1, 70), K=st.sampled_from([129, 300, 576]), N=st.integers(1, 150),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), kind=st.sampled_from(["one", "group", "swiglu"]))
+def test_last_adds_has_the_bits_of_its_second_launch(plan, M, K, N, dtype, kind):
+    """A plan whose tiles' last programs add the chunks gives, bit for bit, what the same plan with
+    the second launch gives (bi_matmul, a group of three weights, the SwiGLU in the load), writes
+    every output element (poisoned buffers), and leaves every tile counter at 0, so the next
+    launch (or a graph's next replay) counts from 0 again."""
+    from swiftkern.triton_kernels.bi_matmul import launch
+    from swiftkern.triton_kernels.launch import poisoned_outputs
+
+    a, b = operands(M, K, N, dtype, seed=M + K + N)
+    up = a.flip(0) if kind == "swiglu" else None
+    if kind == "group":
+        b = [b, b[:, : max(1, N // 3)].flip(1), b[:, :7]]
+    with poisoned_outputs():
+        got = launch(a, b, plan, up=up)
+        again = launch(a, b, plan, up=up)
+    want = launch(a, b, replace(plan, last_adds=False), up=up)
+    assert torch.equal(got, want) and torch.equal(again, want)
+    assert not counters_in_use().any()
+
+
+def test_last_adds_counters_grow_and_the_old_ones_are_kept(monkeypatch):
+    """A launch of more output tiles than the counters hold gets larger ones (zeros); the old ones
+    stay alive (a CUDA graph captured with them counts in them at every replay)."""
+    from swiftkern.triton_kernels import bi_matmul as module
+
+    monkeypatch.setattr(module, "_COUNTERS", {})
+    monkeypatch.setattr(module, "_RETIRED_COUNTERS", [])
+    monkeypatch.setattr(module, "MIN_COUNTERS", 4)
+    plan = LAST_ADDS_PLANS[0]
+    a, b = operands(3 * plan.block_m, 129, 2 * plan.block_n, torch.float32, seed=3)  # 6 output tiles
+    first = module.launch(a[:1], b, plan)  # 2 tiles: the first 4 counters
+    small = counters_in_use()
+    got = module.launch(a, b, plan)
+    assert small.numel() == 4 and counters_in_use().numel() >= 6
+    assert module._RETIRED_COUNTERS == [small] and not counters_in_use().any() and not small.any()
+    assert torch.equal(got, module.launch(a, b, replace(plan, last_adds=False))) and torch.equal(got[:1], first)
+
+
+ATOMIC_PROBE = """
+import re, torch
+from swiftkern.triton_kernels.compile_check import recording, TARGETS
+from swiftkern.triton_kernels.bi_matmul import CANDIDATES, launch
+plan = [p for p in CANDIDATES if p.last_adds][0]
+got = []
+with recording(TARGETS[90], lambda fn, grid, compiled: got.append((fn.__name__, compiled))):
+    launch(torch.empty(8, 576, device="meta"), torch.empty(576, 576, device="meta"), plan)
+names = [name for name, _ in got]
+ptx = got[0][1].asm["ptx"]
+count = ptx.index("atom.global.gpu.acq_rel.add")
+print(len(names), names[0], "bar.sync" in ptx[:count], "ld.global.cg" in ptx[count:], "atom.global.gpu" in ptx[count + 10:])
+"""
+
+
+def test_last_adds_compiles_to_one_launch_with_a_released_count():
+    """Compiled for sm_90a (no GPU needed): one launch, whose count is an acq_rel atomic at GPU
+    scope after a barrier (every thread's partial stored before it), whose last program reads the
+    partials from L2 (.cg), and zeroes its counter with another atomic."""
+    from test_triton_compile import run_outside_interpreter
+
+    run = run_outside_interpreter("-c", ATOMIC_PROBE)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split()[-5:] == ["1", "_bi_matmul_kernel", "True", "True", "True"]
 
 
 def test_kernel_rows_do_not_depend_on_position_or_neighbours():

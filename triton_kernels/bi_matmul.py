@@ -11,6 +11,10 @@ float32 partial, and a second kernel adds the partials in chunk order. Unlike a 
 library picks from the shape, the chunks are the plan's constant and K's alone, never M's, so a
 row's sum is the same additions in the same order at every M: still batch-invariant, with K /
 k_chunk times the programs at a verify pass's few rows (whose few output tiles leave most SMs idle).
+With ``Plan.last_adds`` there is no second kernel: each program counts itself done on its output
+tile's counter, and the tile's last program adds the partials, in the same order (the same bits),
+then zeroes the counter for the next launch. A decode step of SmolLM2 on the invariant set makes
+four chunked matmuls a layer, so that is 120 of its ~370 launches.
 
 Each input dtype has one fixed plan (``PLANS``: tiles, warps, pipeline stages and, for float32,
 the dot's precision). bf16/fp16 inputs use tensor-core dots with a float32 accumulator on a
@@ -52,7 +56,9 @@ class Plan:
     "tf32x3": three tensor-core TF32 dots of split operands, ~float32 accuracy); 16-bit inputs
     always take native tensor-core dots. ``k_chunk``: 0 = one program walks all of K; else a
     program sums k_chunk of K (a multiple of block_k) and a second launch adds the chunks' float32
-    partials in order (the chunking follows K alone, so rows stay invariant)."""
+    partials in order (the chunking follows K alone, so rows stay invariant). ``last_adds`` (with
+    k_chunk): the tile's last program to finish adds the partials, in the same order, in place of
+    that second launch (``_add_chunks_if_last``): the same bits in one launch."""
     block_m: int
     block_n: int
     block_k: int
@@ -60,15 +66,19 @@ class Plan:
     stages: int = 3
     precision: str = "ieee"
     k_chunk: int = 0
+    last_adds: bool = False
 
     def __post_init__(self):
         if self.k_chunk % self.block_k or self.k_chunk < 0:
             raise ValueError(f"k_chunk {self.k_chunk} must be 0 or a multiple of block_k {self.block_k}")
+        if self.last_adds and not self.k_chunk:
+            raise ValueError("last_adds adds K's chunks: it needs a k_chunk")
 
     @property
     def name(self) -> str:
         split = f"-k{self.k_chunk}" if self.k_chunk else ""
-        return f"{self.block_m}x{self.block_n}x{self.block_k}-w{self.warps}-s{self.stages}-{self.precision}{split}"
+        last = "-last" if self.last_adds else ""
+        return f"{self.block_m}x{self.block_n}x{self.block_k}-w{self.warps}-s{self.stages}-{self.precision}{split}{last}"
 
     def chunks(self, K: int) -> int:
         """Programs along K (1 without a split): a function of K and the plan, never of M."""
@@ -97,6 +107,9 @@ CANDIDATES = (
     Plan(16, 64, 32, k_chunk=128), Plan(16, 64, 32, precision="tf32x3", k_chunk=128),
     # K steps of 64 (fewer loop trips; bf16's dots are half the registers of float32's)
     Plan(16, 64, 64, k_chunk=128), Plan(16, 64, 64, precision="tf32x3", k_chunk=128),
+    # PLANS' float32 and 16-bit plans with their chunks added by each tile's last program (the
+    # same bits, one launch instead of two)
+    Plan(16, 64, 32, precision="tf32x3", k_chunk=128, last_adds=True), Plan(64, 64, 32, k_chunk=128, last_adds=True),
 )
 
 
@@ -156,11 +169,14 @@ def _bi_matmul_kernel(
     up_ptr,  # [M, K] with a's strides: with SWIGLU the up projection (else a again, unread)
     b0_ptr, b1_ptr, b2_ptr,  # [K, N0], [K, N1], [K, N2]: the group's weights (unused ones: N = 0)
     c_ptr,  # [M, N0 + N1 + N2], or float32 partials [chunks, CHUNK_STRIDE] when SPLIT
+    sum_ptr,  # with LAST_ADDS: [M, N0 + N1 + N2], the output (else c again, unused)
+    counters_ptr,  # with LAST_ADDS: int32 [>= output tiles], all 0 (and left so; else c, unused)
     M, N0, N1, N2, K, K_CHUNK, CHUNK_STRIDE,
     stride_am, stride_ak, stride_b0k, stride_b1k, stride_b2k, stride_b0n, stride_b1n, stride_b2n,
     stride_cm, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
     PRECISION: tl.constexpr, INTERPRET: tl.constexpr, SPLIT: tl.constexpr, SWIGLU: tl.constexpr,
+    LAST_ADDS: tl.constexpr,
 ):
     b_ptr, N, stride_bk, stride_bn, col, tile = _group_member(
         tl.program_id(1), N0, N1, N2, b0_ptr, b1_ptr, b2_ptr, stride_b0k, stride_b1k, stride_b2k, stride_b0n,
@@ -193,10 +209,38 @@ def _bi_matmul_kernel(
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=PRECISION)
         else:
             acc = tl.dot(a, b, acc)
+    c_offs = offs_m[:, None] * stride_cm + (col + offs_n[None, :]) * stride_cn
+    c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    partials_ptr = c_ptr
     if SPLIT:  # partials[chunk, :M * (N0 + N1 + N2)] is this chunk's [M, N0 + N1 + N2], contiguous
         c_ptr += tl.program_id(2).to(tl.int64) * CHUNK_STRIDE
-    tl.store(c_ptr + offs_m[:, None] * stride_cm + (col + offs_n[None, :]) * stride_cn,
-             acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+    tl.store(c_ptr + c_offs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+    if LAST_ADDS:
+        tile_id = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        _add_chunks_if_last(partials_ptr, sum_ptr, counters_ptr + tile_id, c_offs, c_mask, CHUNK_STRIDE)
+
+
+@triton.jit
+def _add_chunks_if_last(partials_ptr, out_ptr, counter_ptr, offs, mask, chunk_stride):
+    """This program's partial is stored: count it on its tile's counter, and if it is the tile's
+    last, out = partials[0] + partials[1] + ... in chunk order at ``offs`` (``_sum_chunks_kernel``'s
+    additions, so its bits), then zero the counter for the next launch.
+
+    Ordering: the barrier puts every thread's partial stores before the count, whose acq_rel
+    atomic (one thread's, at GPU scope) releases them and, in the last program, acquires the
+    other programs' (CUTLASS's semaphore: bar.sync, then one thread's release); the partials are
+    read with .cg (from L2, never a stale L1 line). No program waits for another, so any grid
+    runs, resident or not."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    chunks = tl.num_programs(2)
+    if arrived == chunks - 1:
+        total = tl.load(partials_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        for chunk in range(1, chunks):
+            total += tl.load(partials_ptr + chunk * chunk_stride.to(tl.int64) + offs, mask=mask, other=0.0,
+                             cache_modifier=".cg")
+        tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit(do_not_specialize=["numel"])
@@ -215,6 +259,30 @@ def _sum_chunks_kernel(
 
 
 SUM_BLOCK = 1024  # elements a program of _sum_chunks_kernel adds up
+
+# per device: int32 zeros, one per output tile of a last_adds launch (each launch leaves its
+# counters 0 again). A larger launch gets a larger buffer; the old ones are kept, because a CUDA
+# graph captured with one goes on counting in it at every replay.
+_COUNTERS: dict = {}
+_RETIRED_COUNTERS: list = []
+MIN_COUNTERS = 4096  # the first buffer's counters (SmolLM2's LM head at 32 rows: 1536 tiles)
+
+
+def tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """int32 [>= tiles] zeros on ``device``, for ``_add_chunks_if_last``. Launches on one stream
+    (one after another) share them; two streams running last_adds matmuls at once would not."""
+    key = (device.type, device.index or 0)
+    have = _COUNTERS.get(key)
+    if have is not None and have.numel() >= tiles:
+        return have
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise SwiftkernError(f"bi_matmul: a last_adds launch of {tiles} output tiles met a CUDA graph capture with "
+                             "counters for fewer; run the shape once outside the capture first (the graph runner does)")
+    if have is not None:
+        _RETIRED_COUNTERS.append(have)
+    _COUNTERS[key] = torch.zeros(max(tiles, MIN_COUNTERS, 2 * (have.numel() if have is not None else 0)),
+                                 dtype=torch.int32, device=device)
+    return _COUNTERS[key]
 
 
 def bi_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -272,15 +340,17 @@ def launch(a: torch.Tensor, b: torch.Tensor | list[torch.Tensor], plan: Plan | N
         chunks, stride = plan.chunks(K), cdiv(M * N, SUM_BLOCK) * SUM_BLOCK
         out = empty((chunks, stride), torch.float32, a.device) if chunks > 1 else c  # partials, or c
         grid = (cdiv(M, plan.block_m), sum(cdiv(n, plan.block_n) for n in widths), chunks)
-        _bi_matmul_kernel[grid](a, up if up is not None else a, *ptrs, out, M, *widths, K, plan.k_chunk, stride,
+        last_adds = plan.last_adds and chunks > 1
+        counters = tile_counters(a.device, grid[0] * grid[1]) if last_adds else c
+        _bi_matmul_kernel[grid](a, up if up is not None else a, *ptrs, out, c, counters, M, *widths, K, plan.k_chunk,
+                                stride,
                                 a.stride(0), a.stride(1), *(x.stride(0) for x in ptrs),
                                 *(x.stride(1) for x in ptrs), N, 1,
                                 BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
                                 UPCAST=a.dtype == torch.float32, PRECISION=plan.precision,
                                 INTERPRET=interpreting(), SPLIT=chunks > 1, SWIGLU=up is not None,
-                                num_warps=plan.warps,
-                                num_stages=plan.stages)
-        if chunks > 1:
+                                LAST_ADDS=last_adds, num_warps=plan.warps, num_stages=plan.stages)
+        if chunks > 1 and not last_adds:
             _sum_chunks_kernel[(stride // SUM_BLOCK,)](out, c, M * N, stride, CHUNKS=chunks, BLOCK=SUM_BLOCK)
     return c
 
