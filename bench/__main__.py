@@ -100,8 +100,8 @@ def main(argv=None, prog: str = "python -m bench") -> int:
         print(f"== {name} on {common.device_name(args.device)}", flush=True)
         rows = found[name].run(args)
         if args.providers:  # a name no row carries: a typo, or a provider that does not run here
-            ran = {str(r.get("provider", "")).split("+graphs")[0] for r in rows}
-            missing = [p for p in args.providers if p.split("+graphs")[0] not in ran]
+            ran = {common.provider_base(str(r.get("provider", ""))) for r in rows}
+            missing = [p for p in args.providers if common.provider_base(p) not in ran]
             if missing:
                 print(f"{prog}: --providers {','.join(missing)}: no rows from {name} (not one of its providers, or "
                       "not run on this machine; see the routine's docstring)", file=sys.stderr)

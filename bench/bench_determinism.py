@@ -52,7 +52,8 @@ waited for, ``swiftkern.device_reads``); where the speculative loop ran, its ste
 skipped draft forwards, drafted / accepted tokens and steps by drafter (spec_steps ...
 steps_none).
 ``--cuda-graphs`` (a GPU): every provider replays its forwards through CUDA graphs (named
-<provider>+graphs), ar included, so ratio_vs_ar compares graphed with graphed; each provider
+<provider>+graphs), ar included, so ratio_vs_ar compares graphed with graphed (and, under
+SWIFTKERN_BI_MATMUL_PLAN, <provider>@<its value>: the invariant set's matmuls in that plan); each provider
 first runs its timed calls twice untimed (a graph is captured at a shape's second sight), so
 the timing is of replays, as in a server that has seen its shapes.
 ``--smoke``: a tiny random Llama, 16-token prompts, batches 2 and 4, 8 new tokens, one repetition.
@@ -177,6 +178,9 @@ def run(args) -> list[dict]:
     reps = args.reps or (1 if args.smoke else 2)
     texts = [encode(tok, p["text"], hf.config.vocab_size)[:16 if args.smoke else None] for p in load_prompts()]
     rows = []
+    # rows timed under another bi_matmul plan than PLANS name it: "<provider>@<SWIFTKERN_BI_MATMUL_PLAN>"
+    plan = os.environ.get("SWIFTKERN_BI_MATMUL_PLAN", "").strip()
+    plan_tag = f"@{plan}" if plan else ""
     # a verify pass on a GPU costs about the same for 4 or 16 rows (launches, not bytes, bound
     # it at these sizes), so the GPU runs fewer, wider passes; the output is the same bits for any
     # verify batch (rows are independent in the verifier)
@@ -221,7 +225,7 @@ def run(args) -> list[dict]:
                 s = _merged_stats([o.stats for o in outs])
                 tok_s = new_tokens / (timing["median_ms"] * 1e-3)
                 group_rows.append(common.row(
-                    ROUTINE, name + ("+graphs" if graphs else ""), args.device, hf.dtype, f"B={batch} N={n}", timing,
+                    ROUTINE, name + ("+graphs" if graphs else "") + plan_tag, args.device, hf.dtype, f"B={batch} N={n}", timing,
                     model=model_name, group=group,
                     batch=batch, new_tokens=n, reps=reps, window=s.get("window", ""),  # the replay's, where it ran
                     deterministic_share=kw.get("share", 1.0 if kw["mode"] == "deterministic" else 0.0),
@@ -285,7 +289,7 @@ def _summary(rows: list[dict]) -> None:
         ratio = f"x{r['ratio_vs_ar']:.2f} vs ar" if r["ratio_vs_ar"] != "" else ""
         rb = f"rollback {r['rollback_fraction']:.2%}" if r["rollback_fraction"] != "" else ""
         print(f"  {r['group']:10s} B={r['batch']:<3d} {r['provider']:15s} {r['tok_s']:8.1f} tok/s  {ratio:12s} {rb}")
-    det = [r for r in rows if r["group"] == "throughput" and r["provider"].split("+graphs")[0] == "deterministic"]
+    det = [r for r in rows if r["group"] == "throughput" and common.provider_base(r["provider"]) == "deterministic"]
     if det:
         print(f"  deterministic / ar, median over batches: x{statistics.median(r['ratio_vs_ar'] for r in det):.2f}")
 

@@ -192,6 +192,12 @@ def matmul_tflops(device: str) -> float:
     return 2 * n**3 / (t * 1e-3) / 1e12
 
 
+def provider_base(provider: str) -> str:
+    """A row's provider as ``--providers`` names it: without the "+graphs" of CUDA-graph replays
+    and the "@<plan>" of a run under SWIFTKERN_BI_MATMUL_PLAN."""
+    return provider.split("@")[0].split("+graphs")[0]
+
+
 def row(routine: str, provider: str, device: str, dtype, shape: str, timing: dict, *,
         bytes_moved: float | None = None, flops: float | None = None, **extra) -> dict:
     """One CSV row: when/where/what, median and p20/p80 in ms, achieved GB/s (bytes_moved) or

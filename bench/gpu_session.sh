@@ -27,6 +27,10 @@
 #   bash bench/gpu_session.sh batch1       determinism at batch 1 with CUDA graphs, each token's time split into host
 #                                          work and waits for the GPU: ar, deterministic, self-spec+det(-invariant),
 #                                          self-spec, lookup (150 s; SmolLM2); bi_exp_sum's kernel bench (60 s)
+#   bash bench/gpu_session.sh lastadds     bi_matmul's last_adds plans natively (bits against the second launch's), then
+#                                          determinism with CUDA graphs (ar, deterministic, self-spec+det-invariant) under
+#                                          PLANS and under the last_adds twins of PLANS' plans (the same bits, 4 launches a
+#                                          layer fewer; 120 + 120 s)
 #   bash bench/gpu_session.sh det          determinism with CUDA graphs: the replay with the portable verifier set
 #                                          (det-replay-portable) beside the default fused one (det-replay), deterministic
 #                                          (auto: the invariant set on CUDA), one request in eight; verifier_pass (eager)
@@ -236,6 +240,20 @@ stage_batch1() {
   # the logprobs' softmax denominator: the Triton kernel (one launch) against the torch reference (~45), bits checked
   bench_cut 60 --routine bi_exp_sum --reps 10 --refcheck > "$OUT/bi-exp-sum.log" 2>&1
   echo "bi_exp_sum: exit $?"; grep -E "^(reference|triton) " "$OUT/bi-exp-sum.log" | cut -c1-120
+}
+
+stage_lastadds() {
+  # the tiles' last programs adding K's chunks (one launch) against the second launch (two): the
+  # bits natively first (an ordering bug shows as a difference or a poisoned element), then the speed
+  pytest_gpu lastadds-tests 90 -n 8 -k "last_adds or split_plan or candidate" tests/test_bi_matmul.py
+  local providers=ar,deterministic,self-spec+det-invariant
+  bench_cut 120 --routine determinism --max-new-tokens 64 --reps 2 --cuda-graphs --providers $providers \
+    > "$OUT/determinism-plans.log" 2>&1
+  echo "determinism under PLANS: exit $?"; grep -E "^(ar|deterministic|self-spec)" "$OUT/determinism-plans.log" | cut -c1-110
+  SWIFTKERN_BI_MATMUL_PLAN=float32:16x64x32-w4-s3-tf32x3-k128-last,bfloat16:64x64x32-w4-s3-ieee-k128-last \
+    bench_cut 120 --routine determinism --max-new-tokens 64 --reps 2 --cuda-graphs --providers $providers \
+    > "$OUT/determinism-lastadds.log" 2>&1
+  echo "determinism under last_adds: exit $?"; grep -E "^(ar|deterministic|self-spec)" "$OUT/determinism-lastadds.log" | cut -c1-110
 }
 
 stage_detbf16() {
