@@ -245,7 +245,8 @@ stage_batch1() {
 stage_lastadds() {
   # the tiles' last programs adding K's chunks (one launch) against the second launch (two): the
   # bits natively first (an ordering bug shows as a difference or a poisoned element), then the speed
-  pytest_gpu lastadds-tests 90 -n 8 -k "last_adds or split_plan or candidate" tests/test_bi_matmul.py
+  pytest_gpu lastadds-tests 90 -n 8 -k "last_adds or split_plan or candidate" tests/test_bi_matmul.py \
+    tests/test_invariant_triton.py
   local providers=ar,deterministic,self-spec+det-invariant
   bench_cut 120 --routine determinism --max-new-tokens 64 --reps 2 --cuda-graphs --providers $providers \
     > "$OUT/determinism-plans.log" 2>&1

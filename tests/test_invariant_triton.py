@@ -23,10 +23,16 @@ from triton_cases import DEVICE, backend
 PROMPTS = [[5, 17, 99, 3, 42, 8, 61, 3], [7, 7, 21], [250, 4, 4, 4, 9, 13, 77, 80, 100, 31, 6], [44]]
 
 
+def tiny_on_device(dtype=torch.float32) -> SkipModel:
+    """A tiny Llama whose down projection's K (160) spans two of bi_matmul's K chunks of 128, as
+    every projection of a real model does (SmolLM2: 576 and 1536), so the chunks' sum runs too."""
+    return SkipModel(tiny_model("llama", num_attention_heads=6, num_key_value_heads=2, hidden_size=96,
+                                intermediate_size=160, seed=3).to(DEVICE, dtype))
+
+
 @pytest.fixture(scope="module")
 def tiny():
-    return SkipModel(tiny_model("llama", num_attention_heads=6, num_key_value_heads=2, hidden_size=96,
-                                seed=3).to(DEVICE))
+    return tiny_on_device()
 
 
 @pytest.fixture
@@ -49,8 +55,7 @@ def test_never_replaying_gives_the_replays_bits(tiny, triton_backend, dtype):
     set; a token's logprob must be the same bits from either (and so the same tokens). bfloat16:
     the GPU bench's serving dtype (``bi_matmul``'s bfloat16 plan, tensor cores on a GPU)."""
     if dtype != torch.float32:
-        tiny = SkipModel(tiny_model("llama", num_attention_heads=6, num_key_value_heads=2, hidden_size=96,
-                                    seed=3).to(DEVICE, dtype))
+        tiny = tiny_on_device(dtype)
     kw = dict(mode="deterministic", window=4, verify_batch=2)
     never = Generator(tiny, **kw, replay="never").generate(PROMPTS[:3], max_new_tokens=7, eos_token_id=[])
     always = Generator(tiny, **kw, replay="always").generate(PROMPTS[:3], max_new_tokens=7, eos_token_id=[])
@@ -143,6 +148,30 @@ def test_graphs_replay_the_invariant_steps_with_the_same_bits(tiny, triton_backe
         assert graphed.tokens == eager.tokens
         assert all(torch.equal(a, b) for a, b in zip(graphed.logprobs, eager.logprobs))
     assert runner.stats()["replays"] >= 4, runner.stats()
+
+
+def test_last_adds_plans_decode_with_the_bits_of_plans(tiny, triton_backend, monkeypatch):
+    """Invariant decoding through the graph runner (emulated on the CPU, real graphs on a GPU, where
+    the tile counters' ordering is what is checked) with PLANS' plans and with their last_adds
+    twins (chunks added by each tile's last program): the same tokens and logprobs."""
+    from dataclasses import replace
+
+    from swiftkern.cuda_graphs import GraphRunner
+    from swiftkern.graph_capture import EmulatedGraph
+    from swiftkern.triton_kernels import bi_matmul as module
+
+    kw = dict(mode="deterministic", replay="never")
+    runs = []
+    for last_adds in (False, True):
+        plans = {dtype: replace(plan, last_adds=last_adds) for dtype, plan in module.PLANS.items()}
+        monkeypatch.setattr(module, "plans_in_use", lambda plans=plans: plans)
+        runner = GraphRunner(tiny, None if DEVICE == "cuda" else EmulatedGraph)
+        for _ in range(2):  # eager and capture, then replays
+            out = Generator(tiny, cuda_graphs=runner, **kw).generate(PROMPTS[2:3], max_new_tokens=6, eos_token_id=[])
+        assert runner.stats()["replays"] >= 4, runner.stats()
+        runs.append(out)
+    assert runs[1].tokens == runs[0].tokens
+    assert all(torch.equal(a, b) for a, b in zip(runs[1].logprobs, runs[0].logprobs))
 
 
 @pytest.mark.parametrize("device, drafter, replay, backend_name, cpp, elided", [
