@@ -30,7 +30,7 @@
 #   bash bench/gpu_session.sh lastadds     bi_matmul's last_adds plans natively (bits against the second launch's), then
 #                                          determinism with CUDA graphs (ar, deterministic, self-spec+det-invariant) under
 #                                          PLANS and under the last_adds twins of PLANS' plans (the same bits, 4 launches a
-#                                          layer fewer; 120 + 120 s)
+#                                          layer fewer; 120 + 120 s; the tests skipped after autotests on a warm machine)
 #   bash bench/gpu_session.sh det          determinism with CUDA graphs: the replay with the portable verifier set
 #                                          (det-replay-portable) beside the default fused one (det-replay), deterministic
 #                                          (auto: the invariant set on CUDA), one request in eight; verifier_pass (eager)
@@ -216,6 +216,7 @@ stage_autotests() {
   # replay auto on CUDA (the Triton invariant set at every step) and the float32 plan in PLANS
   pytest_gpu autotests 240 -n 8 -m "not slow" tests/test_deterministic_gpu.py tests/test_bi_matmul.py \
     tests/test_invariant_triton.py tests/test_triton_bi_exp_sum.py tests/test_bi_matmul_swiglu.py
+  touch /tmp/autotests.ran  # they include lastadds' tests: a later call on this warm machine skips those
 }
 
 stage_autodet() {
@@ -245,8 +246,8 @@ stage_batch1() {
 stage_lastadds() {
   # the tiles' last programs adding K's chunks (one launch) against the second launch (two): the
   # bits natively first (an ordering bug shows as a difference or a poisoned element), then the speed
-  pytest_gpu lastadds-tests 90 -n 8 -k "last_adds or split_plan or candidate" tests/test_bi_matmul.py \
-    tests/test_invariant_triton.py
+  [ -e /tmp/autotests.ran ] || pytest_gpu lastadds-tests 90 -n 8 -k "last_adds or split_plan or candidate" \
+    tests/test_bi_matmul.py tests/test_invariant_triton.py
   local providers=ar,deterministic,self-spec+det-invariant
   bench_cut 120 --routine determinism --max-new-tokens 64 --reps 2 --cuda-graphs --providers $providers \
     > "$OUT/determinism-plans.log" 2>&1
