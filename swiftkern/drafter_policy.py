@@ -138,9 +138,12 @@ class DrafterPolicy:
         ``lookup_ngram`` tokens)."""
         return self.agreements.get(row, _class_key(drafter, lookup_ngram))
 
-    def _rate(self, a: float, k: int, draft_cost: float) -> float:
-        """Expected tokens per second of a step with k drafts of acceptance a."""
-        return expected_tokens(a, k) / (k * draft_cost + self.costs.verify(k + 1))
+    def _rate(self, a: float, k: int, draft_cost: float, verify_cost: float | None = None) -> float:
+        """Expected tokens per second of a step with k drafts of acceptance a (verify_cost: the
+        pass of k + 1 tokens, when the caller has it; else read from the costs)."""
+        if verify_cost is None:
+            verify_cost = self.costs.verify(k + 1)
+        return expected_tokens(a, k) / (k * draft_cost + verify_cost)
 
     def _most_drafts(self) -> int:
         """Most drafts a step is valued at: a verify pass at most twice as wide as the widest
@@ -154,7 +157,7 @@ class DrafterPolicy:
         verify = self.costs.verify_upto(k_limit + 1)  # verify[T - 1]: a pass of T tokens
         best_k, best = 0, 1.0 / verify[0]
         for k in range(1, k_limit + 1):
-            rate = expected_tokens(a, k) / (k * draft_cost + verify[k])  # as _rate values it
+            rate = self._rate(a, k, draft_cost, verify[k])
             if rate > best:
                 best_k, best = k, rate
         return best_k, best
