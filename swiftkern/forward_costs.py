@@ -39,9 +39,10 @@ class ForwardCosts:
     # the last pass wider than one token, its seconds so far, and the plain steps after it
     # still to charge to it
     _cooling: tuple[int, float, int] | None = None
-    # _verify's points sorted by T with costs as a running max; None: to be made again after add_verify
-    _points: dict | None = field(default=None, repr=False, compare=False)
     _version: int = field(default=0, repr=False, compare=False)  # add_verify calls so far
+    # _verify's points sorted by T with costs as a running max, and the _version they hold for
+    _points: dict = field(default_factory=dict, repr=False, compare=False)
+    _points_version: int = field(default=-1, repr=False, compare=False)
     # verify(1), verify(2), ... as last computed, and the versions (own, shape's) they hold for
     _table: list = field(default_factory=list, repr=False, compare=False)
     _table_stamp: tuple | None = field(default=None, repr=False, compare=False)
@@ -51,7 +52,6 @@ class ForwardCosts:
 
     def add_verify(self, T: int, seconds: float) -> None:
         self._verify[T] = self._mix(self._verify.get(T), seconds)
-        self._points = None
         self._version += 1
 
     def time_step(self, T: int, seconds: float) -> None:
@@ -94,8 +94,8 @@ class ForwardCosts:
 
     def _monotone(self) -> dict:
         """{T: cost} in increasing T, each cost the running max (a wider pass costs no less)."""
-        if self._points is None:
-            self._points, floor = {}, 0.0
+        if self._points_version != self._version:
+            self._points, self._points_version, floor = {}, self._version, 0.0
             for t, c in sorted(self._verify.items()):
                 floor = max(floor, c)
                 self._points[t] = floor

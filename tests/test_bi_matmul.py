@@ -122,10 +122,9 @@ LAST_ADDS_PLANS = [plan for plan in CANDIDATES if plan.last_adds]
 
 def counters_in_use() -> torch.Tensor:
     """The tile counters of DEVICE (none yet where no launch of several chunks ran: no counts)."""
-    from swiftkern.triton_kernels.bi_matmul import _COUNTERS
+    from swiftkern.triton_kernels.bi_matmul import _COUNTERS, counters_key
 
-    device = torch.device(DEVICE)
-    return _COUNTERS.get((device.type, device.index or 0), torch.zeros(0))
+    return _COUNTERS.get(counters_key(torch.device(DEVICE)), torch.zeros(0))
 
 
 @pytest.mark.parametrize("plan", LAST_ADDS_PLANS, ids=lambda plan: plan.name)

@@ -268,10 +268,15 @@ _RETIRED_COUNTERS: list = []
 MIN_COUNTERS = 4096  # the first buffer's counters (SmolLM2's LM head at 32 rows: 1536 tiles)
 
 
+def counters_key(device: torch.device) -> tuple[str, int]:
+    """``_COUNTERS``' key for ``device`` ("cuda" and "cuda:0" are one device)."""
+    return (device.type, device.index or 0)
+
+
 def tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
     """int32 [>= tiles] zeros on ``device``, for ``_add_chunks_if_last``. Launches on one stream
     (one after another) share them; two streams running last_adds matmuls at once would not."""
-    key = (device.type, device.index or 0)
+    key = counters_key(device)
     have = _COUNTERS.get(key)
     if have is not None and have.numel() >= tiles:
         return have
