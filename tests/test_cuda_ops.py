@@ -38,7 +38,7 @@ UNDER_SANITIZER = os.environ.get("SWIFTKERN_UNDER_SANITIZER") == "1"
 UNDER_ASAN = os.environ.get("SWIFTKERN_EMULATED_ASAN") == "1"  # test_emulated_kernels_under_address_sanitizer's run
 NEEDS_GPU = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-DRAWN = settings(max_examples=12 if UNDER_SANITIZER else 40, deadline=None, derandomize=True,
+DRAWN = settings(max_examples=12 if UNDER_SANITIZER or UNDER_ASAN else 40, deadline=None, derandomize=True,
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 CPU_KERNELS = torch.ops.swiftkern  # on CPU tensors: the C++ CPU kernels (or the reference)
 
