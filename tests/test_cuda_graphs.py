@@ -99,6 +99,8 @@ def any_backend(request):
 
 
 def test_runner_logits_match_plain_forward(tiny, any_backend, graph_type):
+    if any_backend == "triton":  # two layers: the interpreter takes ~0.16 s a launch
+        tiny = SkipModel(tiny_model("llama", seed=3, num_hidden_layers=2))
     runner = GraphRunner(tiny, graph_type)
     plain = _steps(tiny, None, SCHEDULE)
     graphed = _steps(tiny, runner, SCHEDULE)

@@ -21,8 +21,9 @@ from triton_cases import DEVICE, backend, plans  # noqa: F401 (plans: a fixture)
 
 
 def _tiny(dtype):
-    return SkipModel(tiny_model("llama", num_attention_heads=6, num_key_value_heads=2, hidden_size=96,
-                                seed=3).to(DEVICE, dtype))
+    """Two layers: the interpreter takes ~0.16 s a launch."""
+    return SkipModel(tiny_model("llama", num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
+                                hidden_size=96, seed=3).to(DEVICE, dtype))
 
 
 @pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
