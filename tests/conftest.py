@@ -14,6 +14,10 @@ os.environ["SWIFTKERN_CACHE_DIR"] = tempfile.mkdtemp(prefix="swiftkern-test-cach
 # which swiftkern does lazily); on a GPU machine they run natively.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from interpreter_speed import skip_nested_lang_patches
+
+    skip_nested_lang_patches()  # a quarter of the interpreter's time went to re-patching triton.language
 
 
 def pytest_configure(config):
