@@ -39,11 +39,13 @@ def test_equals_the_reference_bitwise(vocab, lead, scale, seed):
 
 @pytest.mark.parametrize("vocab", [49152, 128256])
 def test_a_row_alone_has_the_bits_it_has_among_others(vocab):
-    x = logits((7, vocab), 10.0, vocab)
+    """128256 = 2^8 x 501: after 8 halvings, 501 columns of the odd rest (one scalar load each: 8
+    rows here take ~20 s in the interpreter)."""
+    x = logits((4, vocab), 10.0, vocab)
     together = triton_op("bi_exp_sum")(x)
-    for i in (0, 3, 6):
+    for i in (0, 3):
         assert torch.equal(triton_op("bi_exp_sum")(x[i:i + 1].clone()), together[i:i + 1])
-    assert torch.equal(triton_op("bi_exp_sum")(x[2:5]), together[2:5])  # a slice at an offset
+    assert torch.equal(triton_op("bi_exp_sum")(x[1:3]), together[1:3])  # a slice at an offset
 
 
 def test_ops_wrapper_takes_the_kernel_under_backend_triton(monkeypatch):
