@@ -82,7 +82,8 @@ def test_any_generator_input_runs_or_is_refused_with_a_swiftkern_error(llama, da
             init[name] = "auto"
     # verifier_kernels picks the replay's ops: refused where no replay runs (replay never, or auto
     # where the C++ invariant set decodes every step, as on this CPU with the extension built)
-    replays = init["replay"] == "always" or (init["replay"] == "auto" and not invariant_kernels_available("cpu", torch.float32))
+    replays = init["replay"] == "always" or (
+        init["replay"] == "auto" and not invariant_kernels_available("cpu", torch.float32))
     if init["mode"] == "deterministic" and not replays and spoiled != "verifier_kernels":
         init["verifier_kernels"] = "auto"
     if init["layer_set"] != "auto" and spoiled != "skip_ratio":  # the search's: refused without it
