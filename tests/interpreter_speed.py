@@ -22,8 +22,10 @@ def skip_nested_lang_patches() -> bool:
 
     patch_lang = getattr(interpreter, "_patch_lang", None)
     scope_type = getattr(interpreter, "_LangPatchScope", None)
-    if patch_lang is None or scope_type is None or getattr(patch_lang, "skips_nested", False):
-        return patch_lang is not None and getattr(patch_lang, "skips_nested", False)
+    if getattr(patch_lang, "skips_nested", False):
+        return True  # installed already
+    if patch_lang is None or scope_type is None:
+        return False
 
     def patched(lang) -> bool:
         return not tl.core.is_builtin(getattr(lang, "load", None))

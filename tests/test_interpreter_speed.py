@@ -21,7 +21,7 @@ def _square_plus_one(x):
 
 
 @triton.jit
-def _root_of(x):
+def _at_least_zero(x):
     return core.maximum(x, 0.0)  # only triton.language.core named here
 
 
@@ -29,7 +29,7 @@ def _root_of(x):
 def _helpers_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
-    tl.store(out_ptr + offs, tl.math.exp(tl.sqrt(_root_of(_square_plus_one(x)))) - 1.0, mask=offs < n)
+    tl.store(out_ptr + offs, tl.math.exp(tl.sqrt(_at_least_zero(_square_plus_one(x)))) - 1.0, mask=offs < n)
 
 
 def test_helpers_give_torchs_values_and_skip_the_repatch(monkeypatch):
