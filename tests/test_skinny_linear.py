@@ -28,15 +28,15 @@ def make(lead, K, N, bias, seed):
 
 def check_close(y, x, w, b):
     """y [..., N] vs the float64 reference: exact shape, finite, error within float32 rounding
-    of the fixed-order dot (bounded by 1e-5 * sum |x_k w_k| + |b| per element)."""
+    of the fixed-order dot (bounded by 1e-5 * sum |x_k w_k| + |b| per element). Not relative to
+    |ref|: where a dot cancels that is ill-conditioned (K = 576 terms summing to 0.0013 out of
+    sum |x_k w_k| = 14.3 were 4e-9 off by this bound and 5e-5 off relative to the result)."""
     ref = reference.skinny_linear(x.double(), w.double(), None if b is None else b.double())
     assert y.dtype == torch.float32 and y.shape == ref.shape
     assert torch.isfinite(y).all()
     scale = x.double().abs() @ w.double().abs().T + (0 if b is None else b.double().abs())
     err = (y.double() - ref).abs()
     assert (err <= 1e-5 * scale + 1e-30).all(), float((err / scale.clamp_min(1e-30)).max())
-    if ref.norm() > 0:
-        assert float((y.double() - ref).norm() / ref.norm()) < 1e-5
 
 
 @st.composite
