@@ -5,7 +5,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.swiftkern-setup
-RUNTIME_DEPS := triton transformers gguf accelerate numpy ninja pybind11 pytest hypothesis setuptools wheel
+RUNTIME_DEPS := triton transformers gguf accelerate numpy ninja pybind11 pytest pytest-xdist hypothesis setuptools wheel
+# make test's pytest processes (pytest-xdist); 0 runs the suite in this one process
+TEST_WORKERS ?= 2
 
 .PHONY: setup demo test bench clean
 
@@ -33,9 +35,12 @@ demo: setup
 	$(VENV)/bin/swiftkern generate --model smollm2 --chat --max-new-tokens 128 --prompt '$(DEMO_PROMPT)' --stream
 	$(VENV)/bin/swiftkern generate --model smollm2 --chat --max-new-tokens 128 --prompt '$(DEMO_PROMPT)' --mode self-spec
 
-# pytest exits 5 when it collected no tests: that is a failure too.
+# pytest exits 5 when it collected no tests: that is a failure too. With workers, each runs torch
+# at one thread: two workers' OpenMP threads spinning on two cores slowed the real-model tests 3x
+# (tests/test_cpu_threads.py runs the C++ kernels at 1, 2 and 4 threads).
 test: setup
-	@$(PY) -m pytest -q tests; s=$$?; \
+	@if [ "$(TEST_WORKERS)" = 0 ]; then $(PY) -m pytest -q tests; \
+	  else OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) tests; fi; s=$$?; \
 	  if [ $$s -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$s
 
 bench: setup
