@@ -129,11 +129,13 @@ def test_cache_and_attention_kernels(dtype):
 
 @pytest.mark.parametrize("invariant", [False, True], ids=["regular", "invariant"])
 def test_a_forward_through_the_cpp_stack(invariant):
-    """A tiny model's prefill and decode step: the regular kernel set (its C++ kernels; torch's
-    matmul past skinny_linear's rows is not asked to be thread-invariant, so 8 rows here) and
-    the batch- and length-invariant set."""
-    model = SkipModel.from_hf(tiny_model("llama", num_hidden_layers=3))
-    tokens = torch.randint(0, model.config.vocab_size, (2, 4), generator=torch.Generator().manual_seed(5))
+    """A prefill and a decode step of a 2-layer model of SmolLM2's widths (so the kernels split
+    their work): the regular kernel set, its projections on the C++ kernels (torch's matmul past
+    skinny_linear's 32 rows is not asked to be thread-invariant: 24 rows here), and the batch-
+    and length-invariant set."""
+    model = SkipModel.from_hf(tiny_model("qwen2", num_hidden_layers=2, hidden_size=576, intermediate_size=1536,
+                                         num_attention_heads=9, num_key_value_heads=3, vocab_size=4099))
+    tokens = torch.randint(0, 4099, (2, 12), generator=torch.Generator().manual_seed(5))
 
     def forward():
         cache = model.new_cache(2, 32)
