@@ -1,5 +1,6 @@
 """Shared fixtures: tiny random LLaMA-family models, and SmolLM2 for the slow real-text checks."""
 
+import contextlib
 import os
 import tempfile
 
@@ -83,6 +84,23 @@ def smollm2():
     import swiftkern
 
     return swiftkern.load_model("smollm2")
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch (and the C++ kernels' OpenMP) at n threads inside the block, as before after it."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes (so -0.0 and 0.0, or two NaNs' payloads, are told apart)."""
+    return (a.dtype == b.dtype and a.shape == b.shape
+            and torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)))
 
 
 def hf_greedy(hf_model, prompt_ids, max_new_tokens, eos_token_id=None):

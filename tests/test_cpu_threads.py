@@ -8,7 +8,7 @@ parallel paths run."""
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import bitwise_equal, tiny_model, torch_threads
 from swiftkern import SkipModel, ops
 
 pytestmark = [pytest.mark.usefixtures("uninitialized_is_poison"),
@@ -21,15 +21,11 @@ THREADS = [1, 2, 4]
 
 def at_threads(fn):
     """fn() run at each of THREADS threads -> its outputs (tensors, or tuples/lists of them)."""
-    old = torch.get_num_threads()
-    try:
-        runs = []
-        for n in THREADS:
-            torch.set_num_threads(n)
+    runs = []
+    for n in THREADS:
+        with torch_threads(n):
             runs.append(fn())
-        return runs
-    finally:
-        torch.set_num_threads(old)
+    return runs
 
 
 def flat(out):
@@ -40,13 +36,7 @@ def assert_same_bits(runs):
     first = flat(runs[0])
     for n, run in zip(THREADS[1:], runs[1:]):
         for a, b in zip(first, flat(run), strict=True):
-            assert a.dtype == b.dtype and a.shape == b.shape
-            assert torch.equal(bits(a), bits(b)), f"{n} threads differ"
-
-
-def bits(t):
-    """The bytes of t (so -0.0 and 0.0, or two NaNs, are told apart)."""
-    return t.contiguous().reshape(-1).view(torch.uint8)
+            assert bitwise_equal(a, b), f"{n} threads differ"
 
 
 def randn(g, *shape, dtype=torch.float32):

@@ -16,6 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import torch_threads
 from swiftkern import ops, reference
 from swiftkern.errors import SwiftkernError
 
@@ -146,9 +147,7 @@ def test_strided_inputs():
 @pytest.mark.parametrize("threads", [1, 4])
 def test_large_vocab_serial_and_parallel(threads):
     """One thread: serial rows. Four: rows in parallel (B >= 4) or rows x positions (B < 4)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         g = torch.Generator().manual_seed(threads)
         for B, K, V in [(1, 7, 49152), (3, 5, 32003), (8, 3, 20000)]:
             logits = torch.randn(B, K + 1, V, generator=g)
@@ -158,8 +157,6 @@ def test_large_vocab_serial_and_parallel(threads):
             num_draft[0] = K
             _, acc = run_both(draft, logits, num_draft)
             assert acc[0] == K // 2
-    finally:
-        torch.set_num_threads(old)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

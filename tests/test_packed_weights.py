@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import quants
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from conftest import tiny_model
+from conftest import bitwise_equal, tiny_model
 from swiftkern import ops, reference
 from swiftkern.draft_head import DraftHead
 from swiftkern.errors import SwiftkernError
@@ -32,10 +32,6 @@ def gguf_weight(N: int, K: int, qtype, seed: int) -> torch.Tensor:
     rng = np.random.default_rng(seed)
     w = (rng.standard_normal((N, K)) / K ** 0.5).astype(np.float32)
     return torch.from_numpy(np.ascontiguousarray(quants.dequantize(quants.quantize(w, qtype), qtype)))
-
-
-def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
