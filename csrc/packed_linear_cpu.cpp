@@ -5,8 +5,9 @@
 // and a 4- or 8-bit code. swiftkern/packed_weights.py finds those codes (and checks that every
 // weight comes back bit for bit); this kernel streams them at 0.75 / 1.25 bytes per weight
 // instead of 4, rebuilds each weight with one fma (exact: scale * code has at most 19
-// significant bits, so the fma rounds once, where the dequantizer's multiply-then-add did; a
-// 4-bit block makes its 16 possible weights so and permutes them by code) and
+// significant bits, so the fma rounds once, where the dequantizer's multiply-then-add did; with
+// AVX-512 a 4-bit block makes its 16 possible weights so and permutes them by code, with AVX2
+// each code is widened and converted first) and
 // sums in skinny_linear's fixed order (fixed_order_dot.h). The output is therefore
 // skinny_linear's on the float32 weight, bit for bit: a decode step reads a sixth of the bytes
 // and computes the same logits.
@@ -55,6 +56,19 @@ constexpr int packed_tile_cols(int mr) {
 static_assert(packed_tile_cols(5) == 4 && packed_tile_cols(6) == 3 && packed_tile_cols(8) == 3 &&
               packed_tile_cols(9) == 2 && packed_tile_cols(11) == 2);
 
+// AVX2 has 16 vector registers of 8 lanes: an output's 16 lanes take two accumulators, and the
+// weights are rebuilt one vector at a time (a vector, its codes, the block's scale and offset),
+// so a tile of MR x rows by NR weight rows fits when 2 * MR * NR + 4 <= 16: 4 weight rows at one
+// x row, 3 at two, 2 at three, then 1.
+constexpr int kAvx2PackedTileRows = 6;  // x rows of an AVX2 register tile, at most (12 accumulators)
+constexpr int avx2_packed_tile_cols(int mr) {
+  int nr = kPackedTileCols;
+  while (nr > 1 && 2 * mr * nr + 4 > 16) --nr;
+  return nr;
+}
+static_assert(avx2_packed_tile_cols(1) == 4 && avx2_packed_tile_cols(2) == 3 && avx2_packed_tile_cols(3) == 2 &&
+              avx2_packed_tile_cols(4) == 1 && avx2_packed_tile_cols(6) == 1);
+
 // Past this many x rows (more than one register tile holds) each weight tile is unpacked once
 // into L1 rather than rebuilt for every tile of x rows. SmolLM2's projections when tiles were 6
 // x rows, rebuilt per tile / unpacked: 8 rows 14.8 / 16.0 ms, 12 rows 19.8 / 18.0, 16 rows
@@ -64,6 +78,14 @@ static_assert(packed_tile_cols(5) == 4 && packed_tile_cols(6) == 3 && packed_til
 // weight rows, 32 registers) 18.4-18.8 / 18.5-19.4; 14-16 rows by 1 weight row 1.3-1.4x slower.
 constexpr int64_t kUnpackAboveRows = 11;
 static_assert(kUnpackAboveRows <= kPackedTileRows, "the register path takes all the x rows in one tile");
+// AVX2 takes up to 64 x rows in register tiles, in near-equal groups of up to 6 rows against each
+// weight tile while it is in L1 (so a weight is rebuilt once per group), and unpacks above that.
+// SmolLM2's projections on an AMD EPYC (2 threads, AVX2), median of 7, register groups / unpacked
+// into L1 for skinny_linear's 2-row AVX2 tiles: 7 rows 19-24 / 32-33 ms, 8 rows 22-26 / 38-39,
+// 12 rows 36-37 / 50-55, 16 rows 50-52 / 61-63, 32 rows 110 / 124, 48 rows 134 / 184, 64 rows
+// 196 / 243, 128 rows 502 / 443 (x no longer in L2). 1 / 4 / 8 rows 8.4 / 14.6 / 26.6 ms against
+// 25.4 / 28.3 / 41.6 from the float32 weights.
+constexpr int64_t kAvx2UnpackAboveRows = 64;
 
 static inline float load_f32(const uint8_t* p) {
   float v;
@@ -179,16 +201,103 @@ __attribute__((target("avx512f"))) static void unpack_rows_avx512(const uint8_t*
       _mm512_storeu_ps(out + j * K + b * kBlock + 16, hi);
     }
 }
+
+// The 32 weights of a block in four AVX2 vectors, as the dequantizer made them: w[0] = inputs 0-7,
+// w[1] = 8-15 (lanes 0-7 and 8-15 of the first step), w[2] = 16-23, w[3] = 24-31 (the second)
+template <int BITS>
+__attribute__((target("avx2,fma"))) static inline void block_weights_avx2(const uint8_t* block, __m256* w) {
+  const __m256 scale = _mm256_set1_ps(load_f32(block)), offset = _mm256_set1_ps(load_f32(block + 4));
+  if constexpr (BITS == 4) {
+    const __m256i low4 = _mm256_set1_epi32(0xF);
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 8));
+    const __m256i b0 = _mm256_cvtepu8_epi32(bytes), b1 = _mm256_cvtepu8_epi32(_mm_unpackhi_epi64(bytes, bytes));
+    const __m256i codes[4] = {_mm256_and_si256(b0, low4), _mm256_and_si256(b1, low4), _mm256_srli_epi32(b0, 4),
+                              _mm256_srli_epi32(b1, 4)};
+    for (int q = 0; q < 4; ++q) w[q] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(codes[q]), offset);
+  } else {
+    for (int q = 0; q < 4; ++q) {
+      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 8 + 8 * q));
+      w[q] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), offset);
+    }
+  }
+}
+
+// One weight vector of a block, w[q] of block_weights_avx2 alone (the tile loop rebuilds the
+// vectors one at a time, so a block's four need not be live at once)
+template <int BITS>
+__attribute__((target("avx2,fma"))) static inline __m256 block_quarter_avx2(const uint8_t* block, __m256 scale,
+                                                                          __m256 offset, int q) {
+  __m256i codes;
+  if constexpr (BITS == 4) {
+    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 8 + 8 * (q & 1))));
+    codes = q < 2 ? _mm256_and_si256(bytes, _mm256_set1_epi32(0xF)) : _mm256_srli_epi32(bytes, 4);
+  } else {
+    codes = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 8 + 8 * q)));
+  }
+  return _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(codes), offset);
+}
+
+// AVX2: an output's lanes 0-7 and 8-15 in two accumulators (acc[i][j][0], [1]); per block, inputs
+// 0-15 go to lanes 0-15 and then inputs 16-31, each lane in increasing k as fixed_order_dot.h says
+template <int BITS, int MR, int NR>
+__attribute__((target("avx2,fma"))) static void packed_tile_avx2(const float* x, const uint8_t* w, int64_t row_bytes,
+                                                                float* y, int64_t K, int64_t N, const uint8_t* pf) {
+  constexpr int block_bytes = BITS == 4 ? kBlockBytes4 : kBlockBytes8;
+  __m256 acc[MR][NR][2];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j][0] = acc[i][j][1] = _mm256_setzero_ps();
+  const int64_t blocks = K / kBlock;
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (pf) {
+      const char* p = reinterpret_cast<const char*>(pf + b * NR * block_bytes);
+      for (int c = 0; c < NR * block_bytes; c += 64) _mm_prefetch(p + c, _MM_HINT_T0);
+    }
+    for (int j = 0; j < NR; ++j) {
+      const uint8_t* block = w + j * row_bytes + b * block_bytes;
+      const __m256 scale = _mm256_set1_ps(load_f32(block)), offset = _mm256_set1_ps(load_f32(block + 4));
+      for (int q = 0; q < 4; ++q) {
+        const __m256 wq = block_quarter_avx2<BITS>(block, scale, offset, q);
+        for (int i = 0; i < MR; ++i)
+          acc[i][j][q & 1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * K + b * kBlock + 8 * q), wq, acc[i][j][q & 1]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) y[i * N + j] = halving_sum_8x2(acc[i][j][0], acc[i][j][1]);
+}
+
+template <int BITS>
+__attribute__((target("avx2,fma"))) static void unpack_rows_avx2(const uint8_t* w, int64_t row_bytes, int rows,
+                                                                int64_t K, float* out, const uint8_t* pf) {
+  constexpr int block_bytes = BITS == 4 ? kBlockBytes4 : kBlockBytes8;
+  for (int j = 0; j < rows; ++j)
+    for (int64_t b = 0; b < K / kBlock; ++b) {
+      if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + j * row_bytes + b * block_bytes), _MM_HINT_T0);
+      __m256 v[4];
+      block_weights_avx2<BITS>(w + j * row_bytes + b * block_bytes, v);
+      for (int q = 0; q < 4; ++q) _mm256_storeu_ps(out + j * K + b * kBlock + 8 * q, v[q]);
+    }
+}
 #endif
 
 using PackedTileFn = void (*)(const float*, const uint8_t*, int64_t, float*, int64_t, int64_t, const uint8_t*);
 
+// One instruction set's register tiles for BITS-bit codes: fn[mr - 1][nr - 1] for mr x rows by
+// nr weight rows, cols[mr - 1] the weight rows a tile of mr x rows takes, and max_rows the x rows
+// past which the weight tiles are unpacked into L1 instead (packed_linear_range)
 struct PackedTiles {
   PackedTileFn fn[kPackedTileRows][kPackedTileCols];  // [MR - 1][NR - 1]
+  int cols[kPackedTileRows];
+  int64_t tile_rows;  // x rows of one register tile, at most
+  int64_t max_rows;   // x rows up to which the register tiles take the call (in groups of tile_rows)
 
   template <int BITS, int MR, int NR>
   static PackedTileFn pick(Isa isa) {
     (void)isa;
+#if defined(__x86_64__)
+    if constexpr (MR <= kAvx2PackedTileRows && NR <= avx2_packed_tile_cols(MR))
+      if (isa == Isa::kAvx2) return packed_tile_avx2<BITS, MR, NR>;
+#endif
     if constexpr (NR > packed_tile_cols(MR)) {
       return nullptr;  // wider than the registers hold: never called
     } else {
@@ -203,6 +312,7 @@ struct PackedTiles {
   void fill(Isa isa) {
     fn[MR - 1][0] = pick<BITS, MR, 1>(isa); fn[MR - 1][1] = pick<BITS, MR, 2>(isa);
     fn[MR - 1][2] = pick<BITS, MR, 3>(isa); fn[MR - 1][3] = pick<BITS, MR, 4>(isa);
+    cols[MR - 1] = isa == Isa::kAvx2 ? avx2_packed_tile_cols(MR) : packed_tile_cols(MR);
   }
 
   template <int BITS>
@@ -211,6 +321,8 @@ struct PackedTiles {
     t.fill<BITS, 1>(isa); t.fill<BITS, 2>(isa); t.fill<BITS, 3>(isa); t.fill<BITS, 4>(isa);
     t.fill<BITS, 5>(isa); t.fill<BITS, 6>(isa); t.fill<BITS, 7>(isa); t.fill<BITS, 8>(isa);
     t.fill<BITS, 9>(isa); t.fill<BITS, 10>(isa); t.fill<BITS, 11>(isa);
+    t.tile_rows = isa == Isa::kAvx2 ? kAvx2PackedTileRows : kPackedTileRows;
+    t.max_rows = isa == Isa::kAvx2 ? kAvx2UnpackAboveRows : kUnpackAboveRows;
     return t;
   }
 };
@@ -227,10 +339,8 @@ static void unpack_rows(Isa isa, const uint8_t* w, int64_t row_bytes, int rows, 
                         const uint8_t* pf) {
   constexpr int block_bytes = BITS == 4 ? kBlockBytes4 : kBlockBytes8;
 #if defined(__x86_64__)
-  if (isa == Isa::kAvx512) {
-    unpack_rows_avx512<BITS>(w, row_bytes, rows, K, out, pf);
-    return;
-  }
+  if (isa == Isa::kAvx512) return unpack_rows_avx512<BITS>(w, row_bytes, rows, K, out, pf);
+  if (isa == Isa::kAvx2) return unpack_rows_avx2<BITS>(w, row_bytes, rows, K, out, pf);
 #endif
   (void)isa;
   (void)pf;
@@ -253,7 +363,7 @@ static void packed_linear_range(const PackedTiles& tiles, Isa isa, const float* 
   // SmolLM2's projections at one row, 0 / 2 / 4 / 8 / 16 tiles ahead: 12.1 / 7.8 / 7.9 / 8.3 / 8.5 ms
   // (into L2 instead of L1: 7.5 / 7.3 / 7.9 / 7.7 at 2 / 4 / 8 / 16, within the noise)
   constexpr int64_t prefetch_tiles = 2;
-  if (M > kUnpackAboveRows) {
+  if (M > tiles.max_rows) {
     std::vector<float> unpacked(kPackedTileCols * K);  // [4, K]: 9-24 KiB at K = 576-1536
     const int64_t block = fixed_order_row_block(isa, M, K);
     for (int64_t m0 = 0; m0 < M; m0 += block) {
@@ -268,13 +378,19 @@ static void packed_linear_range(const PackedTiles& tiles, Isa isa, const float* 
     }
     return;
   }
-  const int mr = static_cast<int>(M);
-  const int cols = packed_tile_cols(mr);
+  // the x rows in near-equal groups of at most tile_rows (one group on AVX-512), every group
+  // against a weight tile while it is in L1; the tile as wide as the largest group's
+  const int64_t groups = (M + tiles.tile_rows - 1) / tiles.tile_rows;
+  const int group = static_cast<int>((M + groups - 1) / groups);
+  const int cols = tiles.cols[group - 1];
   for (int64_t n = n_begin; n < n_end; n += cols) {
     const int nr = static_cast<int>(std::min<int64_t>(cols, n_end - n));
     const int64_t ahead = n + prefetch_tiles * cols;
     const uint8_t* pf = ahead + cols <= n_end ? w + ahead * row_bytes : nullptr;
-    tiles.fn[mr - 1][nr - 1](x, w + n * row_bytes, row_bytes, y + n, K, N, pf);
+    for (int64_t m0 = 0; m0 < M; m0 += group) {
+      const int mr = static_cast<int>(std::min<int64_t>(group, M - m0));
+      tiles.fn[mr - 1][nr - 1](x + m0 * K, w + n * row_bytes, row_bytes, y + m0 * N + n, K, N, m0 == 0 ? pf : nullptr);
+    }
   }
 }
 
@@ -326,17 +442,17 @@ at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& packed, cons
 // The same with a named instruction set ("avx512" or "portable"), for the test that both give
 // skinny_linear's bits
 at::Tensor packed_linear_isa(const at::Tensor& x, const at::Tensor& packed, const std::string& isa) {
-  for (cpu::Isa i : {cpu::Isa::kAvx512, cpu::Isa::kPortable}) {
+  for (cpu::Isa i : {cpu::Isa::kAvx512, cpu::Isa::kAvx2, cpu::Isa::kPortable}) {
     if (isa == cpu::isa_name(i)) {
       TORCH_CHECK(cpu::isa_supported(i), "packed_linear_isa: this CPU cannot run ", isa);
       return packed_linear_with(i, x, packed, std::nullopt);
     }
   }
-  TORCH_CHECK(false, "packed_linear_isa: unknown instruction set '", isa, "' (avx512, portable)");
+  TORCH_CHECK(false, "packed_linear_isa: unknown instruction set '", isa, "' (avx512, avx2, portable)");
 }
 
-// Whether packed_linear beats skinny_linear here: it has an AVX-512 kernel (elsewhere the
+// Whether packed_linear beats skinny_linear here: it has an AVX-512 or AVX2 kernel (elsewhere the
 // portable loop is slower than the float32 kernel, and the runner keeps the float32 weights)
-bool packed_linear_fast() { return cpu::pick_isa() == cpu::Isa::kAvx512; }
+bool packed_linear_fast() { return cpu::pick_isa() != cpu::Isa::kPortable; }
 
 }  // namespace swiftkern

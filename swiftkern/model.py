@@ -108,7 +108,7 @@ class SkipModel:
         exactly integer codes times a scale (a GGUF model dequantized to float32;
         ``packed_weights``), which the CPU decode, draft and verify passes read at a sixth of the
         bytes with the same bits. None (default): where it runs (float32 on a CPU with the
-        AVX-512 kernel); False: never. ``packed`` is then the ``PackedSet`` or None."""
+        AVX2 or AVX-512 kernel); False: never. ``packed`` is then the ``PackedSet`` or None."""
         return cls(hf_model, pack_weights)
 
     def _pack(self, pack_weights: bool | None) -> PackedSet | None:
@@ -119,7 +119,7 @@ class SkipModel:
         runs = self.device.type == "cpu" and self.dtype == torch.float32 and ops.packed_linear_fast()
         if not runs:
             if pack_weights:
-                raise SwiftkernError("pack_weights=True: packed weights run on a CPU with AVX-512, in float32, "
+                raise SwiftkernError("pack_weights=True: packed weights run on a CPU with AVX2 or AVX-512, in float32, "
                                      "with the C++ extension built (SWIFTKERN_BACKEND auto or cpp)")
             return None
         weights = self._stack_weights + [self.lm_head]

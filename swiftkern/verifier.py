@@ -129,7 +129,7 @@ class Verifier:
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``bi_linear``; where the model keeps ``weight`` packed (``SkipModel.packed``: a GGUF
-        model on an AVX-512 CPU) the C++ ``packed_linear`` reads its codes instead, which gives
+        model on an AVX2 or AVX-512 CPU) the C++ ``packed_linear`` reads its codes instead, which gives
         ``skinny_linear``'s bits (``bi_matmul`` on the CPU) at any number of rows from a sixth
         of the bytes (tested bit for bit against the float32 weight)."""
         slot = self._packed_index.get(id(weight))

@@ -557,11 +557,11 @@ def smollm2_needle(model, tok, max_new_tokens, batch_ranges, replay="always", ve
 
 @pytest.mark.slow
 def test_verifier_reads_packed_weights_with_the_same_bits(smollm2):
-    """Where SmolLM2 keeps packed weights (an AVX-512 CPU), the verifier's matmuls read them:
+    """Where SmolLM2 keeps packed weights (an AVX2 or AVX-512 CPU), the verifier's matmuls read them:
     the logits of a pass equal those of the same pass on the float32 weights, bit for bit."""
     model, tok = smollm2
     if model.packed is None:
-        pytest.skip("SmolLM2 is not packed here (packed weights need the C++ kernels on an AVX-512 CPU)")
+        pytest.skip("SmolLM2 is not packed here (packed weights need the C++ kernels on an AVX2 or AVX-512 CPU)")
     ids = tok("The three primary colors are red, yellow and")["input_ids"]
     slots = [Slot(0, 0, ids[:8], list(range(8))), Slot(1, 3, ids[3:9], [0, 5])]
     logits = {}

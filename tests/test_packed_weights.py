@@ -71,8 +71,7 @@ def test_packed_linear_has_skinny_linears_bits(lead, K, N, bits, bias, seed):
     want = torch.ops.swiftkern.skinny_linear(x, w, b)
     assert bitwise_equal(torch.ops.swiftkern.packed_linear(x, packed, b), want)
     assert bitwise_equal(ops.packed_linear(x, packed, b), want)
-    isas = [i for i in ops.registry.extension.skinny_linear_isas() if i in ("avx512", "portable")]
-    for isa in isas:  # every instruction set the kernel has: the same bits
+    for isa in ops.registry.extension.skinny_linear_isas():  # every instruction set the kernel has: the same bits
         assert bitwise_equal(ops.registry.extension.packed_linear_isa(x, packed, isa), torch.ops.swiftkern.skinny_linear(x, w, None))
 
 
@@ -80,12 +79,18 @@ def test_packed_linear_has_skinny_linears_bits(lead, K, N, bits, bias, seed):
 @pytest.mark.parametrize("bits", [4, 8])
 def test_every_register_tile_shape_has_skinny_linears_bits(bits):
     """Every row count up to the unpack path and past it, against weight-row counts that leave
-    every remainder of a 2-, 3- and 4-row weight tile (register tiles up to 11 rows)."""
-    for M in range(1, 14):
+    every remainder of a 2-, 3- and 4-row weight tile, with every instruction set this CPU has
+    (AVX-512: register tiles up to 11 rows; AVX2: up to 6 rows a tile, in near-equal groups up
+    to 64 rows, so 7-13 rows are two groups of unequal size and 64 / 65 the edge)."""
+    isas = ops.registry.extension.skinny_linear_isas()
+    for M in (*range(1, 14), 17, 23, 64, 65):
         for N in (1, 2, 3, 4, 5, 6, 7, 11, 1101):  # 1101: 276 tiles, over two threads
             x, w, packed, b = make((M,), 64, N, bits, N % 2 == 1, M * 1000 + N)
             assert bitwise_equal(torch.ops.swiftkern.packed_linear(x, packed, b),
                                  torch.ops.swiftkern.skinny_linear(x, w, b)), (M, N)
+            want = torch.ops.swiftkern.skinny_linear(x, w, None)
+            for isa in isas:
+                assert bitwise_equal(ops.registry.extension.packed_linear_isa(x, packed, isa), want), (M, N, isa)
 
 
 @needs_cpp
@@ -181,7 +186,7 @@ def test_runner_logits_with_packed_weights_are_bit_equal(arch):
 
 def test_pack_weights_true_where_it_cannot_run_is_refused(monkeypatch):
     monkeypatch.setattr(ops, "packed_linear_fast", lambda: False)
-    with pytest.raises(SwiftkernError, match="AVX-512"):
+    with pytest.raises(SwiftkernError, match="AVX2 or AVX-512"):
         SkipModel(tiny_model("llama"), pack_weights=True)
     assert SkipModel(tiny_model("llama")).packed is None  # auto: not here, silently the same bits
 
@@ -190,7 +195,7 @@ def test_pack_weights_true_where_it_cannot_run_is_refused(monkeypatch):
 def test_smollm2_packs_every_projection_and_keeps_its_logits(smollm2):
     model, tok = smollm2
     if not ops.packed_linear_fast():
-        pytest.skip("packed weights are read on CPUs with AVX-512 only (this one has none)")
+        pytest.skip("packed weights are read on CPUs with AVX2 or AVX-512 (this one has neither)")
     assert model.packed is not None and model.packed.count == 30 * 7 + 1  # Q4_1 layers, Q8_0 head
     ids = torch.tensor([tok("The capital of France is")["input_ids"]])
     packed, outs = model.packed, []

@@ -200,18 +200,20 @@ def test_opcheck(lead, K, N, bias, dtype):
     torch.library.opcheck(OP, tuple(cast(make(lead, K, N, bias, 0), dtype)))
 
 
-@pytest.mark.parametrize("vendor,fast,mkl,lags", [
-    ("AuthenticAMD", True, True, True),  # MKL's AVX2 code against the C++ kernels' AVX-512
-    ("GenuineIntel", True, True, False),  # MKL runs AVX-512 there: it takes prefill-sized inputs
-    ("AuthenticAMD", False, True, False),  # no AVX-512 C++ kernels here
-    ("AuthenticAMD", True, False, False),  # another BLAS
-    ("", True, True, False),  # vendor unknown
+@pytest.mark.parametrize("vendor,isa,mkl,lags", [
+    ("AuthenticAMD", "avx512", True, True),  # MKL's AVX2 code against the C++ kernels' AVX-512
+    ("GenuineIntel", "avx512", True, False),  # MKL runs AVX-512 there: it takes prefill-sized inputs
+    ("AuthenticAMD", "avx2", True, False),  # AVX2 both: MKL wins past 64 rows
+    ("AuthenticAMD", "portable", True, False),  # no vectorized C++ kernels here
+    ("AuthenticAMD", "avx512", False, False),  # another BLAS
+    ("", "avx512", True, False),  # vendor unknown
 ])
-def test_the_cpp_kernels_take_every_projection_where_mkl_lags(vendor, fast, mkl, lags, monkeypatch):
+def test_the_cpp_kernels_take_every_projection_where_mkl_lags(vendor, isa, mkl, lags, monkeypatch):
     from swiftkern.ops import projections
 
     monkeypatch.setattr(projections, "cpu_vendor", lambda: vendor)
-    monkeypatch.setattr(projections, "packed_linear_fast", lambda: fast)
+    monkeypatch.setattr(projections, "cpu_matmul_isa", lambda: isa)
+    monkeypatch.setattr(projections, "packed_linear_fast", lambda: isa != "portable")
     monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: mkl)
     assert ops.mkl_lags_here() == lags
     assert ops.skinny_max_rows(torch.float32) == (-1 if lags else ops.SKINNY_MAX_ROWS)

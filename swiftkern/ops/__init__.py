@@ -32,7 +32,8 @@ from .backends import backend_for, backend_info, set_backend, unchecked
 from .invariant import bi_exp, bi_exp_sum, bi_matmul, bi_matmul_group
 from .layer import (fused_add_rms_norm, keys_in_use, kv_compact, rms_norm, rope_kv_append, silu_mul,
                     verify_attention, verify_attention_invariant)
-from .projections import (CUDA_SKINNY_ROWS, PACKED_MAX_ROWS, SKINNY_DTYPES, SKINNY_MAX_ROWS, linear, mkl_lags_here,
+from .projections import (CUDA_SKINNY_ROWS, PACKED_MAX_ROWS, SKINNY_DTYPES, SKINNY_MAX_ROWS, cpu_matmul_isa, linear,
+                          mkl_lags_here,
                           packed_linear, packed_linear_fast, packed_max_rows, prefill_projections, skinny_fits,
                           skinny_max_rows, torch_bf16_matmul_native, triton_skinny_fits, triton_skinny_here)
 

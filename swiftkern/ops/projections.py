@@ -34,13 +34,23 @@ def mkl_lags_here() -> bool:
     """Whether torch's float32 CPU matmul is slower than the C++ kernels at every size here, so
     they take every projection (``skinny_max_rows``, ``packed_max_rows``): torch's matmul comes
     from MKL, whose AVX-512 code runs on Intel CPUs alone (AVX2 elsewhere), while the C++ kernels
-    run AVX-512 (``packed_linear_fast``). On an AMD EPYC (2 threads) SmolLM2's projections at
+    run AVX-512 here (``cpu_matmul_isa``). On an AMD EPYC (2 threads) SmolLM2's projections at
     33-1040 rows ran at 153-227 GFLOP/s through MKL (AVX2's ceiling) and 323-447 through
     ``skinny_linear``; eight chat prompts of 96-164 tokens prefilled in 1.37-1.41 s padded
     through MKL and 0.67 s row by row through the C++ kernels. The same bits either way for a
     row (the C++ sum is fixed-order at any number of rows); HF's greedy tokens are tested."""
-    return (packed_linear_fast() and torch.backends.mkl.is_available()
+    return (packed_linear_fast() and cpu_matmul_isa() == "avx512" and torch.backends.mkl.is_available()
             and cpu_vendor() not in ("GenuineIntel", ""))
+
+
+def cpu_matmul_isa() -> str:
+    """The instruction set the C++ matmul kernels (``skinny_linear``, ``packed_linear``) run here:
+    "avx512", "avx2" or "portable"; "" without the C++ extension. On an AVX2 CPU MKL runs AVX2
+    code too, so ``mkl_lags_here`` holds on AVX-512 CPUs alone: on an AMD EPYC with AVX2 (2
+    threads) torch's matmul took SmolLM2's projections at 64 / 128 rows in 192 / 291 ms, the
+    C++ kernels from packed weights in 196-221 / 443-499."""
+    isas = getattr(registry.extension, "skinny_linear_isas", None) if registry.extension is not None else None
+    return isas()[0] if isas else ""
 
 
 # inside ``prefill_projections``: a prefill's projections, which no later pass replays
@@ -168,7 +178,9 @@ def packed_max_rows() -> int:
 
 def packed_linear_fast() -> bool:
     """Whether the C++ ``packed_linear`` runs here and beats ``skinny_linear`` on the float32
-    weight: the kernel built, allowed (SWIFTKERN_BACKEND auto or cpp) and vectorized (AVX-512)."""
+    weight: the kernel built, allowed (SWIFTKERN_BACKEND auto or cpp) and vectorized (AVX2 or
+    AVX-512): SmolLM2's projections at 1 / 8 rows took 8.4 / 26.6 ms packed and 25.4 / 41.6 ms
+    from float32 on an AMD EPYC with AVX2 (2 threads), 7.8 / 14.8 and 21.0 / 28.1 on an AVX-512 Xeon."""
     return (cpu_kernel("packed_linear", "cpu") and hasattr(registry.extension, "packed_linear_fast")
             and bool(registry.extension.packed_linear_fast()))
 
