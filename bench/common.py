@@ -85,11 +85,15 @@ def interrupted() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def device_name(device: str) -> str:
-    """'NVIDIA H200' or 'cpu: <model> (N threads)'."""
+    """'NVIDIA H200' or 'cpu: <model> (N threads)', with ', no AVX-512' on an x86 CPU without it
+    (machines of one model name came with and without it, and the C++ kernels differ)."""
     if device.startswith("cuda"):
         return torch.cuda.get_device_name(torch.device(device))
+    from swiftkern.cpu_id import cpu_flags
     from swiftkern.info import cpu_name
-    return f"cpu: {cpu_name()} ({torch.get_num_threads()} threads)"
+    flags = cpu_flags()
+    narrower = ", no AVX-512" if flags and "avx2" in flags and "avx512f" not in flags else ""
+    return f"cpu: {cpu_name()} ({torch.get_num_threads()} threads{narrower})"
 
 
 def _sync(device: str) -> None:

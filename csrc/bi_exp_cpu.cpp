@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <string>
 #include <vector>
 
 #include "cpu_exp.h"
@@ -22,6 +23,23 @@ at::Tensor bi_exp_cpu(const at::Tensor& x) {
   const float* xp = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, xc.numel(), 32768, [&](int64_t i0, int64_t i1) { fn(xp + i0, yp + i0, i1 - i0); });
+  return y;
+}
+
+// bi_exp with a named instruction set ("avx512", "avx2", "portable"), for the test that each
+// gives the reference's bits
+at::Tensor bi_exp_isa(const at::Tensor& x, const std::string& isa) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat, "bi_exp_isa: x must be float32 on the CPU");
+  cpu::ExpFn fn = nullptr;
+#if defined(__x86_64__)
+  if (isa == "avx512" && cpu::cpu_has_avx512()) fn = cpu::bi_exp_avx512;
+  if (isa == "avx2" && cpu::cpu_has_avx2()) fn = cpu::bi_exp_avx2;
+#endif
+  if (isa == "portable") fn = cpu::bi_exp_scalar;
+  TORCH_CHECK(fn != nullptr, "bi_exp_isa: this CPU cannot run '", isa, "' (avx512, avx2, portable)");
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty(xc.sizes(), xc.options());
+  fn(xc.data_ptr<float>(), y.data_ptr<float>(), xc.numel());
   return y;
 }
 

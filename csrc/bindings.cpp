@@ -49,6 +49,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack_cpu(
     int64_t num_kv_heads, int64_t head_dim, double eps, double scale, int64_t skinny_max_rows, bool invariant,
     const std::vector<std::optional<at::Tensor>>& packed, int64_t packed_max_rows);
 at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias);
+at::Tensor bi_exp_isa(const at::Tensor& x, const std::string& isa);
 at::Tensor packed_linear_isa(const at::Tensor& x, const at::Tensor& packed, const std::string& isa);
 at::Tensor verify_attention_isa(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                 const at::Tensor& cache_lens, double scale, const std::string& isa, bool invariant);
@@ -138,12 +139,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder_stack", &swiftkern::decoder_stack_cpu,
         "every kept sub-layer of the decoder on the CPU in one call (csrc/decoder_stack_cpu.cpp)");
   m.def("packed_linear_isa", &swiftkern::packed_linear_isa,
-        "packed_linear (no bias) with a named instruction set: avx512 or portable (tests)");
+        "packed_linear (no bias) with a named instruction set: avx512, avx2 or portable (tests)");
+  m.def("bi_exp_isa", &swiftkern::bi_exp_isa, "bi_exp with a named instruction set: avx512, avx2 or portable (tests)");
   m.def("verify_attention_isa", &swiftkern::verify_attention_isa,
-        "verify_attention (invariant=True: its invariant variant) with a named instruction set: avx512 or portable "
+        "verify_attention (invariant=True: its invariant variant) with a named instruction set: avx512, avx2 or "
+        "portable "
         "(tests)");
   m.def("packed_linear_fast", &swiftkern::packed_linear_fast,
-        "whether packed_linear has a vector kernel here (AVX-512), i.e. beats skinny_linear");
+        "whether packed_linear has a vector kernel here (AVX2 or AVX-512), i.e. beats skinny_linear");
   m.def("skinny_linear_isas", &swiftkern::skinny_linear_isas, "the instruction sets this CPU runs, widest first");
   m.def("build_info", [] {
     py::dict d;

@@ -62,6 +62,25 @@ __attribute__((target("avx512f"))) inline void bi_exp_avx512(const float* x, flo
   for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, bi_exp_avx512_vec(_mm512_loadu_ps(x + i)));
   bi_exp_scalar(x + i, y + i, n - i);
 }
+
+// 8 lanes of bi_exp_one, same bits (the operations of bi_exp_avx512_vec)
+__attribute__((target("avx2"))) inline __m256 bi_exp_avx2_vec(__m256 v) {
+  const __m256 tiny = _mm256_cmp_ps(v, _mm256_set1_ps(kLow), _CMP_LT_OQ);
+  const __m256 t = _mm256_min_ps(_mm256_set1_ps(kHigh), _mm256_max_ps(_mm256_set1_ps(kLow), v));
+  const __m256 nf = _mm256_round_ps(_mm256_mul_ps(t, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_sub_ps(_mm256_sub_ps(t, _mm256_mul_ps(nf, _mm256_set1_ps(kLn2Hi))),
+                                 _mm256_mul_ps(nf, _mm256_set1_ps(kLn2Lo)));
+  __m256 p = _mm256_set1_ps(kTaylor[0]);
+  for (int c = 1; c < 8; ++c) p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(kTaylor[c]));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(nf), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+}
+
+__attribute__((target("avx2"))) inline void bi_exp_avx2(const float* x, float* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, bi_exp_avx2_vec(_mm256_loadu_ps(x + i)));
+  bi_exp_scalar(x + i, y + i, n - i);
+}
 #endif
 
 using ExpFn = void (*)(const float* x, float* y, int64_t n);  // y[i] = exp(x[i]), i < n
@@ -75,9 +94,18 @@ inline bool cpu_has_avx512() {
 }
 
 // the widest implementation this CPU runs (all give the same bits)
+inline bool cpu_has_avx2() {
+#if defined(__x86_64__)
+  return __builtin_cpu_supports("avx2");
+#else
+  return false;
+#endif
+}
+
 inline ExpFn pick_exp() {
 #if defined(__x86_64__)
   if (cpu_has_avx512()) return bi_exp_avx512;
+  if (cpu_has_avx2()) return bi_exp_avx2;
 #endif
   return bi_exp_scalar;
 }

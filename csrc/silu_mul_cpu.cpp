@@ -42,16 +42,31 @@ __attribute__((target("avx512f"))) void silu_mul_avx512(const float* g, const fl
   }
   silu_mul_scalar(g + i, u + i, y + i, n - i);
 }
+
+__attribute__((target("avx2"))) void silu_mul_avx2(const float* g, const float* u, float* y, int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 gv = _mm256_loadu_ps(g + i);
+    const __m256 e = bi_exp_avx2_vec(_mm256_xor_ps(gv, sign));  // exp(-g), -g exactly
+    _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+  }
+  silu_mul_scalar(g + i, u + i, y + i, n - i);
+}
 #endif
 
+enum class SiluIsa { kPortable, kAvx2, kAvx512 };
+
 template <class T>
-void silu_mul_range(const T* g, const T* u, T* y, int64_t n, bool avx512) {
+void silu_mul_range(const T* g, const T* u, T* y, int64_t n, SiluIsa isa) {
 #if defined(__x86_64__)
   if constexpr (std::is_same_v<T, float>) {
-    if (avx512) return silu_mul_avx512(g, u, y, n);
+    if (isa == SiluIsa::kAvx512) return silu_mul_avx512(g, u, y, n);
+    if (isa == SiluIsa::kAvx2) return silu_mul_avx2(g, u, y, n);
   }
 #endif
-  (void)avx512;
+  (void)isa;
   silu_mul_scalar(g, u, y, n);
 }
 
@@ -66,12 +81,14 @@ at::Tensor silu_mul_cpu(const at::Tensor& gate, const at::Tensor& up) {
   at::Tensor y = at::empty(g.sizes(), g.options());
   const int64_t n = g.numel();
   if (n == 0) return y;
-  static const bool avx512 = cpu::cpu_has_avx512();
+  static const cpu::SiluIsa isa = cpu::cpu_has_avx512() ? cpu::SiluIsa::kAvx512
+                                  : cpu::cpu_has_avx2()  ? cpu::SiluIsa::kAvx2
+                                                         : cpu::SiluIsa::kPortable;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, g.scalar_type(), "silu_mul_cpu", [&] {
     const scalar_t *gp = g.data_ptr<scalar_t>(), *up_ = u.data_ptr<scalar_t>();
     scalar_t* yp = y.data_ptr<scalar_t>();
     at::parallel_for(0, n, 16384, [&](int64_t i0, int64_t i1) {
-      cpu::silu_mul_range<scalar_t>(gp + i0, up_ + i0, yp + i0, i1 - i0, avx512);
+      cpu::silu_mul_range<scalar_t>(gp + i0, up_ + i0, yp + i0, i1 - i0, isa);
     });
   });
   return y;

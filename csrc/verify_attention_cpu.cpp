@@ -10,7 +10,9 @@
 // summing the values of the queries that see the same keys together (one chain per query and
 // column); from 8 (fp32, AVX-512), tasks of 16 queries in the lanes of a register. Each query's
 // arithmetic is in a fixed order set by its own keys, so its result does not depend on the
-// batch, the queries beside it or the thread that ran it.
+// batch, the queries beside it or the thread that ran it. Without AVX-512 the one-query path runs
+// AVX2 (8-lane scores and value sums) where the CPU has it, the portable loops elsewhere; each
+// instruction set sums in its own fixed order, so the bits are those of the machine's widest one.
 //
 // verify_attention_invariant: every query through the one-query-at-a-time path, whatever T and
 // the GQA group (the lane path sums in another order). A query's bits then depend on its own q
@@ -208,6 +210,106 @@ __attribute__((target("avx512f"))) void accumulate_values_avx512(const float* p,
     }
     d0 += width;
   }
+}
+
+// AVX2 (8 lanes): each key's score is one chain of FMAs over D in chunks of 8 columns (the tail
+// columns one FMA each into lanes 0, 1, ...), summed by halving (l + 4, l + 2, l + 1); four keys
+// at a time keep four chains in flight, a key alone does the same arithmetic
+__attribute__((target("avx2"))) inline float halving_sum_8(__m256 v) {
+  const __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
+  return _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
+}
+
+template <class E>
+__attribute__((target("avx2,fma,f16c"))) inline float finish_key_avx2(__m256 acc, const E* q, const E* kj, int64_t d,
+                                                                     int64_t D) {
+  if (d < D) {
+    alignas(32) float lane[8];
+    _mm256_store_ps(lane, acc);
+    for (int64_t t = d; t < D; ++t)
+      lane[t - d] = std::fma(static_cast<float>(q[t]), static_cast<float>(kj[t]), lane[t - d]);
+    acc = _mm256_load_ps(lane);
+  }
+  return halving_sum_8(acc);
+}
+
+template <class E>
+__attribute__((target("avx2,fma,f16c"))) void scores_avx2(const E* q, const E* k, int64_t k_s, int64_t L, int64_t D,
+                                                          float scale, float* s) {
+  const int64_t whole = D / 8 * 8;
+  int64_t j = 0;
+  for (; j + 4 <= L; j += 4) {
+    __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t d = 0; d < whole; d += 8) {
+      const __m256 qd = load8(q + d);
+      for (int r = 0; r < 4; ++r) a[r] = _mm256_fmadd_ps(qd, load8(k + (j + r) * k_s + d), a[r]);
+    }
+    for (int r = 0; r < 4; ++r) s[j + r] = finish_key_avx2(a[r], q, k + (j + r) * k_s, whole, D) * scale;
+  }
+  for (; j < L; ++j) {
+    __m256 a = _mm256_setzero_ps();
+    for (int64_t d = 0; d < whole; d += 8) a = _mm256_fmadd_ps(load8(q + d), load8(k + j * k_s + d), a);
+    s[j] = finish_key_avx2(a, q, k + j * k_s, whole, D) * scale;
+  }
+}
+
+// accumulate_values with one FMA a (query, key, column) in key order, as the AVX-512 kernel:
+// per query, 64 columns (8 chains) at a time, then 8, then the tail columns one by one
+template <class E, int R>
+__attribute__((target("avx2,fma,f16c"))) inline void values_columns_avx2(const float* p, const E* v, int64_t v_s,
+                                                                        int64_t L, float* a) {
+  __m256 r[R];
+  for (int c = 0; c < R; ++c) r[c] = _mm256_loadu_ps(a + 8 * c);
+  for (int64_t j = 0; j < L; ++j) {
+    const __m256 pj = _mm256_set1_ps(p[j]);
+    for (int c = 0; c < R; ++c) r[c] = _mm256_fmadd_ps(pj, load8(v + j * v_s + 8 * c), r[c]);
+  }
+  for (int c = 0; c < R; ++c) _mm256_storeu_ps(a + 8 * c, r[c]);
+}
+
+template <class E>
+__attribute__((target("avx2,fma,f16c"))) void accumulate_values_avx2(const float* p, int64_t p_s, int64_t nq,
+                                                                    const E* v, int64_t v_s, int64_t L, int64_t D,
+                                                                    float* acc, int64_t acc_s) {
+  for (int64_t u = 0; u < nq; ++u) {
+    const float* pu = p + u * p_s;
+    float* au = acc + u * acc_s;
+    int64_t d = 0;
+    for (; d + 64 <= D; d += 64) values_columns_avx2<E, 8>(pu, v + d, v_s, L, au + d);
+    for (; d + 8 <= D; d += 8) values_columns_avx2<E, 1>(pu, v + d, v_s, L, au + d);
+    for (; d < D; ++d)
+      for (int64_t j = 0; j < L; ++j) au[d] = std::fma(pu[j], static_cast<float>(v[j * v_s + d]), au[d]);
+  }
+}
+
+// softmax_weights with bi_exp_avx2's exp (the same bits as the scalar exp) and its 16 lane sums
+// in key order, lanes 0-7 and 8-15 in two registers
+__attribute__((target("avx2"))) float softmax_weights_avx2(float* s, int64_t L) {
+  float mx = s[0];
+  for (int64_t j = 1; j < L; ++j) mx = std::max(mx, s[j]);
+  const __m256 vm = _mm256_set1_ps(mx);
+  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 16 <= L; j += 16) {
+    const __m256 p0 = bi_exp_avx2_vec(_mm256_sub_ps(_mm256_loadu_ps(s + j), vm));
+    const __m256 p1 = bi_exp_avx2_vec(_mm256_sub_ps(_mm256_loadu_ps(s + j + 8), vm));
+    _mm256_storeu_ps(s + j, p0);
+    _mm256_storeu_ps(s + j + 8, p1);
+    lo = _mm256_add_ps(lo, p0);
+    hi = _mm256_add_ps(hi, p1);
+  }
+  alignas(32) float lane[16];
+  _mm256_store_ps(lane, lo);
+  _mm256_store_ps(lane + 8, hi);
+  for (; j < L; ++j) {
+    s[j] -= mx;
+    bi_exp_scalar(s + j, s + j, 1);
+    lane[j % 16] += s[j];
+  }
+  float total = 0.0f;
+  for (int l = 0; l < 16; ++l) total += lane[l];
+  return total;
 }
 
 // Up to 16 queries that share one kv head (GQA group x new tokens) in the 16 lanes of a
@@ -456,8 +558,9 @@ void attend_lanes(const AttnShape& sh, const float* q, const float* k, const flo
 #endif
 
 template <class E>
-void attend(const AttnShape& sh, const E* q, const E* k, const E* v, const int64_t* lens, E* out, bool avx512,
+void attend(const AttnShape& sh, const E* q, const E* k, const E* v, const int64_t* lens, E* out, Isa isa,
             bool invariant) {
+  const bool avx512 = isa == Isa::kAvx512;
   static const ExpFn exp_fn = pick_exp();
   const int64_t group = sh.Hq / sh.Hkv;
 #if defined(__x86_64__)
@@ -480,6 +583,10 @@ void attend(const AttnShape& sh, const E* q, const E* k, const E* v, const int64
     scores_fn = scores_avx512<E>;
     values_fn = accumulate_values_avx512<E>;
     softmax_fn = softmax_weights_avx512;
+  } else if (isa == Isa::kAvx2) {
+    scores_fn = scores_avx2<E>;
+    values_fn = accumulate_values_avx2<E>;
+    softmax_fn = softmax_weights_avx2;
   }
 #endif
   // tokens a task takes: 4 tasks a thread first (decode and short passes keep one token a task),
@@ -542,11 +649,10 @@ void attend(const AttnShape& sh, const E* q, const E* k, const E* v, const int64
 namespace {
 // q [B, Hq, T, D]; k_cache, v_cache [B, Hkv, S, D] (D contiguous, one layout; S: the keys in
 // use); cache_lens int64 [B] in [T, S]; one float dtype -> [B, Hq, T, D] contiguous, q's dtype
-// use_avx512: the AVX-512 paths where the CPU has them (-1), or forced on (1) / off (0: the
-// portable loops every CPU runs; tests only)
+// isa: the widest paths the CPU has (pick_isa), or one named by a test
 at::Tensor attention_entry(const char* name, const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& cache_lens, double scale, bool invariant,
-                           int use_avx512 = -1) {
+                           cpu::Isa isa = cpu::pick_isa()) {
   checks::same_device(name, c10::DeviceType::CPU,
                       {{"q", &q}, {"k_cache", &k_cache}, {"v_cache", &v_cache}, {"cache_lens", &cache_lens}});
   checks::verify_attention(q, k_cache, v_cache, cache_lens);
@@ -561,13 +667,11 @@ at::Tensor attention_entry(const char* name, const at::Tensor& q, const at::Tens
                 " must be in [T = ", sh.T, ", S = ", sh.S, "]: each row holds its T new tokens in the keys given");
   at::Tensor out = at::empty({sh.B, sh.Hq, sh.T, sh.D}, q.options());
   if (out.numel() == 0) return out;
-  static const bool has_avx512 = cpu::cpu_has_avx512();
-  const bool avx512 = use_avx512 < 0 ? has_avx512 : use_avx512 == 1;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "verify_attention_cpu", [&] {
     const scalar_t *qp = qc.data_ptr<scalar_t>(), *kp = k_cache.data_ptr<scalar_t>();
     const scalar_t* vp = v_cache.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    cpu::attend<scalar_t>(sh, qp, kp, vp, lp, op, avx512, invariant);
+    cpu::attend<scalar_t>(sh, qp, kp, vp, lp, op, isa, invariant);
   });
   return out;
 }
@@ -578,15 +682,18 @@ at::Tensor verify_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
   return attention_entry("verify_attention", q, k_cache, v_cache, cache_lens, scale, false);
 }
 
-// verify_attention (invariant: its invariant variant) on a named instruction set: avx512 or
-// portable, so the tests run the portable loops on an AVX-512 CPU too
+// verify_attention (invariant: its invariant variant) on a named instruction set: avx512, avx2 or
+// portable, so the tests run the narrower paths on an AVX-512 CPU too
 at::Tensor verify_attention_isa(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                 const at::Tensor& cache_lens, double scale, const std::string& isa, bool invariant) {
-  TORCH_CHECK(isa == "avx512" || isa == "portable", "verify_attention_isa: unknown instruction set '", isa,
-              "' (avx512, portable)");
-  TORCH_CHECK(isa == "portable" || cpu::cpu_has_avx512(), "verify_attention_isa: this CPU cannot run avx512");
-  return attention_entry(invariant ? "verify_attention_invariant" : "verify_attention", q, k_cache, v_cache,
-                         cache_lens, scale, invariant, isa == "avx512" ? 1 : 0);
+  for (cpu::Isa i : {cpu::Isa::kAvx512, cpu::Isa::kAvx2, cpu::Isa::kPortable}) {
+    if (isa == cpu::isa_name(i)) {
+      TORCH_CHECK(cpu::isa_supported(i), "verify_attention_isa: this CPU cannot run ", isa);
+      return attention_entry(invariant ? "verify_attention_invariant" : "verify_attention", q, k_cache, v_cache,
+                             cache_lens, scale, invariant, i);
+    }
+  }
+  TORCH_CHECK(false, "verify_attention_isa: unknown instruction set '", isa, "' (avx512, avx2, portable)");
 }
 
 // The same contract; each query through the one-query path: its bits independent of T and the batch

@@ -341,6 +341,8 @@ def test_bi_exp_kernel_equals_the_reference_bitwise(size, scale, seed):
     assert torch.equal(got.isnan(), x.isnan())  # the clamp kept NaN out (exp(-87) came back for it)
     assert torch.equal(got.nan_to_num(), reference.bi_exp(x).nan_to_num())
     assert torch.equal(got[1:].nan_to_num(), torch.ops.swiftkern.bi_exp(x[1:].clone()).nan_to_num())  # another alignment
+    for isa in ops.registry.extension.skinny_linear_isas():  # every instruction set this CPU runs
+        assert torch.equal(ops.registry.extension.bi_exp_isa(x, isa).nan_to_num(), got.nan_to_num()), isa
 
 
 @needs_cpp

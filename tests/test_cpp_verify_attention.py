@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from attention_invariance import poison_stale
+from attention_invariance import chunk_vs_one_by_one, poison_stale, rows_alone_vs_together
 from swiftkern import ops
 from test_reference_ops import naive_attention
 from triton_cases import assert_close
@@ -70,8 +70,7 @@ def test_long_caches_read_once_per_head(heads, T, D, S):
     assert_close("verify_attention", got, naive_attention(q, k, v, lens, D ** -0.5))
 
 
-ISAS = [i for i in ("avx512", "portable") if i == "portable" or "avx512" in ops.registry.extension.skinny_linear_isas()] \
-    if ops.registry.extension is not None else []
+ISAS = ops.registry.extension.skinny_linear_isas() if ops.registry.extension is not None else []  # widest first
 
 
 @needs_cpp
@@ -81,7 +80,7 @@ ISAS = [i for i in ("avx512", "portable") if i == "portable" or "avx512" in ops.
 @pytest.mark.parametrize("heads, T, D, S", [((3, 3), 9, 64, 150), ((1, 9), 2, 20, 70), ((2, 4), 1, 100, 600),
                                             ((3, 6), 5, 1, 33), ((1, 3), 3, 128, 90)])
 def test_every_instruction_set_matches_the_definition(isa, invariant, dtype, heads, T, D, S):
-    """The portable loops (what a CPU without AVX-512 runs) and the AVX-512 paths, forced in turn,
+    """The portable loops, the AVX2 and the AVX-512 paths (those this CPU runs), forced in turn,
     regular and invariant, in float32 and in bf16 / fp16 (loaded into the float32 kernels),
     NaN past each row's length; D 20 and 100 leave a tail of a 16-column register."""
     Hkv, group = heads
@@ -94,6 +93,19 @@ def test_every_instruction_set_matches_the_definition(isa, invariant, dtype, hea
     assert got.dtype == dtype
     want = naive_attention(q.float(), k.float(), v.float(), lens, D ** -0.5).to(dtype)
     assert_close("verify_attention", got, want)
+
+
+@needs_cpp
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("T, D, L", [(9, 64, 150), (5, 20, 70), (16, 100, 300)])
+def test_every_instruction_sets_invariant_kernel_is_chunk_and_batch_invariant(isa, T, D, L):
+    """The invariant variant on each instruction set, forced: a chunk of T tokens gives each
+    query the bits it gets alone, and a row the bits it gets in a batch (D 20 and 100 leave a
+    tail of 8 / 16 columns). SmolLM2's heads (3 kv heads, group 3)."""
+    def op(q, k, v, lens, scale):
+        return ops.registry.extension.verify_attention_isa(q, k, v, lens, scale, isa, True)
+    assert chunk_vs_one_by_one(op, 3, 3, T, D, L) == 0
+    assert rows_alone_vs_together(op, [L, 9, L // 2, 40], T=4, D=D) == []
 
 
 @needs_cpp
