@@ -17,7 +17,7 @@ greedy, exactly ``--max-new-tokens`` new tokens (EOS disabled for every provider
     auto               swiftkern self-spec with the drafter policy (drafter="auto")
     deterministic      swiftkern mode="deterministic"
     ar-float32, auto-float32   ar and auto reading the float32 weights, where the others read
-                       packed ones (a GGUF model on an AVX-512 CPU; swiftkern/packed_weights.py)
+                       packed ones (a GGUF model on an AVX2 or AVX-512 CPU; swiftkern/packed_weights.py)
     <name>+graphs      with --cuda-graphs (a GPU): each swiftkern provider again, cuda_graphs=True
 
 A provider swiftkern cannot build yet (SwiftkernError) is skipped with a printed note.

@@ -8,7 +8,7 @@ batch 1, timed interleaved within their family (one weight format), one family a
 
     T<t>             a forward of t tokens with the kernels swiftkern picks (SWIFTKERN_BACKEND
                      as set; on the CPU the C++ skinny_linear kernel, reading packed weights
-                     where the model has them: a GGUF model on an AVX-512 CPU)
+                     where the model has them: a GGUF model on an AVX2 or AVX-512 CPU)
     T<t>-float32     the same reading the float32 weights (only when the model has packed ones)
     T<t>-reference   the same with every op forced to the plain torch reference (MKL matmuls)
     T<t>+graphs      with --cuda-graphs (a GPU): T<t> replayed from a CUDA graph (GraphRunner;
