@@ -86,6 +86,20 @@ void accumulate_values_portable(const float* p, int64_t p_s, int64_t nq, const E
     }
 }
 
+// The softmax's keys [j, L) past a vector body: exp(s - mx) in place, each added to lane[j % 16]
+// (j - 16 * (L / 16) = j % 16: the tail adds to lanes 0, 1, ...); then the 16 lanes summed in
+// order -> the weights' total
+float finish_softmax(float* s, int64_t j, int64_t L, float mx, float* lane) {
+  for (; j < L; ++j) {
+    s[j] -= mx;
+    bi_exp_scalar(s + j, s + j, 1);
+    lane[j % 16] += s[j];
+  }
+  float total = 0.0f;
+  for (int l = 0; l < 16; ++l) total += lane[l];
+  return total;
+}
+
 #if defined(__x86_64__)
 // q . k_j over D in 16-lane chunks: one fixed chain of FMAs (masked tail), reduced in a fixed order
 template <class E>
@@ -302,14 +316,7 @@ __attribute__((target("avx2"))) float softmax_weights_avx2(float* s, int64_t L) 
   alignas(32) float lane[16];
   _mm256_store_ps(lane, lo);
   _mm256_store_ps(lane + 8, hi);
-  for (; j < L; ++j) {
-    s[j] -= mx;
-    bi_exp_scalar(s + j, s + j, 1);
-    lane[j % 16] += s[j];
-  }
-  float total = 0.0f;
-  for (int l = 0; l < 16; ++l) total += lane[l];
-  return total;
+  return finish_softmax(s, j, L, mx, lane);
 }
 
 // Up to 16 queries that share one kv head (GQA group x new tokens) in the 16 lanes of a
@@ -473,14 +480,7 @@ __attribute__((target("avx512f"))) float softmax_weights_avx512(float* s, int64_
   }
   alignas(64) float lane[16];
   _mm512_store_ps(lane, sums);
-  for (; j < L; ++j) {  // j - 16 * (L / 16) = j % 16: the tail adds to lanes 0, 1, ...
-    s[j] -= mx;
-    bi_exp_scalar(s + j, s + j, 1);
-    lane[j % 16] += s[j];
-  }
-  float total = 0.0f;
-  for (int l = 0; l < 16; ++l) total += lane[l];
-  return total;
+  return finish_softmax(s, j, L, mx, lane);
 }
 
 // The query heads of one kv head and the new tokens, flattened: u = g * T + i (query head
