@@ -50,6 +50,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack_cpu(
     const std::vector<std::optional<at::Tensor>>& packed, int64_t packed_max_rows);
 at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias);
 at::Tensor bi_exp_isa(const at::Tensor& x, const std::string& isa);
+at::Tensor silu_mul_isa(const at::Tensor& gate, const at::Tensor& up, const std::string& isa);
 at::Tensor packed_linear_isa(const at::Tensor& x, const at::Tensor& packed, const std::string& isa);
 at::Tensor verify_attention_isa(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                 const at::Tensor& cache_lens, double scale, const std::string& isa, bool invariant);
@@ -141,6 +142,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear_isa", &swiftkern::packed_linear_isa,
         "packed_linear (no bias) with a named instruction set: avx512, avx2 or portable (tests)");
   m.def("bi_exp_isa", &swiftkern::bi_exp_isa, "bi_exp with a named instruction set: avx512, avx2 or portable (tests)");
+  m.def("silu_mul_isa", &swiftkern::silu_mul_isa,
+        "float32 silu_mul with a named instruction set: avx512, avx2 or portable (tests)");
   m.def("verify_attention_isa", &swiftkern::verify_attention_isa,
         "verify_attention (invariant=True: its invariant variant) with a named instruction set: avx512, avx2 or "
         "portable "

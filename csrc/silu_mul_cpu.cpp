@@ -12,6 +12,7 @@
 #include <c10/util/Half.h>
 
 #include <cstdint>
+#include <string>
 #include <type_traits>
 
 #include "cpu_exp.h"
@@ -91,6 +92,26 @@ at::Tensor silu_mul_cpu(const at::Tensor& gate, const at::Tensor& up) {
       cpu::silu_mul_range<scalar_t>(gp + i0, up_ + i0, yp + i0, i1 - i0, isa);
     });
   });
+  return y;
+}
+
+// silu_mul of float32 gate, up with a named instruction set ("avx512", "avx2", "portable"), one
+// thread, for the test that each gives bi_silu_mul's bits
+at::Tensor silu_mul_isa(const at::Tensor& gate, const at::Tensor& up, const std::string& isa) {
+  TORCH_CHECK(gate.device().is_cpu() && gate.scalar_type() == at::kFloat && up.scalar_type() == at::kFloat &&
+                  gate.sizes() == up.sizes(),
+              "silu_mul_isa: gate and up must be float32 CPU tensors of one shape");
+  const bool known = isa == "avx512" || isa == "avx2" || isa == "portable";
+  const bool runs = isa == "portable" || (isa == "avx512" && cpu::cpu_has_avx512()) ||
+                    (isa == "avx2" && cpu::cpu_has_avx2());
+  TORCH_CHECK(known && runs, "silu_mul_isa: unknown instruction set or one this CPU cannot run: '", isa,
+              "' (avx512, avx2, portable)");
+  const cpu::SiluIsa which = isa == "avx512" ? cpu::SiluIsa::kAvx512
+                             : isa == "avx2" ? cpu::SiluIsa::kAvx2
+                                             : cpu::SiluIsa::kPortable;
+  const at::Tensor g = gate.contiguous(), u = up.contiguous();
+  at::Tensor y = at::empty(g.sizes(), g.options());
+  cpu::silu_mul_range<float>(g.data_ptr<float>(), u.data_ptr<float>(), y.data_ptr<float>(), g.numel(), which);
   return y;
 }
 

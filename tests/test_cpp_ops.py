@@ -438,6 +438,8 @@ def test_silu_mul_is_bi_silu_mul_bit_for_bit_at_any_place():
     assert torch.equal(got, bi_silu_mul(gate, up))
     for start in (1, 5, 16, 17):
         assert torch.equal(OPS.silu_mul(gate[start:].clone(), up[start:].clone()), got[start:])
+    for isa in ops.registry.extension.skinny_linear_isas():  # every instruction set this CPU runs
+        assert torch.equal(ops.registry.extension.silu_mul_isa(gate, up, isa), got), isa
 
 
 @needs_cpp
