@@ -439,8 +439,8 @@ at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& packed, cons
   return packed_linear_with(cpu::pick_isa(), x, packed, bias);
 }
 
-// The same with a named instruction set ("avx512" or "portable"), for the test that both give
-// skinny_linear's bits
+// The same with a named instruction set ("avx512", "avx2" or "portable"), for the test that each
+// gives skinny_linear's bits
 at::Tensor packed_linear_isa(const at::Tensor& x, const at::Tensor& packed, const std::string& isa) {
   for (cpu::Isa i : {cpu::Isa::kAvx512, cpu::Isa::kAvx2, cpu::Isa::kPortable}) {
     if (isa == cpu::isa_name(i)) {

@@ -16,6 +16,7 @@
 #include <type_traits>
 
 #include "cpu_exp.h"
+#include "fixed_order_dot.h"
 #include "op_checks.h"
 
 namespace swiftkern {
@@ -57,14 +58,12 @@ __attribute__((target("avx2"))) void silu_mul_avx2(const float* g, const float* 
 }
 #endif
 
-enum class SiluIsa { kPortable, kAvx2, kAvx512 };
-
 template <class T>
-void silu_mul_range(const T* g, const T* u, T* y, int64_t n, SiluIsa isa) {
+void silu_mul_range(const T* g, const T* u, T* y, int64_t n, Isa isa) {
 #if defined(__x86_64__)
   if constexpr (std::is_same_v<T, float>) {
-    if (isa == SiluIsa::kAvx512) return silu_mul_avx512(g, u, y, n);
-    if (isa == SiluIsa::kAvx2) return silu_mul_avx2(g, u, y, n);
+    if (isa == Isa::kAvx512) return silu_mul_avx512(g, u, y, n);
+    if (isa == Isa::kAvx2) return silu_mul_avx2(g, u, y, n);
   }
 #endif
   (void)isa;
@@ -82,9 +81,7 @@ at::Tensor silu_mul_cpu(const at::Tensor& gate, const at::Tensor& up) {
   at::Tensor y = at::empty(g.sizes(), g.options());
   const int64_t n = g.numel();
   if (n == 0) return y;
-  static const cpu::SiluIsa isa = cpu::cpu_has_avx512() ? cpu::SiluIsa::kAvx512
-                                  : cpu::cpu_has_avx2()  ? cpu::SiluIsa::kAvx2
-                                                         : cpu::SiluIsa::kPortable;
+  static const cpu::Isa isa = cpu::pick_isa();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, g.scalar_type(), "silu_mul_cpu", [&] {
     const scalar_t *gp = g.data_ptr<scalar_t>(), *up_ = u.data_ptr<scalar_t>();
     scalar_t* yp = y.data_ptr<scalar_t>();
@@ -101,18 +98,16 @@ at::Tensor silu_mul_isa(const at::Tensor& gate, const at::Tensor& up, const std:
   TORCH_CHECK(gate.device().is_cpu() && gate.scalar_type() == at::kFloat && up.scalar_type() == at::kFloat &&
                   gate.sizes() == up.sizes(),
               "silu_mul_isa: gate and up must be float32 CPU tensors of one shape");
-  const bool known = isa == "avx512" || isa == "avx2" || isa == "portable";
-  const bool runs = isa == "portable" || (isa == "avx512" && cpu::cpu_has_avx512()) ||
-                    (isa == "avx2" && cpu::cpu_has_avx2());
-  TORCH_CHECK(known && runs, "silu_mul_isa: unknown instruction set or one this CPU cannot run: '", isa,
-              "' (avx512, avx2, portable)");
-  const cpu::SiluIsa which = isa == "avx512" ? cpu::SiluIsa::kAvx512
-                             : isa == "avx2" ? cpu::SiluIsa::kAvx2
-                                             : cpu::SiluIsa::kPortable;
-  const at::Tensor g = gate.contiguous(), u = up.contiguous();
-  at::Tensor y = at::empty(g.sizes(), g.options());
-  cpu::silu_mul_range<float>(g.data_ptr<float>(), u.data_ptr<float>(), y.data_ptr<float>(), g.numel(), which);
-  return y;
+  for (cpu::Isa i : {cpu::Isa::kAvx512, cpu::Isa::kAvx2, cpu::Isa::kPortable}) {
+    if (isa == cpu::isa_name(i)) {
+      TORCH_CHECK(cpu::isa_supported(i), "silu_mul_isa: this CPU cannot run ", isa);
+      const at::Tensor g = gate.contiguous(), u = up.contiguous();
+      at::Tensor y = at::empty(g.sizes(), g.options());
+      cpu::silu_mul_range<float>(g.data_ptr<float>(), u.data_ptr<float>(), y.data_ptr<float>(), g.numel(), i);
+      return y;
+    }
+  }
+  TORCH_CHECK(false, "silu_mul_isa: unknown instruction set '", isa, "' (avx512, avx2, portable)");
 }
 
 }  // namespace swiftkern
