@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "fixed_order_dot.h"
+#include "lane_panel_gemm.h"
 #include "linear_call.h"
 
 namespace swiftkern {
@@ -78,14 +79,13 @@ static_assert(avx2_packed_tile_cols(1) == 4 && avx2_packed_tile_cols(2) == 3 && 
 // weight rows, 32 registers) 18.4-18.8 / 18.5-19.4; 14-16 rows by 1 weight row 1.3-1.4x slower.
 constexpr int64_t kUnpackAboveRows = 11;
 static_assert(kUnpackAboveRows <= kPackedTileRows, "the register path takes all the x rows in one tile");
-// AVX2 takes up to 64 x rows in register tiles, in near-equal groups of up to 6 rows against each
-// weight tile while it is in L1 (so a weight is rebuilt once per group), and unpacks above that.
-// SmolLM2's projections on an AMD EPYC (2 threads, AVX2), median of 7, register groups / unpacked
-// into L1 for skinny_linear's 2-row AVX2 tiles: 7 rows 19-24 / 32-33 ms, 8 rows 22-26 / 38-39,
-// 12 rows 36-37 / 50-55, 16 rows 50-52 / 61-63, 32 rows 110 / 124, 48 rows 134 / 184, 64 rows
-// 196 / 243, 128 rows 502 / 443 (x no longer in L2). 1 / 4 / 8 rows 8.4 / 14.6 / 26.6 ms against
-// 25.4 / 28.3 / 41.6 from the float32 weights.
-constexpr int64_t kAvx2UnpackAboveRows = 64;
+// AVX2 takes up to kPanelAboveRows (20) x rows in register tiles, in near-equal groups of up to
+// 6 rows against each weight tile while it is in L1 (so a weight is rebuilt once per group), and
+// more rows as lane panels (lane_panel_gemm.h: each 16 weight rows unpacked once for all the x
+// rows). SmolLM2's 210 projections (30 layers, from memory) on an AMD EPYC (2 threads, AVX2),
+// three alternating runs, register groups / panels: 12 rows 26-29 / 33-44 ms, 16 rows 35-36 /
+// 42-43, 20 rows 50-51 / 50-57, 24 rows 62 / 51-61, 32 rows 83-86 / 69-78, 40 rows 102-104 /
+// 79-83, 130 rows 371-411 (unpacked into L1 for skinny_linear's 2-row tiles) / 214-248.
 
 static inline float load_f32(const uint8_t* p) {
   float v;
@@ -322,7 +322,7 @@ struct PackedTiles {
     t.fill<BITS, 5>(isa); t.fill<BITS, 6>(isa); t.fill<BITS, 7>(isa); t.fill<BITS, 8>(isa);
     t.fill<BITS, 9>(isa); t.fill<BITS, 10>(isa); t.fill<BITS, 11>(isa);
     t.tile_rows = isa == Isa::kAvx2 ? kAvx2PackedTileRows : kPackedTileRows;
-    t.max_rows = isa == Isa::kAvx2 ? kAvx2UnpackAboveRows : kUnpackAboveRows;
+    t.max_rows = isa == Isa::kAvx2 ? kPanelAboveRows : kUnpackAboveRows;
     return t;
   }
 };
@@ -394,6 +394,23 @@ static void packed_linear_range(const PackedTiles& tiles, Isa isa, const float* 
   }
 }
 
+#if defined(__x86_64__)
+// Outputs y[:, 16 p0 : 16 p1) of a prefill on AVX2 (panels_take): each panel of 16 weight rows
+// unpacked into a float32 buffer, then lane_panel_gemm.h's panels over all the x rows
+template <int BITS>
+static void packed_panels(Isa isa, const LanePackedX& x, const uint8_t* w, int64_t row_bytes, float* y, int64_t N,
+                          int64_t p0, int64_t p1) {
+  PanelScratch scratch(x.J);
+  std::vector<float> rows(kPanelCols * x.K);  // [16, K]
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t n = p * kPanelCols;
+    const int nr = static_cast<int>(std::min<int64_t>(kPanelCols, N - n));
+    unpack_rows<BITS>(isa, w + n * row_bytes, row_bytes, nr, x.K, rows.data(), nullptr);
+    panel_outputs_avx2(x, rows.data(), nr, y + n, N, scratch);
+  }
+}
+#endif
+
 static int packed_bits(int64_t block_bytes) {
   return block_bytes == kBlockBytes4 ? 4 : block_bytes == kBlockBytes8 ? 8 : 0;
 }
@@ -424,6 +441,15 @@ static at::Tensor packed_linear_with(cpu::Isa isa, const at::Tensor& x, const at
   const uint8_t* wp = pc.data_ptr<uint8_t>();
   const int64_t row_bytes = pc.size(1) * pc.size(2);
   float* yp = call.y.data_ptr<float>();
+#if defined(__x86_64__)
+  if (cpu::panels_take(isa, M)) {
+    const cpu::LanePackedX xl(xp, M, K);
+    const auto panels = bits == 4 ? cpu::packed_panels<4> : cpu::packed_panels<8>;
+    constexpr int64_t nc = cpu::kPanelCols;
+    at::parallel_for(0, (N + nc - 1) / nc, 1, [&](int64_t p0, int64_t p1) { panels(isa, xl, wp, row_bytes, yp, N, p0, p1); });
+    return call.finish();
+  }
+#endif
   constexpr int nr = cpu::kPackedTileCols;
   const int64_t tiles_n = (N + nr - 1) / nr;
   const int64_t grain = std::max<int64_t>(1, 32768 / (nr * K));  // as skinny_linear: ~K * 4 * 8192 weights a task

@@ -14,7 +14,9 @@
 // load-bound sweep: SmolLM2's projections at 5 / 6 rows 24.9 / 26.3 ms -> 23.6 / 24.8, one row
 // 20.5; tiles of 7-8 x rows by 3 gained nothing at 8 rows and lost 30 % at 16), and the first x
 // tile prefetches the weight tile two ahead, so the weight streams from memory while earlier
-// tiles compute.
+// tiles compute. On AVX2 (16 registers: tiles of 2 x rows) a call of more than 20 rows, a
+// prefill or a deterministic verify pass, runs as lane panels instead (lane_panel_gemm.h): the
+// same sums as a 6 x 16 GEMM tile, where the dot-product tiles ran at ~0.7x MKL's speed.
 //
 // bfloat16 / float16 (x and weight of one dtype): the weight is read in its own dtype and loaded
 // into fp32 exactly (exact_load.h), x is upcast once, and each output is rounded once at the end:
@@ -29,6 +31,7 @@
 
 #include "exact_load.h"
 #include "fixed_order_dot.h"
+#include "lane_panel_gemm.h"
 #include "linear_call.h"
 #include "op_checks.h"
 
@@ -228,6 +231,18 @@ int64_t fixed_order_row_block(Isa isa, int64_t M, int64_t K) {
 // whole weight tiles (~128 KiB of weight each)
 template <class W>
 static void fixed_order_matmul(cpu::Isa isa, const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N) {
+#if defined(__x86_64__)
+  if (cpu::panels_take(isa, M)) {  // a prefill on AVX2: lane panels of 16 weight rows (lane_panel_gemm.h)
+    const cpu::LanePackedX packed(x, M, K);
+    constexpr int64_t nc = cpu::kPanelCols;
+    at::parallel_for(0, (N + nc - 1) / nc, 1, [&](int64_t p0, int64_t p1) {
+      cpu::PanelScratch scratch(packed.J);
+      for (int64_t p = p0; p < p1; ++p)
+        cpu::panel_outputs_avx2(packed, w + p * nc * K, static_cast<int>(std::min(nc, N - p * nc)), y + p * nc, N, scratch);
+    });
+    return;
+  }
+#endif
   const cpu::TileTable<W>& table = cpu::table_for<W>(isa);
   constexpr int nr = cpu::kTileCols;
   const int64_t tiles = (N + nr - 1) / nr;

@@ -1,0 +1,177 @@
+// The fixed-order matmul of fixed_order_dot.h as a GEMM: many x rows (a prefill) on AVX2.
+//
+// fixed_order_dot.h sums lane l of an output over k = l, l + 16, ... in increasing k. Reorder k
+// lane by lane (all of lane 0's k, then lane 1's, ...) and each lane becomes an ordinary
+// contiguous piece of the reduction: a GEMM over that piece, started from zero, is exactly the
+// lane's chain of fmas. So x is packed lane-major ([row tile][lane][step][6 rows]), each panel of
+// 16 weight rows too ([lane][step][16 outputs]), and a 6 x 16 register tile (12 accumulators,
+// 2 weight loads and 6 broadcasts for 12 fmas a step: the classic AVX2 GEMM kernel) runs every
+// lane's piece; the 16 lane sums of an output are then added by halving, vectorized across the
+// 16 outputs of the panel. Every output keeps skinny_linear's bits; only the loads change.
+//
+// The dot-product tiles (skinny_linear_cpu.cpp) keep an output's 16 lanes in two registers, so
+// AVX2 holds at most 2 x rows by 4 weight rows: 12 loads for 16 fmas, and the x block streamed
+// from L2 per 4 weight rows. SmolLM2's projections on a 2-core AMD EPYC (AVX2), ms at 64 / 130 /
+// 512 rows: dot-product tiles 5.2-7.6 / 10.8-13.5 / 45-52, these panels 5.4-6.5 / 8.1-10.2 /
+// 31-33, MKL's sgemm 4.2-6.5 / 6.8-10.3 / 24-30 (alternating runs; this machine is noisy).
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <vector>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "exact_load.h"
+#include "fixed_order_dot.h"
+
+namespace swiftkern {
+namespace cpu {
+
+constexpr int kPanelRows = 6;               // x rows of a register tile
+constexpr int kPanelCols = 16;              // weight rows (outputs) of a panel
+// x rows past which AVX2 runs the panels: SmolLM2's 210 projections (30 layers, from memory), ms,
+// float32 weights, dot-product tiles / panels: 20 rows 53-57 / 55-61, 24 rows 63-76 / 55-59, 28
+// rows 71-74 / 63-69 (packed weights: packed_linear_cpu.cpp)
+constexpr int64_t kPanelAboveRows = 20;
+
+// Whether a call of M x rows with isa's kernels goes through the panels (AVX2 only: AVX-512's
+// dot-product tiles hold 6 x rows by 4 weight rows and keep up with MKL there)
+inline bool panels_take(Isa isa, int64_t M) { return isa == Isa::kAvx2 && M > kPanelAboveRows; }
+
+// Steps of lane l over K inputs: k = l, l + 16, ... < K
+inline int lane_steps(int64_t K, int l) { return l < K ? static_cast<int>((K - l + kLanes - 1) / kLanes) : 0; }
+
+// x [M, K] packed lane-major: at(t, l)[j * 6 + i] = x[6t + i, l + 16j], J = ceil(K / 16) steps a
+// lane (its last ones unread where K % 16 != 0), the rows past M zeros; packed in tasks of tiles
+struct LanePackedX {
+  int64_t M, K, J, tiles;
+  std::unique_ptr<float[]> data;  // [tiles][16][J][6]
+
+  LanePackedX(const float* x, int64_t M_, int64_t K_)
+      : M(M_), K(K_), J((K_ + kLanes - 1) / kLanes), tiles((M_ + kPanelRows - 1) / kPanelRows),
+        data(new float[tiles * kLanes * J * kPanelRows]) {
+    at::parallel_for(0, tiles, 8, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int rows = static_cast<int>(std::min<int64_t>(kPanelRows, M - t * kPanelRows));
+        for (int l = 0; l < kLanes; ++l) {
+          float* d = data.get() + (t * kLanes + l) * J * kPanelRows;
+          const float* src = x + t * kPanelRows * K + l;
+          for (int j = 0; j < lane_steps(K, l); ++j)
+            for (int i = 0; i < kPanelRows; ++i) d[j * kPanelRows + i] = i < rows ? src[i * K + j * kLanes] : 0.f;
+        }
+      }
+    });
+  }
+  const float* at(int64_t t, int l) const { return data.get() + (t * kLanes + l) * J * kPanelRows; }
+};
+
+// Per-thread buffers of one panel: its weights lane-major and the 16 lane sums of a tile
+struct PanelScratch {
+  std::vector<float> w;     // [16 lanes][J][16 outputs]
+  float sums[kLanes][kPanelRows][kPanelCols];
+  explicit PanelScratch(int64_t J) : w(kLanes * J * kPanelCols) {}
+};
+
+#if defined(__x86_64__)
+// sums[0..6)[0..16) of one lane: a[j * 6 + i] (x) times w[j * 16 + c] over `steps` steps, from zero
+__attribute__((target("avx2,fma"))) static inline void panel_lane_avx2(const float* a, const float* w, int steps,
+                                                                      float (*sums)[kPanelCols]) {
+  // named accumulators: in an array GCC kept them on the stack, one store per fma
+  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+  __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+  for (int j = 0; j < steps; ++j, a += kPanelRows, w += kPanelCols) {
+    const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
+    __m256 xv;
+#define SWIFTKERN_PANEL_ROW(i)                 \
+  xv = _mm256_broadcast_ss(a + i);             \
+  c##i##0 = _mm256_fmadd_ps(xv, w0, c##i##0);  \
+  c##i##1 = _mm256_fmadd_ps(xv, w1, c##i##1);
+    SWIFTKERN_PANEL_ROW(0) SWIFTKERN_PANEL_ROW(1) SWIFTKERN_PANEL_ROW(2)
+    SWIFTKERN_PANEL_ROW(3) SWIFTKERN_PANEL_ROW(4) SWIFTKERN_PANEL_ROW(5)
+#undef SWIFTKERN_PANEL_ROW
+  }
+#define SWIFTKERN_PANEL_STORE(i)              \
+  _mm256_storeu_ps(sums[i], c##i##0);         \
+  _mm256_storeu_ps(sums[i] + 8, c##i##1);
+  SWIFTKERN_PANEL_STORE(0) SWIFTKERN_PANEL_STORE(1) SWIFTKERN_PANEL_STORE(2)
+  SWIFTKERN_PANEL_STORE(3) SWIFTKERN_PANEL_STORE(4) SWIFTKERN_PANEL_STORE(5)
+#undef SWIFTKERN_PANEL_STORE
+}
+
+// y[i * N + c] (i < mr, c < nr) = the halving sum (l + 8, + 4, + 2, + 1) of sums[l][i][c],
+// eight outputs to a register
+__attribute__((target("avx2"))) static inline void panel_halving_sums_avx2(const float (*sums)[kPanelRows][kPanelCols],
+                                                                         float* y, int64_t N, int mr, int nr) {
+  for (int i = 0; i < mr; ++i) {
+    alignas(32) float row[kPanelCols];
+    for (int h = 0; h < kPanelCols; h += 8) {
+      __m256 v[kLanes];
+      for (int l = 0; l < kLanes; ++l) v[l] = _mm256_loadu_ps(sums[l][i] + h);
+      for (int width = kLanes / 2; width >= 1; width /= 2)
+        for (int l = 0; l < width; ++l) v[l] = _mm256_add_ps(v[l], v[l + width]);
+      _mm256_store_ps(row + h, v[0]);
+    }
+    std::copy(row, row + nr, y + i * N);
+  }
+}
+
+// Transposes the 8 x 8 floats r[0..8) in registers: r[q][i] <- r[i][q]
+__attribute__((target("avx2"))) static inline void transpose_8x8_avx2(__m256* r) {
+  __m256 t[8], u[8];
+  for (int p = 0; p < 4; ++p) {
+    t[2 * p] = _mm256_unpacklo_ps(r[2 * p], r[2 * p + 1]);
+    t[2 * p + 1] = _mm256_unpackhi_ps(r[2 * p], r[2 * p + 1]);
+  }
+  for (int p = 0; p < 2; ++p) {
+    u[4 * p] = _mm256_shuffle_ps(t[4 * p], t[4 * p + 2], 0x44);
+    u[4 * p + 1] = _mm256_shuffle_ps(t[4 * p], t[4 * p + 2], 0xEE);
+    u[4 * p + 2] = _mm256_shuffle_ps(t[4 * p + 1], t[4 * p + 3], 0x44);
+    u[4 * p + 3] = _mm256_shuffle_ps(t[4 * p + 1], t[4 * p + 3], 0xEE);
+  }
+  for (int q = 0; q < 4; ++q) {
+    r[q] = _mm256_permute2f128_ps(u[q], u[q + 4], 0x20);
+    r[q + 4] = _mm256_permute2f128_ps(u[q], u[q + 4], 0x31);
+  }
+}
+
+// Weight rows w [nr, K] (stride K, elements of W, loaded exactly as fp32) -> out[(l * J + j) * 16 + c]
+// = w[c, l + 16j], zeros for c >= nr: 8 x 8 blocks transposed in registers, the K % 16 tail by element
+template <class W>
+__attribute__((target("avx2,f16c"))) static void pack_panel_weights_avx2(const W* w, int nr, int64_t K, int64_t J,
+                                                                       float* out) {
+  const int64_t whole = K / kLanes;
+  for (int cb = 0; cb < kPanelCols; cb += 8)
+    for (int64_t j = 0; j < whole; ++j)
+      for (int lb = 0; lb < kLanes; lb += 8) {
+        __m256 r[8];
+        for (int i = 0; i < 8; ++i)
+          r[i] = cb + i < nr ? load8(w + (cb + i) * K + j * kLanes + lb) : _mm256_setzero_ps();
+        transpose_8x8_avx2(r);
+        for (int q = 0; q < 8; ++q) _mm256_storeu_ps(out + ((lb + q) * J + j) * kPanelCols + cb, r[q]);
+      }
+  for (int l = 0; whole < J && l < K - whole * kLanes; ++l)
+    for (int c = 0; c < kPanelCols; ++c)
+      out[(l * J + whole) * kPanelCols + c] = c < nr ? static_cast<float>(w[c * K + whole * kLanes + l]) : 0.f;
+}
+
+// Outputs y[:, 0:nr) (row stride N; nr <= 16) of x (packed) against weight rows w [nr, K] (stride
+// K, elements of W, loaded exactly as fp32)
+template <class W>
+static void panel_outputs_avx2(const LanePackedX& x, const W* w, int nr, float* y, int64_t N, PanelScratch& s) {
+  const int64_t K = x.K, J = x.J;
+  pack_panel_weights_avx2(w, nr, K, J, s.w.data());
+  for (int64_t t = 0; t < x.tiles; ++t) {
+    for (int l = 0; l < kLanes; ++l) panel_lane_avx2(x.at(t, l), s.w.data() + l * J * kPanelCols, lane_steps(K, l), s.sums[l]);
+    const int mr = static_cast<int>(std::min<int64_t>(kPanelRows, x.M - t * kPanelRows));
+    panel_halving_sums_avx2(s.sums, y + t * kPanelRows * N, N, mr, nr);
+  }
+}
+#endif
+
+}  // namespace cpu
+}  // namespace swiftkern
