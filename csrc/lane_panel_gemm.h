@@ -46,28 +46,16 @@ inline bool panels_take(Isa isa, int64_t M) { return isa == Isa::kAvx2 && M > kP
 // Steps of lane l over K inputs: k = l, l + 16, ... < K
 inline int lane_steps(int64_t K, int l) { return l < K ? static_cast<int>((K - l + kLanes - 1) / kLanes) : 0; }
 
-// x [M, K] packed lane-major: at(t, l)[j * 6 + i] = x[6t + i, l + 16j], J = ceil(K / 16) steps a
-// lane (its last ones unread where K % 16 != 0), the rows past M zeros; packed in tasks of tiles
+// x [M, K] packed lane-major: at(t, l)[j * 8 + i] = x[6t + i, l + 16j] for i < 6 (J = ceil(K / 16)
+// steps a lane; the rows past M zeros; slots 6 and 7 unread padding, so that 8 x 8 transposes in
+// registers write whole vectors), packed in tasks of tiles
+constexpr int kPackedRowStride = 8;
 struct LanePackedX {
   int64_t M, K, J, tiles;
-  std::unique_ptr<float[]> data;  // [tiles][16][J][6]
+  std::unique_ptr<float[]> data;  // [tiles][16][J][8]
 
-  LanePackedX(const float* x, int64_t M_, int64_t K_)
-      : M(M_), K(K_), J((K_ + kLanes - 1) / kLanes), tiles((M_ + kPanelRows - 1) / kPanelRows),
-        data(new float[tiles * kLanes * J * kPanelRows]) {
-    at::parallel_for(0, tiles, 8, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) {
-        const int rows = static_cast<int>(std::min<int64_t>(kPanelRows, M - t * kPanelRows));
-        for (int l = 0; l < kLanes; ++l) {
-          float* d = data.get() + (t * kLanes + l) * J * kPanelRows;
-          const float* src = x + t * kPanelRows * K + l;
-          for (int j = 0; j < lane_steps(K, l); ++j)
-            for (int i = 0; i < kPanelRows; ++i) d[j * kPanelRows + i] = i < rows ? src[i * K + j * kLanes] : 0.f;
-        }
-      }
-    });
-  }
-  const float* at(int64_t t, int l) const { return data.get() + (t * kLanes + l) * J * kPanelRows; }
+  LanePackedX(const float* x, int64_t M_, int64_t K_);
+  const float* at(int64_t t, int l) const { return data.get() + (t * kLanes + l) * J * kPackedRowStride; }
 };
 
 // Per-thread buffers of one panel: its weights lane-major and the 16 lane sums of a tile
@@ -78,13 +66,13 @@ struct PanelScratch {
 };
 
 #if defined(__x86_64__)
-// sums[0..6)[0..16) of one lane: a[j * 6 + i] (x) times w[j * 16 + c] over `steps` steps, from zero
+// sums[0..6)[0..16) of one lane: a[j * 8 + i] (x) times w[j * 16 + c] over `steps` steps, from zero
 __attribute__((target("avx2,fma"))) static inline void panel_lane_avx2(const float* a, const float* w, int steps,
                                                                       float (*sums)[kPanelCols]) {
   // named accumulators: in an array GCC kept them on the stack, one store per fma
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
   __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-  for (int j = 0; j < steps; ++j, a += kPanelRows, w += kPanelCols) {
+  for (int j = 0; j < steps; ++j, a += kPackedRowStride, w += kPanelCols) {
     const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
     __m256 xv;
 #define SWIFTKERN_PANEL_ROW(i)                 \
@@ -137,6 +125,32 @@ __attribute__((target("avx2"))) static inline void transpose_8x8_avx2(__m256* r)
     r[q] = _mm256_permute2f128_ps(u[q], u[q + 4], 0x20);
     r[q + 4] = _mm256_permute2f128_ps(u[q], u[q + 4], 0x31);
   }
+}
+
+// Tile t of x (rows [6t, 6t + rows)) lane-major into out [16][J][8]
+__attribute__((target("avx2"))) static inline void pack_x_tile_avx2(const float* src, int rows, int64_t K, int64_t J,
+                                                                   float* out) {
+  const int64_t whole = K / kLanes;
+  for (int64_t j = 0; j < whole; ++j)
+    for (int lb = 0; lb < kLanes; lb += 8) {  // lanes lb..lb + 8 of step j: an 8 x 8 transpose
+      __m256 r[8];
+      for (int i = 0; i < 8; ++i) r[i] = i < rows ? _mm256_loadu_ps(src + i * K + j * kLanes + lb) : _mm256_setzero_ps();
+      transpose_8x8_avx2(r);
+      for (int q = 0; q < 8; ++q) _mm256_storeu_ps(out + ((lb + q) * J + j) * kPackedRowStride, r[q]);
+    }
+  for (int l = 0; whole < J && l < K - whole * kLanes; ++l)  // the K % 16 tail
+    for (int i = 0; i < kPackedRowStride; ++i)
+      out[(l * J + whole) * kPackedRowStride + i] = i < rows ? src[i * K + whole * kLanes + l] : 0.f;
+}
+
+inline LanePackedX::LanePackedX(const float* x, int64_t M_, int64_t K_)
+    : M(M_), K(K_), J((K_ + kLanes - 1) / kLanes), tiles((M_ + kPanelRows - 1) / kPanelRows),
+      data(new float[tiles * kLanes * J * kPackedRowStride]) {
+  at::parallel_for(0, tiles, 8, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      pack_x_tile_avx2(x + t * kPanelRows * K, static_cast<int>(std::min<int64_t>(kPanelRows, M - t * kPanelRows)), K, J,
+                       data.get() + t * kLanes * J * kPackedRowStride);
+  });
 }
 
 // Weight rows w [nr, K] (stride K, elements of W, loaded exactly as fp32) -> out[(l * J + j) * 16 + c]
