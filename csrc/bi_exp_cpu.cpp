@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "cpu_exp.h"
+#include "op_checks.h"
 
 namespace swiftkern {
 
@@ -30,13 +31,7 @@ at::Tensor bi_exp_cpu(const at::Tensor& x) {
 // gives the reference's bits
 at::Tensor bi_exp_isa(const at::Tensor& x, const std::string& isa) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat, "bi_exp_isa: x must be float32 on the CPU");
-  cpu::ExpFn fn = nullptr;
-#if defined(__x86_64__)
-  if (isa == "avx512" && cpu::cpu_has_avx512()) fn = cpu::bi_exp_avx512;
-  if (isa == "avx2" && cpu::cpu_has_avx2()) fn = cpu::bi_exp_avx2;
-#endif
-  if (isa == "portable") fn = cpu::bi_exp_scalar;
-  TORCH_CHECK(fn != nullptr, "bi_exp_isa: this CPU cannot run '", isa, "' (avx512, avx2, portable)");
+  const cpu::ExpFn fn = cpu::exp_for(checks::named_isa("bi_exp_isa", isa));
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty(xc.sizes(), xc.options());
   fn(xc.data_ptr<float>(), y.data_ptr<float>(), xc.numel());

@@ -14,6 +14,8 @@
 #include <immintrin.h>
 #endif
 
+#include "cpu_isa.h"
+
 namespace swiftkern {
 namespace cpu {
 
@@ -85,30 +87,18 @@ __attribute__((target("avx2"))) inline void bi_exp_avx2(const float* x, float* y
 
 using ExpFn = void (*)(const float* x, float* y, int64_t n);  // y[i] = exp(x[i]), i < n
 
-inline bool cpu_has_avx512() {
+// isa's implementation (all give the same bits)
+inline ExpFn exp_for(Isa isa) {
 #if defined(__x86_64__)
-  return __builtin_cpu_supports("avx512f");
-#else
-  return false;
+  if (isa == Isa::kAvx512) return bi_exp_avx512;
+  if (isa == Isa::kAvx2) return bi_exp_avx2;
 #endif
-}
-
-// the widest implementation this CPU runs (all give the same bits)
-inline bool cpu_has_avx2() {
-#if defined(__x86_64__)
-  return __builtin_cpu_supports("avx2");
-#else
-  return false;
-#endif
-}
-
-inline ExpFn pick_exp() {
-#if defined(__x86_64__)
-  if (cpu_has_avx512()) return bi_exp_avx512;
-  if (cpu_has_avx2()) return bi_exp_avx2;
-#endif
+  (void)isa;
   return bi_exp_scalar;
 }
+
+// the widest implementation this CPU runs
+inline ExpFn pick_exp() { return exp_for(pick_isa()); }
 
 }  // namespace cpu
 }  // namespace swiftkern

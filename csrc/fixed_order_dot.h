@@ -11,6 +11,8 @@
 #include <immintrin.h>
 #endif
 
+#include "cpu_isa.h"
+
 namespace swiftkern {
 namespace cpu {
 
@@ -77,27 +79,6 @@ __attribute__((target("avx512f"))) static inline __m512 halving_sum_16_avx512(co
 }
 
 #endif
-
-enum class Isa { kPortable, kAvx2, kAvx512 };
-
-static inline bool isa_supported(Isa isa) {
-#if defined(__x86_64__)
-  if (isa == Isa::kAvx512) return __builtin_cpu_supports("avx512f");
-  if (isa == Isa::kAvx2)
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-#endif
-  return isa == Isa::kPortable;
-}
-
-static inline Isa pick_isa() {
-  for (Isa isa : {Isa::kAvx512, Isa::kAvx2})
-    if (isa_supported(isa)) return isa;
-  return Isa::kPortable;
-}
-
-static inline const char* isa_name(Isa isa) {
-  return isa == Isa::kAvx512 ? "avx512" : isa == Isa::kAvx2 ? "avx2" : "portable";
-}
 
 }  // namespace cpu
 }  // namespace swiftkern

@@ -7,10 +7,24 @@
 #include <ATen/ATen.h>
 
 #include <initializer_list>
+#include <string>
 #include <utility>
+
+#include "cpu_isa.h"
 
 namespace swiftkern {
 namespace checks {
+
+// The instruction set named `name` ("avx512", "avx2", "portable") for op's *_isa test binding;
+// refused, saying why, where unknown or where this CPU cannot run it
+inline cpu::Isa named_isa(const char* op, const std::string& name) {
+  for (cpu::Isa isa : cpu::kIsas)
+    if (name == cpu::isa_name(isa)) {
+      TORCH_CHECK(cpu::isa_supported(isa), op, ": this CPU cannot run ", name);
+      return isa;
+    }
+  TORCH_CHECK(false, op, ": unknown instruction set '", name, "' (avx512, avx2, portable)");
+}
 
 inline bool is_float_dtype(at::ScalarType t) {
   return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;

@@ -28,6 +28,7 @@
 #include "fixed_order_dot.h"
 #include "lane_panel_gemm.h"
 #include "linear_call.h"
+#include "op_checks.h"
 
 namespace swiftkern {
 namespace cpu {
@@ -468,13 +469,7 @@ at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& packed, cons
 // The same with a named instruction set ("avx512", "avx2" or "portable"), for the test that each
 // gives skinny_linear's bits
 at::Tensor packed_linear_isa(const at::Tensor& x, const at::Tensor& packed, const std::string& isa) {
-  for (cpu::Isa i : {cpu::Isa::kAvx512, cpu::Isa::kAvx2, cpu::Isa::kPortable}) {
-    if (isa == cpu::isa_name(i)) {
-      TORCH_CHECK(cpu::isa_supported(i), "packed_linear_isa: this CPU cannot run ", isa);
-      return packed_linear_with(i, x, packed, std::nullopt);
-    }
-  }
-  TORCH_CHECK(false, "packed_linear_isa: unknown instruction set '", isa, "' (avx512, avx2, portable)");
+  return packed_linear_with(checks::named_isa("packed_linear_isa", isa), x, packed, std::nullopt);
 }
 
 // Whether packed_linear beats skinny_linear here: it has an AVX-512 or AVX2 kernel (elsewhere the

@@ -98,16 +98,11 @@ at::Tensor silu_mul_isa(const at::Tensor& gate, const at::Tensor& up, const std:
   TORCH_CHECK(gate.device().is_cpu() && gate.scalar_type() == at::kFloat && up.scalar_type() == at::kFloat &&
                   gate.sizes() == up.sizes(),
               "silu_mul_isa: gate and up must be float32 CPU tensors of one shape");
-  for (cpu::Isa i : {cpu::Isa::kAvx512, cpu::Isa::kAvx2, cpu::Isa::kPortable}) {
-    if (isa == cpu::isa_name(i)) {
-      TORCH_CHECK(cpu::isa_supported(i), "silu_mul_isa: this CPU cannot run ", isa);
-      const at::Tensor g = gate.contiguous(), u = up.contiguous();
-      at::Tensor y = at::empty(g.sizes(), g.options());
-      cpu::silu_mul_range<float>(g.data_ptr<float>(), u.data_ptr<float>(), y.data_ptr<float>(), g.numel(), i);
-      return y;
-    }
-  }
-  TORCH_CHECK(false, "silu_mul_isa: unknown instruction set '", isa, "' (avx512, avx2, portable)");
+  const cpu::Isa named = checks::named_isa("silu_mul_isa", isa);
+  const at::Tensor g = gate.contiguous(), u = up.contiguous();
+  at::Tensor y = at::empty(g.sizes(), g.options());
+  cpu::silu_mul_range<float>(g.data_ptr<float>(), u.data_ptr<float>(), y.data_ptr<float>(), g.numel(), named);
+  return y;
 }
 
 }  // namespace swiftkern

@@ -289,18 +289,12 @@ at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
 // The same with a named instruction set ("avx512", "avx2", "portable"), for the test that all
 // of them give the same bits; isas: the ones this CPU runs, widest first.
 at::Tensor skinny_linear_isa(const at::Tensor& x, const at::Tensor& weight, const std::string& isa) {
-  for (cpu::Isa i : {cpu::Isa::kAvx512, cpu::Isa::kAvx2, cpu::Isa::kPortable}) {
-    if (isa == cpu::isa_name(i)) {
-      TORCH_CHECK(cpu::isa_supported(i), "skinny_linear_isa: this CPU cannot run ", isa);
-      return skinny_linear_with(i, x, weight, std::nullopt);
-    }
-  }
-  TORCH_CHECK(false, "skinny_linear_isa: unknown instruction set '", isa, "' (avx512, avx2, portable)");
+  return skinny_linear_with(checks::named_isa("skinny_linear_isa", isa), x, weight, std::nullopt);
 }
 
 std::vector<std::string> skinny_linear_isas() {
   std::vector<std::string> out;
-  for (cpu::Isa i : {cpu::Isa::kAvx512, cpu::Isa::kAvx2, cpu::Isa::kPortable})
+  for (cpu::Isa i : cpu::kIsas)
     if (cpu::isa_supported(i)) out.push_back(cpu::isa_name(i));
   return out;
 }

@@ -686,14 +686,8 @@ at::Tensor verify_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
 // portable, so the tests run the narrower paths on an AVX-512 CPU too
 at::Tensor verify_attention_isa(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                 const at::Tensor& cache_lens, double scale, const std::string& isa, bool invariant) {
-  for (cpu::Isa i : {cpu::Isa::kAvx512, cpu::Isa::kAvx2, cpu::Isa::kPortable}) {
-    if (isa == cpu::isa_name(i)) {
-      TORCH_CHECK(cpu::isa_supported(i), "verify_attention_isa: this CPU cannot run ", isa);
-      return attention_entry(invariant ? "verify_attention_invariant" : "verify_attention", q, k_cache, v_cache,
-                             cache_lens, scale, invariant, i);
-    }
-  }
-  TORCH_CHECK(false, "verify_attention_isa: unknown instruction set '", isa, "' (avx512, avx2, portable)");
+  return attention_entry(invariant ? "verify_attention_invariant" : "verify_attention", q, k_cache, v_cache, cache_lens,
+                         scale, invariant, checks::named_isa("verify_attention_isa", isa));
 }
 
 // The same contract; each query through the one-query path: its bits independent of T and the batch

@@ -346,6 +346,30 @@ def test_bi_exp_kernel_equals_the_reference_bitwise(size, scale, seed):
 
 
 @needs_cpp
+def test_isa_bindings_refuse_unknown_and_unsupported_instruction_sets():
+    """The *_isa test bindings share one parser (op_checks.h ``named_isa``): an unknown name and
+    a set this CPU cannot run are refused with the reason, before any tensor is read."""
+    ext = ops.registry.extension
+    x = torch.randn(2, 32)
+    calls = {"skinny_linear_isa": lambda isa: ext.skinny_linear_isa(x, torch.randn(3, 32), isa),
+             "packed_linear_isa": lambda isa: ext.packed_linear_isa(x, torch.zeros(3, 1, 24, dtype=torch.uint8), isa),
+             "bi_exp_isa": lambda isa: ext.bi_exp_isa(x, isa),
+             "silu_mul_isa": lambda isa: ext.silu_mul_isa(x, x, isa),
+             "verify_attention_isa": lambda isa: ext.verify_attention_isa(
+                 torch.randn(1, 1, 1, 8), torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8),
+                 torch.tensor([1]), 1.0, isa, False)}
+    here = ext.skinny_linear_isas()
+    for name, call in calls.items():
+        with pytest.raises(RuntimeError, match=f"{name}: unknown instruction set 'sse'"):
+            call("sse")
+        for isa in ("avx512", "avx2"):
+            if isa not in here:
+                with pytest.raises(RuntimeError, match=f"{name}: this CPU cannot run {isa}"):
+                    call(isa)
+        assert call("portable") is not None
+
+
+@needs_cpp
 def test_bi_exp_opcheck_and_bad_input():
     torch.library.opcheck(torch.ops.swiftkern.bi_exp, (torch.randn(3, 37),))
     with pytest.raises(RuntimeError, match="float32"):
