@@ -444,10 +444,10 @@ static at::Tensor packed_linear_with(cpu::Isa isa, const at::Tensor& x, const at
   float* yp = call.y.data_ptr<float>();
 #if defined(__x86_64__)
   if (cpu::panels_take(isa, M)) {
-    const cpu::LanePackedX xl(xp, M, K);
     const auto panels = bits == 4 ? cpu::packed_panels<4> : cpu::packed_panels<8>;
-    constexpr int64_t nc = cpu::kPanelCols;
-    at::parallel_for(0, (N + nc - 1) / nc, 1, [&](int64_t p0, int64_t p1) { panels(isa, xl, wp, row_bytes, yp, N, p0, p1); });
+    cpu::for_panels(xp, M, K, N, [&](const cpu::LanePackedX& xl, int64_t p0, int64_t p1) {
+      panels(isa, xl, wp, row_bytes, yp, N, p0, p1);
+    });
     return call.finish();
   }
 #endif
