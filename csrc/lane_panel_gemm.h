@@ -3,17 +3,19 @@
 // fixed_order_dot.h sums lane l of an output over k = l, l + 16, ... in increasing k. Reorder k
 // lane by lane (all of lane 0's k, then lane 1's, ...) and each lane becomes an ordinary
 // contiguous piece of the reduction: a GEMM over that piece, started from zero, is exactly the
-// lane's chain of fmas. So x is packed lane-major ([row tile][lane][step][6 rows]), each panel of
-// 16 weight rows too ([lane][step][16 outputs]), and a 6 x 16 register tile (12 accumulators,
+// lane's chain of fmas. So x is packed lane-major ([row tile][lane][step][6 rows + 2 unread]), each
+// panel of 16 weight rows too ([lane][step][16 outputs]), and a 6 x 16 register tile (12 accumulators,
 // 2 weight loads and 6 broadcasts for 12 fmas a step: the classic AVX2 GEMM kernel) runs every
 // lane's piece; the 16 lane sums of an output are then added by halving, vectorized across the
 // 16 outputs of the panel. Every output keeps skinny_linear's bits; only the loads change.
 //
 // The dot-product tiles (skinny_linear_cpu.cpp) keep an output's 16 lanes in two registers, so
 // AVX2 holds at most 2 x rows by 4 weight rows: 12 loads for 16 fmas, and the x block streamed
-// from L2 per 4 weight rows. SmolLM2's projections on a 2-core AMD EPYC (AVX2), ms at 64 / 130 /
-// 512 rows: dot-product tiles 5.2-7.6 / 10.8-13.5 / 45-52, these panels 5.4-6.5 / 8.1-10.2 /
-// 31-33, MKL's sgemm 4.2-6.5 / 6.8-10.3 / 24-30 (alternating runs; this machine is noisy).
+// from L2 per 4 weight rows. SmolLM2's 7 projections of a layer on a 2-core AMD EPYC (AVX2), ms
+// at 64 / 130 / 512 rows: dot-product tiles 5.2-7.6 / 10.8-13.5 / 45-52, these panels 4.7-5.1
+// (65 rows) / 7.2-9.0 / 31-33, MKL's sgemm 3.7-5.8 / 6.8-10.0 / 22-28 (alternating runs; this
+// machine is noisy). The accumulators are named variables: as an array, GCC stored each one to
+// the stack after every fma, and the panels ran 1.4x slower.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -185,6 +187,7 @@ static void panel_outputs_avx2(const LanePackedX& x, const W* w, int nr, float* 
     panel_halving_sums_avx2(s.sums, y + t * kPanelRows * N, N, mr, nr);
   }
 }
+
 // y [M, N] for x [M, K]: x packed once, then its panels (16 outputs each) in parallel tasks;
 // panels(x_packed, p0, p1) computes panels [p0, p1). x is not cut into L2-sized blocks: with
 // each panel's weights packed once a block, SmolLM2's projections (6 layers, packed weights) at
