@@ -356,7 +356,8 @@ static void unpack_rows(Isa isa, const uint8_t* w, int64_t row_bytes, int rows, 
 // skinny_linear's tiles read it (a weight is rebuilt once per block of ~100 rows). With one
 // unpack per tile for all the rows, a prefill streamed all of x from L3 for every 4 weight rows:
 // SmolLM2's deterministic prefill of 2000 tokens spent ~3.8 of its 5.4 s in the matmul tiles.
-// Either way every output is the same fixed-order sum.
+// Either way every output is the same fixed-order sum. (On AVX2 a call of more rows than
+// max_rows = kPanelAboveRows takes the lane panels, packed_panels, and never reaches here.)
 template <int BITS>
 static void packed_linear_range(const PackedTiles& tiles, Isa isa, const float* x, const uint8_t* w,
                                 int64_t row_bytes, float* y, int64_t M, int64_t K, int64_t N, int64_t n_begin,

@@ -16,7 +16,7 @@
 #include <type_traits>
 
 #include "cpu_exp.h"
-#include "fixed_order_dot.h"
+#include "cpu_isa.h"
 #include "op_checks.h"
 
 namespace swiftkern {
