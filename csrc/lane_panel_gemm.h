@@ -43,14 +43,18 @@ constexpr int64_t kPanelAboveRows = 20;
 
 // Whether a call of M x rows with isa's kernels goes through the panels (AVX2 only: AVX-512's
 // dot-product tiles hold 6 x rows by 4 weight rows and keep up with MKL there)
-inline bool panels_take(Isa isa, int64_t M) { return isa == Isa::kAvx2 && M > kPanelAboveRows; }
+inline bool panels_take(Isa isa, int64_t M, int64_t above_rows = kPanelAboveRows) {
+  return isa == Isa::kAvx2 && M > above_rows;
+}
 
 // Steps of lane l over K inputs: k = l, l + 16, ... < K
 inline int lane_steps(int64_t K, int l) { return l < K ? static_cast<int>((K - l + kLanes - 1) / kLanes) : 0; }
 
-// x [M, K] packed lane-major: at(t, l)[j * 8 + i] = x[6t + i, l + 16j] for i < 6 (J = ceil(K / 16)
-// steps a lane; the rows past M zeros; slots 6 and 7 unread padding, so that 8 x 8 transposes in
-// registers write whole vectors), packed in tasks of tiles
+// x [M, K] packed lane-major in tiles of at most 6 rows: at(t, l)[j * 8 + i] = x[first_row(t) + i,
+// l + 16j] for i < rows_of(t) (J = ceil(K / 16) steps a lane; the slots past a tile's rows, up to
+// 8, zeros and unread, so that 8 x 8 transposes in registers write whole vectors), packed in tasks
+// of tiles. The tiles are as equal as can be: 8 rows are two tiles of 4, not 6 + 2 (a 2-row tile
+// has 4 accumulators, too few chains to keep the fma units busy), 26 are 5 + 5 + 5 + 5 + 6.
 constexpr int kPackedRowStride = 8;
 struct LanePackedX {
   int64_t M, K, J, tiles;
@@ -58,6 +62,8 @@ struct LanePackedX {
 
   LanePackedX(const float* x, int64_t M_, int64_t K_);
   const float* at(int64_t t, int l) const { return data.get() + (t * kLanes + l) * J * kPackedRowStride; }
+  int64_t first_row(int64_t t) const { return t * M / tiles; }
+  int rows_of(int64_t t) const { return static_cast<int>(first_row(t + 1) - first_row(t)); }
 };
 
 // Per-thread buffers of one panel: its weights lane-major and the 16 lane sums of a tile
@@ -68,30 +74,40 @@ struct PanelScratch {
 };
 
 #if defined(__x86_64__)
-// sums[0..6)[0..16) of one lane: a[j * 8 + i] (x) times w[j * 16 + c] over `steps` steps, from zero
+// sums[0..MR)[0..16) of one lane: a[j * 8 + i] (x) times w[j * 16 + c] over `steps` steps, from zero
+template <int MR>
 __attribute__((target("avx2,fma"))) static inline void panel_lane_avx2(const float* a, const float* w, int steps,
                                                                       float (*sums)[kPanelCols]) {
+  static_assert(1 <= MR && MR <= kPanelRows, "a tile of 1 to 6 x rows");
   // named accumulators: in an array GCC kept them on the stack, one store per fma
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
   __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
   for (int j = 0; j < steps; ++j, a += kPackedRowStride, w += kPanelCols) {
     const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
-    __m256 xv;
-#define SWIFTKERN_PANEL_ROW(i)                 \
-  xv = _mm256_broadcast_ss(a + i);             \
-  c##i##0 = _mm256_fmadd_ps(xv, w0, c##i##0);  \
-  c##i##1 = _mm256_fmadd_ps(xv, w1, c##i##1);
+#define SWIFTKERN_PANEL_ROW(i)                     \
+  if constexpr (i < MR) {                          \
+    const __m256 xv = _mm256_broadcast_ss(a + i);  \
+    c##i##0 = _mm256_fmadd_ps(xv, w0, c##i##0);    \
+    c##i##1 = _mm256_fmadd_ps(xv, w1, c##i##1);    \
+  }
     SWIFTKERN_PANEL_ROW(0) SWIFTKERN_PANEL_ROW(1) SWIFTKERN_PANEL_ROW(2)
     SWIFTKERN_PANEL_ROW(3) SWIFTKERN_PANEL_ROW(4) SWIFTKERN_PANEL_ROW(5)
 #undef SWIFTKERN_PANEL_ROW
   }
-#define SWIFTKERN_PANEL_STORE(i)              \
-  _mm256_storeu_ps(sums[i], c##i##0);         \
-  _mm256_storeu_ps(sums[i] + 8, c##i##1);
+#define SWIFTKERN_PANEL_STORE(i)        \
+  if constexpr (i < MR) {               \
+    _mm256_storeu_ps(sums[i], c##i##0);     \
+    _mm256_storeu_ps(sums[i] + 8, c##i##1); \
+  }
   SWIFTKERN_PANEL_STORE(0) SWIFTKERN_PANEL_STORE(1) SWIFTKERN_PANEL_STORE(2)
   SWIFTKERN_PANEL_STORE(3) SWIFTKERN_PANEL_STORE(4) SWIFTKERN_PANEL_STORE(5)
 #undef SWIFTKERN_PANEL_STORE
 }
+
+using PanelLaneFn = void (*)(const float*, const float*, int, float (*)[kPanelCols]);
+// panel_lane_avx2<mr> at [mr - 1]
+static constexpr PanelLaneFn kPanelLanes[kPanelRows] = {panel_lane_avx2<1>, panel_lane_avx2<2>, panel_lane_avx2<3>,
+                                                       panel_lane_avx2<4>, panel_lane_avx2<5>, panel_lane_avx2<6>};
 
 // y[i * N + c] (i < mr, c < nr) = the halving sum (l + 8, + 4, + 2, + 1) of sums[l][i][c],
 // eight outputs to a register
@@ -150,8 +166,7 @@ inline LanePackedX::LanePackedX(const float* x, int64_t M_, int64_t K_)
       data(new float[tiles * kLanes * J * kPackedRowStride]) {
   at::parallel_for(0, tiles, 8, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
-      pack_x_tile_avx2(x + t * kPanelRows * K, static_cast<int>(std::min<int64_t>(kPanelRows, M - t * kPanelRows)), K, J,
-                       data.get() + t * kLanes * J * kPackedRowStride);
+      pack_x_tile_avx2(x + first_row(t) * K, rows_of(t), K, J, data.get() + t * kLanes * J * kPackedRowStride);
   });
 }
 
@@ -175,17 +190,22 @@ __attribute__((target("avx2,f16c"))) static void pack_panel_weights_avx2(const W
       out[(l * J + whole) * kPanelCols + c] = c < nr ? static_cast<float>(w[c * K + whole * kLanes + l]) : 0.f;
 }
 
-// Outputs y[:, 0:nr) (row stride N; nr <= 16) of x (packed) against weight rows w [nr, K] (stride
-// K, elements of W, loaded exactly as fp32)
+// Outputs y[:, 0:nr) (row stride N; nr <= 16) of x (packed) against the panel's weights already
+// lane-major in s.w (pack_panel_weights_avx2 or packed_linear_cpu.cpp's packer)
+static inline void panel_tiles_avx2(const LanePackedX& x, PanelScratch& s, int nr, float* y, int64_t N) {
+  for (int64_t t = 0; t < x.tiles; ++t) {
+    const int mr = x.rows_of(t);
+    const PanelLaneFn lane_fn = kPanelLanes[mr - 1];
+    for (int l = 0; l < kLanes; ++l) lane_fn(x.at(t, l), s.w.data() + l * x.J * kPanelCols, lane_steps(x.K, l), s.sums[l]);
+    panel_halving_sums_avx2(s.sums, y + x.first_row(t) * N, N, mr, nr);
+  }
+}
+
+// The same against weight rows w [nr, K] (stride K, elements of W, loaded exactly as fp32)
 template <class W>
 static void panel_outputs_avx2(const LanePackedX& x, const W* w, int nr, float* y, int64_t N, PanelScratch& s) {
-  const int64_t K = x.K, J = x.J;
-  pack_panel_weights_avx2(w, nr, K, J, s.w.data());
-  for (int64_t t = 0; t < x.tiles; ++t) {
-    for (int l = 0; l < kLanes; ++l) panel_lane_avx2(x.at(t, l), s.w.data() + l * J * kPanelCols, lane_steps(K, l), s.sums[l]);
-    const int mr = static_cast<int>(std::min<int64_t>(kPanelRows, x.M - t * kPanelRows));
-    panel_halving_sums_avx2(s.sums, y + t * kPanelRows * N, N, mr, nr);
-  }
+  pack_panel_weights_avx2(w, nr, x.K, x.J, s.w.data());
+  panel_tiles_avx2(x, s, nr, y, N);
 }
 
 // y [M, N] for x [M, K]: x packed once, then its panels (16 outputs each) in parallel tasks;

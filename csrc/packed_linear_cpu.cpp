@@ -80,13 +80,17 @@ static_assert(avx2_packed_tile_cols(1) == 4 && avx2_packed_tile_cols(2) == 3 && 
 // weight rows, 32 registers) 18.4-18.8 / 18.5-19.4; 14-16 rows by 1 weight row 1.3-1.4x slower.
 constexpr int64_t kUnpackAboveRows = 11;
 static_assert(kUnpackAboveRows <= kPackedTileRows, "the register path takes all the x rows in one tile");
-// AVX2 takes up to kPanelAboveRows (20) x rows in register tiles, in near-equal groups of up to
-// 6 rows against each weight tile while it is in L1 (so a weight is rebuilt once per group), and
-// more rows as lane panels (lane_panel_gemm.h: each 16 weight rows unpacked once for all the x
-// rows). SmolLM2's 210 projections (30 layers, from memory) on an AMD EPYC (2 threads, AVX2),
-// three alternating runs, register groups / panels: 12 rows 26-29 / 33-44 ms, 16 rows 35-36 /
-// 42-43, 20 rows 50-51 / 50-57, 24 rows 62 / 51-61, 32 rows 83-86 / 69-78, 40 rows 102-104 /
-// 79-83, 130 rows 371-411 (unpacked into L1 for skinny_linear's 2-row tiles) / 214-248.
+// AVX2 takes up to kPackedPanelAboveRows (16) x rows in register tiles, in near-equal groups of
+// up to 6 rows against each weight tile while it is in L1 (so a weight is rebuilt once per
+// group), and more rows as lane panels (lane_panel_gemm.h: each 16 weight rows packed lane-major
+// once, straight from the codes, for all the x rows). One layer's 7 projections x 30 (2.6 MB of
+// codes, from L3) on an AMD EPYC (2 threads, AVX2), alternating runs, register groups / panels,
+// ms: 5 rows 17-20 / 23-31, 8 rows 24-29 / 32-39, 12 rows 30-45 / 36-47, 16 rows 40-59 / 44-67,
+// 18 rows 52-65 / 48-66, 20 rows 58-73 / 52-66: the weight packing costs more than the rebuilds it
+// saves until ~16 rows. Packing the panels from the codes instead of unpacking 16 rows to float32
+// and transposing those (same bits), 21 / 24 / 32 / 64 rows: 43-55 / 49-57 / 60-81 / 102-133 ms
+// against 67-79 / 67-82 / 84-98 / 132-156.
+constexpr int64_t kPackedPanelAboveRows = 16;
 
 static inline float load_f32(const uint8_t* p) {
   float v;
@@ -203,28 +207,8 @@ __attribute__((target("avx512f"))) static void unpack_rows_avx512(const uint8_t*
     }
 }
 
-// The 32 weights of a block in four AVX2 vectors, as the dequantizer made them: w[0] = inputs 0-7,
-// w[1] = 8-15 (lanes 0-7 and 8-15 of the first step), w[2] = 16-23, w[3] = 24-31 (the second)
-template <int BITS>
-__attribute__((target("avx2,fma"))) static inline void block_weights_avx2(const uint8_t* block, __m256* w) {
-  const __m256 scale = _mm256_set1_ps(load_f32(block)), offset = _mm256_set1_ps(load_f32(block + 4));
-  if constexpr (BITS == 4) {
-    const __m256i low4 = _mm256_set1_epi32(0xF);
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 8));
-    const __m256i b0 = _mm256_cvtepu8_epi32(bytes), b1 = _mm256_cvtepu8_epi32(_mm_unpackhi_epi64(bytes, bytes));
-    const __m256i codes[4] = {_mm256_and_si256(b0, low4), _mm256_and_si256(b1, low4), _mm256_srli_epi32(b0, 4),
-                              _mm256_srli_epi32(b1, 4)};
-    for (int q = 0; q < 4; ++q) w[q] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(codes[q]), offset);
-  } else {
-    for (int q = 0; q < 4; ++q) {
-      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 8 + 8 * q));
-      w[q] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), offset);
-    }
-  }
-}
-
-// One weight vector of a block, w[q] of block_weights_avx2 alone (the tile loop rebuilds the
-// vectors one at a time, so a block's four need not be live at once)
+// Weight vector q of a block as the dequantizer made it: q = 0 inputs 0-7, 1 8-15 (lanes 0-7 and
+// 8-15 of the first step), 2 16-23, 3 24-31 (the second); rebuilt one at a time by the tile loop
 template <int BITS>
 __attribute__((target("avx2,fma"))) static inline __m256 block_quarter_avx2(const uint8_t* block, __m256 scale,
                                                                           __m256 offset, int q) {
@@ -267,17 +251,85 @@ __attribute__((target("avx2,fma"))) static void packed_tile_avx2(const float* x,
     for (int j = 0; j < NR; ++j) y[i * N + j] = halving_sum_8x2(acc[i][j][0], acc[i][j][1]);
 }
 
-template <int BITS>
-__attribute__((target("avx2,fma"))) static void unpack_rows_avx2(const uint8_t* w, int64_t row_bytes, int rows,
-                                                                int64_t K, float* out, const uint8_t* pf) {
-  constexpr int block_bytes = BITS == 4 ? kBlockBytes4 : kBlockBytes8;
-  for (int j = 0; j < rows; ++j)
-    for (int64_t b = 0; b < K / kBlock; ++b) {
-      if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + j * row_bytes + b * block_bytes), _MM_HINT_T0);
-      __m256 v[4];
-      block_weights_avx2<BITS>(w + j * row_bytes + b * block_bytes, v);
-      for (int q = 0; q < 4; ++q) _mm256_storeu_ps(out + j * K + b * kBlock + 8 * q, v[q]);
+// The 16 x 16 bytes r[c][i] transposed: out[i][c] = r[c][i], in four rounds of interleaves
+__attribute__((target("avx2"))) static inline void transpose_16x16_bytes(const __m128i* r, __m128i* out) {
+  __m128i a[16], b[16], c[16];
+  for (int p = 0; p < 8; ++p) {  // a[p], a[p + 8]: columns 0-7, 8-15 of rows 2p, 2p + 1, 2 bytes a column
+    a[p] = _mm_unpacklo_epi8(r[2 * p], r[2 * p + 1]);
+    a[p + 8] = _mm_unpackhi_epi8(r[2 * p], r[2 * p + 1]);
+  }
+  for (int h = 0; h < 2; ++h)  // b[4g + q]: columns 4g..4g + 3 of rows 4q..4q + 3, 4 bytes a column
+    for (int q = 0; q < 4; ++q) {
+      b[8 * h + q] = _mm_unpacklo_epi16(a[8 * h + 2 * q], a[8 * h + 2 * q + 1]);
+      b[8 * h + 4 + q] = _mm_unpackhi_epi16(a[8 * h + 2 * q], a[8 * h + 2 * q + 1]);
     }
+  for (int g = 0; g < 4; ++g)  // c[2p + o]: columns 2p, 2p + 1 of rows 8o..8o + 7, 8 bytes a column
+    for (int o = 0; o < 2; ++o) {
+      c[4 * g + o] = _mm_unpacklo_epi32(b[4 * g + 2 * o], b[4 * g + 2 * o + 1]);
+      c[4 * g + 2 + o] = _mm_unpackhi_epi32(b[4 * g + 2 * o], b[4 * g + 2 * o + 1]);
+    }
+  for (int p = 0; p < 8; ++p) {
+    out[2 * p] = _mm_unpacklo_epi64(c[2 * p], c[2 * p + 1]);
+    out[2 * p + 1] = _mm_unpackhi_epi64(c[2 * p], c[2 * p + 1]);
+  }
+}
+
+// codes [16 rows] (unsigned 4-bit or signed 8-bit) -> dst[0..16) = fma(scale, code, offset), rows
+// 0-7 with s0 / o0, 8-15 with s1 / o1
+template <int BITS>
+__attribute__((target("avx2,fma"))) static inline void put_panel_codes(__m128i codes, __m256 s0, __m256 s1, __m256 o0,
+                                                                      __m256 o1, float* dst) {
+  const __m128i high = _mm_unpackhi_epi64(codes, codes);
+  const __m256i c0 = BITS == 4 ? _mm256_cvtepu8_epi32(codes) : _mm256_cvtepi8_epi32(codes);
+  const __m256i c1 = BITS == 4 ? _mm256_cvtepu8_epi32(high) : _mm256_cvtepi8_epi32(high);
+  _mm256_storeu_ps(dst, _mm256_fmadd_ps(s0, _mm256_cvtepi32_ps(c0), o0));
+  _mm256_storeu_ps(dst + 8, _mm256_fmadd_ps(s1, _mm256_cvtepi32_ps(c1), o1));
+}
+
+// A panel's weights lane-major straight from the codes: out[(l * J + j) * 16 + c] = weight (c,
+// l + 16j) of packed rows w [nr <= 16] (stride row_bytes), zeros for c >= nr, J = K / 16. Per
+// block the 16 rows' code bytes are transposed (lane l's code of every row in one vector), and
+// each weight is rebuilt as fma(scale, code, offset) eight rows at a time: the dequantizer's bits.
+template <int BITS>
+__attribute__((target("avx2,fma"))) static void pack_packed_panel_avx2(const uint8_t* w, int64_t row_bytes, int nr,
+                                                                      int64_t K, float* out) {
+  constexpr int block_bytes = BITS == 4 ? kBlockBytes4 : kBlockBytes8;
+  const int64_t J = K / kLanes;
+  const __m256 zero = _mm256_setzero_ps();
+  const __m256i step = _mm256_set1_epi32(static_cast<int>(row_bytes));
+  const __m256i rows0 = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), step);  // byte offsets
+  const __m256i rows1 = _mm256_add_epi32(rows0, _mm256_slli_epi32(step, 3));
+  const __m256i n_rows = _mm256_set1_epi32(nr);
+  const __m256 live0 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(n_rows, _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+  const __m256 live1 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(n_rows, _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15)));
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    // the 16 rows scales and offsets, gathered 8 rows a vector (rows past nr: 0, so their weights are 0)
+    const uint8_t* head = w + b * block_bytes;
+    const __m256 s0 = _mm256_mask_i32gather_ps(zero, reinterpret_cast<const float*>(head), rows0, live0, 1);
+    const __m256 s1 = _mm256_mask_i32gather_ps(zero, reinterpret_cast<const float*>(head), rows1, live1, 1);
+    const __m256 o0 = _mm256_mask_i32gather_ps(zero, reinterpret_cast<const float*>(head + 4), rows0, live0, 1);
+    const __m256 o1 = _mm256_mask_i32gather_ps(zero, reinterpret_cast<const float*>(head + 4), rows1, live1, 1);
+    // 4-bit: byte i holds inputs i (low nibble, step 2b) and i + 16 (step 2b + 1); 8-bit: bytes 0-15
+    // are step 2b, bytes 16-31 step 2b + 1
+    for (int half = 0; half < (BITS == 4 ? 1 : 2); ++half) {
+      __m128i r[kPanelCols], t[kLanes];
+      for (int c = 0; c < kPanelCols; ++c)
+        r[c] = c < nr ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c * row_bytes + b * block_bytes +
+                                                                         kHeaderBytes + 16 * half))
+                      : _mm_setzero_si128();
+      transpose_16x16_bytes(r, t);
+      for (int l = 0; l < kLanes; ++l) {
+        if constexpr (BITS == 4) {
+          const __m128i low4 = _mm_set1_epi8(0xF);
+          put_panel_codes<BITS>(_mm_and_si128(t[l], low4), s0, s1, o0, o1, out + (l * J + 2 * b) * kPanelCols);
+          put_panel_codes<BITS>(_mm_and_si128(_mm_srli_epi16(t[l], 4), low4), s0, s1, o0, o1,
+                                out + (l * J + 2 * b + 1) * kPanelCols);
+        } else {
+          put_panel_codes<BITS>(t[l], s0, s1, o0, o1, out + (l * J + 2 * b + half) * kPanelCols);
+        }
+      }
+    }
+  }
 }
 #endif
 
@@ -323,7 +375,7 @@ struct PackedTiles {
     t.fill<BITS, 5>(isa); t.fill<BITS, 6>(isa); t.fill<BITS, 7>(isa); t.fill<BITS, 8>(isa);
     t.fill<BITS, 9>(isa); t.fill<BITS, 10>(isa); t.fill<BITS, 11>(isa);
     t.tile_rows = isa == Isa::kAvx2 ? kAvx2PackedTileRows : kPackedTileRows;
-    t.max_rows = isa == Isa::kAvx2 ? kPanelAboveRows : kUnpackAboveRows;
+    t.max_rows = isa == Isa::kAvx2 ? kPackedPanelAboveRows : kUnpackAboveRows;
     return t;
   }
 };
@@ -334,14 +386,14 @@ void fixed_order_rows(Isa isa, const float* x, const float* w_rows, float* y, in
 int64_t fixed_order_row_block(Isa isa, int64_t M, int64_t K);
 
 // Weight rows [0, rows) of a packed range (stride row_bytes) -> float32 out [rows, K], exactly; pf:
-// the same rows a few tiles ahead, prefetched (or null)
+// the same rows a few tiles ahead, prefetched (or null). AVX2 never comes here: its calls of more
+// rows than the register tiles take go to the lane panels (packed_panels).
 template <int BITS>
 static void unpack_rows(Isa isa, const uint8_t* w, int64_t row_bytes, int rows, int64_t K, float* out,
                         const uint8_t* pf) {
   constexpr int block_bytes = BITS == 4 ? kBlockBytes4 : kBlockBytes8;
 #if defined(__x86_64__)
   if (isa == Isa::kAvx512) return unpack_rows_avx512<BITS>(w, row_bytes, rows, K, out, pf);
-  if (isa == Isa::kAvx2) return unpack_rows_avx2<BITS>(w, row_bytes, rows, K, out, pf);
 #endif
   (void)isa;
   (void)pf;
@@ -357,7 +409,7 @@ static void unpack_rows(Isa isa, const uint8_t* w, int64_t row_bytes, int rows, 
 // unpack per tile for all the rows, a prefill streamed all of x from L3 for every 4 weight rows:
 // SmolLM2's deterministic prefill of 2000 tokens spent ~3.8 of its 5.4 s in the matmul tiles.
 // Either way every output is the same fixed-order sum. (On AVX2 a call of more rows than
-// max_rows = kPanelAboveRows takes the lane panels, packed_panels, and never reaches here.)
+// max_rows = kPackedPanelAboveRows takes the lane panels, packed_panels, and never reaches here.)
 template <int BITS>
 static void packed_linear_range(const PackedTiles& tiles, Isa isa, const float* x, const uint8_t* w,
                                 int64_t row_bytes, float* y, int64_t M, int64_t K, int64_t N, int64_t n_begin,
@@ -397,18 +449,17 @@ static void packed_linear_range(const PackedTiles& tiles, Isa isa, const float* 
 }
 
 #if defined(__x86_64__)
-// Outputs y[:, 16 p0 : 16 p1) of a prefill on AVX2 (panels_take): each panel of 16 weight rows
-// unpacked into a float32 buffer, then lane_panel_gemm.h's panels over all the x rows
+// Outputs y[:, 16 p0 : 16 p1) on AVX2 (panels_take): each panel of 16 weight rows packed
+// lane-major straight from its codes, then lane_panel_gemm.h's tiles over all the x rows
 template <int BITS>
-static void packed_panels(Isa isa, const LanePackedX& x, const uint8_t* w, int64_t row_bytes, float* y, int64_t N,
-                          int64_t p0, int64_t p1) {
+static void packed_panels(const LanePackedX& x, const uint8_t* w, int64_t row_bytes, float* y, int64_t N, int64_t p0,
+                          int64_t p1) {
   PanelScratch scratch(x.J);
-  std::vector<float> rows(kPanelCols * x.K);  // [16, K]
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t n = p * kPanelCols;
     const int nr = static_cast<int>(std::min<int64_t>(kPanelCols, N - n));
-    unpack_rows<BITS>(isa, w + n * row_bytes, row_bytes, nr, x.K, rows.data(), nullptr);
-    panel_outputs_avx2(x, rows.data(), nr, y + n, N, scratch);
+    pack_packed_panel_avx2<BITS>(w + n * row_bytes, row_bytes, nr, x.K, scratch.w.data());
+    panel_tiles_avx2(x, scratch, nr, y + n, N);
   }
 }
 #endif
@@ -430,6 +481,9 @@ static at::Tensor packed_linear_with(cpu::Isa isa, const at::Tensor& x, const at
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "packed_linear: x [..., K] must match packed [N, K/32, bytes]: got ",
               x.sizes(), " and ", packed.sizes());
   LinearCall call = linear_call("packed_linear", x, N, bias);
+  TORCH_CHECK(packed.size(1) * packed.size(2) * cpu::kPanelCols < (int64_t{1} << 31),
+              "packed_linear: rows of ", packed.size(1) * packed.size(2), " bytes are too long (the panels address 16 rows "
+              "with 32-bit offsets: K must stay under ~", (int64_t{1} << 31) / cpu::kPanelCols / 40 * 32, ")");
   if (call.trivial(K)) return call.finish();
   const int64_t M = call.M;
   const at::Tensor xc = x.contiguous(), pc = packed.contiguous();
@@ -444,10 +498,10 @@ static at::Tensor packed_linear_with(cpu::Isa isa, const at::Tensor& x, const at
   const int64_t row_bytes = pc.size(1) * pc.size(2);
   float* yp = call.y.data_ptr<float>();
 #if defined(__x86_64__)
-  if (cpu::panels_take(isa, M)) {
+  if (cpu::panels_take(isa, M, cpu::kPackedPanelAboveRows)) {
     const auto panels = bits == 4 ? cpu::packed_panels<4> : cpu::packed_panels<8>;
     cpu::for_panels(xp, M, K, N, [&](const cpu::LanePackedX& xl, int64_t p0, int64_t p1) {
-      panels(isa, xl, wp, row_bytes, yp, N, p0, p1);
+      panels(xl, wp, row_bytes, yp, N, p0, p1);
     });
     return call.finish();
   }

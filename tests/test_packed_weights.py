@@ -81,10 +81,11 @@ def test_every_register_tile_shape_has_skinny_linears_bits(bits):
     """Every row count up to the unpack path and past it, against weight-row counts that leave
     every remainder of a 2-, 3- and 4-row weight tile, with every instruction set this CPU has
     (AVX-512: register tiles up to 11 rows; AVX2: up to 6 rows a tile, in near-equal groups up
-    to 20 rows, so 7-13 rows are two groups of unequal size, then lane panels of 16 weight rows
-    (lane_panel_gemm.h): 20 / 21 the edge, 1101 weight rows 68 panels and 13 rows)."""
+    to 16 rows, so 7-13 rows are two groups of unequal size, then lane panels of 16 weight rows
+    packed from the codes (lane_panel_gemm.h), in x tiles of 1-6 rows: 16 / 17 the edge, 17 rows
+    tiles of 5 + 6 + 6, 26 rows 5 + 5 + 5 + 5 + 6, 1101 weight rows 68 panels and 13 rows)."""
     isas = ops.registry.extension.skinny_linear_isas()
-    for M in (*range(1, 14), 17, 20, 21, 23, 64, 65):
+    for M in (*range(1, 14), 16, 17, 20, 21, 23, 26, 64, 65):
         for N in (1, 2, 3, 4, 5, 6, 7, 11, 1101):  # 1101: 276 tiles, over two threads
             x, w, packed, b = make((M,), 64, N, bits, N % 2 == 1, M * 1000 + N)
             assert bitwise_equal(torch.ops.swiftkern.packed_linear(x, packed, b),
