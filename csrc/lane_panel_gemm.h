@@ -191,7 +191,7 @@ __attribute__((target("avx2,f16c"))) static void pack_panel_weights_avx2(const W
 }
 
 // Outputs y[:, 0:nr) (row stride N; nr <= 16) of x (packed) against the panel's weights already
-// lane-major in s.w (pack_panel_weights_avx2 or packed_linear_cpu.cpp's packer)
+// lane-major in s.w
 static inline void panel_tiles_avx2(const LanePackedX& x, PanelScratch& s, int nr, float* y, int64_t N) {
   for (int64_t t = 0; t < x.tiles; ++t) {
     const int mr = x.rows_of(t);
@@ -201,22 +201,25 @@ static inline void panel_tiles_avx2(const LanePackedX& x, PanelScratch& s, int n
   }
 }
 
-// The same against weight rows w [nr, K] (stride K, elements of W, loaded exactly as fp32)
-template <class W>
-static void panel_outputs_avx2(const LanePackedX& x, const W* w, int nr, float* y, int64_t N, PanelScratch& s) {
-  pack_panel_weights_avx2(w, nr, x.K, x.J, s.w.data());
-  panel_tiles_avx2(x, s, nr, y, N);
-}
-
-// y [M, N] for x [M, K]: x packed once, then its panels (16 outputs each) in parallel tasks;
-// panels(x_packed, p0, p1) computes panels [p0, p1). x is not cut into L2-sized blocks: with
-// each panel's weights packed once a block, SmolLM2's projections (6 layers, packed weights) at
-// 130 / 512 / 2000 rows took 38-39 / 142-161 / 585-587 ms in one block, 40-55 / 150-203 /
-// 615-775 in blocks of 256 KiB-1 MiB of packed x (x streams from L3 well enough)
-template <class Panels>
-void for_panels(const float* x, int64_t M, int64_t K, int64_t N, const Panels& panels) {
+// y [M, N] (row stride N) for x [M, K]: x packed once, then the panels of 16 outputs in parallel
+// tasks, each panel's weights put lane-major by pack_panel(n, nr, out [16][J][16]) (weight rows
+// [n, n + nr); pack_panel_weights_avx2's layout) and run over every x tile. x is not cut into
+// L2-sized blocks: with each panel's weights packed once a block, SmolLM2's projections (6
+// layers, packed weights) at 130 / 512 / 2000 rows took 38-39 / 142-161 / 585-587 ms in one
+// block, 40-55 / 150-203 / 615-775 in blocks of 256 KiB-1 MiB of packed x (x streams from L3
+// well enough)
+template <class PackPanel>
+void for_panels(const float* x, float* y, int64_t M, int64_t K, int64_t N, const PackPanel& pack_panel) {
   const LanePackedX packed(x, M, K);
-  at::parallel_for(0, (N + kPanelCols - 1) / kPanelCols, 1, [&](int64_t p0, int64_t p1) { panels(packed, p0, p1); });
+  at::parallel_for(0, (N + kPanelCols - 1) / kPanelCols, 1, [&](int64_t p0, int64_t p1) {
+    PanelScratch scratch(packed.J);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n = p * kPanelCols;
+      const int nr = static_cast<int>(std::min<int64_t>(kPanelCols, N - n));
+      pack_panel(n, nr, scratch.w.data());
+      panel_tiles_avx2(packed, scratch, nr, y + n, N);
+    }
+  });
 }
 
 #endif

@@ -387,7 +387,7 @@ int64_t fixed_order_row_block(Isa isa, int64_t M, int64_t K);
 
 // Weight rows [0, rows) of a packed range (stride row_bytes) -> float32 out [rows, K], exactly; pf:
 // the same rows a few tiles ahead, prefetched (or null). AVX2 never comes here: its calls of more
-// rows than the register tiles take go to the lane panels (packed_panels).
+// rows than the register tiles take go to the lane panels (pack_packed_panel_avx2).
 template <int BITS>
 static void unpack_rows(Isa isa, const uint8_t* w, int64_t row_bytes, int rows, int64_t K, float* out,
                         const uint8_t* pf) {
@@ -409,7 +409,7 @@ static void unpack_rows(Isa isa, const uint8_t* w, int64_t row_bytes, int rows, 
 // unpack per tile for all the rows, a prefill streamed all of x from L3 for every 4 weight rows:
 // SmolLM2's deterministic prefill of 2000 tokens spent ~3.8 of its 5.4 s in the matmul tiles.
 // Either way every output is the same fixed-order sum. (On AVX2 a call of more rows than
-// max_rows = kPackedPanelAboveRows takes the lane panels, packed_panels, and never reaches here.)
+// max_rows = kPackedPanelAboveRows takes the lane panels and never reaches here.)
 template <int BITS>
 static void packed_linear_range(const PackedTiles& tiles, Isa isa, const float* x, const uint8_t* w,
                                 int64_t row_bytes, float* y, int64_t M, int64_t K, int64_t N, int64_t n_begin,
@@ -448,22 +448,6 @@ static void packed_linear_range(const PackedTiles& tiles, Isa isa, const float* 
   }
 }
 
-#if defined(__x86_64__)
-// Outputs y[:, 16 p0 : 16 p1) on AVX2 (panels_take): each panel of 16 weight rows packed
-// lane-major straight from its codes, then lane_panel_gemm.h's tiles over all the x rows
-template <int BITS>
-static void packed_panels(const LanePackedX& x, const uint8_t* w, int64_t row_bytes, float* y, int64_t N, int64_t p0,
-                          int64_t p1) {
-  PanelScratch scratch(x.J);
-  for (int64_t p = p0; p < p1; ++p) {
-    const int64_t n = p * kPanelCols;
-    const int nr = static_cast<int>(std::min<int64_t>(kPanelCols, N - n));
-    pack_packed_panel_avx2<BITS>(w + n * row_bytes, row_bytes, nr, x.K, scratch.w.data());
-    panel_tiles_avx2(x, scratch, nr, y + n, N);
-  }
-}
-#endif
-
 static int packed_bits(int64_t block_bytes) {
   return block_bytes == kBlockBytes4 ? 4 : block_bytes == kBlockBytes8 ? 8 : 0;
 }
@@ -499,10 +483,9 @@ static at::Tensor packed_linear_with(cpu::Isa isa, const at::Tensor& x, const at
   float* yp = call.y.data_ptr<float>();
 #if defined(__x86_64__)
   if (cpu::panels_take(isa, M, cpu::kPackedPanelAboveRows)) {
-    const auto panels = bits == 4 ? cpu::packed_panels<4> : cpu::packed_panels<8>;
-    cpu::for_panels(xp, M, K, N, [&](const cpu::LanePackedX& xl, int64_t p0, int64_t p1) {
-      panels(xl, wp, row_bytes, yp, N, p0, p1);
-    });
+    // each panel of 16 weight rows packed lane-major straight from its codes
+    const auto pack = bits == 4 ? cpu::pack_packed_panel_avx2<4> : cpu::pack_packed_panel_avx2<8>;
+    cpu::for_panels(xp, yp, M, K, N, [&](int64_t n, int nr, float* out) { pack(wp + n * row_bytes, row_bytes, nr, K, out); });
     return call.finish();
   }
 #endif

@@ -233,12 +233,8 @@ template <class W>
 static void fixed_order_matmul(cpu::Isa isa, const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N) {
 #if defined(__x86_64__)
   if (cpu::panels_take(isa, M)) {  // a prefill on AVX2: lane panels of 16 weight rows (lane_panel_gemm.h)
-    constexpr int64_t nc = cpu::kPanelCols;
-    cpu::for_panels(x, M, K, N, [&](const cpu::LanePackedX& xp, int64_t p0, int64_t p1) {
-      cpu::PanelScratch scratch(xp.J);
-      for (int64_t p = p0; p < p1; ++p)
-        cpu::panel_outputs_avx2(xp, w + p * nc * K, static_cast<int>(std::min(nc, N - p * nc)), y + p * nc, N, scratch);
-    });
+    const int64_t J = (K + cpu::kLanes - 1) / cpu::kLanes;
+    cpu::for_panels(x, y, M, K, N, [&](int64_t n, int nr, float* out) { cpu::pack_panel_weights_avx2(w + n * K, nr, K, J, out); });
     return;
   }
 #endif
