@@ -3,11 +3,12 @@
 // fixed_order_dot.h sums lane l of an output over k = l, l + 16, ... in increasing k. Reorder k
 // lane by lane (all of lane 0's k, then lane 1's, ...) and each lane becomes an ordinary
 // contiguous piece of the reduction: a GEMM over that piece, started from zero, is exactly the
-// lane's chain of fmas. So x is packed lane-major ([row tile][lane][step][6 rows + 2 unread]), each
-// panel of 16 weight rows too ([lane][step][16 outputs]), and a 6 x 16 register tile (12 accumulators,
-// 2 weight loads and 6 broadcasts for 12 fmas a step: the classic AVX2 GEMM kernel) runs every
-// lane's piece; the 16 lane sums of an output are then added by halving, vectorized across the
-// 16 outputs of the panel. Every output keeps skinny_linear's bits; only the loads change.
+// lane's chain of fmas. So x is packed lane-major ([row tile][lane][step][up to 6 rows, padded to
+// 8]), each panel of 16 weight rows too ([lane][step][16 outputs]; packed_linear_cpu.cpp builds it
+// straight from 4- or 8-bit codes), and a register tile of up to 6 x rows by 16 (at 6 rows 12
+// accumulators, 2 weight loads and 6 broadcasts for 12 fmas a step: the classic AVX2 GEMM kernel)
+// runs every lane's piece; the 16 lane sums of an output are then added by halving, vectorized
+// across the 16 outputs of the panel. Every output keeps skinny_linear's bits; only the loads change.
 //
 // The dot-product tiles (skinny_linear_cpu.cpp) keep an output's 16 lanes in two registers, so
 // AVX2 holds at most 2 x rows by 4 weight rows: 12 loads for 16 fmas, and the x block streamed
@@ -38,11 +39,12 @@ constexpr int kPanelRows = 6;               // x rows of a register tile
 constexpr int kPanelCols = 16;              // weight rows (outputs) of a panel
 // x rows past which AVX2 runs the panels: SmolLM2's 210 projections (30 layers, from memory), ms,
 // float32 weights, dot-product tiles / panels: 20 rows 53-57 / 55-61, 24 rows 63-76 / 55-59, 28
-// rows 71-74 / 63-69 (packed weights: packed_linear_cpu.cpp)
+// rows 71-74 / 63-69; with x tiles of 1-6 rows (one layer's projections x 30, from L3) 9 rows
+// 33-35 / 48-56, 20 rows 65-74 / 70-88 (packed weights past 16 rows: packed_linear_cpu.cpp)
 constexpr int64_t kPanelAboveRows = 20;
 
-// Whether a call of M x rows with isa's kernels goes through the panels (AVX2 only: AVX-512's
-// dot-product tiles hold 6 x rows by 4 weight rows and keep up with MKL there)
+// Whether a call of M x rows with isa's kernels goes through the panels, past above_rows (AVX2
+// only: AVX-512's dot-product tiles hold 6 x rows by 4 weight rows and keep up with MKL there)
 inline bool panels_take(Isa isa, int64_t M, int64_t above_rows = kPanelAboveRows) {
   return isa == Isa::kAvx2 && M > above_rows;
 }
