@@ -125,13 +125,17 @@ class PackedSet:
         self._packed = [self._pack(w) for w in weights]
         # the matrices alone are watched (a norm's or a bias's vector never packs): SmolLM2's
         # forward checks 211 of its 481 weights
-        self._watched = [i for i, w in enumerate(weights) if isinstance(w, torch.Tensor) and w.dim() == 2]
+        self._watched = [i for i, w in enumerate(weights) if self._packable(w)]
         self._watch_index = {i: j for j, i in enumerate(self._watched)}
         self._versions = [_version(weights[i]) for i in self._watched]
 
     @staticmethod
-    def _pack(w):
-        return pack(w) if isinstance(w, torch.Tensor) and w.dim() == 2 else None
+    def _packable(w) -> bool:
+        return isinstance(w, torch.Tensor) and w.dim() == 2
+
+    @classmethod
+    def _pack(cls, w):
+        return pack(w) if cls._packable(w) else None
 
     def slot(self, i: int) -> torch.Tensor | None:
         i %= len(self.weights)
