@@ -467,7 +467,7 @@ static at::Tensor packed_linear_with(cpu::Isa isa, const at::Tensor& x, const at
   LinearCall call = linear_call("packed_linear", x, N, bias);
   TORCH_CHECK(packed.size(1) * packed.size(2) * cpu::kPanelCols < (int64_t{1} << 31),
               "packed_linear: rows of ", packed.size(1) * packed.size(2), " bytes are too long (the panels address 16 rows "
-              "with 32-bit offsets: K must stay under ~", (int64_t{1} << 31) / cpu::kPanelCols / 40 * 32, ")");
+              "with 32-bit offsets: K must stay under ~", (int64_t{1} << 31) / cpu::kPanelCols / cpu::kBlockBytes8 * cpu::kBlock, ")");
   if (call.trivial(K)) return call.finish();
   const int64_t M = call.M;
   const at::Tensor xc = x.contiguous(), pc = packed.contiguous();

@@ -47,10 +47,10 @@ def cpu_matmul_isa() -> str:
     """The instruction set the C++ matmul kernels (``skinny_linear``, ``packed_linear``) run here:
     "avx512", "avx2" or "portable"; "" without the C++ extension. On an AVX2 CPU MKL runs AVX2
     code too, so ``mkl_lags_here`` holds on AVX-512 CPUs alone: on an AMD EPYC with AVX2 (2
-    threads) SmolLM2's projections (6 layers, packed weights through the C++ lane panels,
-    ``csrc/lane_panel_gemm.h``, against MKL on the float32 weights) at 64 / 130 / 512 / 2000
-    rows took 24-27 / 38-48 / 139-173 / 588-710 ms against 24-32 / 40-51 / 132-168 / 521-545:
-    level up to ~130 rows, MKL faster past them."""
+    threads) SmolLM2's projections (6 layers, packed weights through the C++ lane panels built
+    from the codes, ``csrc/lane_panel_gemm.h``, against MKL on the float32 weights) at 64 / 130 /
+    512 / 2000 rows took 20-22 / 38-40 / 140-146 / 563-633 ms against 24-25 / 39-43 / 130-135 /
+    484-535 (docs/speed.md, 2026-11-28): level up to ~130 rows, MKL faster past them."""
     isas = getattr(registry.extension, "skinny_linear_isas", None) if registry.extension is not None else None
     return isas()[0] if isas else ""
 
