@@ -47,7 +47,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack_cpu(
     const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cos, const at::Tensor& sin,
     const at::Tensor& positions, const at::Tensor& cache_lens, int64_t max_len, int64_t num_heads,
     int64_t num_kv_heads, int64_t head_dim, double eps, double scale, int64_t skinny_max_rows, bool invariant,
-    const std::vector<std::optional<at::Tensor>>& packed, int64_t packed_max_rows);
+    const std::vector<std::optional<at::Tensor>>& packed, int64_t packed_max_rows, bool rows);
 at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias);
 at::Tensor bi_exp_isa(const at::Tensor& x, const std::string& isa);
 at::Tensor silu_mul_isa(const at::Tensor& gate, const at::Tensor& up, const std::string& isa);

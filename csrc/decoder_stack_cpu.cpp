@@ -13,6 +13,7 @@
 #include <tuple>
 #include <vector>
 
+#include "decoder_stack.h"
 #include "op_checks.h"
 
 namespace swiftkern {
@@ -33,34 +34,14 @@ at::Tensor verify_attention_invariant_cpu(const at::Tensor& q, const at::Tensor&
 
 namespace {
 
-// One layer's weights, in the order of swiftkern.model._Layer's fields.
-enum Field { kLnAttn, kQ, kK, kV, kQBias, kKBias, kVBias, kO, kOBias, kLnMlp, kGate, kUp, kDown, kGateBias,
-             kUpBias, kDownBias, kFields };
-
-struct StackShape {
-  int64_t B, T, num_heads, num_kv_heads, head_dim, max_len, skinny_max_rows;  // skinny_max_rows < 0: any
-  int64_t packed_max_rows;  // < 0: any
-  double eps, scale;
-  bool invariant;
-};
-
-// One layer's weights: float32 (16, _Layer's fields) and packed (the same slots; undefined where
-// a weight is not packed, or no packed list was given)
-struct LayerWeights {
-  const std::optional<at::Tensor>* w;
-  const std::optional<at::Tensor>* packed;  // nullptr: none
-};
-
 // ops.linear's choice: the C++ fixed-order kernel up to skinny_max_rows rows (from the packed
 // weight up to packed_max_rows, the same bits; float32 only), torch's matmul past
 at::Tensor project(const StackShape& s, const at::Tensor& x, const LayerWeights& lw, Field weight, Field bias) {
-  const int64_t rows = x.numel() / x.size(-1);
-  const std::optional<at::Tensor>* packed = lw.packed ? lw.packed + weight : nullptr;
-  if (packed && packed->has_value() && packed->value().defined() &&
-      (s.packed_max_rows < 0 || rows <= s.packed_max_rows))
-    return packed_linear_cpu(x, **packed, lw.w[bias]);
-  if (s.skinny_max_rows < 0 || rows <= s.skinny_max_rows) return skinny_linear_cpu(x, *lw.w[weight], lw.w[bias]);
-  return at::linear(x, *lw.w[weight], lw.w[bias]);
+  switch (kernel_for(s, lw, weight, x.numel() / x.size(-1))) {
+    case Kernel::kPacked: return packed_linear_cpu(x, *lw.packed[weight], lw.w[bias]);
+    case Kernel::kSkinny: return skinny_linear_cpu(x, *lw.w[weight], lw.w[bias]);
+    default: return at::linear(x, *lw.w[weight], lw.w[bias]);
+  }
 }
 
 // (rms_norm(hidden + pending), hidden + pending); pending undefined: nothing to add
@@ -102,7 +83,8 @@ at::Tensor mlp(const StackShape& s, const LayerWeights& w, const at::Tensor& x) 
 // the lengths after this chunk; max_len: keys in use; skinny_max_rows: ops.skinny_max_rows(dtype)
 // (-1: the fixed-order kernel at any number of rows: the invariant set, bf16 / fp16); invariant: the
 // one-query attention path; packed: empty, or per weight slot the packed weight
-// (packed_weights.pack) or None; packed_max_rows: rows up to which a packed weight is read (-1: any).
+// (packed_weights.pack) or None; packed_max_rows: rows up to which a packed weight is read (-1: any);
+// rows: float32 on raw rows where it applies (decoder_stack_rows.cpp; false: op by op, the same bits).
 // -> (hidden, pending): the residual stream and the last kept
 // sub-layer's output not yet added to it (undefined when no sub-layer ran).
 std::tuple<at::Tensor, at::Tensor> decoder_stack_cpu(
@@ -110,7 +92,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack_cpu(
     const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cos, const at::Tensor& sin,
     const at::Tensor& positions, const at::Tensor& cache_lens, int64_t max_len, int64_t num_heads,
     int64_t num_kv_heads, int64_t head_dim, double eps, double scale, int64_t skinny_max_rows, bool invariant,
-    const std::vector<std::optional<at::Tensor>>& packed, int64_t packed_max_rows) {
+    const std::vector<std::optional<at::Tensor>>& packed, int64_t packed_max_rows, bool rows) {
   const int64_t L = static_cast<int64_t>(skip.size());
   const auto dtype = hidden.scalar_type();
   TORCH_CHECK(hidden.device().is_cpu() && hidden.dim() == 3 && checks::is_float_dtype(dtype),
@@ -125,6 +107,10 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack_cpu(
               weights.size(), " slots, got ", packed.size());
   const StackShape s{hidden.size(0), hidden.size(1), num_heads, num_kv_heads, head_dim, max_len, skinny_max_rows,
                      packed_max_rows, eps, scale, invariant};
+  if (rows)
+    if (auto out = decoder_stack_rows(s, hidden, weights, skip, packed, k_cache, v_cache, cos, sin, positions,
+                                      cache_lens))
+      return *out;
   at::Tensor pending;  // undefined: nothing to add
   for (int64_t i = 0; i < L; ++i) {
     const LayerWeights w{weights.data() + i * kFields, packed.empty() ? nullptr : packed.data() + i * kFields};

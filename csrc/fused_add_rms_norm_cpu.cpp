@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "op_checks.h"
+#include "row_kernels.h"
 
 namespace swiftkern {
 namespace cpu {
@@ -63,6 +64,12 @@ void fused_add_rms_norm_rows(const T* x, int64_t x_s, const T* r, int64_t r_s, c
 }
 
 }  // namespace
+
+void add_rms_norm_rows(const float* x, int64_t x_s, const float* residual, int64_t r_s, const float* w, float* normed,
+                       float* new_res, int64_t N, int64_t H, float eps) {
+  fused_add_rms_norm_rows<float>(x, x_s, residual, r_s, w, normed, new_res, N, H, eps);
+}
+
 }  // namespace cpu
 
 // x, residual: [..., H]; weight: [H]; one float dtype -> (normed [..., H], new_residual [..., H])

@@ -29,6 +29,7 @@
 #include "lane_panel_gemm.h"
 #include "linear_call.h"
 #include "op_checks.h"
+#include "row_kernels.h"
 
 namespace swiftkern {
 namespace cpu {
@@ -452,6 +453,36 @@ static int packed_bits(int64_t block_bytes) {
   return block_bytes == kBlockBytes4 ? 4 : block_bytes == kBlockBytes8 ? 8 : 0;
 }
 
+// y [M, N] = x [M, K] @ w^T with isa's kernels, w packed with bits-bit codes (4 or 8), K > 0
+static void packed_linear_with_isa(Isa isa, const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t N,
+                                   int bits, float* yp) {
+  const int64_t row_bytes = K / kBlock * (bits == 4 ? kBlockBytes4 : kBlockBytes8);
+  static const PackedTiles tiles4 = PackedTiles::make<4>(pick_isa());
+  static const PackedTiles tiles8 = PackedTiles::make<8>(pick_isa());
+  const PackedTiles tiles = isa == pick_isa() ? (bits == 4 ? tiles4 : tiles8)
+                            : bits == 4 ? PackedTiles::make<4>(isa) : PackedTiles::make<8>(isa);
+  const auto range = bits == 4 ? packed_linear_range<4> : packed_linear_range<8>;
+#if defined(__x86_64__)
+  if (panels_take(isa, M, kPackedPanelAboveRows)) {
+    // each panel of 16 weight rows packed lane-major straight from its codes
+    const auto pack = bits == 4 ? pack_packed_panel_avx2<4> : pack_packed_panel_avx2<8>;
+    for_panels(xp, yp, M, K, N, [&](int64_t n, int nr, float* out) { pack(wp + n * row_bytes, row_bytes, nr, K, out); });
+    return;
+  }
+#endif
+  constexpr int nr = kPackedTileCols;
+  const int64_t tiles_n = (N + nr - 1) / nr;
+  const int64_t grain = std::max<int64_t>(1, 32768 / (nr * K));  // as skinny_linear: ~K * 4 * 8192 weights a task
+  at::parallel_for(0, tiles_n, grain, [&](int64_t t0, int64_t t1) {
+    range(tiles, isa, xp, wp, row_bytes, yp, M, K, N, t0 * nr, std::min(N, t1 * nr));
+  });
+}
+
+void packed_linear_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int64_t block_bytes,
+                        float* y) {
+  packed_linear_with_isa(pick_isa(), x, M, K, w, N, packed_bits(block_bytes), y);
+}
+
 }  // namespace cpu
 
 static at::Tensor packed_linear_with(cpu::Isa isa, const at::Tensor& x, const at::Tensor& packed,
@@ -469,32 +500,9 @@ static at::Tensor packed_linear_with(cpu::Isa isa, const at::Tensor& x, const at
               "packed_linear: rows of ", packed.size(1) * packed.size(2), " bytes are too long (the panels address 16 rows "
               "with 32-bit offsets: K must stay under ~", (int64_t{1} << 31) / cpu::kPanelCols / cpu::kBlockBytes8 * cpu::kBlock, ")");
   if (call.trivial(K)) return call.finish();
-  const int64_t M = call.M;
   const at::Tensor xc = x.contiguous(), pc = packed.contiguous();
-  const int bits = cpu::packed_bits(pc.size(2));
-  static const cpu::PackedTiles tiles4 = cpu::PackedTiles::make<4>(cpu::pick_isa());
-  static const cpu::PackedTiles tiles8 = cpu::PackedTiles::make<8>(cpu::pick_isa());
-  const cpu::PackedTiles tiles = isa == cpu::pick_isa() ? (bits == 4 ? tiles4 : tiles8)
-                                 : bits == 4 ? cpu::PackedTiles::make<4>(isa) : cpu::PackedTiles::make<8>(isa);
-  const auto range = bits == 4 ? cpu::packed_linear_range<4> : cpu::packed_linear_range<8>;
-  const float* xp = xc.data_ptr<float>();
-  const uint8_t* wp = pc.data_ptr<uint8_t>();
-  const int64_t row_bytes = pc.size(1) * pc.size(2);
-  float* yp = call.y.data_ptr<float>();
-#if defined(__x86_64__)
-  if (cpu::panels_take(isa, M, cpu::kPackedPanelAboveRows)) {
-    // each panel of 16 weight rows packed lane-major straight from its codes
-    const auto pack = bits == 4 ? cpu::pack_packed_panel_avx2<4> : cpu::pack_packed_panel_avx2<8>;
-    cpu::for_panels(xp, yp, M, K, N, [&](int64_t n, int nr, float* out) { pack(wp + n * row_bytes, row_bytes, nr, K, out); });
-    return call.finish();
-  }
-#endif
-  constexpr int nr = cpu::kPackedTileCols;
-  const int64_t tiles_n = (N + nr - 1) / nr;
-  const int64_t grain = std::max<int64_t>(1, 32768 / (nr * K));  // as skinny_linear: ~K * 4 * 8192 weights a task
-  at::parallel_for(0, tiles_n, grain, [&](int64_t t0, int64_t t1) {
-    range(tiles, isa, xp, wp, row_bytes, yp, M, K, N, t0 * nr, std::min(N, t1 * nr));
-  });
+  cpu::packed_linear_with_isa(isa, xc.data_ptr<float>(), call.M, K, pc.data_ptr<uint8_t>(), N,
+                              cpu::packed_bits(pc.size(2)), call.y.data_ptr<float>());
   return call.finish();
 }
 

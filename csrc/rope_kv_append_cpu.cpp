@@ -17,15 +17,13 @@
 #include <cstring>
 
 #include "op_checks.h"
+#include "row_kernels.h"
 
 namespace swiftkern {
 namespace cpu {
 namespace {
 
-struct Strides3 {
-  int64_t b, h, t;
-};
-inline Strides3 strides_of(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
+inline HeadStrides strides_of(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
 
 template <class E>
 inline void rotate(const E* __restrict x, const E* __restrict c, const E* __restrict s, E* __restrict out,
@@ -40,43 +38,49 @@ inline void rotate(const E* __restrict x, const E* __restrict c, const E* __rest
 }
 
 template <class E>
-void rope_kv_append_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
-                           const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
-                           const at::Tensor& positions, at::Tensor& out) {
-  const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3), Hkv = k.size(1);
-  const int64_t half = D / 2, heads = Hq + 2 * Hkv;
-  const Strides3 qs = strides_of(q), ks = strides_of(k), vs = strides_of(v), os = strides_of(out);
-  const Strides3 kcs = strides_of(k_cache), vcs = strides_of(v_cache);
-  const E *qp = q.data_ptr<E>(), *kp = k.data_ptr<E>(), *vp = v.data_ptr<E>();
-  const E *cp = cos.data_ptr<E>(), *sp = sin.data_ptr<E>();
-  E *kcp = k_cache.data_ptr<E>(), *vcp = v_cache.data_ptr<E>(), *op = out.data_ptr<E>();
-  const int64_t* pos = positions.data_ptr<int64_t>();
-  const int64_t ps_b = positions.stride(0), ps_t = positions.stride(1);
-  const int64_t c_sb = cos.stride(0), c_st = cos.stride(1), s_sb = sin.stride(0), s_st = sin.stride(1);
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(D, 1));  // ~32K elements a task
-  at::parallel_for(0, B * T * heads, grain, [&](int64_t r0, int64_t r1) {
+void rope_rows(const RopeArgsOf<E>& a) {
+  const int64_t half = a.D / 2, heads = a.Hq + 2 * a.Hkv;
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(a.D, 1));  // ~32K elements a task
+  at::parallel_for(0, a.B * a.T * heads, grain, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      const int64_t head = r % heads, t = (r / heads) % T, b = r / (heads * T);
-      const int64_t p = pos[b * ps_b + t * ps_t];
-      const E* c = cp + b * c_sb + t * c_st;
-      const E* s = sp + b * s_sb + t * s_st;
-      if (head < Hq) {
-        rotate(qp + b * qs.b + head * qs.h + t * qs.t, c, s, op + b * os.b + head * os.h + t * os.t, half);
-      } else if (head < Hq + Hkv) {
-        const int64_t h = head - Hq;
-        rotate(kp + b * ks.b + h * ks.h + t * ks.t, c, s, kcp + b * kcs.b + h * kcs.h + p * kcs.t, half);
+      const int64_t head = r % heads, t = (r / heads) % a.T, b = r / (heads * a.T);
+      const int64_t p = a.positions[b * a.pos_b + t * a.pos_t];
+      const E* c = a.cos + b * a.cos_b + t * a.cos_t;
+      const E* s = a.sin + b * a.sin_b + t * a.sin_t;
+      if (head < a.Hq) {
+        rotate(a.q + b * a.qs.b + head * a.qs.h + t * a.qs.t, c, s, a.out + b * a.os.b + head * a.os.h + t * a.os.t,
+               half);
+      } else if (head < a.Hq + a.Hkv) {
+        const int64_t h = head - a.Hq;
+        rotate(a.k + b * a.ks.b + h * a.ks.h + t * a.ks.t, c, s, a.k_cache + b * a.kcs.b + h * a.kcs.h + p * a.kcs.t,
+               half);
       } else {
-        const int64_t h = head - Hq - Hkv;
-        std::memcpy(vcp + b * vcs.b + h * vcs.h + p * vcs.t, vp + b * vs.b + h * vs.h + t * vs.t, D * sizeof(E));
+        const int64_t h = head - a.Hq - a.Hkv;
+        std::memcpy(a.v_cache + b * a.vcs.b + h * a.vcs.h + p * a.vcs.t, a.v + b * a.vs.b + h * a.vs.h + t * a.vs.t,
+                    a.D * sizeof(E));
       }
     }
   });
+}
+
+template <class E>
+void rope_kv_append_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                           const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
+                           const at::Tensor& positions, at::Tensor& out) {
+  rope_rows<E>({q.size(0), q.size(1), k.size(1), q.size(2), q.size(3), q.data_ptr<E>(), k.data_ptr<E>(),
+                v.data_ptr<E>(), strides_of(q), strides_of(k), strides_of(v), cos.data_ptr<E>(), sin.data_ptr<E>(),
+                cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1), k_cache.data_ptr<E>(),
+                v_cache.data_ptr<E>(), out.data_ptr<E>(), strides_of(k_cache), strides_of(v_cache), strides_of(out),
+                positions.data_ptr<int64_t>(), positions.stride(0), positions.stride(1)});
 }
 
 // The tensor itself when its last dim is contiguous, else a contiguous copy (inputs only).
 inline at::Tensor last_dim_contiguous(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
 
 }  // namespace
+
+void rope_kv_append_rows(const RopeArgs& a) { rope_rows<float>(a); }
+
 }  // namespace cpu
 
 // q [B, Hq, T, D]; k, v [B, Hkv, T, D]; cos, sin [B or 1, T, D]; k_cache, v_cache [B, Hkv, S, D]

@@ -18,6 +18,7 @@
 #include "cpu_exp.h"
 #include "cpu_isa.h"
 #include "op_checks.h"
+#include "row_kernels.h"
 
 namespace swiftkern {
 namespace cpu {
@@ -71,6 +72,12 @@ void silu_mul_range(const T* g, const T* u, T* y, int64_t n, Isa isa) {
 }
 
 }  // namespace
+
+void silu_mul_rows(const float* gate, const float* up, float* y, int64_t n) {
+  static const Isa isa = pick_isa();
+  at::parallel_for(0, n, 16384, [&](int64_t i0, int64_t i1) { silu_mul_range<float>(gate + i0, up + i0, y + i0, i1 - i0, isa); });
+}
+
 }  // namespace cpu
 
 // gate, up: [...], one float dtype -> [...] contiguous, the same dtype

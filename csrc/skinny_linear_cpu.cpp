@@ -34,6 +34,7 @@
 #include "lane_panel_gemm.h"
 #include "linear_call.h"
 #include "op_checks.h"
+#include "row_kernels.h"
 
 #include <algorithm>
 #include <cmath>
@@ -245,6 +246,11 @@ static void fixed_order_matmul(cpu::Isa isa, const float* x, const W* w, float* 
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
     cpu::fixed_order_linear(table, x, w, y, M, K, N, t0 * nr, std::min(N, t1 * nr));
   });
+}
+
+void cpu::skinny_linear_rows(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y) {
+  static const Isa isa = pick_isa();
+  fixed_order_matmul(isa, x, w, y, M, K, N);
 }
 
 static at::Tensor skinny_linear_with(cpu::Isa isa, const at::Tensor& x, const at::Tensor& weight,

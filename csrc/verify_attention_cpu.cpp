@@ -44,6 +44,7 @@
 #include "exact_load.h"
 #include "fixed_order_dot.h"
 #include "op_checks.h"
+#include "row_kernels.h"
 
 namespace swiftkern {
 namespace cpu {
@@ -54,12 +55,6 @@ constexpr int64_t kTokenBlock = 8;     // new tokens a one-query-path task takes
 constexpr int64_t kKeyBlock = 64;       // keys per block walked by all of a task's queries (32 KiB at D 128)
 constexpr int64_t kSharedKvBytes = int64_t(1) << 19;  // a head's keys + values past this: read once per task
 
-struct AttnShape {
-  int64_t B, Hq, T, D, Hkv, S;
-  int64_t q_b, q_h, q_t;  // strides of q (elements), D contiguous
-  int64_t k_b, k_h, k_s;  // strides of k_cache (v_cache has the same)
-  float scale;
-};
 
 // Scores of one query against keys [0, L): s[j] = scale * q . k_j, 16-lane fp32 partial sums.
 template <class E>
@@ -519,7 +514,7 @@ void attend_lanes(const AttnShape& sh, const float* q, const float* k, const flo
         for (int64_t u = blk * kLanes; u < std::min(queries, (blk + 1) * kLanes); ++u, ++nq[x]) {
           const int64_t h = hkv * group + u / sh.T, i = u % sh.T;
           qs[nq[x]] = q + b * sh.q_b + h * sh.q_h + i * sh.q_t;
-          outs[x * kLanes + nq[x]] = out + ((b * sh.Hq + h) * sh.T + i) * sh.D;
+          outs[x * kLanes + nq[x]] = out + b * sh.o_b + h * sh.o_h + i * sh.o_t;
           lim[x * kLanes + nq[x]] = lens[b] - sh.T + i + 1;
           L = std::max(L, lim[x * kLanes + nq[x]]);
         }
@@ -634,7 +629,7 @@ void attend(const AttnShape& sh, const E* q, const E* k, const E* v, const int64
       });
       for (int64_t t = 0; t < nt; ++t)
         for (int64_t g = 0; g < group; ++g) {
-          E* o = out + ((b * sh.Hq + hkv * group + g) * sh.T + i0 + t) * sh.D;
+          E* o = out + b * sh.o_b + (hkv * group + g) * sh.o_h + (i0 + t) * sh.o_t;
           const float inv = 1.0f / total[t * group + g];
           const float* a = acc.data() + (t * group + g) * sh.D;
           for (int64_t d = 0; d < sh.D; ++d) o[d] = static_cast<E>(a[d] * inv);
@@ -644,6 +639,13 @@ void attend(const AttnShape& sh, const E* q, const E* k, const E* v, const int64
 }
 
 }  // namespace
+
+void attend_rows(const AttnShape& sh, const float* q, const float* k, const float* v, const int64_t* lens, float* out,
+                 bool invariant) {
+  static const Isa isa = pick_isa();
+  attend<float>(sh, q, k, v, lens, out, isa, invariant);
+}
+
 }  // namespace cpu
 
 namespace {
@@ -658,9 +660,12 @@ at::Tensor attention_entry(const char* name, const at::Tensor& q, const at::Tens
   checks::verify_attention(q, k_cache, v_cache, cache_lens);
   const at::Tensor qc = q.stride(3) == 1 ? q : q.contiguous();
   const at::Tensor lens = cache_lens.contiguous();
-  cpu::AttnShape sh{q.size(0), q.size(1), q.size(2), q.size(3), k_cache.size(1), k_cache.size(2),
+  const int64_t Hq = q.size(1), T = q.size(2), D = q.size(3);
+  cpu::AttnShape sh{q.size(0), Hq, T, D, k_cache.size(1), k_cache.size(2),
                     qc.stride(0), qc.stride(1), qc.stride(2),
-                    k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), static_cast<float>(scale)};
+                    k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                    Hq * T * D, T * D, D,  // out: contiguous
+                    static_cast<float>(scale)};
   const int64_t* lp = lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < sh.B; ++b)
     TORCH_CHECK(lp[b] >= sh.T && lp[b] <= sh.S, name, ": cache_lens[", b, "] = ", lp[b],

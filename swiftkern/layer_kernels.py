@@ -154,18 +154,20 @@ def _stack_for(invariant: bool) -> Callable | None:
     skipped, 2 MLP skipped), k_cache, v_cache [L, B, Hkv, S, D], cos, sin [B, T, D], positions
     [B, T], cache_lens [B], max_len, num_heads, num_kv_heads, head_dim, eps, scale, packed
     (empty, or the packed weight or None per weight slot: packed_weights.PackedSet.slots(), read
-    up to ops.packed_max_rows() rows, at any number in the invariant set; the same bits)) -> (hidden, pending or None)."""
+    up to ops.packed_max_rows() rows, at any number in the invariant set; the same bits), row_path
+    (float32 on raw rows where it applies, csrc/decoder_stack_rows.cpp; False: op by op, the same
+    bits)) -> (hidden, pending or None)."""
     run = getattr(ops.registry.extension, "decoder_stack", None)
     if run is None:
         return None
     def stack(hidden, weights, skip, k_cache, v_cache, cos, sin, positions, cache_lens, max_len, num_heads,
-              num_kv_heads, head_dim, eps, scale, packed):
+              num_kv_heads, head_dim, eps, scale, packed, row_path=True):
         # the rules of ops.linear at this call (a prefill's, this CPU's), as the Python loop reads them
         rows = -1 if invariant else ops.skinny_max_rows(hidden.dtype)
         packed_rows = -1 if invariant else ops.packed_max_rows()  # packed: skinny_linear's bits, fewer bytes
         return opaque_call("decoder_stack", run, hidden, weights, skip, k_cache, v_cache, cos, sin, positions,
                            cache_lens, max_len, num_heads, num_kv_heads, head_dim, eps, scale, rows, invariant,
-                           packed, packed_rows)
+                           packed, packed_rows, row_path)
     return stack
 
 

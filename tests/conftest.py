@@ -54,6 +54,20 @@ def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
     return model.eval()
 
 
+def gguf_like(hf):
+    """Quantize an HF model's projection weights to Q4_1 and its LM head to Q8_0 in place, as a
+    GGUF file would hold them (packed_weights then finds every one's codes)."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf import quants
+
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.dim() == 2 and "embed" not in name:
+                qtype = Q.Q8_0 if "lm_head" in name else Q.Q4_1
+                p.copy_(torch.from_numpy(quants.dequantize(quants.quantize(p.detach().numpy(), qtype), qtype)))
+    return hf
+
+
 @pytest.fixture
 def fixed_costs(monkeypatch):
     """Generators built in the test use the drafter policy's fixed cost model (verify(T) = 1 +

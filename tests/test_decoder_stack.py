@@ -8,11 +8,12 @@ from dataclasses import fields
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import gguf_like, tiny_model
 from swiftkern import SkipModel, layer_kernels, ops
 from swiftkern.layer_kernels import LayerKernels
 from swiftkern.layer_set import LayerSet
 from swiftkern.model import _Layer
+from swiftkern.packed_weights import PackedSet
 
 pytestmark = pytest.mark.usefixtures("uninitialized_is_poison")  # conftest: unwritten outputs fail
 
@@ -150,3 +151,64 @@ def test_rows_of_unequal_lengths(monkeypatch):
     b = go()
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
+
+
+_FOR_DEVICE = LayerKernels.for_device  # as the package defines it, before any test patches it
+
+
+def _stack_rows(monkeypatch, rows: bool, shared: list):
+    """LayerKernels.for_device as it is, its C++ stack called with rows=rows; shared gets, per call
+    that returns a pending output, whether hidden and pending lie in one buffer (the float32 row
+    path's mark: the op-by-op path returns tensors of their own)."""
+    original = _FOR_DEVICE
+
+    def with_rows(device_type, invariant=False):
+        kern = original(device_type, invariant)
+
+        def stack(*args):
+            hidden, pending = kern.stack(*args, row_path=rows)
+            if pending is not None:
+                shared.append(hidden.untyped_storage().data_ptr() == pending.untyped_storage().data_ptr())
+            return hidden, pending
+        return dataclasses.replace(kern, stack=stack)
+    monkeypatch.setattr(LayerKernels, "for_device", staticmethod(with_rows))
+    layer_kernels._CACHE.clear()
+
+
+@needs_stack
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases
+@pytest.mark.parametrize("packed", [False, True], ids=["float32-weights", "packed-weights"])
+@pytest.mark.parametrize("invariant", [False, True])
+def test_float32_row_path_has_the_op_by_op_bits(arch, packed, invariant, monkeypatch):
+    """decoder_stack's float32 path on raw rows (csrc/decoder_stack_rows.cpp) against its op-by-op
+    path: logits and caches bit for bit, with float32 or packed weights, a prefill of 40 tokens, a
+    verify chunk of 5, decode steps with and without skipped sub-layers, three rows of unequal
+    lengths; and the row path ran (one buffer holds both outputs) wherever no projection went to
+    torch's matmul."""
+    hf = tiny_model(arch, num_hidden_layers=4, num_attention_heads=6, num_key_value_heads=2, hidden_size=96,
+                    intermediate_size=160)
+    model = SkipModel.from_hf(gguf_like(hf) if packed else hf, pack_weights=False)
+    if packed:
+        model.packed = PackedSet(model._stack_weights + [model.lm_head])
+        assert model.packed.count == 4 * 7 + 1
+    skip = LayerSet.parse("attn:1,3|mlp:0", 4)
+
+    def run(rows):
+        shared = []
+        _stack_rows(monkeypatch, rows, shared)
+        g = torch.Generator().manual_seed(11)
+        with model.batch_invariant() if invariant else contextlib.nullcontext():
+            cache = model.new_cache(3, 64)
+            logits = [model.forward(torch.randint(3, 301, (3, 40), generator=g), cache).clone()]
+            cache.rollback([40, 23, 31])
+            for T, ls in [(5, None), (1, None), (1, skip), (2, skip)]:
+                logits.append(model.forward(torch.randint(3, 301, (3, T), generator=g), cache, ls).clone())
+        return logits, cache.k.clone(), cache.v.clone(), shared
+    fast, slow = run(True), run(False)
+    for a, b in zip(fast[0], slow[0]):
+        assert torch.equal(a, b)
+    assert torch.equal(fast[1], slow[1]) and torch.equal(fast[2], slow[2])
+    assert not any(slow[3]) and len(fast[3]) == 5
+    # the prefill's 120 rows go to torch's matmul where MKL does not lag (ops.skinny_max_rows),
+    # outside the invariant set: there the op-by-op path runs; the later chunks take the row path
+    assert all(fast[3][1:])

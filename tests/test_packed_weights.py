@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import quants
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from conftest import bitwise_equal, tiny_model
+from conftest import bitwise_equal, gguf_like, tiny_model
 from swiftkern import ops, reference
 from swiftkern.draft_head import DraftHead
 from swiftkern.errors import SwiftkernError
@@ -144,17 +144,6 @@ def test_packed_set_repacks_a_weight_changed_in_place():
     packed = PackedSet([param])
     param.data = b.clone()  # new storage, the same _version: the old codes were read on
     assert bitwise_equal(unpack(packed.slots()[0]), b)
-
-
-def gguf_like(hf):
-    """Quantize an HF model's projection weights to Q4_1 and its LM head to Q8_0 in place, as a
-    GGUF file would hold them."""
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if p.dim() == 2 and "embed" not in name:
-                qtype = Q.Q8_0 if "lm_head" in name else Q.Q4_1
-                p.copy_(torch.from_numpy(quants.dequantize(quants.quantize(p.detach().numpy(), qtype), qtype)))
-    return hf
 
 
 @needs_cpp

@@ -1,0 +1,54 @@
+// What the two ways of running decoder_stack share: a layer's weight slots, the call's shape,
+// and the rule that picks each projection's kernel (decoder_stack_cpu.cpp: op by op on tensors,
+// any dtype; decoder_stack_rows.cpp: float32 on raw rows in one buffer, where it applies).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace swiftkern {
+
+// One layer's weights, in the order of swiftkern.model._Layer's fields.
+enum Field { kLnAttn, kQ, kK, kV, kQBias, kKBias, kVBias, kO, kOBias, kLnMlp, kGate, kUp, kDown, kGateBias,
+             kUpBias, kDownBias, kFields };
+
+struct StackShape {
+  int64_t B, T, num_heads, num_kv_heads, head_dim, max_len, skinny_max_rows;  // skinny_max_rows < 0: any
+  int64_t packed_max_rows;  // < 0: any
+  double eps, scale;
+  bool invariant;
+};
+
+// One layer's weights: float32 (16, _Layer's fields) and packed (the same slots; undefined where
+// a weight is not packed, or no packed list was given)
+struct LayerWeights {
+  const std::optional<at::Tensor>* w;
+  const std::optional<at::Tensor>* packed;  // nullptr: none
+};
+
+inline const at::Tensor* present(const std::optional<at::Tensor>& t) {
+  return t.has_value() && t->defined() ? &t.value() : nullptr;
+}
+
+// ops.linear's choice for a projection of `rows` rows: the packed weight where there is one and
+// rows <= packed_max_rows, else the C++ fixed-order kernel up to skinny_max_rows rows, else torch
+enum class Kernel { kPacked, kSkinny, kTorch };
+inline Kernel kernel_for(const StackShape& s, const LayerWeights& lw, Field weight, int64_t rows) {
+  if (lw.packed && present(lw.packed[weight]) && (s.packed_max_rows < 0 || rows <= s.packed_max_rows))
+    return Kernel::kPacked;
+  return s.skinny_max_rows < 0 || rows <= s.skinny_max_rows ? Kernel::kSkinny : Kernel::kTorch;
+}
+
+// decoder_stack's float32 path on raw rows (decoder_stack_rows.cpp): its (hidden, pending), or
+// nullopt where it does not apply (another dtype, a projection for torch's matmul, a layout or
+// value it does not take), and the op-by-op path runs (and says what is wrong, if anything is).
+std::optional<std::tuple<at::Tensor, at::Tensor>> decoder_stack_rows(
+    const StackShape& s, const at::Tensor& hidden, const std::vector<std::optional<at::Tensor>>& weights,
+    const std::vector<int64_t>& skip, const std::vector<std::optional<at::Tensor>>& packed, const at::Tensor& k_cache,
+    const at::Tensor& v_cache, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
+    const at::Tensor& cache_lens);
+
+}  // namespace swiftkern

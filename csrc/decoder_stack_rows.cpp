@@ -1,0 +1,200 @@
+// decoder_stack's float32 path on raw rows: the op-by-op loop (decoder_stack_cpu.cpp) with the
+// same kernels in the same order on the same values, so the same bits, but its inputs checked
+// once a call and every intermediate in one buffer. Op by op, a SmolLM2 decode step made ~1500
+// ATen calls (an output allocated per op, views, checks): ~20 % of the main thread's time, while
+// the other thread waited for it.
+//
+// Buffers, M = B * T rows: h [M, H] the residual stream (updated in place by the norms), x [M, H]
+// the normed input of a sub-layer, q / k / v [B, T, heads * D] the projections, rq [B, Hq, T, D] the
+// rotated queries, attn [B, T, Hq * D], gate / up / act [M, I], out [M, H] the last kept
+// sub-layer's output (pending until the next norm adds it).
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cstring>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "decoder_stack.h"
+#include "row_kernels.h"
+
+namespace swiftkern {
+namespace {
+
+// A projection as this call runs it: packed codes or the float32 weight, and its bias
+struct Projection {
+  const float* w = nullptr;         // [N, K] float32; null: packed
+  const uint8_t* packed = nullptr;  // [N, K/32, block_bytes]
+  int64_t block_bytes = 0;
+  const float* bias = nullptr;  // [N] or null
+  int64_t N = 0, K = 0;
+
+  // y [M, N] = x [M, K] @ w^T + bias (the bias added as LinearCall::finish adds it)
+  void operator()(const float* x, int64_t M, float* y) const {
+    if (packed)
+      cpu::packed_linear_rows(x, M, K, packed, N, block_bytes, y);
+    else
+      cpu::skinny_linear_rows(x, M, K, w, N, y);
+    if (bias)
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < N; ++n) y[m * N + n] += bias[n];
+  }
+};
+
+bool is_f32(const at::Tensor& t, int64_t dim) {
+  return t.scalar_type() == at::kFloat && t.device().is_cpu() && t.dim() == dim && t.is_contiguous();
+}
+
+// The projection of slot `weight` [N, K] (bias slot `bias`), or nullopt where this path does not take it
+std::optional<Projection> projection(const StackShape& s, const LayerWeights& lw, Field weight, Field bias,
+                                     int64_t rows, int64_t N, int64_t K) {
+  Projection p{};
+  p.N = N;
+  p.K = K;
+  const at::Tensor* w = present(lw.w[weight]);
+  if (!w || !is_f32(*w, 2) || w->size(0) != N || w->size(1) != K) return std::nullopt;
+  switch (kernel_for(s, lw, weight, rows)) {
+    case Kernel::kPacked: {
+      const at::Tensor& pk = *lw.packed[weight];
+      if (pk.scalar_type() != at::kByte || !pk.device().is_cpu() || pk.dim() != 3 || !pk.is_contiguous() ||
+          pk.size(0) != N || pk.size(1) * 32 != K || (pk.size(2) != 24 && pk.size(2) != 40))
+        return std::nullopt;
+      p.packed = pk.data_ptr<uint8_t>();
+      p.block_bytes = pk.size(2);
+      break;
+    }
+    case Kernel::kSkinny: p.w = w->data_ptr<float>(); break;
+    default: return std::nullopt;
+  }
+  if (const at::Tensor* b = present(lw.w[bias])) {
+    if (!is_f32(*b, 1) || b->size(0) != N) return std::nullopt;
+    p.bias = b->data_ptr<float>();
+  }
+  return p;
+}
+
+// A kept layer's kernels and norm weights (each part filled where its sub-layer runs)
+struct LayerPlan {
+  const float *ln_attn = nullptr, *ln_mlp = nullptr;
+  Projection q, k, v, o, gate, up, down;
+};
+
+}  // namespace
+
+std::optional<std::tuple<at::Tensor, at::Tensor>> decoder_stack_rows(
+    const StackShape& s, const at::Tensor& hidden, const std::vector<std::optional<at::Tensor>>& weights,
+    const std::vector<int64_t>& skip, const std::vector<std::optional<at::Tensor>>& packed, const at::Tensor& k_cache,
+    const at::Tensor& v_cache, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
+    const at::Tensor& cache_lens) {
+  const int64_t L = static_cast<int64_t>(skip.size());
+  const int64_t B = s.B, T = s.T, M = B * T, D = s.head_dim, Hq = s.num_heads, Hkv = s.num_kv_heads;
+  if (hidden.scalar_type() != at::kFloat || M == 0 || Hq <= 0 || Hkv <= 0 || D <= 0 || Hq % Hkv || D % 2)
+    return std::nullopt;
+  const at::Tensor h_in = hidden.contiguous();
+  const int64_t H = h_in.size(2);
+  // the caches, the rotary tables and the positions as the op-by-op path reads them
+  if (k_cache.scalar_type() != at::kFloat || v_cache.scalar_type() != at::kFloat || k_cache.size(1) != B ||
+      k_cache.size(2) != Hkv || k_cache.size(4) != D || k_cache.stride(4) != 1 || v_cache.stride(4) != 1 ||
+      k_cache.strides() != v_cache.strides())
+    return std::nullopt;
+  const int64_t S = k_cache.size(3), keys = std::min(s.max_len, S);
+  for (const at::Tensor* t : {&cos, &sin})
+    if (t->scalar_type() != at::kFloat || t->dim() != 3 || (t->size(0) != 1 && t->size(0) != B) ||
+        t->size(1) != T || t->size(2) != D || t->stride(2) != 1)
+      return std::nullopt;
+  if (positions.scalar_type() != at::kLong || positions.dim() != 2 || positions.size(0) != B ||
+      positions.size(1) != T || cache_lens.scalar_type() != at::kLong || cache_lens.dim() != 1 ||
+      cache_lens.size(0) != B || !cache_lens.is_contiguous())
+    return std::nullopt;
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* lens = cache_lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    if (lens[b] < T || lens[b] > keys) return std::nullopt;
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t p = pos[b * positions.stride(0) + t * positions.stride(1)];
+      if (p < 0 || p >= S) return std::nullopt;
+    }
+  }
+  // every kept sub-layer's kernels
+  int64_t I = 0;
+  std::vector<LayerPlan> plans(static_cast<size_t>(L));
+  for (int64_t i = 0; i < L; ++i) {
+    const LayerWeights lw{weights.data() + i * kFields, packed.empty() ? nullptr : packed.data() + i * kFields};
+    LayerPlan& plan = plans[static_cast<size_t>(i)];
+    for (auto [kept, norm, slot] : {std::tuple{!(skip[i] & 1), &plan.ln_attn, kLnAttn},
+                                    std::tuple{!(skip[i] & 2), &plan.ln_mlp, kLnMlp}}) {
+      if (!kept) continue;
+      const at::Tensor* w = present(lw.w[slot]);
+      if (!w || !is_f32(*w, 1) || w->size(0) != H) return std::nullopt;
+      *norm = w->data_ptr<float>();
+    }
+    auto take = [&](Projection& p, Field weight, Field bias, int64_t N, int64_t K) {
+      auto made = projection(s, lw, weight, bias, M, N, K);
+      if (made) p = *made;
+      return made.has_value();
+    };
+    if (plan.ln_attn && !(take(plan.q, kQ, kQBias, Hq * D, H) && take(plan.k, kK, kKBias, Hkv * D, H) &&
+                          take(plan.v, kV, kVBias, Hkv * D, H) && take(plan.o, kO, kOBias, H, Hq * D)))
+      return std::nullopt;
+    if (plan.ln_mlp) {
+      const at::Tensor* gate = present(lw.w[kGate]);
+      if (!gate || gate->dim() != 2 || (I != 0 && gate->size(0) != I)) return std::nullopt;
+      I = gate->size(0);
+      if (!(take(plan.gate, kGate, kGateBias, I, H) && take(plan.up, kUp, kUpBias, I, H) &&
+            take(plan.down, kDown, kDownBias, H, I)))
+        return std::nullopt;
+    }
+  }
+  // one buffer for every intermediate
+  const int64_t nq = M * Hq * D, nkv = M * Hkv * D;
+  at::Tensor buffer = at::empty({M * (3 * H + 3 * Hq * D + 2 * Hkv * D + 3 * I)}, h_in.options());
+  float* h = buffer.data_ptr<float>();
+  float *x = h + M * H, *out = x + M * H, *q = out + M * H, *k = q + nq, *v = k + nkv, *rq = v + nkv;
+  float *attn = rq + nq, *gate = attn + nq, *up = gate + M * I, *act = up + M * I;
+  std::memcpy(h, h_in.data_ptr<float>(), M * H * sizeof(float));
+  bool pending = false;  // out holds a sub-layer's output not yet added to h
+  auto add_norm = [&](const float* w) {  // x = rms_norm(h + out) * w, h += out (or x = rms_norm(h) * w)
+    cpu::add_rms_norm_rows(pending ? out : h, H, pending ? h : nullptr, H, w, x, pending ? h : nullptr, M, H,
+                           static_cast<float>(s.eps));
+  };
+  const cpu::HeadStrides q_rows{T * Hq * D, D, Hq * D}, kv_rows{T * Hkv * D, D, Hkv * D};
+  const cpu::HeadStrides heads_first{Hq * T * D, T * D, D};
+  const cpu::HeadStrides cache{k_cache.stride(1), k_cache.stride(2), k_cache.stride(3)};
+  cpu::RopeArgs rope{B, Hq, Hkv, T, D, q, k, v, q_rows, kv_rows, kv_rows, cos.data_ptr<float>(), sin.data_ptr<float>(),
+                     cos.size(0) == 1 ? 0 : cos.stride(0), cos.stride(1), sin.size(0) == 1 ? 0 : sin.stride(0),
+                     sin.stride(1), nullptr, nullptr, rq, cache, cache, heads_first, pos, positions.stride(0),
+                     positions.stride(1)};
+  const cpu::AttnShape shape{B, Hq, T, D, Hkv, keys, heads_first.b, heads_first.h, heads_first.t,
+                             cache.b, cache.h, cache.t, q_rows.b, q_rows.h, q_rows.t, static_cast<float>(s.scale)};
+  float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
+  for (int64_t i = 0; i < L; ++i) {
+    const LayerPlan& plan = plans[static_cast<size_t>(i)];
+    if (plan.ln_attn) {
+      add_norm(plan.ln_attn);
+      plan.q(x, M, q);
+      plan.k(x, M, k);
+      plan.v(x, M, v);
+      rope.k_cache = kc + i * k_cache.stride(0);
+      rope.v_cache = vc + i * v_cache.stride(0);
+      cpu::rope_kv_append_rows(rope);
+      cpu::attend_rows(shape, rq, rope.k_cache, rope.v_cache, lens, attn, s.invariant);
+      plan.o(attn, M, out);
+      pending = true;
+    }
+    if (plan.ln_mlp) {
+      add_norm(plan.ln_mlp);
+      plan.gate(x, M, gate);
+      plan.up(x, M, up);
+      cpu::silu_mul_rows(gate, up, act, M * I);
+      plan.down(act, M, out);
+      pending = true;
+    }
+  }
+  at::Tensor hidden_out = buffer.narrow(0, 0, M * H).view({B, T, H});
+  at::Tensor pending_out = pending ? buffer.narrow(0, 2 * M * H, M * H).view({B, T, H}) : at::Tensor();
+  return std::make_tuple(hidden_out, pending_out);
+}
+
+}  // namespace swiftkern
