@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import ops
 from .arg_checks import flag, real, whole
 from .errors import SwiftkernError
 
@@ -121,5 +122,5 @@ def select_with_uniforms(logits: torch.Tensor, params: SamplingParams, u: torch.
     """``select_tokens`` with its uniforms made beforehand (``token_uniforms``). logits [N, V] ->
     int64 [N]"""
     if u is None:
-        return logits.argmax(dim=-1)
+        return ops.greedy_tokens(logits)
     return sample_from_weights(probs_from_logits(logits, params), u)

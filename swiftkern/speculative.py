@@ -86,7 +86,7 @@ def draft_tokens(model: SkipModel, cache: KVCache, pending: torch.Tensor, layer_
             token = sample_from_weights(q, u)
             probs.append(head.to_full(q, 0.0) if head is not None else q)
         else:
-            token = logits.argmax(-1)
+            token = ops.greedy_tokens(logits)
         if head is not None:
             token = head.ids[token]
         confidence = read(q.max(-1).values)  # the draft's top-1 probability

@@ -19,7 +19,7 @@ the backend chosen by ``SWIFTKERN_BACKEND`` (read at import; ``set_backend`` cha
 ``backend_info()`` (and ``swiftkern info``) shows per op and device what runs and what is built.
 
 Modules: registry (schemas, the extension, the registration), backends (the choice above),
-checks (input checks), acceptance (greedy_accept, rejection_sample), layer (norms, silu_mul,
+checks (input checks), acceptance (greedy_accept, greedy_tokens, rejection_sample), layer (norms, silu_mul,
 rope_kv_append, verify_attention, kv_compact), projections (linear, packed_linear), invariant
 (bi_exp, bi_exp_sum, bi_matmul, bi_matmul_group).
 """
@@ -27,7 +27,7 @@ rope_kv_append, verify_attention, kv_compact), projections (linear, packed_linea
 from __future__ import annotations
 
 from .. import reference
-from .acceptance import greedy_accept, rejection_sample
+from .acceptance import greedy_accept, greedy_tokens, rejection_sample
 from .backends import backend_for, backend_info, set_backend, unchecked
 from .invariant import bi_exp, bi_exp_sum, bi_matmul, bi_matmul_group
 from .layer import (fused_add_rms_norm, keys_in_use, kv_compact, rms_norm, rope_kv_append, silu_mul,
@@ -41,7 +41,7 @@ apply_rope = reference.apply_rope
 attention_mask = reference.attention_mask
 info = backend_info
 
-__all__ = ["bi_exp", "bi_exp_sum", "bi_matmul", "bi_matmul_group", "greedy_accept", "linear", "rejection_sample", "rms_norm",
+__all__ = ["bi_exp", "bi_exp_sum", "bi_matmul", "bi_matmul_group", "greedy_accept", "greedy_tokens", "linear", "rejection_sample", "rms_norm",
            "fused_add_rms_norm", "silu_mul", "apply_rope", "rope_kv_append", "attention_mask", "verify_attention",
            "verify_attention_invariant", "kv_compact", "packed_linear", "backend_info",
            "backend_for", "info", "set_backend", "unchecked"]
