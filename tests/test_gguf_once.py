@@ -1,0 +1,76 @@
+"""gguf_once.gguf_parsed_once: one GGUF reader per file and one tensor-name map per
+architecture inside the block, the garbage collector paused, everything as before after it (an
+error too); and SmolLM2 loaded with it is the model, config and tokenizer loaded without it."""
+
+import contextlib
+import gc
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+import swiftkern
+from swiftkern.gguf_once import gguf_parsed_once
+
+
+def small_gguf(path, value: int) -> str:
+    """A GGUF file of one key and one small tensor -> its path."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_uint32("test.value", value)
+    writer.add_tensor("t", np.arange(8, dtype=np.float32) * value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+def test_one_reader_a_file_and_one_name_map_inside_only(tmp_path):
+    a, b = small_gguf(tmp_path / "a.gguf", 2), small_gguf(tmp_path / "b.gguf", 3)
+    original_reader, original_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with gguf_parsed_once():
+        ra = gguf.GGUFReader(a)
+        assert gguf.GGUFReader(str(tmp_path / "." / "a.gguf")) is ra
+        rb = gguf.GGUFReader(b)
+        assert rb is not ra
+        assert list(rb.tensors[0].data) == [3.0 * i for i in range(8)]
+        name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is name_map
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 3) is not name_map
+    assert gguf.GGUFReader is original_reader and gguf.get_tensor_name_map is original_map
+    assert gguf.GGUFReader(a) is not ra
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_collector_paused_inside_and_as_before_after_an_error(enabled, tmp_path):
+    was = gc.isenabled()
+    original_reader = gguf.GGUFReader
+    try:
+        gc.enable() if enabled else gc.disable()
+        with pytest.raises(RuntimeError, match="inside"):
+            with gguf_parsed_once():
+                assert not gc.isenabled()
+                raise RuntimeError("an error inside")
+        assert gc.isenabled() == enabled
+        assert gguf.GGUFReader is original_reader
+    finally:
+        gc.enable() if was else gc.disable()
+
+
+@pytest.mark.slow
+def test_smollm2_loads_the_same_with_and_without_it(monkeypatch):
+    fast_model, fast_tok = swiftkern.load_model("smollm2")
+    monkeypatch.setattr(swiftkern.loading, "gguf_parsed_once", contextlib.nullcontext)
+    slow_model, slow_tok = swiftkern.load_model("smollm2")
+    fast, slow = fast_model.hf_model, slow_model.hf_model
+    assert fast.config.to_dict() == slow.config.to_dict()
+    fast_sd, slow_sd = fast.state_dict(), slow.state_dict()
+    assert fast_sd.keys() == slow_sd.keys() and len(fast_sd) > 200
+    for name, tensor in fast_sd.items():
+        assert tensor.dtype == slow_sd[name].dtype and torch.equal(tensor, slow_sd[name]), name
+    assert fast_tok.get_vocab() == slow_tok.get_vocab()
+    text = "The committee approved the new budget after a long debate. Ünïcode, tabs\tand 12345."
+    assert fast_tok(text)["input_ids"] == slow_tok(text)["input_ids"]
+    chat = [{"role": "user", "content": text}]
+    assert fast_tok.apply_chat_template(chat, tokenize=False) == slow_tok.apply_chat_template(chat, tokenize=False)
