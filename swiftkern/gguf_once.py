@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import threading
 
 
 def _memoized(function, key):
@@ -42,28 +43,58 @@ def _args_key(*args, **kwargs):
     return args, tuple(sorted(kwargs.items()))
 
 
+class _Patched:
+    """What the open blocks share: how many are open, and what the first one replaced."""
+
+    lock = threading.Lock()
+    depth = 0
+    originals: dict = {}  # gguf function name -> the function the first block replaced
+    collecting = False  # whether the collector ran before the first block
+
+
+def _enter() -> None:
+    with _Patched.lock:
+        _Patched.depth += 1
+        if _Patched.depth > 1:
+            return
+        try:
+            import gguf
+        except ImportError:
+            gguf = None
+        if gguf is not None:
+            for name, key in (("GGUFReader", _reader_key), ("get_tensor_name_map", _args_key)):
+                if callable(getattr(gguf, name, None)):
+                    _Patched.originals[name] = getattr(gguf, name)
+                    setattr(gguf, name, _memoized(_Patched.originals[name], key))
+        _Patched.collecting = gc.isenabled()
+        gc.disable()
+
+
+def _exit() -> None:
+    with _Patched.lock:
+        _Patched.depth -= 1
+        if _Patched.depth > 0:
+            return
+        if _Patched.originals:
+            import gguf
+
+            for name, original in _Patched.originals.items():
+                setattr(gguf, name, original)
+            _Patched.originals = {}
+        if _Patched.collecting:
+            gc.enable()
+
+
 @contextlib.contextmanager
 def gguf_parsed_once():
     """Inside the block: ``gguf.GGUFReader(path)`` returns one reader per file (and mode),
     ``gguf.get_tensor_name_map(arch, n)`` one map per (arch, n), and the garbage collector is
-    paused. On exit (an error too) ``gguf``'s functions and the collector are as before, and
-    the readers are dropped. Without the ``gguf`` package only the collector is paused."""
-    try:
-        import gguf
-    except ImportError:
-        gguf = None
-    patches = {}
-    if gguf is not None:
-        for name, key in (("GGUFReader", _reader_key), ("get_tensor_name_map", _args_key)):
-            if callable(getattr(gguf, name, None)):
-                patches[name] = getattr(gguf, name)
-                setattr(gguf, name, _memoized(patches[name], key))
-    collecting = gc.isenabled()
-    gc.disable()
+    paused. When the last open block closes (an error too) ``gguf``'s functions and the
+    collector are as before the first one opened, and the readers are dropped: blocks may nest
+    or overlap in threads (two models loading at once share the readers, and neither leaves
+    the other's patch behind). Without the ``gguf`` package only the collector is paused."""
+    _enter()
     try:
         yield
     finally:
-        for name, original in patches.items():
-            setattr(gguf, name, original)
-        if collecting:
-            gc.enable()
+        _exit()

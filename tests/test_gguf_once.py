@@ -58,6 +58,44 @@ def test_the_collector_paused_inside_and_as_before_after_an_error(enabled, tmp_p
         gc.enable() if was else gc.disable()
 
 
+def test_nested_and_overlapping_blocks_restore_only_at_the_last_exit(tmp_path):
+    """A load inside a load, and two loads in threads whose blocks close in the order they
+    opened: until the last block closes gguf keeps the memoized functions and the collector
+    stays paused; after it both are as before the first. (A first version restored at each
+    exit what that block had replaced: the thread case then left the first block's memoized
+    reader behind for good.)"""
+    import threading
+
+    a = small_gguf(tmp_path / "a.gguf", 2)
+    original_reader, collecting = gguf.GGUFReader, gc.isenabled()
+    with gguf_parsed_once():
+        outer = gguf.GGUFReader(a)
+        with gguf_parsed_once():
+            assert gguf.GGUFReader(a) is outer
+        assert gguf.GGUFReader(a) is outer and not gc.isenabled()
+    assert gguf.GGUFReader is original_reader and gc.isenabled() == collecting
+
+    # not last in, first out: the thread's block opens first and closes while the main one is open
+    first_in, close_first, first_out = threading.Event(), threading.Event(), threading.Event()
+
+    def first():
+        with gguf_parsed_once():
+            first_in.set()
+            close_first.wait(10)
+        first_out.set()
+
+    worker = threading.Thread(target=first)
+    worker.start()
+    assert first_in.wait(10)
+    with gguf_parsed_once():
+        mine = gguf.GGUFReader(a)
+        close_first.set()
+        assert first_out.wait(10)
+        assert gguf.GGUFReader(a) is mine and not gc.isenabled()  # still this block's readers
+    worker.join(10)
+    assert gguf.GGUFReader is original_reader and gc.isenabled() == collecting
+
+
 @pytest.mark.slow
 def test_smollm2_loads_the_same_with_and_without_it(monkeypatch):
     fast_model, fast_tok = swiftkern.load_model("smollm2")
