@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "ops_cuda.h"
+#include "version_watch.h"
 
 #ifdef SWIFTKERN_WITH_CUDA
 #include <cuda_runtime_api.h>  // CUDART_VERSION
@@ -151,6 +152,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear_fast", &swiftkern::packed_linear_fast,
         "whether packed_linear has a vector kernel here (AVX2 or AVX-512), i.e. beats skinny_linear");
   m.def("skinny_linear_isas", &swiftkern::skinny_linear_isas, "the instruction sets this CPU runs, widest first");
+  py::class_<swiftkern::VersionWatch>(m, "VersionWatch",
+                                      "whether a list of tensors changed (version or data address) since the last look")
+      .def(py::init<std::vector<at::Tensor>>())
+      .def("changed", &swiftkern::VersionWatch::changed)
+      .def("look", &swiftkern::VersionWatch::look);
   m.def("build_info", [] {
     py::dict d;
 #ifdef SWIFTKERN_WITH_CUDA

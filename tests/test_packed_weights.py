@@ -131,19 +131,50 @@ def test_opcheck(bits):
     torch.library.opcheck(torch.ops.swiftkern.packed_linear, (x, packed, b))
 
 
-def test_packed_set_repacks_a_weight_changed_in_place():
+def python_watch(packed: PackedSet, python: bool) -> PackedSet:
+    """packed, checking its weights with the Python tuples instead of the C++ VersionWatch."""
+    if python:
+        packed._watch = None
+    return packed
+
+
+@pytest.mark.parametrize("python", [False, True])
+def test_packed_set_repacks_a_weight_changed_in_place(python):
+    if not python and ops.registry.extension is None:
+        pytest.skip("swiftkern._C is not built: no VersionWatch")
     a, b = gguf_weight(6, 64, Q.Q4_1, 0), gguf_weight(6, 64, Q.Q4_1, 1)
     weights = [a.clone(), None, torch.ones(64)]
-    packed = PackedSet(weights)
+    packed = python_watch(PackedSet(weights), python)
+    assert (packed._watch is None) == python
     assert packed.count == 1 and packed.slots()[1] is None and packed.slots()[2] is None  # 1-D: never packed
     weights[0].copy_(b)
     assert bitwise_equal(unpack(packed.slots()[0]), b)
     weights[0].add_(torch.randn(6, 64))  # no longer codes times a scale: not read packed
     assert packed.slots()[0] is None
+    weights[0].copy_(a)
+    weights[0][2:4].mul_(1.0)  # a write through a view moves the shared version: repacked, the same codes
+    assert bitwise_equal(unpack(packed.slots()[0]), a)
     param = torch.nn.Parameter(a.clone(), requires_grad=False)
-    packed = PackedSet([param])
+    packed = python_watch(PackedSet([param]), python)
     param.data = b.clone()  # new storage, the same _version: the old codes were read on
     assert bitwise_equal(unpack(packed.slots()[0]), b)
+
+
+@needs_cpp
+def test_version_watch_sees_writes_views_and_new_storage():
+    w = torch.randn(4, 8)
+    p = torch.nn.Parameter(torch.randn(3, 8), requires_grad=False)
+    watch = ops.registry.extension.VersionWatch([w, p])
+    assert not watch.changed()
+    w[1].add_(0.0)  # through a view
+    assert watch.changed()
+    watch.look()
+    assert not watch.changed()
+    p.data = torch.randn(3, 8)  # new storage
+    assert watch.changed()
+    watch.look()
+    w.clone().add_(1.0)  # a copy's write is not w's
+    assert not watch.changed()
 
 
 @needs_cpp
