@@ -158,19 +158,20 @@ class PackedSet:
                 self._versions[j] = _version(w)
         return self._packed[i]
 
-    def slots(self) -> list:
-        # a forward's hot path: SmolLM2's 211 weights in one C++ loop (~71 us as the Python
-        # tuples below, which run where the extension is not built)
+    def _changed(self) -> bool:
+        """Whether a watched weight moved since the last look: a forward's hot path, SmolLM2's 211
+        weights in one C++ loop (~71 us as ``_version`` tuples, which run where the extension is
+        not built)."""
         if self._watch is not None:
-            if self._watch.changed():
-                for i in self._watched:
-                    self.slot(i)
-                self._watch.look()
-            return self._packed
-        versions = [(w._version, w.data_ptr()) for w in self._watched_weights]
-        if versions != self._versions:
+            return self._watch.changed()
+        return [_version(w) for w in self._watched_weights] != self._versions
+
+    def slots(self) -> list:
+        if self._changed():
             for i in self._watched:
                 self.slot(i)
+            if self._watch is not None:
+                self._watch.look()
         return self._packed
 
     @property
