@@ -42,6 +42,31 @@ def test_one_reader_a_file_and_one_name_map_inside_only(tmp_path):
     assert gguf.GGUFReader(a) is not ra
 
 
+def field_values(reader) -> dict:
+    return {name: [np.array(f.parts[i]).tolist() for i in f.data] for name, f in reader.fields.items()}
+
+
+def test_a_read_only_reader_holds_plain_arrays_with_the_same_contents(tmp_path):
+    """Inside the block a read-only reader's file and every slice of it are plain ndarrays (no
+    ``memmap`` Python hooks on each of SmolLM2's ~147k field reads), with the fields and tensors
+    of a reader made outside it; a writable one keeps its memmap (``flush`` and all)."""
+    a = small_gguf(tmp_path / "a.gguf", 5)
+    outside = gguf.GGUFReader(a)
+    assert isinstance(outside.data, np.memmap)
+    with gguf_parsed_once():
+        inside = gguf.GGUFReader(a)
+        writable = gguf.GGUFReader(a, "r+")
+    assert isinstance(inside, gguf.GGUFReader) and type(inside).__name__ == "GGUFReader"
+    assert type(inside.data) is np.ndarray and not inside.data.flags.writeable
+    for f in inside.fields.values():
+        assert all(type(part) is np.ndarray for part in f.parts), f.name
+    assert type(inside.tensors[0].data) is np.ndarray
+    assert field_values(inside) == field_values(outside) and len(inside.fields) > 3
+    assert np.array_equal(inside.tensors[0].data, outside.tensors[0].data)
+    assert [t.name for t in inside.tensors] == [t.name for t in outside.tensors]
+    assert isinstance(writable.data, np.memmap)
+
+
 @pytest.mark.parametrize("enabled", [True, False])
 def test_the_collector_paused_inside_and_as_before_after_an_error(enabled, tmp_path):
     was = gc.isenabled()
