@@ -56,6 +56,7 @@ at::Tensor packed_linear_isa(const at::Tensor& x, const at::Tensor& packed, cons
 at::Tensor verify_attention_isa(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                 const at::Tensor& cache_lens, double scale, const std::string& isa, bool invariant);
 bool packed_linear_fast();
+std::optional<at::Tensor> pack_codes_cpu(const at::Tensor& weight, int64_t bits);
 std::tuple<at::Tensor, at::Tensor> rejection_sample_cpu(const at::Tensor& draft_tokens,
                                                         const std::optional<at::Tensor>& draft_probs,
                                                         const at::Tensor& target_probs,
@@ -151,6 +152,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(tests)");
   m.def("packed_linear_fast", &swiftkern::packed_linear_fast,
         "whether packed_linear has a vector kernel here (AVX2 or AVX-512), i.e. beats skinny_linear");
+  m.def("pack_codes", &swiftkern::pack_codes_cpu,
+        "float32 [N, K] -> its 4- or 8-bit codes packed as packed_linear reads them, or None "
+        "(csrc/pack_codes_cpu.cpp; swiftkern/packed_weights.py has the torch twin)");
   m.def("skinny_linear_isas", &swiftkern::skinny_linear_isas, "the instruction sets this CPU runs, widest first");
   py::class_<swiftkern::VersionWatch>(m, "VersionWatch",
                                       "whether a list of tensors changed (version or data address) since the last look")

@@ -54,6 +54,17 @@ def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
     return model.eval()
 
 
+def gguf_weight(N: int, K: int, qtype, seed: int) -> torch.Tensor:
+    """A float32 [N, K] weight as transformers loads a GGUF tensor: gguf's quantize, then its
+    dequantize."""
+    import numpy as np
+    from gguf import quants
+
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((N, K)) / K ** 0.5).astype(np.float32)
+    return torch.from_numpy(np.ascontiguousarray(quants.dequantize(quants.quantize(w, qtype), qtype)))
+
+
 def gguf_like(hf):
     """Quantize an HF model's projection weights to Q4_1 and its LM head to Q8_0 in place, as a
     GGUF file would hold them (packed_weights then finds every one's codes)."""

@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import quants
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from conftest import bitwise_equal, gguf_like, tiny_model
+from conftest import bitwise_equal, gguf_like, gguf_weight, tiny_model
 from swiftkern import ops, reference
 from swiftkern.draft_head import DraftHead
 from swiftkern.errors import SwiftkernError
@@ -24,14 +24,6 @@ pytestmark = pytest.mark.usefixtures("uninitialized_is_poison")  # conftest: unw
 BITS = {Q.Q4_1: 4, Q.Q8_0: 8}
 needs_cpp = pytest.mark.skipif(ops.backend_info()["ops"]["packed_linear"]["cpu"] != "cpp",
                                reason="the C++ packed_linear kernel was not built")
-
-
-def gguf_weight(N: int, K: int, qtype, seed: int) -> torch.Tensor:
-    """A float32 [N, K] weight as transformers loads a GGUF tensor: gguf's quantize, then its
-    dequantize."""
-    rng = np.random.default_rng(seed)
-    w = (rng.standard_normal((N, K)) / K ** 0.5).astype(np.float32)
-    return torch.from_numpy(np.ascontiguousarray(quants.dequantize(quants.quantize(w, qtype), qtype)))
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
