@@ -11,7 +11,7 @@ arguments, so inside ``gguf_parsed_once()`` each is built once and handed out ag
 collector is paused. ``load_model("smollm2")`` on the 2-thread Xeon (2026-11-28): 21.5 s ->
 15.7 s with one reader, 11.9 s with the collector paused too, 8.5 s with one name map; a later
 session's A/B (a second load in one process): 9.3-10.5 -> 6.0 s with the reader's file as a
-plain array (``_plain_array_reader``).
+plain array (``_plain_array_reader``); the weights are dequantized by ``gguf_dequant``.
 The model, config and tokenizer are the same (``tests/test_gguf_once.py`` compares a load
 with and without it).
 """
@@ -24,6 +24,8 @@ import os
 import threading
 
 import numpy as np
+
+from .gguf_dequant import fast_dequantize
 
 
 def _memoized(function, key):
@@ -70,6 +72,19 @@ def _args_key(*args, **kwargs):
     return args, tuple(sorted(kwargs.items()))
 
 
+def _one_reader_a_file(reader_class):
+    return _memoized(_plain_array_reader(reader_class) if isinstance(reader_class, type) else reader_class,
+                     _reader_key)
+
+
+# gguf's function name -> what it is while a block is open, made from the original
+_REPLACEMENTS = {
+    "GGUFReader": _one_reader_a_file,
+    "get_tensor_name_map": lambda original: _memoized(original, _args_key),
+    "dequantize": fast_dequantize,
+}
+
+
 class _Patched:
     """What the open blocks share: how many are open, and what the first one replaced."""
 
@@ -89,11 +104,10 @@ def _enter() -> None:
         except ImportError:
             gguf = None
         if gguf is not None:
-            for name, key in (("GGUFReader", _reader_key), ("get_tensor_name_map", _args_key)):
+            for name, replacement in _REPLACEMENTS.items():
                 if callable(getattr(gguf, name, None)):
                     _Patched.originals[name] = original = getattr(gguf, name)
-                    build = _plain_array_reader(original) if isinstance(original, type) else original
-                    setattr(gguf, name, _memoized(build, key))
+                    setattr(gguf, name, replacement(original))
         _Patched.collecting = gc.isenabled()
         gc.disable()
 
@@ -118,8 +132,9 @@ def gguf_parsed_once():
     """Inside the block: ``gguf.GGUFReader(path)`` returns one reader per file (and mode),
     ``gguf.get_tensor_name_map(arch, n)`` one map per (arch, n), and the garbage collector is
     paused; a reader opened read-only holds its file as a plain ``numpy.ndarray`` view of the map
-    (the same bytes, ~2.5x faster to parse). When the last open block closes (an error too) ``gguf``'s functions and the
-    collector are as before the first one opened, and the readers are dropped: blocks may nest
+    (the same bytes, ~2.5x faster to parse), and ``gguf.dequantize`` takes Q4_1 and Q8_0 through
+    ``gguf_dequant`` (the same floats). When the last open block closes (an error too)
+    ``gguf``'s functions and the collector are as before the first one opened, and the readers are dropped: blocks may nest
     or overlap in threads (two models loading at once share the readers, and neither leaves
     the other's patch behind). Without the ``gguf`` package only the collector is paused."""
     _enter()

@@ -29,7 +29,9 @@ def small_gguf(path, value: int) -> str:
 def test_one_reader_a_file_and_one_name_map_inside_only(tmp_path):
     a, b = small_gguf(tmp_path / "a.gguf", 2), small_gguf(tmp_path / "b.gguf", 3)
     original_reader, original_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    original_dequantize = gguf.dequantize
     with gguf_parsed_once():
+        assert gguf.dequantize is not original_dequantize  # gguf_dequant's, for Q4_1 and Q8_0
         ra = gguf.GGUFReader(a)
         assert gguf.GGUFReader(str(tmp_path / "." / "a.gguf")) is ra
         rb = gguf.GGUFReader(b)
@@ -39,6 +41,7 @@ def test_one_reader_a_file_and_one_name_map_inside_only(tmp_path):
         assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is name_map
         assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 3) is not name_map
     assert gguf.GGUFReader is original_reader and gguf.get_tensor_name_map is original_map
+    assert gguf.dequantize is original_dequantize
     assert gguf.GGUFReader(a) is not ra
 
 
