@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from importlib import metadata
 import platform
 
 from .cpu_id import cpuinfo_field
@@ -25,10 +26,10 @@ def collect_info() -> dict:
         "cuda_available": torch.cuda.is_available(),
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu: {cpu_name()} ({torch.get_num_threads()} threads)",
     }
-    for name in ("triton", "transformers"):
+    for name in ("triton", "transformers"):  # from the installed metadata: importing them costs ~2 s
         try:
-            info[name] = __import__(name).__version__
-        except ImportError:
+            info[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
             info[name] = "not installed"
     info.update(ops.backend_info())
     from .layer_kernels import LayerKernels, invariant_backend, invariant_kernels_available
