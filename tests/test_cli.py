@@ -94,6 +94,11 @@ def test_info_names_backends():
     graphs = "available" if torch.cuda.is_available() else "not available (no CUDA device)"
     assert f"cuda_graphs: {graphs}" in r.stdout
     assert "cuda_greedy_vocab_split: on" in r.stdout
+    import transformers
+    import triton
+
+    # read from the installed metadata, not by importing them: the versions the modules say
+    assert f"transformers: {transformers.__version__}\n" in r.stdout and f"triton: {triton.__version__}\n" in r.stdout
 
 
 def test_info_says_when_the_cuda_greedy_split_is_off(monkeypatch):
