@@ -6,7 +6,7 @@ Groups (shape column), each provider timed interleaved with its baseline in one 
 ``x_vs_baseline`` = baseline's median / the provider's:
 
     reader          building ``gguf.GGUFReader`` on the file: ``memmap`` (gguf's, the baseline)
-                    vs ``plain`` (``gguf_once._plain_array_reader``: the file as a plain array)
+                    vs ``fast`` (``gguf_reader_fast``: the file as a plain array, arrays read in one loop)
     dequantize      every Q4_1 / Q8_0 tensor of the file: ``gguf`` (numpy, the baseline) vs
                     ``swiftkern`` (``gguf_dequant``, whole-tensor torch ops)
     find codes      ``packed_weights.pack`` of every dequantized weight: ``torch-twin`` (the
@@ -65,9 +65,9 @@ def piece_providers(path: str) -> dict:
 
     from swiftkern import packed_weights
     from swiftkern.gguf_dequant import fast_dequantize
-    from swiftkern.gguf_once import _plain_array_reader
+    from swiftkern.gguf_reader_fast import fast_reader_class
 
-    plain = _plain_array_reader(gguf.GGUFReader)
+    fast = fast_reader_class(gguf.GGUFReader)
     tensors = [(t.data, t.tensor_type) for t in gguf.GGUFReader(path).tensors if t.tensor_type in (Q.Q4_1, Q.Q8_0)]
     ours = fast_dequantize(gguf.dequantize)
     weights = [torch.from_numpy(np.array(gguf.dequantize(d, q))) for d, q in tensors]
@@ -81,7 +81,7 @@ def piece_providers(path: str) -> dict:
         return fn
 
     return {
-        "reader": {"memmap": lambda: gguf.GGUFReader(path), "plain": lambda: plain(path)},
+        "reader": {"memmap": lambda: gguf.GGUFReader(path), "fast": lambda: fast(path)},
         "dequantize": {"gguf": lambda: [gguf.dequantize(d, q) for d, q in tensors],
                        "swiftkern": lambda: [ours(d, q) for d, q in tensors]},
         "find codes": {"torch-twin": pack_all(False), "cpp": pack_all(True)},

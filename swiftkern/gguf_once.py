@@ -11,7 +11,7 @@ arguments, so inside ``gguf_parsed_once()`` each is built once and handed out ag
 collector is paused. ``load_model("smollm2")`` on the 2-thread Xeon (2026-11-28): 21.5 s ->
 15.7 s with one reader, 11.9 s with the collector paused too, 8.5 s with one name map; a later
 session's A/B (a second load in one process): 9.3-10.5 -> 6.0 s with the reader's file as a
-plain array (``_plain_array_reader``); the weights are dequantized by ``gguf_dequant``.
+plain array (``gguf_reader_fast``); the weights are dequantized by ``gguf_dequant``.
 The model, config and tokenizer are the same (``tests/test_gguf_once.py`` compares a load
 with and without it).
 """
@@ -23,9 +23,8 @@ import gc
 import os
 import threading
 
-import numpy as np
-
 from .gguf_dequant import fast_dequantize
+from .gguf_reader_fast import fast_reader_class
 
 
 def _memoized(function, key):
@@ -41,29 +40,6 @@ def _memoized(function, key):
     return call
 
 
-def _plain_array_reader(reader_class):
-    """A subclass of ``reader_class`` (``gguf.GGUFReader``) that keeps a read-only file as a plain
-    ``numpy.ndarray`` view of its memory map instead of the ``numpy.memmap`` itself: the same
-    bytes, mapped the same way, but the reader's ~147k slices of it (one or two a field) and
-    transformers' reads of each value skip ``memmap``'s Python-level ``__getitem__`` and
-    ``__array_finalize__``. SmolLM2 on the 2-thread Xeon: the reader 3.1-3.4 -> 1.3-1.7 s, a
-    pass over every field's value 0.75 -> 0.27 s (transformers makes three)."""
-
-    class PlainArrayReader(reader_class):
-        @property
-        def data(self):
-            return self._plain_data
-
-        @data.setter
-        def data(self, array):
-            if isinstance(array, np.memmap) and array.mode == "r":
-                array = array.view(np.ndarray)  # .base keeps the map open
-            self._plain_data = array
-
-    PlainArrayReader.__name__ = PlainArrayReader.__qualname__ = reader_class.__name__
-    return PlainArrayReader
-
-
 def _reader_key(path, mode="r"):
     return os.path.realpath(os.fspath(path)), mode
 
@@ -73,7 +49,7 @@ def _args_key(*args, **kwargs):
 
 
 def _one_reader_a_file(reader_class):
-    return _memoized(_plain_array_reader(reader_class) if isinstance(reader_class, type) else reader_class,
+    return _memoized(fast_reader_class(reader_class) if isinstance(reader_class, type) else reader_class,
                      _reader_key)
 
 

@@ -45,15 +45,50 @@ def test_one_reader_a_file_and_one_name_map_inside_only(tmp_path):
     assert gguf.GGUFReader(a) is not ra
 
 
-def field_values(reader) -> dict:
-    return {name: [np.array(f.parts[i]).tolist() for i in f.data] for name, f in reader.fields.items()}
+def rich_gguf(path) -> str:
+    """A GGUF file with every kind of metadata array the fast reader reads itself (strings,
+    empty strings, integers, floats, bools, an empty array) and one it leaves to gguf (an array
+    of arrays), plus scalars, a string and two tensors -> its path."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_array("tokenizer.ggml.tokens", ["<s>", "", "hello", "Ünïcode", "a b"] * 40)
+    writer.add_array("tokenizer.ggml.token_type", [1, 2, 3, -4] * 25)
+    writer.add_array("test.floats", [0.5, -1.25, 3.0])
+    writer.add_array("test.bools", [True, False, True])
+    writer.add_array("test.empty", [])
+    writer.add_array("test.nested", [[1, 2], [3]])
+    writer.add_uint32("test.value", 7)
+    writer.add_string("test.name", "small")
+    writer.add_tensor("t", np.arange(8, dtype=np.float32))
+    writer.add_tensor("u", np.ones((3, 32), dtype=np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
 
 
-def test_a_read_only_reader_holds_plain_arrays_with_the_same_contents(tmp_path):
+def assert_same_fields(mine, gguf_own):
+    """Every field of the two readers alike: offset, name, data indices, types, and each part's
+    dtype, shape and bytes; and the tensors' names, types and data."""
+    assert list(mine.fields) == list(gguf_own.fields) and len(mine.fields) > 3
+    for name, f in gguf_own.fields.items():
+        g = mine.fields[name]
+        assert (g.offset, g.name, g.data, g.types) == (f.offset, f.name, f.data, f.types), name
+        assert len(g.parts) == len(f.parts), name
+        for a, b in zip(g.parts, f.parts):
+            assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), name
+    assert [(t.name, t.tensor_type, t.data_offset) for t in mine.tensors] == \
+        [(t.name, t.tensor_type, t.data_offset) for t in gguf_own.tensors]
+    for a, b in zip(mine.tensors, gguf_own.tensors):
+        assert a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data), a.name
+
+
+def test_a_read_only_reader_holds_plain_arrays_with_the_same_fields(tmp_path):
     """Inside the block a read-only reader's file and every slice of it are plain ndarrays (no
-    ``memmap`` Python hooks on each of SmolLM2's ~147k field reads), with the fields and tensors
-    of a reader made outside it; a writable one keeps its memmap (``flush`` and all)."""
-    a = small_gguf(tmp_path / "a.gguf", 5)
+    ``memmap`` Python hooks on each of SmolLM2's ~147k field reads), its arrays read in one loop
+    each, with every field and tensor of a reader made outside it; a writable one keeps its
+    memmap (``flush`` and all)."""
+    a = rich_gguf(tmp_path / "a.gguf")
     outside = gguf.GGUFReader(a)
     assert isinstance(outside.data, np.memmap)
     with gguf_parsed_once():
@@ -64,10 +99,17 @@ def test_a_read_only_reader_holds_plain_arrays_with_the_same_contents(tmp_path):
     for f in inside.fields.values():
         assert all(type(part) is np.ndarray for part in f.parts), f.name
     assert type(inside.tensors[0].data) is np.ndarray
-    assert field_values(inside) == field_values(outside) and len(inside.fields) > 3
-    assert np.array_equal(inside.tensors[0].data, outside.tensors[0].data)
-    assert [t.name for t in inside.tensors] == [t.name for t in outside.tensors]
+    assert_same_fields(inside, outside)
     assert isinstance(writable.data, np.memmap)
+    assert_same_fields(writable, outside)
+
+
+@pytest.mark.slow
+def test_smollm2s_file_reads_the_same_fields():
+    from swiftkern.gguf_reader_fast import fast_reader_class
+
+    path = swiftkern.loading.smollm2_path()
+    assert_same_fields(fast_reader_class(gguf.GGUFReader)(path), gguf.GGUFReader(path))
 
 
 @pytest.mark.parametrize("enabled", [True, False])
