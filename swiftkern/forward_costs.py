@@ -139,6 +139,21 @@ class ForwardCosts:
         (t0, c0), (t1, c1) = (lo[-1], hi[0]) if hi else (pts[-2], pts[-1])
         return c0 + (c1 - c0) * (T - t0) / (t1 - t0)
 
+    def wide_pass_floor(self, T: int) -> float:
+        """What a pass of T tokens costs at least, read from the widest pass timed here: its cost
+        grown by ``prior_slope`` of a token's per extra token (0 when nothing is timed, or T is
+        no wider). Past the timed passes ``verify`` extends the line through the last two, and
+        under load those are often equal (the running max of a noisy verify(1) lifts them
+        all): 128 tokens then read as the price of 16, 0.10 s, where a search phase of
+        4 x 32 tokens took 0.86 s (the 2-core Xeon, 2026-11-28)."""
+        points = self._monotone()
+        if not points:
+            return 0.0
+        t, c = next(reversed(points.items()))
+        if T <= t:
+            return 0.0
+        return c * (1 + self.prior_slope * (T - 1)) / (1 + self.prior_slope * (t - 1))
+
     def draft_cost(self) -> float:
         if self.draft is not None:
             return self.draft

@@ -180,12 +180,14 @@ class OnTheFlyTuner:
         """Seconds the next phase should take: twice the last one (phases double their
         candidates), or before any, one forward of candidates_per_forward x window tokens from
         the verify costs the drafter policy measured (extrapolated linearly from the short
-        verify passes it has timed); 0 when nothing is measured."""
+        verify passes it has timed, and no less than the widest of them grown by the prior
+        slope: ``ForwardCosts.wide_pass_floor``); 0 when nothing is measured."""
         if self.last_phase_s is not None:
             return 2 * self.last_phase_s
         if self.chooser is None or not self.chooser.costs.known():
             return 0.0
-        return self.chooser.costs.verify(self.per_forward * self.window)
+        costs, tokens = self.chooser.costs, self.per_forward * self.window
+        return max(costs.verify(tokens), costs.wide_pass_floor(tokens))
 
     def _drop_slow_ratios(self, model, head) -> None:
         """Drop the ratios whose draft forward (predicted for a random set of that ratio) is too

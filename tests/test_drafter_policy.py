@@ -69,6 +69,25 @@ def test_forward_costs_never_fall_with_width():
     assert d.widest() == 8 and ForwardCosts(shape=d).widest() == 8 and ForwardCosts().widest() == 0
 
 
+def test_a_wide_pass_costs_at_least_the_widest_timed_grown_by_the_prior_slope():
+    """Under load the running max makes the timed widths alike ({1, 2, 4, 8, 16}: 0.1 s each, as
+    seen on the Xeon), and verify() extends that flat line: 128 tokens for the price of 16. The
+    floor grows the widest timed pass by the prior slope instead; it is 0 where nothing is timed
+    or the pass is no wider, and below a well-measured line it changes nothing."""
+    c = ForwardCosts(decay=0.0)
+    assert c.wide_pass_floor(128) == 0.0
+    for t in (1, 2, 4, 8, 16):
+        c.add_verify(t, 0.1)
+    assert c.verify(128) == pytest.approx(0.1)
+    assert c.wide_pass_floor(128) == pytest.approx(0.1 * (1 + 0.15 * 127) / (1 + 0.15 * 15))
+    assert c.wide_pass_floor(16) == 0.0 and c.wide_pass_floor(8) == 0.0
+    steep = ForwardCosts(decay=0.0)
+    steep.add_verify(1, 0.01)
+    steep.add_verify(2, 0.02)  # a token more costs a whole verify(1): the line is above the floor
+    assert steep.verify(128) == pytest.approx(1.28)
+    assert steep.wide_pass_floor(128) < steep.verify(128)
+
+
 def test_one_timed_width_follows_the_borrowed_shape_or_the_prior_slope():
     """With one pass width timed (T = 3, not 1) a pass of T tokens costs the timed one times
     shape.verify(T) / shape.verify(3) (another batch size's growth), or without a shape the

@@ -289,6 +289,26 @@ def test_search_waits_for_its_budget_and_needs_tokens_left(monkeypatch, fixed_co
     assert run(60)["search_phases"] >= 1
 
 
+def test_the_first_phase_is_estimated_no_cheaper_than_its_width_allows():
+    """Before any phase, its estimate is a pass of candidates_per_forward x window tokens: with
+    the timed widths flat (a loaded machine) not the price of the widest timed pass but that
+    grown by the prior slope (a phase estimated at 0.046-0.155 s took 0.51-0.86 s on the Xeon);
+    after a phase, twice that phase."""
+    from types import SimpleNamespace
+
+    from swiftkern.forward_costs import ForwardCosts
+    from swiftkern.tuner import OnTheFlyTuner
+
+    costs = ForwardCosts(decay=0.0)
+    for t in (1, 2, 4, 8, 16):
+        costs.add_verify(t, 0.1)
+    tuner = SimpleNamespace(last_phase_s=None, chooser=SimpleNamespace(costs=costs), per_forward=4, window=32)
+    estimate = OnTheFlyTuner._phase_estimate(tuner)
+    assert estimate == pytest.approx(costs.wide_pass_floor(128)) and estimate > 5 * costs.verify(128)
+    tuner.last_phase_s = 0.3
+    assert OnTheFlyTuner._phase_estimate(tuner) == pytest.approx(0.6)
+
+
 @pytest.mark.parametrize("draft_seconds,drafter", [(10.0, "auto"), (0.0, "layer-skip")])
 def test_the_search_carries_over_to_the_next_call(draft_seconds, drafter, monkeypatch, fixed_costs):
     """A Generator's tuner serves its later calls (SWIFT: optimize on the first inputs, draft with
