@@ -141,7 +141,7 @@ class ForwardCosts:
 
     def wide_pass_floor(self, T: int) -> float:
         """What a pass of T tokens costs at least, read from the widest pass timed here: its cost
-        grown by ``prior_slope`` of a token's per extra token (0 when nothing is timed, or T is
+        grown by ``prior_slope`` of verify(1) per extra token (0 when nothing is timed, or T is
         no wider). Past the timed passes ``verify`` extends the line through the last two, and
         under load those are often equal (the running max of a noisy verify(1) lifts them
         all): 128 tokens then read as the price of 16, 0.10 s, where a search phase of

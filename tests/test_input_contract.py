@@ -86,8 +86,6 @@ def test_any_generator_input_runs_or_is_refused_with_a_swiftkern_error(llama, da
         init["replay"] == "auto" and not invariant_kernels_available("cpu", torch.float32))
     if init["mode"] == "deterministic" and not replays and spoiled != "verifier_kernels":
         init["verifier_kernels"] = "auto"
-    if init["layer_set"] != "auto" and spoiled != "skip_ratio":  # the search's: refused without it
-        init["skip_ratio"] = "auto"
     if spoiled == "layer_set":
         init["layer_set"] = draw(st.sampled_from(BAD["layer_set"]))
     n = draw(st.integers(1, 3))
@@ -104,6 +102,9 @@ def test_any_generator_input_runs_or_is_refused_with_a_swiftkern_error(llama, da
         init["adaptive_eps"] = False
     if sampled and init["drafter"] == "layer-skip" and init["layer_set"] == "auto" and spoiled != "layer_set":
         init["layer_set"] = "mlp:1"
+    # after the layer set is final (the line above may take "auto" away)
+    if init["layer_set"] != "auto" and spoiled != "skip_ratio":  # the search's: refused without it
+        init["skip_ratio"] = "auto"
     flags = [True, [i % 2 == 0 for i in range(n)]] if init["mode"] == "deterministic" and init["drafter"] != "self-spec" else [True]
     call["deterministic"] = value("deterministic") if spoiled == "deterministic" else draw(st.sampled_from(flags))
     call["arrive_at"] = value("arrive_at") if spoiled == "arrive_at" else draw(
