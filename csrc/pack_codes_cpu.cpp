@@ -22,12 +22,12 @@
 #include <optional>
 #include <vector>
 
+#include "packed_layout.h"
+
 namespace swiftkern {
 namespace cpu {
 namespace {
 
-constexpr int kBlock = 32;
-constexpr int kHeaderBytes = 8;  // float32 scale, float32 offset
 constexpr int kScaleSteps[] = {0, 1, -1, 2, -2};
 constexpr int kNumSteps = sizeof(kScaleSteps) / sizeof(kScaleSteps[0]);
 
@@ -38,7 +38,7 @@ struct Format {
 };
 
 Format format_of(int bits) {
-  return bits == 4 ? Format{4, 0, 15, kHeaderBytes + kBlock / 2} : Format{8, -128, 127, kHeaderBytes + kBlock};
+  return bits == 4 ? Format{4, 0, 15, kBlockBytes4} : Format{8, -128, 127, kBlockBytes8};
 }
 
 uint32_t bits_of(float x) {

@@ -12,9 +12,7 @@
 // skinny_linear's on the float32 weight, bit for bit: a decode step reads a sixth of the bytes
 // and computes the same logits.
 //
-// Packed layout, uint8 [N, K / 32, bytes]: per block, float32 scale (bytes 0-3), float32 offset
-// (4-7), then the codes: 4-bit (24 bytes a block): byte 8 + i = code[i] | code[i + 16] << 4,
-// unsigned; 8-bit (40 bytes a block): byte 8 + i = code[i], signed.
+// Packed layout: csrc/packed_layout.h (24 bytes a 4-bit block, 40 an 8-bit one).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -29,15 +27,12 @@
 #include "lane_panel_gemm.h"
 #include "linear_call.h"
 #include "op_checks.h"
+#include "packed_layout.h"
 #include "row_kernels.h"
 
 namespace swiftkern {
 namespace cpu {
 
-constexpr int kBlock = 32;              // inputs per scale
-constexpr int kHeaderBytes = 8;         // scale, offset
-constexpr int kBlockBytes4 = 8 + 16;    // 4-bit codes
-constexpr int kBlockBytes8 = 8 + 32;    // 8-bit codes
 constexpr int kPackedTileRows = 11;     // x rows of a register tile: all of them, up to 11
 constexpr int kPackedTileCols = 4;      // weight rows of a register tile, at most
 // Whether a tile of MR x rows by NR weight rows keeps its MR * NR accumulators, a whole block's

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
-from importlib import metadata
 import platform
+from importlib import metadata
 
 from .cpu_id import cpuinfo_field
 
