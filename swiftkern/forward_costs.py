@@ -145,7 +145,13 @@ class ForwardCosts:
         no wider). Past the timed passes ``verify`` extends the line through the last two, and
         under load those are often equal (the running max of a noisy verify(1) lifts them
         all): 128 tokens then read as the price of 16, 0.10 s, where a search phase of
-        4 x 32 tokens took 0.86 s (the 2-core Xeon, 2026-11-28)."""
+        4 x 32 tokens took 0.86 s (the 2-core Xeon, 2026-11-28).
+
+        ``verify`` itself is not floored so: a flat line is also what a pass costs where it is
+        launch-bound (the invariant set on an H100, CUDA graphs: 8 tokens 1.72 ms, 1 token 1.70),
+        and there the floor would read 32 tokens as 1.7 x 16's, so the drafter policy would never
+        try them. The policy trusts the line only up to twice the widest timed pass
+        (``DrafterPolicy._most_drafts``), so a flat line costs it one wider pass, which is then timed."""
         points = self._monotone()
         if not points:
             return 0.0
