@@ -14,6 +14,11 @@ median of --reps). Providers (the lookup rule):
     vote     the continuation whose next token followed that suffix most often (latest of equals)
     oracle   vote's proposals, each step drafting exactly the tokens that will be accepted (when
              that pays): the ceiling of any policy over these proposals
+    noisy    vote, its policy told each step's time as a timed run would tell it: the step's
+             cost times a draw from the spread of the loop's plain steps on the CPU machine
+             (``STEP_SPREAD``), mean over ``NOISY_SEEDS`` seeded replays; every step is still
+             charged its cost. Against vote: what the policy loses to timing noise, without the
+             noise of a timed run in the measurement
 
 Columns: mean_accepted (drafts accepted per verify), share_lookup (steps that drafted),
 replay_ratio_vs_ar ((N - 1) tokens / the summed step costs; ar pays 1 per token; prefill and
@@ -24,6 +29,7 @@ recorded ar generation), verify_cost_T2_T4_T8 (the measured costs it used).
 from __future__ import annotations
 
 import os
+import random
 import statistics
 import sys
 import time
@@ -39,8 +45,23 @@ from swiftkern.drafters import lookup_match  # noqa: E402
 
 ROUTINE = "lookup_replay"
 PRINT_KEYS = ("prompt_kind", "provider", "mean_accepted", "share_lookup", "replay_ratio_vs_ar")
-RULES = {"latest": dict(vote=False), "vote": dict(vote=True), "oracle": dict(vote=True, oracle=True)}
+RULES = {"latest": dict(vote=False), "vote": dict(vote=True), "oracle": dict(vote=True, oracle=True),
+         "noisy": dict(vote=True, noisy=True)}
 K_MAX = 25  # the Generator's default k_max
+# a plain step's time over its median, at quantiles 0, 0.1, 0.5, 0.9, 0.99, 1: the speculative loop's
+# 355 plain steps on the Intel Xeon (story prompt, 4 calls; 2026-11-28: p10 8.95, p50 9.74, p90
+# 12.03, p99 29.77, max 46.07 ms)
+STEP_SPREAD = ((0.0, 0.85), (0.1, 0.919), (0.5, 1.0), (0.9, 1.235), (0.99, 3.057), (1.0, 4.73))
+NOISY_SEEDS = 8
+
+
+def spread_draw(rng: random.Random) -> float:
+    """One draw of STEP_SPREAD (its quantiles joined by straight lines)."""
+    u = rng.random()
+    for (q0, x0), (q1, x1) in zip(STEP_SPREAD, STEP_SPREAD[1:]):
+        if u <= q1:
+            return x0 + (x1 - x0) * (u - q0) / (q1 - q0)
+    return STEP_SPREAD[-1][1]
 
 
 def verify_costs(model, context_len: int, max_T: int, reps: int) -> dict[int, float]:
@@ -58,11 +79,13 @@ def _accepted(drafts: list[int], out: list[int], j: int) -> int:
     return a
 
 
-def replay(prompt: list[int], out: list[int], vote: bool, costs: dict[int, float], oracle: bool = False) -> dict:
+def replay(prompt: list[int], out: list[int], vote: bool, costs: dict[int, float], oracle: bool = False,
+           noise: random.Random | None = None) -> dict:
     """One greedy generation of ``out`` replayed with lookup drafts (rule ``vote``) and the
     drafter policy over lookup / no draft (``oracle``: drafting exactly the tokens that will be
-    accepted, when more tokens per cost than a plain step). -> steps, drafted, accepted, cost
-    (in decode steps), drafting (steps that drafted)."""
+    accepted, when more tokens per cost than a plain step). ``noise``: the policy is also told
+    each step's time as its cost times a ``spread_draw`` (the costs are still what each step is
+    charged). -> steps, drafted, accepted, cost (in decode steps), drafting (steps that drafted)."""
     policy = DrafterPolicy(("lookup",), K_MAX)
     for T, c in costs.items():
         policy.record_verify(T, c)
@@ -82,6 +105,8 @@ def replay(prompt: list[int], out: list[int], vote: bool, costs: dict[int, float
         policy.observe(0, "lookup" if drafts else "none", len(drafts), a, lookup_ngram=match.ngram)
         steps, drafted, accepted, drafting = steps + 1, drafted + len(drafts), accepted + a, drafting + bool(drafts)
         cost += step_cost(len(drafts))
+        if noise is not None:
+            policy.record_verify(len(drafts) + 1, step_cost(len(drafts)) * spread_draw(noise))
         j += a + 1
     return dict(steps=steps, drafted=drafted, accepted=accepted, cost=cost, drafting=drafting)
 
@@ -109,7 +134,11 @@ def run(args) -> list[dict]:
         for rule, how in RULES.items():
             if args.providers and rule not in args.providers:
                 continue
-            r = replay(ids, out, costs=costs, **how)
+            if how.get("noisy"):
+                runs = [replay(ids, out, costs=costs, vote=True, noise=random.Random(seed)) for seed in range(NOISY_SEEDS)]
+                r = {key: statistics.mean(x[key] for x in runs) for key in runs[0]}
+            else:
+                r = replay(ids, out, costs=costs, **how)
             rows.append(common.row(
                 ROUTINE, rule, args.device, model.dtype, f"B=1 T={len(ids)} N={n}", timing, model=name,
                 prompt_kind=prompt["kind"], new_tokens=n, reps=1,

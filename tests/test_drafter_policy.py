@@ -563,3 +563,24 @@ def test_the_verify_table_follows_every_timing_here_and_in_the_shape(timings, n)
     for in_shape, T, seconds in timings:
         (shape if in_shape else c).add_verify(T, seconds)
         assert c.verify_upto(n)[:n] == [c.verify(T) for T in range(1, n + 1)]
+
+
+def test_a_spike_joins_a_running_mean_as_at_most_spike_times_it():
+    """A 46 ms plain step among 9.7 ms ones (the CPU machine's loop) moves verify(1) as a
+    14.55 ms one would (spike 1.5), and a plain step charged to a wide pass is clipped the same
+    way; a first sample, with no mean to clip to, counts as it is."""
+    c = ForwardCosts(decay=0.8)
+    c.time_step(1, 9.7)
+    c.time_step(1, 46.0)
+    assert c.verify(1) == pytest.approx(0.8 * 9.7 + 0.2 * 1.5 * 9.7)
+    c.time_step(1, 10.0)  # below the clip: as it is
+    v1 = 0.8 * (0.8 * 9.7 + 0.2 * 14.55) + 0.2 * 10.0
+    assert c.verify(1) == pytest.approx(v1)
+    c.time_step(2, 11.0)
+    c.time_step(1, 100.0)  # charged to the 2-token pass as 1.5 v1 - v1
+    for _ in range(COOLDOWN_STEPS - 1):
+        c.time_step(1, c.verify(1))
+    assert c._verify[2] == pytest.approx(11.0 + 0.5 * v1)
+    first = ForwardCosts(decay=0.8)
+    first.time_step(1, 46.0)
+    assert first.verify(1) == 46.0
