@@ -55,10 +55,11 @@ class ForwardCosts:
     _table: list = field(default_factory=list, repr=False, compare=False)
     _table_stamp: tuple | None = field(default=None, repr=False, compare=False)
 
+    def _clip(self, sample: float, mean: float) -> float:
+        return min(sample, self.spike * mean)
+
     def _mix(self, old: float | None, new: float) -> float:
-        if old is None:
-            return new
-        return self.decay * old + (1 - self.decay) * min(new, self.spike * old)
+        return new if old is None else self.decay * old + (1 - self.decay) * self._clip(new, old)
 
     def add_verify(self, T: int, seconds: float) -> None:
         self._verify[T] = self._mix(self._verify.get(T), seconds)
@@ -73,7 +74,7 @@ class ForwardCosts:
         if self._cooling is not None and T == 1 and 1 in self._verify:
             wide, spent, left = self._cooling
             plain = self._verify[1]
-            self._cooling = (wide, spent + min(seconds, self.spike * plain) - plain, left - 1)
+            self._cooling = (wide, spent + self._clip(seconds, plain) - plain, left - 1)
             if left == 1:
                 self.end_cooldown()
         elif T > 1:
