@@ -134,11 +134,10 @@ def run(args) -> list[dict]:
         for rule, how in RULES.items():
             if args.providers and rule not in args.providers:
                 continue
-            if how.get("noisy"):
-                runs = [replay(ids, out, costs=costs, vote=True, noise=random.Random(seed)) for seed in range(NOISY_SEEDS)]
-                r = {key: statistics.mean(x[key] for x in runs) for key in runs[0]}
-            else:
-                r = replay(ids, out, costs=costs, **how)
+            how = dict(how)
+            noises = [random.Random(seed) for seed in range(NOISY_SEEDS)] if how.pop("noisy", False) else [None]
+            runs = [replay(ids, out, costs=costs, noise=noise, **how) for noise in noises]
+            r = {key: statistics.mean(x[key] for x in runs) for key in runs[0]}
             rows.append(common.row(
                 ROUTINE, rule, args.device, model.dtype, f"B=1 T={len(ids)} N={n}", timing, model=name,
                 prompt_kind=prompt["kind"], new_tokens=n, reps=1,
