@@ -41,6 +41,7 @@ at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
                              const std::optional<at::Tensor>& bias);
 at::Tensor bi_exp_cpu(const at::Tensor& x);
 at::Tensor bi_exp_sum_cpu(const at::Tensor& x);
+std::tuple<at::Tensor, at::Tensor> bi_max_exp_sum_cpu(const at::Tensor& x);
 at::Tensor skinny_linear_isa(const at::Tensor& x, const at::Tensor& weight, const std::string& isa);
 std::vector<std::string> skinny_linear_isas();
 std::tuple<at::Tensor, at::Tensor> decoder_stack_cpu(
@@ -51,6 +52,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack_cpu(
     const std::vector<std::optional<at::Tensor>>& packed, int64_t packed_max_rows, bool rows);
 at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias);
 at::Tensor bi_exp_isa(const at::Tensor& x, const std::string& isa);
+std::tuple<at::Tensor, at::Tensor> bi_max_exp_sum_isa(const at::Tensor& x, const std::string& isa);
 at::Tensor silu_mul_isa(const at::Tensor& gate, const at::Tensor& up, const std::string& isa);
 at::Tensor packed_linear_isa(const at::Tensor& x, const at::Tensor& packed, const std::string& isa);
 at::Tensor verify_attention_isa(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -81,7 +83,7 @@ void kv_compact_cpu(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& sr
 constexpr const char* kCpuKernels[] = {"greedy_accept", "rejection_sample", "skinny_linear", "rms_norm",
                                        "fused_add_rms_norm", "silu_mul",
                                        "rope_kv_append", "verify_attention", "verify_attention_invariant",
-                                       "kv_compact", "bi_exp", "bi_exp_sum", "packed_linear"};
+                                       "kv_compact", "bi_exp", "bi_exp_sum", "bi_max_exp_sum", "packed_linear"};
 #ifdef SWIFTKERN_WITH_CUDA
 constexpr const char* kCudaKernels[] = {"greedy_accept", "rejection_sample", "fused_add_rms_norm", "rope_kv_append",
                                         "kv_compact"};
@@ -106,6 +108,7 @@ TORCH_LIBRARY(swiftkern, m) {
         "Tensor counts) -> ()");
   m.def("bi_exp(Tensor x) -> Tensor");
   m.def("bi_exp_sum(Tensor x) -> Tensor");
+  m.def("bi_max_exp_sum(Tensor x) -> (Tensor, Tensor)");
   m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
 }
 
@@ -122,6 +125,7 @@ TORCH_LIBRARY_IMPL(swiftkern, CPU, m) {
   m.impl("kv_compact", &swiftkern::kv_compact_cpu);
   m.impl("bi_exp", &swiftkern::bi_exp_cpu);
   m.impl("bi_exp_sum", &swiftkern::bi_exp_sum_cpu);
+  m.impl("bi_max_exp_sum", &swiftkern::bi_max_exp_sum_cpu);
   m.impl("packed_linear", &swiftkern::packed_linear_cpu);
 }
 
@@ -144,6 +148,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear_isa", &swiftkern::packed_linear_isa,
         "packed_linear (no bias) with a named instruction set: avx512, avx2 or portable (tests)");
   m.def("bi_exp_isa", &swiftkern::bi_exp_isa, "bi_exp with a named instruction set: avx512, avx2 or portable (tests)");
+  m.def("bi_max_exp_sum_isa", &swiftkern::bi_max_exp_sum_isa,
+        "bi_max_exp_sum with a named instruction set: avx512, avx2 or portable (tests)");
   m.def("silu_mul_isa", &swiftkern::silu_mul_isa,
         "float32 silu_mul with a named instruction set: avx512, avx2 or portable (tests)");
   m.def("verify_attention_isa", &swiftkern::verify_attention_isa,

@@ -83,7 +83,37 @@ __attribute__((target("avx2"))) inline void bi_exp_avx2(const float* x, float* y
   for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, bi_exp_avx2_vec(_mm256_loadu_ps(x + i)));
   bi_exp_scalar(x + i, y + i, n - i);
 }
+
+// y = bi_exp(x - shift): the subtraction is one IEEE operation per element, as torch's x - shift
+__attribute__((target("avx512f"))) inline void bi_exp_shifted_avx512(const float* x, float shift, float* y,
+                                                                      int64_t n) {
+  const __m512 s = _mm512_set1_ps(shift);
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) {  // four independent vectors a round: the polynomial's chains overlap
+    const __m512 a = bi_exp_avx512_vec(_mm512_sub_ps(_mm512_loadu_ps(x + i), s));
+    const __m512 b = bi_exp_avx512_vec(_mm512_sub_ps(_mm512_loadu_ps(x + i + 16), s));
+    const __m512 c = bi_exp_avx512_vec(_mm512_sub_ps(_mm512_loadu_ps(x + i + 32), s));
+    const __m512 d = bi_exp_avx512_vec(_mm512_sub_ps(_mm512_loadu_ps(x + i + 48), s));
+    _mm512_storeu_ps(y + i, a);
+    _mm512_storeu_ps(y + i + 16, b);
+    _mm512_storeu_ps(y + i + 32, c);
+    _mm512_storeu_ps(y + i + 48, d);
+  }
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, bi_exp_avx512_vec(_mm512_sub_ps(_mm512_loadu_ps(x + i), s)));
+  for (; i < n; ++i) y[i] = bi_exp_one(x[i] - shift);
+}
+
+__attribute__((target("avx2"))) inline void bi_exp_shifted_avx2(const float* x, float shift, float* y, int64_t n) {
+  const __m256 s = _mm256_set1_ps(shift);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, bi_exp_avx2_vec(_mm256_sub_ps(_mm256_loadu_ps(x + i), s)));
+  for (; i < n; ++i) y[i] = bi_exp_one(x[i] - shift);
+}
 #endif
+
+inline void bi_exp_shifted_scalar(const float* x, float shift, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = bi_exp_one(x[i] - shift);
+}
 
 using ExpFn = void (*)(const float* x, float* y, int64_t n);  // y[i] = exp(x[i]), i < n
 
@@ -99,6 +129,17 @@ inline ExpFn exp_for(Isa isa) {
 
 // the widest implementation this CPU runs
 inline ExpFn pick_exp() { return exp_for(pick_isa()); }
+
+using ShiftedExpFn = void (*)(const float* x, float shift, float* y, int64_t n);  // y[i] = exp(x[i] - shift)
+
+inline ShiftedExpFn shifted_exp_for(Isa isa) {
+#if defined(__x86_64__)
+  if (isa == Isa::kAvx512) return bi_exp_shifted_avx512;
+  if (isa == Isa::kAvx2) return bi_exp_shifted_avx2;
+#endif
+  (void)isa;
+  return bi_exp_shifted_scalar;
+}
 
 }  // namespace cpu
 }  // namespace swiftkern

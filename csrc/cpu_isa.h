@@ -3,6 +3,8 @@
 // choice is speed alone: the widest the CPU runs (pick_isa), or a named one for the tests.
 #pragma once
 
+#include <initializer_list>
+
 namespace swiftkern {
 namespace cpu {
 

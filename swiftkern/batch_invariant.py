@@ -99,8 +99,8 @@ def bi_silu_linear_triton(gate: torch.Tensor, up: torch.Tensor, weight: torch.Te
 def bi_log_softmax(logits: torch.Tensor) -> torch.Tensor:
     """Row-wise log-softmax with a fixed-order sum. logits: [..., V] -> float32 [..., V]"""
     z = logits.to(torch.float32)
-    z = z - z.amax(dim=-1, keepdim=True)
-    return z - torch.log(ops.bi_exp_sum(z))
+    top, total = ops.bi_max_exp_sum(z)  # [..., 1] each
+    return (z - top) - torch.log(total)
 
 
 def bi_token_logprob(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -108,9 +108,9 @@ def bi_token_logprob(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor
     tokens, the same bits, without the [N, V] result. logits: [N, V]; tokens: int64 [N] ->
     float32 [N]"""
     z = logits.to(torch.float32)
-    top = z.amax(dim=-1, keepdim=True)  # [N, 1]
+    top, total = ops.bi_max_exp_sum(z)  # [N, 1] each
     picked = z.gather(1, tokens.unsqueeze(1)) - top  # [N, 1]
-    return (picked - torch.log(ops.bi_exp_sum(z - top))).squeeze(1)
+    return (picked - torch.log(total)).squeeze(1)
 
 
 def bi_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_start: torch.Tensor,

@@ -374,3 +374,12 @@ def bi_exp_sum(x: torch.Tensor) -> torch.Tensor:
     """tree_sum(bi_exp(x)): the softmax denominator of the deterministic verifier, in an order
     fixed by the row length alone. x: float32 [..., V], V >= 1 -> float32 [..., 1]"""
     return tree_sum(bi_exp(x))
+
+
+def bi_max_exp_sum(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The softmax's shift and denominator of each row: (top, bi_exp_sum(x - top)) with top =
+    x.amax(-1) (NaN where the row holds one). x: float32 [..., V], V >= 1 -> (float32 [..., 1],
+    float32 [..., 1])"""
+    x = x.to(torch.float32)
+    top = x.amax(dim=-1, keepdim=True)
+    return top, bi_exp_sum(x - top)

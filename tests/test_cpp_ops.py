@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from swiftkern import ops, reference
 from swiftkern.errors import SwiftkernError
+from conftest import torch_threads
 from triton_cases import assert_close, check_move_ending_at_the_last_position
 
 pytestmark = pytest.mark.usefixtures("uninitialized_is_poison")  # conftest: unwritten outputs fail
@@ -401,6 +402,86 @@ def test_bi_exp_sum_opcheck_and_bad_input():
     for bad in (torch.arange(5), torch.randn(3, 0), torch.tensor(1.0)):
         with pytest.raises(SwiftkernError, match=r"float tensor \[..., V\] with V >= 1"):
             ops.bi_exp_sum(bad)
+
+
+def _same_or_both_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a[~a.isnan()], b[~b.isnan()])
+
+
+def _dirty_scratch():
+    """Leave exp(0) = 1.0 in the scratch bi_max_exp_sum keeps between calls (the row path's and
+    the chunked path's), so a padding it fails to zero makes the next sums wrong."""
+    for threads in (1, 4):
+        with torch_threads(threads):
+            torch.ops.swiftkern.bi_max_exp_sum(torch.zeros(3, 49153))
+
+
+@needs_cpp
+@settings(max_examples=30, deadline=None)
+@given(lead=st.sampled_from([(1,), (2,), (5,), (2, 3)]),
+       vocab=st.sampled_from([1, 2, 15, 17, 63, 64, 65, 1000, 8193, 16385, 49152]),
+       scale=st.sampled_from([1.0, 30.0]), special=st.sampled_from([None, "nan", "-inf row", "+inf"]),
+       seed=st.integers(0, 2**31 - 1))
+def test_bi_max_exp_sum_kernel_equals_the_reference_bitwise(lead, vocab, scale, special, seed):
+    """Each instruction set gives reference.bi_max_exp_sum's bits: the row's max, then the tree
+    sum of the exps of the row minus it; a row alone as in a batch; a NaN, an all -inf row and a
+    +inf come out NaN / -inf where the reference's do."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, vocab, generator=g) * scale
+    rows = x.view(-1, vocab)
+    at = int(torch.randint(0, vocab, (1,), generator=g))
+    if special == "nan":
+        rows[-1, at] = float("nan")
+    elif special == "-inf row":
+        rows[-1] = float("-inf")
+    elif special == "+inf":
+        rows[-1, at] = float("inf")
+    want_top, want_sum = reference.bi_max_exp_sum(x)
+    assert want_top.shape == want_sum.shape == (*lead, 1)
+    ext = ops.registry.extension
+    for isa in ext.skinny_linear_isas():
+        for threads in (1, 4):  # 4: fewer rows than threads make each row's exps in chunks
+            _dirty_scratch()
+            with torch_threads(threads):
+                top, total = ext.bi_max_exp_sum_isa(x, isa)
+            assert _same_or_both_nan(top, want_top) and _same_or_both_nan(total, want_sum), (isa, threads)
+    top, total = torch.ops.swiftkern.bi_max_exp_sum(x)
+    assert _same_or_both_nan(top, want_top) and _same_or_both_nan(total, want_sum)
+    alone = torch.ops.swiftkern.bi_max_exp_sum(rows[:1].clone())
+    assert all(_same_or_both_nan(a, b.reshape(-1, 1)[:1]) for a, b in zip(alone, (top, total)))
+
+
+@needs_cpp
+def test_bi_max_exp_sum_opcheck_and_bad_input():
+    torch.library.opcheck(torch.ops.swiftkern.bi_max_exp_sum, (torch.randn(3, 37),))
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.swiftkern.bi_max_exp_sum(torch.randn(5).double())
+    with pytest.raises(RuntimeError, match="bi_max_exp_sum_isa: unknown instruction set 'sse'"):
+        ops.registry.extension.bi_max_exp_sum_isa(torch.randn(2, 5), "sse")
+    for bad in (torch.arange(5), torch.randn(3, 0), torch.tensor(1.0)):
+        with pytest.raises(SwiftkernError, match=r"bi_max_exp_sum: x must be a float tensor \[..., V\] with V >= 1"):
+            ops.bi_max_exp_sum(bad)
+    top, total = ops.bi_max_exp_sum(torch.zeros(0, 7))  # no rows: empty results
+    assert top.shape == total.shape == (0, 1)
+
+
+@needs_cpp
+def test_the_logprobs_keep_the_reference_backends_bits():
+    """bi_token_logprob and bi_log_softmax through the C++ bi_max_exp_sum give the bits of the
+    torch max, subtraction and reference sum (backend reference): a decode step's logprob, one
+    row at SmolLM2's vocabulary, and a batch of odd rows."""
+    from swiftkern.batch_invariant import bi_log_softmax, bi_token_logprob
+
+    g = torch.Generator().manual_seed(4)
+    for x in (torch.randn(1, 49152, generator=g) * 6, torch.randn(5, 1003, generator=g) * 20):
+        tokens = torch.randint(0, x.shape[1], (x.shape[0],), generator=g)
+        got = bi_token_logprob(x, tokens), bi_log_softmax(x)
+        ops.set_backend("reference")
+        try:
+            want = bi_token_logprob(x, tokens), bi_log_softmax(x)
+        finally:
+            ops.set_backend("auto")
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 def test_bi_token_logprob_is_bi_log_softmax_at_the_tokens():

@@ -68,6 +68,11 @@ def test_log_softmax_parts():
     x = randn(g, 6, 49152) * 4  # 294912 elements: bi_exp's grain is 32768
     assert_same_bits(at_threads(lambda: OPS.bi_exp(x)))
     assert_same_bits(at_threads(lambda: OPS.bi_exp_sum(x)))
+    # a row a thread (rows >= threads) or each row's exps in chunks over every thread (fewer
+    # rows); 40001 columns: five chunks and a padded end
+    y = randn(g, 6, 40001) * 4
+    for rows in (1, 3, 6):
+        assert_same_bits(at_threads(lambda: OPS.bi_max_exp_sum(y[:rows])))
 
 
 def test_acceptance_kernels():

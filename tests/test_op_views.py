@@ -56,7 +56,7 @@ def _calls(draw, device: str, dtype: torch.dtype):
 
     op = draw(st.sampled_from(["rms_norm", "fused_add_rms_norm", "silu_mul", "rope_kv_append", "verify_attention",
                                "verify_attention_invariant", "kv_compact", "greedy_accept", "rejection_sample",
-                               "linear", "bi_matmul", "bi_exp", "bi_exp_sum"]))
+                               "linear", "bi_matmul", "bi_exp", "bi_exp_sum", "bi_max_exp_sum"]))
     if op == "rms_norm":
         return op, lambda x, w: ops.rms_norm(x, w, 1e-6), [rand(B, T, H), rand(H)], []
     if op == "fused_add_rms_norm":

@@ -29,7 +29,7 @@ from __future__ import annotations
 from .. import reference
 from .acceptance import greedy_accept, greedy_tokens, rejection_sample
 from .backends import backend_for, backend_info, set_backend, unchecked
-from .invariant import bi_exp, bi_exp_sum, bi_matmul, bi_matmul_group
+from .invariant import bi_exp, bi_exp_sum, bi_matmul, bi_matmul_group, bi_max_exp_sum
 from .layer import (fused_add_rms_norm, keys_in_use, kv_compact, rms_norm, rope_kv_append, silu_mul,
                     verify_attention, verify_attention_invariant)
 from .projections import (CUDA_SKINNY_ROWS, PACKED_MAX_ROWS, SKINNY_DTYPES, SKINNY_MAX_ROWS, cpu_matmul_isa, linear,
@@ -41,7 +41,7 @@ apply_rope = reference.apply_rope
 attention_mask = reference.attention_mask
 info = backend_info
 
-__all__ = ["bi_exp", "bi_exp_sum", "bi_matmul", "bi_matmul_group", "greedy_accept", "greedy_tokens", "linear", "rejection_sample", "rms_norm",
+__all__ = ["bi_exp", "bi_exp_sum", "bi_matmul", "bi_matmul_group", "bi_max_exp_sum", "greedy_accept", "greedy_tokens", "linear", "rejection_sample", "rms_norm",
            "fused_add_rms_norm", "silu_mul", "apply_rope", "rope_kv_append", "attention_mask", "verify_attention",
            "verify_attention_invariant", "kv_compact", "packed_linear", "backend_info",
            "backend_for", "info", "set_backend", "unchecked"]

@@ -56,6 +56,29 @@ def bi_exp_sum(x: torch.Tensor) -> torch.Tensor:
     return reference.bi_exp_sum(x)
 
 
+def bi_max_exp_sum(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The deterministic verifier's softmax shift and denominator of each row: (top, sum) with
+    top = x.amax(-1) and sum = ``bi_exp_sum(x - top)``, the same bits for a row whatever the rows
+    around it. x: float tensor [..., V], V >= 1 -> (float32 [..., 1], float32 [..., 1]).
+
+    One definition, ``reference.bi_max_exp_sum``. The C++ kernel (CPU, auto/cpp) gives its bits
+    in one call without the [..., V] difference, and spreads even a single row over the threads:
+    the logprob of a decode step's token, which the torch max, subtraction and ``bi_exp_sum``
+    took in three calls. Elsewhere the max and the subtraction are torch ops and the sum is
+    ``bi_exp_sum`` (the Triton kernel on CUDA).
+    """
+    op = "bi_max_exp_sum"
+    check_tensors(op, x=x)
+    if not x.is_floating_point() or x.dim() < 1 or x.shape[-1] < 1:
+        raise SwiftkernError(f"{op}: x must be a float tensor [..., V] with V >= 1, got {x.dtype} "
+                             f"{tuple(x.shape)}")
+    x = x.to(torch.float32)
+    if cpu_kernel(op, x.device.type):
+        return torch.ops.swiftkern.bi_max_exp_sum(x)
+    top = x.amax(dim=-1, keepdim=True)
+    return top, bi_exp_sum(x - top)
+
+
 def bi_matmul_checks(a, b, op: str) -> None:
     """Refuse what no bi_matmul can multiply, saying why."""
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() != 2 or b.dim() != 2:

@@ -36,6 +36,7 @@ SCHEMAS = {
                    "Tensor counts) -> ()"),
     "bi_exp": "(Tensor x) -> Tensor",
     "bi_exp_sum": "(Tensor x) -> Tensor",
+    "bi_max_exp_sum": "(Tensor x) -> (Tensor, Tensor)",
     "packed_linear": "(Tensor x, Tensor packed, Tensor? bias) -> Tensor",
 }
 
@@ -134,6 +135,10 @@ def _bi_exp_fake(x):
 
 def _bi_exp_sum_fake(x):
     return x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)
+
+
+def _bi_max_exp_sum_fake(x):
+    return _bi_exp_sum_fake(x), _bi_exp_sum_fake(x)
 
 
 def _packed_linear_fake(x, packed, bias):
