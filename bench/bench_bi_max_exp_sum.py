@@ -22,7 +22,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from bench.kernel_bench import PRINT_KEYS, Case, run_cases, standalone  # noqa: E402, F401
+from bench.bench_bi_exp_sum import cases  # noqa: E402  (the same rows and vocabularies)
+from bench.kernel_bench import PRINT_KEYS, run_cases, standalone  # noqa: E402, F401
 from swiftkern import ops  # noqa: E402
 
 ROUTINE = "bi_max_exp_sum"
@@ -31,22 +32,6 @@ ROUTINE = "bi_max_exp_sum"
 def three_calls(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     top = x.amax(dim=-1, keepdim=True)  # [N, 1]
     return top, ops.bi_exp_sum(x - top)
-
-
-def cases(args) -> list[Case]:
-    if args.smoke:
-        grid = [(1, 1000), (9, 1000)]
-    elif args.device.startswith("cuda"):
-        grid = [(n, v) for v in (49152, 128256) for n in (1, 9, 32, 528)]
-    else:
-        grid = [(n, v) for v in (49152, 128256) for n in (1, 9, 32)]
-    out = []
-    for n, v in grid:
-        def make(n=n, v=v):
-            g = torch.Generator().manual_seed(n + v)
-            return ((torch.randn(n, v, generator=g) * 4).to(args.device),)
-        out.append(Case(f"N={n} V={v}", make, bytes_moved=n * v * 4))
-    return out
 
 
 def run(args) -> list[dict]:

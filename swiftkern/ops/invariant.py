@@ -29,6 +29,15 @@ def bi_exp(x: torch.Tensor) -> torch.Tensor:
     return reference.bi_exp(x)
 
 
+def _float32_rows(op: str, x: torch.Tensor) -> torch.Tensor:
+    """x as float32 rows [..., V], V >= 1, or a SwiftkernError that says what is wrong."""
+    check_tensors(op, x=x)
+    if not x.is_floating_point() or x.dim() < 1 or x.shape[-1] < 1:
+        raise SwiftkernError(f"{op}: x must be a float tensor [..., V] with V >= 1, got {x.dtype} "
+                             f"{tuple(x.shape)}")
+    return x.to(torch.float32)
+
+
 def bi_exp_sum(x: torch.Tensor) -> torch.Tensor:
     """sum(exp(x)) along the last axis for the deterministic verifier's softmax: the same bits
     for a row whatever the rows around it. x: float tensor [..., V], V >= 1 -> float32 [..., 1].
@@ -42,11 +51,7 @@ def bi_exp_sum(x: torch.Tensor) -> torch.Tensor:
     at Llama-3's (each a few microseconds on a GPU). Other backends take the reference.
     """
     op = "bi_exp_sum"
-    check_tensors(op, x=x)
-    if not x.is_floating_point() or x.dim() < 1 or x.shape[-1] < 1:
-        raise SwiftkernError(f"{op}: x must be a float tensor [..., V] with V >= 1, got {x.dtype} "
-                             f"{tuple(x.shape)}")
-    x = x.to(torch.float32)
+    x = _float32_rows(op, x)
     device = x.device.type
     if cpu_kernel(op, device):
         return torch.ops.swiftkern.bi_exp_sum(x)
@@ -68,11 +73,7 @@ def bi_max_exp_sum(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ``bi_exp_sum`` (the Triton kernel on CUDA).
     """
     op = "bi_max_exp_sum"
-    check_tensors(op, x=x)
-    if not x.is_floating_point() or x.dim() < 1 or x.shape[-1] < 1:
-        raise SwiftkernError(f"{op}: x must be a float tensor [..., V] with V >= 1, got {x.dtype} "
-                             f"{tuple(x.shape)}")
-    x = x.to(torch.float32)
+    x = _float32_rows(op, x)
     if cpu_kernel(op, x.device.type):
         return torch.ops.swiftkern.bi_max_exp_sum(x)
     top = x.amax(dim=-1, keepdim=True)
