@@ -4,7 +4,7 @@
 //   t = clamp(x, -87, 88); n = round_half_even(t * log2 e); r = (t - n * ln2_hi) - n * ln2_lo;
 //   p = Horner over the degree-7 Taylor coefficients of exp (p = p * r + c);
 //   exp = p * 2^n (2^n from its exponent bits); 0 where x < -87; NaN where x is NaN.
-// Used by bi_exp (the deterministic verifier's softmax) and the CPU attention kernel.
+// Used by bi_exp and bi_max_exp_sum (the deterministic verifier's softmax) and the CPU attention kernel.
 #pragma once
 
 #include <cmath>
