@@ -113,6 +113,9 @@ __attribute__((target("avx2"))) float row_max_avx2(const float* x, int64_t n) {
 
 using MaxFn = float (*)(const float* x, int64_t n);
 
+// bi_exp_sum's shift: x - 0.0f is x, bit for bit (-0.0, infinities and NaN too)
+float zero_shift(const float*, int64_t) { return 0.0f; }
+
 MaxFn max_for(cpu::Isa isa) {
 #if defined(__x86_64__)
   if (isa == cpu::Isa::kAvx512) return row_max_avx512;
@@ -133,11 +136,12 @@ void max_exp_sum_row(const float* x, int64_t V, int64_t padded, float* buf, floa
 
 // x: float32 [..., V], V >= 1 -> (top, sum), each float32 [..., 1]: top = x.amax(-1) and sum =
 // reference.bi_exp_sum(x - top), the softmax's shift and denominator (reference.bi_max_exp_sum)
-// without the [..., V] difference. x - top is one IEEE subtraction per element, as torch's, so
-// the bits agree. Rows are spread over the threads; fewer rows than threads (a decode step's
-// logprob) have their exps made in chunks over every thread, then summed per row.
-std::tuple<at::Tensor, at::Tensor> max_exp_sum(const at::Tensor& x, cpu::Isa isa) {
-  const MaxFn max_fn = max_for(isa);
+// without the [..., V] difference; with_max = false: top = 0 and sum = bi_exp_sum(x). x - top is
+// one IEEE subtraction per element, as torch's, so the bits agree. Rows are spread over the
+// threads; fewer rows than threads (a decode step's logprob) have their exps made in chunks
+// over every thread, then summed per row.
+std::tuple<at::Tensor, at::Tensor> max_exp_sum(const at::Tensor& x, cpu::Isa isa, bool with_max = true) {
+  const MaxFn max_fn = with_max ? max_for(isa) : zero_shift;
   const cpu::ShiftedExpFn exp_fn = cpu::shifted_exp_for(isa);
   const at::Tensor xc = x.contiguous();
   const int64_t V = xc.size(-1), rows = xc.numel() / V, padded = (V + 63) / 64 * 64;
@@ -185,30 +189,14 @@ std::tuple<at::Tensor, at::Tensor> max_exp_sum(const at::Tensor& x, cpu::Isa isa
 }  // namespace
 
 // x: float32 [..., V], V >= 1 -> float32 [..., 1]: per row, reference.tree_sum(bi_exp(row)),
-// the exps zero-padded to a multiple of 64; rows are independent.
+// the exps zero-padded to a multiple of 64 (max_exp_sum's sums with no shift); rows are independent.
 at::Tensor bi_exp_sum_cpu(const at::Tensor& x) {
   TORCH_CHECK(x.device().is_cpu(), "bi_exp_sum_cpu: x must be on the CPU");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "bi_exp_sum: x must be float32, got ", x.scalar_type());
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) >= 1, "bi_exp_sum: x must be [..., V] with V >= 1, got ", x.sizes());
-  static const cpu::ExpFn fn = cpu::pick_exp();
-  const at::Tensor xc = x.contiguous();
-  const int64_t V = xc.size(-1), rows = xc.numel() / V, padded = (V + 63) / 64 * 64;
-  auto sizes = xc.sizes().vec();
-  sizes.back() = 1;
-  at::Tensor out = at::empty(sizes, xc.options());
-  const float* xp = xc.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
-    std::vector<float> buf(padded);
-    for (int64_t r = r0; r < r1; ++r) {
-      fn(xp + r * V, buf.data(), V);
-      std::fill(buf.begin() + V, buf.end(), 0.0f);
-      op[r] = tree_sum_inplace(buf.data(), padded);
-    }
-  });
-  return out;
+  static const cpu::Isa isa = cpu::pick_isa();
+  return std::get<1>(max_exp_sum(x, isa, /*with_max=*/false));
 }
-
 
 void check_max_exp_sum(const at::Tensor& x, const char* op) {
   TORCH_CHECK(x.device().is_cpu(), op, ": x must be on the CPU");
