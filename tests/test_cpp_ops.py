@@ -387,9 +387,13 @@ def test_bi_exp_sum_kernel_equals_the_reference_bitwise(lead, vocab, scale, seed
     """The C++ kernel makes reference.tree_sum(reference.bi_exp(x))'s additions, row by row."""
     x = torch.randn(*lead, vocab, generator=torch.Generator().manual_seed(seed)) * scale
     x = x - x.amax(-1, keepdim=True)  # as the verifier's softmax calls it
-    got = torch.ops.swiftkern.bi_exp_sum(x)
-    assert got.shape == (*lead, 1)
-    assert torch.equal(got, reference.tree_sum(reference.bi_exp(x)))
+    want = reference.tree_sum(reference.bi_exp(x))
+    for threads in (1, 4):  # 4: fewer rows than threads make each row's exps in chunks
+        _dirty_scratch()  # bi_max_exp_sum's code, with no shift
+        with torch_threads(threads):
+            got = torch.ops.swiftkern.bi_exp_sum(x)
+        assert got.shape == (*lead, 1)
+        assert torch.equal(got, want), threads
     rows = x.reshape(-1, vocab)
     assert torch.equal(torch.ops.swiftkern.bi_exp_sum(rows[-1:].clone()), got.reshape(-1, 1)[-1:])  # alone
 
