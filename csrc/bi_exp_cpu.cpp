@@ -190,30 +190,29 @@ std::tuple<at::Tensor, at::Tensor> max_exp_sum(const at::Tensor& x, cpu::Isa isa
 
 // x: float32 [..., V], V >= 1 -> float32 [..., 1]: per row, reference.tree_sum(bi_exp(row)),
 // the exps zero-padded to a multiple of 64 (max_exp_sum's sums with no shift); rows are independent.
+// x: float32 rows [..., V], V >= 1, on the CPU, else an error naming ``where`` (the entry point)
+// and ``op``
+void check_rows(const at::Tensor& x, const char* where, const char* op) {
+  TORCH_CHECK(x.device().is_cpu(), where, ": x must be on the CPU");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, op, ": x must be float32, got ", x.scalar_type());
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) >= 1, op, ": x must be [..., V] with V >= 1, got ", x.sizes());
+}
+
 at::Tensor bi_exp_sum_cpu(const at::Tensor& x) {
-  TORCH_CHECK(x.device().is_cpu(), "bi_exp_sum_cpu: x must be on the CPU");
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "bi_exp_sum: x must be float32, got ", x.scalar_type());
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) >= 1, "bi_exp_sum: x must be [..., V] with V >= 1, got ", x.sizes());
+  check_rows(x, "bi_exp_sum_cpu", "bi_exp_sum");
   static const cpu::Isa isa = cpu::pick_isa();
   return std::get<1>(max_exp_sum(x, isa, /*with_max=*/false));
 }
 
-void check_max_exp_sum(const at::Tensor& x, const char* op) {
-  TORCH_CHECK(x.device().is_cpu(), op, ": x must be on the CPU");
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "bi_max_exp_sum: x must be float32, got ", x.scalar_type());
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) >= 1, "bi_max_exp_sum: x must be [..., V] with V >= 1, got ",
-              x.sizes());
-}
-
 std::tuple<at::Tensor, at::Tensor> bi_max_exp_sum_cpu(const at::Tensor& x) {
-  check_max_exp_sum(x, "bi_max_exp_sum_cpu");
+  check_rows(x, "bi_max_exp_sum_cpu", "bi_max_exp_sum");
   static const cpu::Isa isa = cpu::pick_isa();
   return max_exp_sum(x, isa);
 }
 
 // bi_max_exp_sum with a named instruction set, for the test that each gives the reference's bits
 std::tuple<at::Tensor, at::Tensor> bi_max_exp_sum_isa(const at::Tensor& x, const std::string& isa) {
-  check_max_exp_sum(x, "bi_max_exp_sum_isa");
+  check_rows(x, "bi_max_exp_sum_isa", "bi_max_exp_sum");
   return max_exp_sum(x, checks::named_isa("bi_max_exp_sum_isa", isa));
 }
 

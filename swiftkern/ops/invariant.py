@@ -76,6 +76,13 @@ def bi_max_exp_sum(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x = _float32_rows(op, x)
     if cpu_kernel(op, x.device.type):
         return torch.ops.swiftkern.bi_max_exp_sum(x)
+    return max_then_exp_sum(x)
+
+
+def max_then_exp_sum(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``bi_max_exp_sum`` in three calls: torch max, torch subtraction, ``bi_exp_sum`` (the
+    Triton kernel on CUDA, the C++ one on the CPU). x: float32 [..., V] -> (float32 [..., 1],
+    float32 [..., 1])"""
     top = x.amax(dim=-1, keepdim=True)
     return top, bi_exp_sum(x - top)
 
