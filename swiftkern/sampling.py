@@ -14,6 +14,7 @@ import torch
 from . import ops
 from .arg_checks import flag, real, whole
 from .errors import SwiftkernError
+from .top_p import top_p_removed
 
 _MASK64 = (1 << 64) - 1
 SEED_RANGE = (-(1 << 63), _MASK64)  # torch's seeds: s < 0 is the same seed as 2**64 + s
@@ -78,12 +79,7 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         kth = torch.topk(out, params.top_k, dim=-1).values[..., -1:]
         out = out.masked_fill(out < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(out, dim=-1, descending=False)
-        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        remove_sorted = cum <= (1 - params.top_p)
-        remove_sorted[..., -1] = False  # always keep the most likely token
-        remove = remove_sorted.scatter(-1, order, remove_sorted)
-        out = out.masked_fill(remove, float("-inf"))
+        out = out.masked_fill(top_p_removed(out, params.top_p), float("-inf"))
     return out
 
 
