@@ -40,11 +40,12 @@ def top_p_removed(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.shape[-1] < 2:
         return top_p_removed_by_sort(logits, top_p)
     rows = logits.contiguous()
-    sorted_values = torch.from_numpy(np.sort(rows.numpy(), axis=-1))  # [N, V] ascending, NaN last as torch's
+    sorted_values = torch.from_numpy(np.sort(rows.detach().numpy(), axis=-1))  # [N, V] ascending, NaN last as torch's
     remove_sorted = sorted_values.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p)  # [N, V]
     remove_sorted[..., -1] = False
     cut = remove_sorted.sum(dim=-1, keepdim=True)  # [N, 1] sorted positions removed
-    prefix = remove_sorted.cumprod(dim=-1).sum(dim=-1, keepdim=True) == cut  # [N, 1]
+    first_kept = remove_sorted.view(torch.uint8).argmin(dim=-1, keepdim=True)  # [N, 1] (the last is kept)
+    prefix = first_kept == cut  # [N, 1]
     smallest_kept = sorted_values.gather(-1, cut)  # [N, 1]
     below = rows < smallest_kept  # [N, V]
     exact = prefix & (below.sum(dim=-1, keepdim=True) == cut)  # no copy of smallest_kept is cut

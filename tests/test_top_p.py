@@ -82,3 +82,9 @@ def test_cut_inside_a_tie_takes_the_sort(monkeypatch):
 def test_cuda_takes_the_sort():
     x = torch.randn(3, 1000, device="cuda")
     assert torch.equal(top_p_removed(x, 0.9), top_p_removed_by_sort(x, 0.9))
+
+
+def test_logits_that_require_grad():
+    """A caller's logits with autograd on (filter_logits outside inference mode): the same mask."""
+    x = torch.randn(2, 300, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    assert torch.equal(top_p_removed(x, 0.9), top_p_removed_by_sort(x.detach(), 0.9))
