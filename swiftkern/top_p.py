@@ -47,7 +47,8 @@ def top_p_removed(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     first_kept = remove_sorted.view(torch.uint8).argmin(dim=-1, keepdim=True)  # [N, 1] (the last is kept)
     prefix = first_kept == cut  # [N, 1]
     smallest_kept = sorted_values.gather(-1, cut)  # [N, 1]
-    below = rows < smallest_kept  # [N, V]
-    exact = prefix & (below.sum(dim=-1, keepdim=True) == cut)  # no copy of smallest_kept is cut
-    # a row whose cut splits a tie (or is not a prefix): all rows as the reference sorts them
-    return below if bool(exact.all()) else top_p_removed_by_sort(rows, top_p)
+    largest_removed = sorted_values.gather(-1, (cut - 1).clamp(min=0))  # [N, 1]
+    exact = prefix & ((cut == 0) | (largest_removed < smallest_kept))  # no copy of smallest_kept is cut
+    if not bool(exact.all()):  # a cut inside a tie (or not a prefix): all rows as the reference sorts them
+        return top_p_removed_by_sort(rows, top_p)
+    return rows < smallest_kept
