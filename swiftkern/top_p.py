@@ -36,9 +36,16 @@ def top_p_removed_by_sort(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
 def top_p_removed(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """``top_p_removed_by_sort``'s mask, bit for bit, with a value sort on the CPU (any other
-    device: the sort). logits: float32 [N, V] -> bool [N, V], True where removed."""
+    device: the sort, which reads nothing back to the host). logits: float32 [N, V] -> bool
+    [N, V], True where removed."""
     if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.shape[-1] < 2:
         return top_p_removed_by_sort(logits, top_p)
+    return removed_from_value_sort(logits, top_p)
+
+
+def removed_from_value_sort(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The CPU's way of ``top_p_removed``: float32 [N, V] CPU logits, V >= 2 (host reads: numpy,
+    one bool)."""
     rows = logits.contiguous()
     sorted_values = torch.from_numpy(np.sort(rows.detach().numpy(), axis=-1))  # [N, V] ascending, NaN last as torch's
     remove_sorted = sorted_values.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p)  # [N, V]

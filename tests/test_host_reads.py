@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_flatten
 
 from conftest import tiny_model
 import swiftkern.deterministic as deterministic
+from swiftkern import top_p
 from swiftkern import SkipModel
 from swiftkern.cuda_graphs import GraphRunner
 from swiftkern.graph_capture import RecordedGraph
@@ -63,10 +64,15 @@ def _basic_index(index) -> bool:
     return all(i is None or i is Ellipsis or isinstance(i, (int, slice)) for i in index)
 
 
+# code that runs on the CPU only, left out: the forward's token check, and top-p's value sort
+# (``top_p.top_p_removed`` takes ``top_p_removed_by_sort`` on any other device, which reads nothing;
+# ``test_top_p_off_the_cpu_reads_nothing``)
+CPU_ONLY = frozenset(("_check_forward_args", "removed_from_value_sort"))
+
+
 class Stream(TorchFunctionMode):
     """Records every sync as (phase, "read" | "copy", name, stalls, where). ``phase``: set by
-    ``phases``; where: the innermost swiftkern frame. The forward's token check, which runs on
-    the CPU only (``SkipModel._check_forward_args``), is left out."""
+    ``phases``; where: the innermost swiftkern frame. Frames of ``CPU_ONLY`` are left out."""
 
     def __init__(self):
         super().__init__()
@@ -76,7 +82,7 @@ class Stream(TorchFunctionMode):
 
     def _sync(self, kind: str, name: str) -> None:
         stack = traceback.extract_stack()
-        if any(f.name == "_check_forward_args" for f in stack):
+        if any(f.name in CPU_ONLY for f in stack):
             return
         where = next((f"{f.filename.split('/swiftkern/')[-1]}:{f.lineno} {f.name}" for f in reversed(stack)
                       if "/swiftkern/" in f.filename), "?")
@@ -366,6 +372,20 @@ def test_an_ar_decode_step_stalls_once(tiny, sample):
         assert [s[1] for s in syncs if s[3]] == ["read"], syncs
     if sample:
         assert sum("keyed_uniforms" in s[4] for syncs in plain for s in syncs) == len(plain) - 1  # not after the last
+
+
+def test_top_p_off_the_cpu_reads_nothing(monkeypatch):
+    """Top-p's way on a GPU (``top_p_removed_by_sort``) queues everything and reads nothing back,
+    so ``CPU_ONLY`` may leave the CPU's value sort out of the counts above; counted, the CPU's
+    way reads (its numpy copy and its tie check)."""
+    x = torch.randn(3, 500, generator=torch.Generator().manual_seed(0)) * 4
+    with Stream() as stream:
+        top_p.top_p_removed_by_sort(x, 0.9)
+    assert stream.syncs == []
+    monkeypatch.setitem(globals(), "CPU_ONLY", frozenset())
+    with Stream() as stream:
+        top_p.top_p_removed(x, 0.9)
+    assert {s[2] for s in stream.syncs} >= {"numpy", "__bool__"}
 
 
 def test_generate_reports_its_reads_of_device_results(tiny):
