@@ -42,6 +42,7 @@ at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
 at::Tensor bi_exp_cpu(const at::Tensor& x);
 at::Tensor bi_exp_sum_cpu(const at::Tensor& x);
 std::tuple<at::Tensor, at::Tensor> bi_max_exp_sum_cpu(const at::Tensor& x);
+at::Tensor top_p_cut_cpu(const at::Tensor& sorted_values, const at::Tensor& probs, double top_p);
 at::Tensor skinny_linear_isa(const at::Tensor& x, const at::Tensor& weight, const std::string& isa);
 std::vector<std::string> skinny_linear_isas();
 std::tuple<at::Tensor, at::Tensor> decoder_stack_cpu(
@@ -83,7 +84,8 @@ void kv_compact_cpu(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& sr
 constexpr const char* kCpuKernels[] = {"greedy_accept", "rejection_sample", "skinny_linear", "rms_norm",
                                        "fused_add_rms_norm", "silu_mul",
                                        "rope_kv_append", "verify_attention", "verify_attention_invariant",
-                                       "kv_compact", "bi_exp", "bi_exp_sum", "bi_max_exp_sum", "packed_linear"};
+                                       "kv_compact", "bi_exp", "bi_exp_sum", "bi_max_exp_sum", "packed_linear",
+                                       "top_p_cut"};
 #ifdef SWIFTKERN_WITH_CUDA
 constexpr const char* kCudaKernels[] = {"greedy_accept", "rejection_sample", "fused_add_rms_norm", "rope_kv_append",
                                         "kv_compact"};
@@ -110,6 +112,7 @@ TORCH_LIBRARY(swiftkern, m) {
   m.def("bi_exp_sum(Tensor x) -> Tensor");
   m.def("bi_max_exp_sum(Tensor x) -> (Tensor, Tensor)");
   m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
+  m.def("top_p_cut(Tensor sorted_values, Tensor probs, float top_p) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(swiftkern, CPU, m) {
@@ -127,6 +130,7 @@ TORCH_LIBRARY_IMPL(swiftkern, CPU, m) {
   m.impl("bi_exp_sum", &swiftkern::bi_exp_sum_cpu);
   m.impl("bi_max_exp_sum", &swiftkern::bi_max_exp_sum_cpu);
   m.impl("packed_linear", &swiftkern::packed_linear_cpu);
+  m.impl("top_p_cut", &swiftkern::top_p_cut_cpu);
 }
 
 #ifdef SWIFTKERN_WITH_CUDA

@@ -383,3 +383,19 @@ def bi_max_exp_sum(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x = x.to(torch.float32)
     top = x.amax(dim=-1, keepdim=True)
     return top, bi_exp_sum(x - top)
+
+
+def top_p_cut(sorted_values: torch.Tensor, probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Where HF's top-p rule cuts each row, from the row sorted ascending and its softmax:
+    the number m of sorted positions whose cumulative probability (``cumsum``) is <= 1 - top_p
+    (never the last), where those are exactly the first m and the m-th sorted value is below the
+    (m+1)-th; else -1 (the cut is not a prefix, or it splits a tie, so which copy goes depends on
+    the sort's order). sorted_values, probs: float32 [N, V], V >= 1 -> int64 [N]"""
+    removed = probs.cumsum(dim=-1) <= (1 - top_p)  # [N, V]
+    removed[..., -1] = False
+    cut = removed.sum(dim=-1)  # [N]
+    first_kept = removed.view(torch.uint8).argmin(dim=-1)  # [N] (the last is kept)
+    smallest_kept = sorted_values.gather(-1, cut.unsqueeze(-1)).squeeze(-1)  # [N]
+    largest_removed = sorted_values.gather(-1, (cut - 1).clamp(min=0).unsqueeze(-1)).squeeze(-1)  # [N]
+    exact = (first_kept == cut) & ((cut == 0) | (largest_removed < smallest_kept))
+    return torch.where(exact, cut, torch.full_like(cut, -1))

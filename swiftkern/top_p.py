@@ -20,8 +20,13 @@ otherwise the mask is the reference's without its argsort.
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import torch
+
+from . import ops
 
 
 def top_p_removed_by_sort(logits: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -45,17 +50,33 @@ def top_p_removed(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
 def removed_from_value_sort(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """The CPU's way of ``top_p_removed``: float32 [N, V] CPU logits, V >= 2 (host reads: numpy,
-    one bool)."""
+    the cut per row)."""
     rows = logits.contiguous()
-    sorted_values = torch.from_numpy(np.sort(rows.detach().numpy(), axis=-1))  # [N, V] ascending, NaN last as torch's
-    remove_sorted = sorted_values.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p)  # [N, V]
-    remove_sorted[..., -1] = False
-    cut = remove_sorted.sum(dim=-1, keepdim=True)  # [N, 1] sorted positions removed
-    first_kept = remove_sorted.view(torch.uint8).argmin(dim=-1, keepdim=True)  # [N, 1] (the last is kept)
-    prefix = first_kept == cut  # [N, 1]
-    smallest_kept = sorted_values.gather(-1, cut)  # [N, 1]
-    largest_removed = sorted_values.gather(-1, (cut - 1).clamp(min=0))  # [N, 1]
-    exact = prefix & ((cut == 0) | (largest_removed < smallest_kept))  # no copy of smallest_kept is cut
-    if not bool(exact.all()):  # a cut inside a tie (or not a prefix): all rows as the reference sorts them
+    sorted_values = torch.from_numpy(sorted_rows(rows.detach().numpy()))  # [N, V] ascending, NaN last as torch's
+    cut = ops.top_p_cut(sorted_values, sorted_values.softmax(dim=-1), top_p)  # [N] removed, -1: not by value
+    if bool((cut < 0).any()):  # a cut inside a tie (or not a prefix): all rows as the reference sorts them
         return top_p_removed_by_sort(rows, top_p)
-    return rows < smallest_kept
+    return rows < sorted_values.gather(-1, cut.unsqueeze(-1))  # below the smallest kept value
+
+
+def sorted_rows(x: np.ndarray) -> np.ndarray:
+    """x: float32 [N, V] -> a copy with each row sorted ascending (NaN last), the rows spread over
+    torch's intra-op thread count (numpy's sort runs one row after another, without the GIL)."""
+    out = x.copy()
+    workers = min(torch.get_num_threads(), x.shape[0])
+    if workers <= 1:
+        out.sort(axis=-1)
+        return out
+    bounds = [x.shape[0] * i // workers for i in range(workers + 1)]
+    list(_pool(workers).map(lambda i: out[bounds[i]:bounds[i + 1]].sort(axis=-1), range(workers)))
+    return out
+
+
+_POOLS: dict = {}  # (process id, workers) -> ThreadPoolExecutor (a forked child makes its own)
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    key = (os.getpid(), workers)
+    if key not in _POOLS:
+        _POOLS[key] = ThreadPoolExecutor(workers, thread_name_prefix="swiftkern-top-p")
+    return _POOLS[key]

@@ -1,13 +1,17 @@
 """top_p.top_p_removed (a value sort, no argsort) against top_p_removed_by_sort (HF's rule through
 torch.sort), mask for mask: random rows with ties, -inf (top-k's), NaN, +inf and signed zeros,
-top_p on a row's exact cumulative edges, 0 to 9 rows; and where each way is taken."""
+top_p on a row's exact cumulative edges, 0 to 9 rows; and where each way is taken. The C++
+``top_p_cut`` against its twin ``reference.top_p_cut`` on the same rows; the rows' sort over
+threads against numpy's."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from swiftkern import SwiftkernError, ops, reference
 from swiftkern import top_p as top_p_module
 from swiftkern.top_p import top_p_removed, top_p_removed_by_sort
 
@@ -88,3 +92,68 @@ def test_logits_that_require_grad():
     """A caller's logits with autograd on (filter_logits outside inference mode): the same mask."""
     x = torch.randn(2, 300, generator=torch.Generator().manual_seed(1), requires_grad=True)
     assert torch.equal(top_p_removed(x, 0.9), top_p_removed_by_sort(x.detach(), 0.9))
+
+
+# ---------------------------------------------------------------- the cut op and the sort
+
+def sorted_and_probs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    s = x.sort(dim=-1).values  # [N, V]
+    return s, s.softmax(dim=-1)
+
+
+@pytest.mark.skipif(ops.registry.COMPILED["top_p_cut"]["cpu"] != "cpp", reason="the C++ extension is not built")
+@settings(max_examples=300, deadline=None)
+@given(x=rows(), data=st.data())
+def test_cpp_cut_is_the_references(x, data):
+    """The C++ kernel's cut per row equals ``reference.top_p_cut``'s (torch's cumsum and masks),
+    -1 rows included, on the same rows as above and top_p on their exact cumulative edges."""
+    candidates = [1.0, 0.9, 0.5, 1e-9, 0.999999] + (edges(x[0]) if x.shape[0] and x.shape[1] else [])
+    top_p = data.draw(st.sampled_from(candidates))
+    s, p = sorted_and_probs(x)
+    got = torch.ops.swiftkern.top_p_cut(s, p, top_p)
+    assert got.dtype == torch.int64 and got.shape == (x.shape[0],)
+    assert torch.equal(got, reference.top_p_cut(s, p, top_p)), (x, top_p)
+
+
+def test_cut_says_where_the_values_do_not_decide():
+    """At top_p 0.99 (removed: cumulative <= 0.01): a cut inside a tie and a cut that is not a
+    prefix (a negative term) give -1, a clean cut its count, a NaN row 0 (nothing is <= after
+    it), on both implementations."""
+    s = torch.tensor([[0.0, 0.0, 0.0, 5.0], [1.0, 2.0, 3.0, 9.0], [1.0, 2.0, 3.0, 4.0], [1.0, 2.0, 3.0, 4.0]])
+    p = s.softmax(-1)  # row 0: 0.0066 each below 5.0, so the cut falls after the first of three zeros
+    p[2] = torch.tensor([0.02, -0.015, 0.3, 0.695])  # cumulative 0.02 (kept), then 0.005 (removed)
+    p[3, 0] = float("nan")
+    for cut in (ops.top_p_cut, reference.top_p_cut):
+        assert cut(s, p, 0.99).tolist() == [-1, 3, -1, 0], cut
+        assert cut(s[1:2], p[1:2], 1.0).tolist() == [0], cut
+
+
+def test_cut_refuses_what_it_cannot_read():
+    s = torch.zeros(2, 5)
+    for args, msg in [((s, torch.zeros(2, 4), 0.9), "one shape"), ((s[0], s[0], 0.9), "one shape"),
+                      ((s, s.double(), 0.9), "float32"), ((s, s, 0.0), "top_p"), ((s, s, 1.5), "top_p")]:
+        with pytest.raises(SwiftkernError, match=msg):
+            ops.top_p_cut(*args)
+
+
+def test_opcheck_of_the_cut():
+    s, p = sorted_and_probs(torch.randn(3, 17, generator=torch.Generator().manual_seed(0)))
+    torch.library.opcheck(torch.ops.swiftkern.top_p_cut, (s, p, 0.9))
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_rows_sorted_over_threads_are_numpys(threads):
+    """The rows' value sort split over threads (make test runs torch at one thread, so it would
+    not otherwise split): numpy's sort of every row, NaN last, whatever the rows per thread."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for n in (0, 1, 2, 5, 32):
+            x = torch.randn(n, 257, generator=torch.Generator().manual_seed(n)).numpy()
+            x[:, ::7] = np.nan
+            x[:, 1::5] = 0.5  # ties
+            before = x.copy()
+            assert np.array_equal(top_p_module.sorted_rows(x), np.sort(x, axis=-1), equal_nan=True), n
+            assert np.array_equal(x, before, equal_nan=True)  # the input is left as it was
+    finally:
+        torch.set_num_threads(saved)

@@ -21,7 +21,7 @@ the backend chosen by ``SWIFTKERN_BACKEND`` (read at import; ``set_backend`` cha
 Modules: registry (schemas, the extension, the registration), backends (the choice above),
 checks (input checks), acceptance (greedy_accept, greedy_tokens, rejection_sample), layer (norms, silu_mul,
 rope_kv_append, verify_attention, kv_compact), projections (linear, packed_linear), invariant
-(bi_exp, bi_exp_sum, bi_matmul, bi_matmul_group).
+(bi_exp, bi_exp_sum, bi_matmul, bi_matmul_group), top_p_cut (the CPU's top-p cut).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from .projections import (CUDA_SKINNY_ROWS, PACKED_MAX_ROWS, SKINNY_DTYPES, SKIN
                           mkl_lags_here,
                           packed_linear, packed_linear_fast, packed_max_rows, prefill_projections, skinny_fits,
                           skinny_max_rows, torch_bf16_matmul_native, triton_skinny_fits, triton_skinny_here)
+from .top_p_cut import top_p_cut
 
 apply_rope = reference.apply_rope
 attention_mask = reference.attention_mask
@@ -43,5 +44,5 @@ info = backend_info
 
 __all__ = ["bi_exp", "bi_exp_sum", "bi_matmul", "bi_matmul_group", "bi_max_exp_sum", "greedy_accept", "greedy_tokens", "linear", "rejection_sample", "rms_norm",
            "fused_add_rms_norm", "silu_mul", "apply_rope", "rope_kv_append", "attention_mask", "verify_attention",
-           "verify_attention_invariant", "kv_compact", "packed_linear", "backend_info",
+           "verify_attention_invariant", "kv_compact", "packed_linear", "top_p_cut", "backend_info",
            "backend_for", "info", "set_backend", "unchecked"]

@@ -38,6 +38,7 @@ SCHEMAS = {
     "bi_exp_sum": "(Tensor x) -> Tensor",
     "bi_max_exp_sum": "(Tensor x) -> (Tensor, Tensor)",
     "packed_linear": "(Tensor x, Tensor packed, Tensor? bias) -> Tensor",
+    "top_p_cut": "(Tensor sorted_values, Tensor probs, float top_p) -> Tensor",
 }
 
 try:  # importing it registers the schemas and the compiled kernels in torch.ops.swiftkern
@@ -143,6 +144,10 @@ def _bi_max_exp_sum_fake(x):
 
 def _packed_linear_fake(x, packed, bias):
     return x.new_empty((*x.shape[:-1], packed.shape[0]))
+
+
+def _top_p_cut_fake(sorted_values, probs, top_p):
+    return sorted_values.new_empty(sorted_values.shape[:1], dtype=torch.int64)
 
 
 # op -> {"cpu": "cpp" | "reference", "cuda": "cuda" | "reference"}: what torch.ops.swiftkern runs
