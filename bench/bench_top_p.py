@@ -1,14 +1,17 @@
 """Top-p filtering on the CPU: the value sort (``top_p.top_p_removed``) vs torch.sort's argsort
 (``top_p_removed_by_sort``, HF's way), the mask alone and inside sampled generation.
 
-    python -m bench --routine top_p [--providers value-sort,sort] [--reps N] [--smoke] [--no-csv]
+    python -m bench --routine top_p [--providers value-sort,value-sort-torch,sort] [--reps N] [--smoke] [--no-csv]
 
-Group ``mask``: one call on N x V float32 logits at top_p 0.9 (N = 1: a decode step; 9: a
-verify pass of 8 drafts; 32: a batch), V = 49152 (SmolLM2) and 128256 (Llama-3); the two masks
-are checked equal first. Group ``generate``: SmolLM2 (``--smoke``: the tiny random Llama)
-sampling at temperature 0.7, top_p 0.9, seed 0, ``--max-new-tokens`` tokens (default 128)
-from the first bench prompt, ``ar`` and self-spec with prompt lookup, each with the top-p mask
-of either way (``<mode>`` / ``<mode>-sort``), interleaved; the tokens must be equal.
+Ways: ``value-sort`` (the rows' numpy sort over threads, the C++ ``top_p_cut``), ``value-sort-torch``
+(the value sort as it was first written: one thread sorts, the cut in torch passes,
+``reference.top_p_cut``) and ``sort``. Group ``mask``: one call on N x V float32 logits at top_p
+0.9 (N = 1: a decode step; 9: a verify pass of 8 drafts; 32: a batch), V = 49152 (SmolLM2) and
+128256 (Llama-3); the masks are checked equal first. Group ``generate``: SmolLM2 (``--smoke``:
+the tiny random Llama) sampling at temperature 0.7, top_p 0.9, seed 0, ``--max-new-tokens``
+tokens (default 128) from the first bench prompt, ``ar`` and self-spec with prompt lookup, each
+with the top-p mask of every way (``<mode>`` / ``<mode>-<way>``), interleaved; group ``batch``:
+``ar`` on 32 prompts (the bench prompts in turn) for 32 tokens. The tokens must be equal.
 Column ``x_vs_sort``: the sort's median over this provider's, same case, same run.
 """
 
@@ -24,13 +27,29 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import swiftkern  # noqa: E402
 from bench import common  # noqa: E402
 from bench.bench_generate import encode, load_prompts, tiny_model  # noqa: E402
-from swiftkern import sampling  # noqa: E402
+import numpy as np  # noqa: E402
+
+from swiftkern import reference, sampling  # noqa: E402
 from swiftkern.top_p import top_p_removed, top_p_removed_by_sort  # noqa: E402
 
 ROUTINE = "top_p"
 PRINT_KEYS = ("group", "provider", "shape", "median_ms", "x_vs_sort", "tok_s")
 TOP_P = 0.9
-MASKS = {"value-sort": top_p_removed, "sort": top_p_removed_by_sort}
+BATCH = 32
+
+
+def value_sort_torch(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The value sort as first written (4843af9): numpy sorts the rows one after another, the cut
+    is torch passes over [N, V] (``reference.top_p_cut``, the C++ kernel's twin)."""
+    rows = logits.contiguous()
+    sorted_values = torch.from_numpy(np.sort(rows.detach().numpy(), axis=-1))  # [N, V]
+    cut = reference.top_p_cut(sorted_values, sorted_values.softmax(dim=-1), top_p)  # [N]
+    if bool((cut < 0).any()):
+        return top_p_removed_by_sort(rows, top_p)
+    return rows < sorted_values.gather(-1, cut.unsqueeze(-1))
+
+
+MASKS = {"value-sort": top_p_removed, "value-sort-torch": value_sort_torch, "sort": top_p_removed_by_sort}
 MODES = {"ar": dict(mode="ar"), "lookup": dict(mode="self-spec", drafter="lookup")}
 
 
@@ -46,7 +65,8 @@ def mask_rows(args, masks: dict, reps: int) -> list[dict]:
     out = []
     for n, v in grid:
         x = torch.randn(n, v, generator=torch.Generator().manual_seed(n + v)) * 4
-        if not torch.equal(top_p_removed(x, TOP_P), top_p_removed_by_sort(x, TOP_P)):
+        want = top_p_removed_by_sort(x, TOP_P)
+        if not all(torch.equal(mask(x, TOP_P), want) for mask in masks.values()):
             raise AssertionError(f"top_p masks differ at N={n} V={v}")
         times = common.time_fn({name: (lambda f=f: f(x, TOP_P)) for name, f in masks.items()}, "cpu",
                                warmup=1, reps=reps)
@@ -59,31 +79,38 @@ def generate_rows(args, masks: dict, reps: int) -> list[dict]:
         model, tok = swiftkern.SkipModel.from_hf(tiny_model()), None
     else:
         model, tok = swiftkern.load_model(args.model, device="cpu")
+    texts = [p["text"] for p in load_prompts()]
     n = 8 if args.smoke else args.max_new_tokens
-    prompt = encode(tok, load_prompts()[0]["text"], model.vocab_size)
+    out = _generate_group("generate", model, tok, MODES, [encode(tok, texts[0], model.vocab_size)], n, masks, reps)
+    batch = [encode(tok, texts[i % len(texts)], model.vocab_size) for i in range(4 if args.smoke else BATCH)]
+    return out + _generate_group("batch", model, tok, {"ar": MODES["ar"]}, batch, 4 if args.smoke else 32, masks,
+                                 max(1, reps // 2))
+
+
+def _generate_group(group, model, tok, modes: dict, prompts: list, n: int, masks: dict, reps: int) -> list[dict]:
+    """Each mode with each way's mask, interleaved; the tokens of every way must be the same."""
     kw = dict(max_new_tokens=n, do_sample=True, temperature=0.7, top_p=TOP_P, seed=0, eos_token_id=[])
     fns, tokens = {}, {}
-    for mode, config in MODES.items():
+    for mode, config in modes.items():
         gen = swiftkern.Generator(model, tok, **config)
         for way, mask in masks.items():
-            name = mode if way == "value-sort" else f"{mode}-sort"
+            name = mode if way == "value-sort" else f"{mode}-{way}"
 
             def fn(gen=gen, mask=mask, name=name):
                 sampling.top_p_removed, saved = mask, sampling.top_p_removed
                 try:
-                    tokens[name] = gen.generate([prompt], **kw).tokens[0]
+                    tokens[name] = gen.generate(prompts, **kw).tokens
                 finally:
                     sampling.top_p_removed = saved
             fns[name] = fn
     times = common.time_fn(fns, "cpu", warmup=1, reps=reps)
     out = []
-    for mode in MODES:
-        pair = {k: v for k, v in times.items() if k in (mode, f"{mode}-sort")}
-        if len(pair) == 2 and tokens[mode] != tokens[f"{mode}-sort"]:
-            raise AssertionError(f"{mode}: the value sort changed the sampled tokens")
-        if f"{mode}-sort" in pair:
-            extra = {k: {"tok_s": round(n / (t["median_ms"] * 1e-3), 1)} for k, t in pair.items()}
-            out += _rows("generate", pair, f"B=1 N={n}", f"{mode}-sort", **extra)
+    for mode in modes:
+        mine = {k: v for k, v in times.items() if k == mode or k.startswith(f"{mode}-")}
+        if any(tokens[k] != tokens[f"{mode}-sort"] for k in mine):
+            raise AssertionError(f"{mode}: a value sort changed the sampled tokens")
+        extra = {k: {"tok_s": round(len(prompts) * n / (t["median_ms"] * 1e-3), 1)} for k, t in mine.items()}
+        out += _rows(group, mine, f"B={len(prompts)} N={n}", f"{mode}-sort", **extra)
     return out
 
 

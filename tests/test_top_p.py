@@ -142,9 +142,10 @@ def test_opcheck_of_the_cut():
 
 
 @pytest.mark.parametrize("threads", [2, 3])
-def test_rows_sorted_over_threads_are_numpys(threads):
+def test_rows_sorted_over_threads_are_numpys(threads, monkeypatch):
     """The rows' value sort split over threads (make test runs torch at one thread, so it would
     not otherwise split): numpy's sort of every row, NaN last, whatever the rows per thread."""
+    monkeypatch.setattr(top_p_module, "SPLIT_MIN_ELEMENTS", 0)
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
