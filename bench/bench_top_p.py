@@ -12,12 +12,15 @@ the tiny random Llama) sampling at temperature 0.7, top_p 0.9, seed 0, ``--max-n
 tokens (default 128) from the first bench prompt, ``ar`` and self-spec with prompt lookup, each
 with the top-p mask of every way (``<mode>`` / ``<mode>-<way>``), interleaved; group ``batch``:
 ``ar`` on 32 prompts (the bench prompts in turn) for 32 tokens. The tokens must be equal.
-Column ``x_vs_sort``: the sort's median over this provider's, same case, same run.
+Column ``x_vs_sort``: the sort's median over this provider's, same case, same run; ``tok_s``: new
+tokens over the whole call's median, ``decode_tok_s``: over the median decode time alone (the
+prompts' prefill left out, which the batch's 32 prompts make a large share of the call).
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 
 import torch
@@ -33,7 +36,7 @@ from swiftkern import reference, sampling  # noqa: E402
 from swiftkern.top_p import top_p_removed, top_p_removed_by_sort  # noqa: E402
 
 ROUTINE = "top_p"
-PRINT_KEYS = ("group", "provider", "shape", "median_ms", "x_vs_sort", "tok_s")
+PRINT_KEYS = ("group", "provider", "shape", "median_ms", "x_vs_sort", "tok_s", "decode_tok_s")
 TOP_P = 0.9
 BATCH = 32
 
@@ -90,7 +93,7 @@ def generate_rows(args, masks: dict, reps: int) -> list[dict]:
 def _generate_group(group, model, tok, modes: dict, prompts: list, n: int, masks: dict, reps: int) -> list[dict]:
     """Each mode with each way's mask, interleaved; the tokens of every way must be the same."""
     kw = dict(max_new_tokens=n, do_sample=True, temperature=0.7, top_p=TOP_P, seed=0, eos_token_id=[])
-    fns, tokens = {}, {}
+    fns, tokens, decode_s = {}, {}, {}
     for mode, config in modes.items():
         gen = swiftkern.Generator(model, tok, **config)
         for way, mask in masks.items():
@@ -99,7 +102,9 @@ def _generate_group(group, model, tok, modes: dict, prompts: list, n: int, masks
             def fn(gen=gen, mask=mask, name=name):
                 sampling.top_p_removed, saved = mask, sampling.top_p_removed
                 try:
-                    tokens[name] = gen.generate(prompts, **kw).tokens
+                    out = gen.generate(prompts, **kw)
+                    tokens[name] = out.tokens
+                    decode_s.setdefault(name, []).append(out.stats["decode_s"])
                 finally:
                     sampling.top_p_removed = saved
             fns[name] = fn
@@ -109,7 +114,9 @@ def _generate_group(group, model, tok, modes: dict, prompts: list, n: int, masks
         mine = {k: v for k, v in times.items() if k == mode or k.startswith(f"{mode}-")}
         if any(tokens[k] != tokens[f"{mode}-sort"] for k in mine):
             raise AssertionError(f"{mode}: a value sort changed the sampled tokens")
-        extra = {k: {"tok_s": round(len(prompts) * n / (t["median_ms"] * 1e-3), 1)} for k, t in mine.items()}
+        extra = {k: {"tok_s": round(len(prompts) * n / (t["median_ms"] * 1e-3), 1),
+                     "decode_tok_s": round(len(prompts) * n / statistics.median(decode_s[k]), 1)}
+                 for k, t in mine.items()}
         out += _rows(group, mine, f"B={len(prompts)} N={n}", f"{mode}-sort", **extra)
     return out
 
