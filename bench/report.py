@@ -102,7 +102,8 @@ def generate_table(rows: list[dict]) -> list[str]:
 
 def op_table(rows: list[dict]) -> list[str]:
     cols = [c for c in ("provider", "group", "batch", "dtype", "shape", "window", "replay", "timed_as", "median_ms", "p20_ms", "p80_ms", "gb_s",
-                        "tflop_s", "pct_of_ceiling", "x_vs_reference", "eager_ms", "x_vs_reference_eager", "tok_s",
+                        "tflop_s", "pct_of_ceiling", "x_vs_reference", "x_vs_sort", "eager_ms", "x_vs_reference_eager", "tok_s",
+                        "decode_tok_s",
                         "ratio_vs_ar", "ratio_vs_T1", "ratio_vs_full", "ratio_vs_copy", "x_vs_baseline", "rollback_fraction", "tokens_equal_ar",
                         "prompt_kind", "new_tokens", "mean_accepted", "share_lookup", "replay_ratio_vs_ar",
                         "verify_cost_T2_T4_T8")
