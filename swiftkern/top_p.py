@@ -68,14 +68,23 @@ SPLIT_MIN_ELEMENTS = 32768
 
 def sorted_rows(x: np.ndarray) -> np.ndarray:
     """x: float32 [N, V] -> a copy with each row sorted ascending (NaN last), the rows spread over
-    torch's intra-op thread count (numpy's sort runs one row after another, without the GIL)."""
-    out = x.copy()
+    torch's intra-op thread count (numpy copies and sorts without the GIL; its sort takes one row
+    after another): the calling thread takes the last share."""
     workers = min(torch.get_num_threads(), x.shape[0])
     if workers <= 1 or x.size < SPLIT_MIN_ELEMENTS:
-        out.sort(axis=-1)
-        return out
+        return np.sort(x, axis=-1)
+    out = np.empty_like(x)
     bounds = [x.shape[0] * i // workers for i in range(workers + 1)]
-    list(_pool(workers).map(lambda i: out[bounds[i]:bounds[i + 1]].sort(axis=-1), range(workers)))
+
+    def share(i: int) -> None:
+        part = out[bounds[i]:bounds[i + 1]]
+        part[...] = x[bounds[i]:bounds[i + 1]]
+        part.sort(axis=-1)
+
+    others = [_pool(workers - 1).submit(share, i) for i in range(workers - 1)]
+    share(workers - 1)
+    for job in others:
+        job.result()
     return out
 
 
