@@ -74,12 +74,12 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
     logits: [N, V] -> float32 [N, V]
     """
-    out = logits.to(torch.float32) / params.temperature
+    out = logits.to(torch.float32) / params.temperature  # a new tensor: filled in place below
     if params.top_k and params.top_k < out.shape[-1]:
         kth = torch.topk(out, params.top_k, dim=-1).values[..., -1:]
-        out = out.masked_fill(out < kth, float("-inf"))
+        out.masked_fill_(out < kth, float("-inf"))
     if params.top_p < 1.0:
-        out = out.masked_fill(top_p_removed(out, params.top_p), float("-inf"))
+        out.masked_fill_(top_p_removed(out, params.top_p), float("-inf"))
     return out
 
 
