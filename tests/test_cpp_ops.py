@@ -38,7 +38,7 @@ def test_extension_is_built_with_the_cpu_kernels():
     assert BUILT, ops.backend_info()["extension"]
     info = ops.registry.extension.build_info()
     for op in ("greedy_accept", "rejection_sample", "fused_add_rms_norm", "rope_kv_append", "verify_attention",
-               "kv_compact"):
+               "kv_compact", "top_p_cut"):
         assert op in info["cpu_kernels"]
         assert "cpp" in ops.backend_info()["kernels"][op]["cpu"]
     if sys.platform != "win32":  # fp32 kernels match the reference only without contraction
