@@ -23,6 +23,7 @@ import os
 import statistics
 import sys
 
+import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -30,8 +31,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import swiftkern  # noqa: E402
 from bench import common  # noqa: E402
 from bench.bench_generate import encode, load_prompts, tiny_model  # noqa: E402
-import numpy as np  # noqa: E402
-
 from swiftkern import reference, sampling  # noqa: E402
 from swiftkern.top_p import top_p_removed, top_p_removed_by_sort  # noqa: E402
 

@@ -8,6 +8,7 @@ import torch
 from .. import reference
 from ..errors import SwiftkernError
 from .backends import cpu_kernel
+from .checks import check_tensors, one_device
 
 
 def top_p_cut(sorted_values: torch.Tensor, probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -29,14 +30,17 @@ def top_p_cut(sorted_values: torch.Tensor, probs: torch.Tensor, top_p: float) ->
     ``reference.top_p_cut`` (torch's float32 cumsum on the CPU adds in double, in order); the
     reference runs elsewhere.
     """
-    if (not isinstance(sorted_values, torch.Tensor) or not isinstance(probs, torch.Tensor)
-            or sorted_values.dim() != 2 or sorted_values.shape != probs.shape or sorted_values.shape[1] < 1):
-        raise SwiftkernError("top_p_cut: sorted_values and probs must be tensors of one shape [N, V], V >= 1")
-    if sorted_values.dtype != torch.float32 or probs.dtype != torch.float32 or sorted_values.device != probs.device:
-        raise SwiftkernError(f"top_p_cut: sorted_values and probs must be float32 on one device, got "
-                             f"{sorted_values.dtype} on {sorted_values.device} and {probs.dtype} on {probs.device}")
+    op = "top_p_cut"
+    check_tensors(op, sorted_values=sorted_values, probs=probs)
+    one_device(op, sorted_values=sorted_values, probs=probs)
+    if sorted_values.dim() != 2 or sorted_values.shape != probs.shape or sorted_values.shape[1] < 1:
+        raise SwiftkernError(f"{op}: sorted_values and probs must be tensors of one shape [N, V], V >= 1, got "
+                             f"{tuple(sorted_values.shape)} and {tuple(probs.shape)}")
+    if sorted_values.dtype != torch.float32 or probs.dtype != torch.float32:
+        raise SwiftkernError(f"{op}: sorted_values and probs must be float32, got {sorted_values.dtype} and "
+                             f"{probs.dtype}")
     if not 0.0 < top_p <= 1.0:
-        raise SwiftkernError(f"top_p_cut: top_p must be in (0, 1], got {top_p}")
-    if cpu_kernel("top_p_cut", sorted_values.device.type):
+        raise SwiftkernError(f"{op}: top_p must be in (0, 1], got {top_p}")
+    if cpu_kernel(op, sorted_values.device.type):
         return torch.ops.swiftkern.top_p_cut(sorted_values, probs, float(top_p))
     return reference.top_p_cut(sorted_values, probs, top_p)
