@@ -3,7 +3,7 @@
 
     python -m bench --routine top_p [--providers value-sort,value-sort-torch,sort] [--reps N] [--smoke] [--no-csv]
 
-Ways: ``value-sort`` (the rows' numpy sort over threads, the C++ ``top_p_cut``), ``value-sort-torch``
+Ways: ``value-sort`` (numpy sorts the rows, the C++ ``top_p_cut`` cuts them), ``value-sort-torch``
 (the value sort as it was first written: one thread sorts, the cut in torch passes,
 ``reference.top_p_cut``) and ``sort``. Group ``mask``: one call on N x V float32 logits at top_p
 0.9 (N = 1: a decode step; 9: a verify pass of 8 drafts; 32: a batch), V = 49152 (SmolLM2) and

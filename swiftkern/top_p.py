@@ -15,15 +15,21 @@ terms never falls; checked, not assumed), so the tokens removed are the ones bel
 smallest kept value, plus, where that value is tied, whichever of its copies torch.sort put
 first, an order torch does not define (its CPU sort is not stable). A row whose cut splits
 such a tie sends the call to the reference (rare: two logits equal to the bit at the cut);
-otherwise the mask is the reference's without its argsort. numpy sorts the rows over threads; the
-cumulative sum, the cut and both checks are one pass a row of the C++ ``ops.top_p_cut``
+otherwise the mask is the reference's without its argsort. numpy sorts the rows on the calling
+thread; the cumulative sum, the cut and both checks are one pass a row of the C++ ``ops.top_p_cut``
 (torch's CPU cumsum of float32 adds in double, in order: the kernel does the same).
+
+Why one thread: inside generation the sort comes right after torch's ops, whose OpenMP threads
+spin for a while after each parallel region, so sort threads of our own compete with them for
+the cores. On the 2-thread Xeon a thread pool sorted 32 rows of 49152 in 4.2 ms alone (one
+thread: 5.5) but 6.0-8.3 ms right after a matmul (one thread: 5.7-5.9; with
+OMP_WAIT_POLICY=PASSIVE the pool took 3.9); inside batch-32 sampled decoding the whole mask
+took 10.9 ms a call with the pool and 11.0 on one thread (medians of 10 interleaved runs), so
+the pool is gone. A sort in C++ on torch's own pool would not compete, but an LSD radix sort
+there took 0.54-0.61 ms a row of 49152, numpy's 0.135.
 """
 
 from __future__ import annotations
-
-import os
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -54,45 +60,8 @@ def removed_from_value_sort(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """The CPU's way of ``top_p_removed``: float32 [N, V] CPU logits, V >= 2 (host reads: numpy,
     the cut per row)."""
     rows = logits.contiguous()
-    sorted_values = torch.from_numpy(sorted_rows(rows.detach().numpy()))  # [N, V] ascending, NaN last as torch's
+    sorted_values = torch.from_numpy(np.sort(rows.detach().numpy(), axis=-1))  # [N, V] ascending, NaN last as torch's
     cut = ops.top_p_cut(sorted_values, sorted_values.softmax(dim=-1), top_p)  # [N] removed, -1: not by value
     if bool((cut < 0).any()):  # a cut inside a tie (or not a prefix): all rows as the reference sorts them
         return top_p_removed_by_sort(rows, top_p)
     return rows < sorted_values.gather(-1, cut.unsqueeze(-1))  # below the smallest kept value
-
-
-# fewer elements than this are sorted on one thread: handing rows to the pool costs ~0.1 ms (on the
-# Xeon, `--routine top_p`: 9 x 1000 logits 0.40 ms on one thread, 0.49 on two; 32 x 1000 0.80 / 0.71)
-SPLIT_MIN_ELEMENTS = 32768
-
-
-def sorted_rows(x: np.ndarray) -> np.ndarray:
-    """x: float32 [N, V] -> a copy with each row sorted ascending (NaN last), the rows spread over
-    torch's intra-op thread count (numpy copies and sorts without the GIL; its sort takes one row
-    after another): the calling thread takes the last share."""
-    workers = min(torch.get_num_threads(), x.shape[0])
-    if workers <= 1 or x.size < SPLIT_MIN_ELEMENTS:
-        return np.sort(x, axis=-1)
-    out = np.empty_like(x)
-    bounds = [x.shape[0] * i // workers for i in range(workers + 1)]
-
-    def share(i: int) -> None:
-        part = out[bounds[i]:bounds[i + 1]]
-        part[...] = x[bounds[i]:bounds[i + 1]]
-        part.sort(axis=-1)
-
-    others = [_pool(workers - 1).submit(share, i) for i in range(workers - 1)]
-    share(workers - 1)
-    for job in others:
-        job.result()
-    return out
-
-
-_POOLS: dict = {}  # (process id, workers) -> ThreadPoolExecutor (a forked child makes its own)
-
-
-def _pool(workers: int) -> ThreadPoolExecutor:
-    key = (os.getpid(), workers)
-    if key not in _POOLS:
-        _POOLS[key] = ThreadPoolExecutor(workers, thread_name_prefix="swiftkern-top-p")
-    return _POOLS[key]

@@ -1,12 +1,10 @@
 """top_p.top_p_removed (a value sort, no argsort) against top_p_removed_by_sort (HF's rule through
 torch.sort), mask for mask: random rows with ties, -inf (top-k's), NaN, +inf and signed zeros,
 top_p on a row's exact cumulative edges, 0 to 9 rows; and where each way is taken. The C++
-``top_p_cut`` against its twin ``reference.top_p_cut`` on the same rows; the rows' sort over
-threads against numpy's."""
+``top_p_cut`` against its twin ``reference.top_p_cut`` on the same rows."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -139,22 +137,3 @@ def test_cut_refuses_what_it_cannot_read():
 def test_opcheck_of_the_cut():
     s, p = sorted_and_probs(torch.randn(3, 17, generator=torch.Generator().manual_seed(0)))
     torch.library.opcheck(torch.ops.swiftkern.top_p_cut, (s, p, 0.9))
-
-
-@pytest.mark.parametrize("threads", [2, 3])
-def test_rows_sorted_over_threads_are_numpys(threads, monkeypatch):
-    """The rows' value sort split over threads (make test runs torch at one thread, so it would
-    not otherwise split): numpy's sort of every row, NaN last, whatever the rows per thread."""
-    monkeypatch.setattr(top_p_module, "SPLIT_MIN_ELEMENTS", 0)
-    saved = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for n in (0, 1, 2, 5, 32):
-            x = torch.randn(n, 257, generator=torch.Generator().manual_seed(n)).numpy()
-            x[:, ::7] = np.nan
-            x[:, 1::5] = 0.5  # ties
-            before = x.copy()
-            assert np.array_equal(top_p_module.sorted_rows(x), np.sort(x, axis=-1), equal_nan=True), n
-            assert np.array_equal(x, before, equal_nan=True)  # the input is left as it was
-    finally:
-        torch.set_num_threads(saved)
