@@ -47,7 +47,8 @@ from .sampling import SamplingParams, select_with_uniforms, token_uniforms
 from .batch_invariant import bi_log_softmax, bi_token_logprob
 from .cuda_graphs import unsteady_calls
 from .draft_head import DraftHead
-from .drafters import LOOKUP_MIN_NGRAM_UNJUDGED, lookup_match
+from .drafters import LOOKUP_MIN_NGRAM_UNJUDGED
+from .lookup_index import PromptLookup
 from .replay_policy import FastPathPolicy
 from .verifier import Slot, Verifier
 
@@ -202,6 +203,7 @@ def decode_deterministic(model: SkipModel, cache: KVCache, prompts: list[list[in
         stats["fast_kinds"] = {"full": 0, "draft": 0}
     per_row = [{"verifies": 0, "fast_tokens": 0, "rolled_back": 0} for _ in prompts]
     logprobs: list[list[torch.Tensor]] = [[] for _ in prompts]
+    lookup = PromptLookup(prompts, requests.done)
 
     stats["prefill_passes"] = 0
     start = list(requests.alive)
@@ -230,7 +232,7 @@ def decode_deterministic(model: SkipModel, cache: KVCache, prompts: list[list[in
             rows = _drop_finished(requests, cache, rows)
         if rows:
             _fast_step(model, cache, rows, fast_path, prompts, params, seeds, requests, window, stats, per_row,
-                       logprobs, policy)
+                       logprobs, policy, lookup)
             rows = _drop_finished(requests, cache, rows)  # unverified requests finish here
         requests.step += 1
 
@@ -306,7 +308,7 @@ def _vlen(prompts, requests, r: int) -> int:
     return len(prompts[r]) + len(requests.out[r])
 
 
-def _lookup_drafts(rows, prompts, requests, window, stats, per_row, policy: FastPathPolicy | None,
+def _lookup_drafts(rows, lookup: PromptLookup, requests, window, stats, per_row, policy: FastPathPolicy | None,
                    kind: str) -> None:
     """Prompt-lookup tokens as unverified tokens for every row that is still drafting and has a
     match (up to the window and the request's remaining tokens) that the policy takes (with no
@@ -316,8 +318,8 @@ def _lookup_drafts(rows, prompts, requests, window, stats, per_row, policy: Fast
         if not row.verified or row.stopped:
             continue
         room = min(window - 1, requests.remaining(r)) - len(row.unverified)
-        context = prompts[r] + requests.out[r] + row.unverified
-        match = lookup_match(context, room, min_ngram=1 if policy is not None else LOOKUP_MIN_NGRAM_UNJUDGED)
+        match = lookup.match(r, requests.out[r] + row.unverified, room,
+                             min_ngram=1 if policy is not None else LOOKUP_MIN_NGRAM_UNJUDGED)
         tokens = _through_stop(match.tokens, requests.stop_ids)
         if tokens and (policy is None or policy.take(
                 r, row.kind or kind, len(row.unverified), len(tokens), match.ngram,
@@ -339,7 +341,7 @@ def _through_stop(tokens: list[int], stop_ids) -> list[int]:
     return tokens
 
 
-def _checked_lookups(rows, prompts, requests, window) -> list[list[int]]:
+def _checked_lookups(rows, lookup: PromptLookup, requests, window) -> list[list[int]]:
     """Prompt-lookup drafts that ride along in a full fast forward (``FastPath.check``), per row:
     up to RIDE_ALONG_MAX tokens of a match of at least LOOKUP_MIN_NGRAM_UNJUDGED tokens, leaving
     room in the window and the request for the model's own token after them; none for a row
@@ -350,8 +352,8 @@ def _checked_lookups(rows, prompts, requests, window) -> list[list[int]]:
         if not row.verified or row.stopped or room <= 0:
             drafts.append([])
             continue
-        context = prompts[r] + requests.out[r] + row.unverified
-        match = lookup_match(context, min(room, RIDE_ALONG_MAX), min_ngram=LOOKUP_MIN_NGRAM_UNJUDGED)
+        match = lookup.match(r, requests.out[r] + row.unverified, min(room, RIDE_ALONG_MAX),
+                             min_ngram=LOOKUP_MIN_NGRAM_UNJUDGED)
         drafts.append(_through_stop(match.tokens, requests.stop_ids))
     return drafts
 
@@ -368,7 +370,7 @@ def _steps_to_verify(rows: list[_Row], me: _Row, window: int, verify_batch: int)
 
 
 def _fast_step(model, cache, rows, fast_path, prompts, params, seeds, requests, window, stats, per_row,
-               logprobs, policy: FastPathPolicy | None):
+               logprobs, policy: FastPathPolicy | None, lookup: PromptLookup):
     """One batched fast forward for every row; rows that are waiting discard theirs. With a
     policy, it picks the forward (full or draft) first; before a full one, rows holding draft
     tokens are sent to their verify pass (the draft wrote no KV in its skipped layers). With
@@ -386,10 +388,10 @@ def _fast_step(model, cache, rows, fast_path, prompts, params, seeds, requests, 
                     row.stopped = True
     checked = None  # lookup drafts the full forward checks (a draft step sends matches to the verifier)
     if fast_path.lookup and kind == "full":
-        checked = _checked_lookups(rows, prompts, requests, window)
+        checked = _checked_lookups(rows, lookup, requests, window)
         checked = checked if any(checked) else None
     elif fast_path.lookup:
-        _lookup_drafts(rows, prompts, requests, window, stats, per_row, policy, kind)
+        _lookup_drafts(rows, lookup, requests, window, stats, per_row, policy, kind)
     if all(row.stopped for row in rows):
         return
     newest = [row.unverified[-1] if row.unverified else row.pending for row in rows]

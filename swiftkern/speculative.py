@@ -24,7 +24,8 @@ from .layer_set import LayerSet
 from .model import SkipModel
 from .draft_head import DraftHead
 from .drafter_policy import Choice, DrafterPolicy
-from .drafters import LOOKUP_MIN_NGRAM_UNJUDGED, LookupMatch, lookup_match
+from .drafters import LOOKUP_MIN_NGRAM_UNJUDGED, LookupMatch
+from .lookup_index import PromptLookup
 from .prefill import admit_arrivals
 from .batch_invariant import bi_token_logprob
 from .requests import Requests
@@ -262,6 +263,8 @@ def decode_self_spec(model: SkipModel, cache: KVCache, first_logits: torch.Tenso
     """
     if drafter == "auto" and chooser is None:
         raise ValueError("drafter 'auto' needs a DrafterPolicy")
+    if drafter in ("lookup", "auto") and prompts is None:
+        raise ValueError(f"drafter {drafter!r} needs the prompts (prompt lookup matches over them)")
     stats = {"draft_steps": 0, "verify_steps": 0, "row_verifies": 0, "drafted": 0, "accepted": 0,
              "drafter_steps": {"layer-skip": 0, "lookup": 0, "none": 0}}
     per_row = [{"verifies": 0, "drafted": 0, "accepted": 0} for _ in requests.out]
@@ -270,6 +273,7 @@ def decode_self_spec(model: SkipModel, cache: KVCache, first_logits: torch.Tenso
     pending = _first_tokens(first_logits, requests.alive, cache, params, seeds, requests, logprobs, draft_head)
     if chooser is not None:
         chooser.prefilled()
+    lookup = PromptLookup(prompts, requests.done) if drafter in ("lookup", "auto") else None
     while True:
         pending = requests.drop_finished(cache, pending)
         new = admit_arrivals(model, cache, requests, prompts)  # arrivals, their first tokens committed
@@ -295,8 +299,7 @@ def decode_self_spec(model: SkipModel, cache: KVCache, first_logits: torch.Tenso
         matches = [LookupMatch(0, [])] * B
         if drafter in ("lookup", "auto"):
             min_ngram = 1 if chooser is not None else LOOKUP_MIN_NGRAM_UNJUDGED
-            matches = [lookup_match(prompts[r] + requests.out[r], budget[i], min_ngram=min_ngram)
-                       for i, r in enumerate(alive)]
+            matches = [lookup.match(r, requests.out[r], budget[i], min_ngram=min_ngram) for i, r in enumerate(alive)]
         lookups = [m.tokens for m in matches]
         if chooser is not None:  # auto, or lookup with cost-aware draft lengths
             chooser.set_batch(B)
