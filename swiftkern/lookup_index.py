@@ -62,33 +62,31 @@ class PromptIndex:
     def _longest(self, tail: list[int], offset: int, longest: int, before: int | None) -> tuple[int, list[int]]:
         """(the longest match, its ends in context positions, latest first) among the ends that
         hold the last token (before None) or the last pair (before: the token ahead of it)."""
-        prompt = self.prompt
-        P, T = len(prompt), len(tail)
-        last = tail[-1]
+        T = len(tail)
         first_n = 1 if before is None else 2
         best_n, ends = 0, []
-        for at in range(T - 2, P - 2 - offset, -1):  # the generated part and the prompt's last position
-            if at < 0:
-                break
-            if tail[at] != last or (before is not None and (at + offset < 1 or tail[at - 1] != before)):
-                continue
-            end, n = at + offset, first_n
-            while n < longest and n <= end and tail[at - n] == tail[T - 1 - n]:
-                n += 1
-            if n > best_n:
-                best_n, ends = n, [end]
-            elif n == best_n:
-                ends.append(end)
-        indexed = self.singles.get(last, ()) if before is None else self.pairs.get((before, last), ())
-        for end in reversed(indexed):
+        for tokens, at, end in self._candidates(tail, offset, before):
             n = first_n
-            while n < longest and n <= end and prompt[end - n] == tail[T - 1 - n]:
+            while n < longest and n <= end and tokens[at - n] == tail[T - 1 - n]:
                 n += 1
             if n > best_n:
                 best_n, ends = n, [end]
             elif n == best_n:
                 ends.append(end)
         return best_n, ends
+
+    def _candidates(self, tail: list[int], offset: int, before: int | None):
+        """(tokens, at, end) for each end holding the last token (or pair), latest first: the
+        context position ``end`` is ``tokens[at]``, ``tokens`` the tail for the generated part and
+        the prompt's last position (scanned), the prompt for the rest (from the index)."""
+        P, T = len(self.prompt), len(tail)
+        last = tail[-1]
+        for at in range(T - 2, max(P - 2 - offset, -1), -1):
+            if tail[at] == last and (before is None or (at + offset >= 1 and tail[at - 1] == before)):
+                yield tail, at, at + offset
+        indexed = self.singles.get(last, ()) if before is None else self.pairs.get((before, last), ())
+        for end in reversed(indexed):
+            yield self.prompt, end, end
 
     def _answer(self, found: tuple[int, list[int]], tail: list[int], offset: int, k: int, min_ngram: int,
                 vote: bool) -> LookupMatch:
