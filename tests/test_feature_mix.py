@@ -1,7 +1,8 @@
 """Every feature at once, drawn at random: a mode and drafter, a batch of prompts of any lengths
 (repetitive ones, so lookup drafts), arrivals while others decode, an EOS and a stop token that
 the output really meets, per-request deterministic flags, a streamer, any ``max_new_tokens``,
-the forwards replayed through CUDA graphs' CPU stand-ins or not, five tiny model layouts.
+the forwards replayed through CUDA graphs' CPU stand-ins or not, five tiny model layouts, prompt
+lookup through the prompts' index or their scan.
 Greedy, each request's tokens are HF greedy's for its prompt alone, cut at its first EOS / stop
 token; the streamer got exactly those tokens; the stats add up. Seeded sampling in mode
 deterministic: each request's tokens and logprobs are those it gets alone, bit for bit."""
@@ -9,6 +10,7 @@ deterministic: each request's tokens and logprobs are those it gets alone, bit f
 from __future__ import annotations
 
 import functools
+from unittest import mock
 
 import pytest
 import torch
@@ -20,6 +22,7 @@ from swiftkern import Generator, SkipModel
 from swiftkern.cuda_graphs import GraphRunner
 from swiftkern.graph_capture import EmulatedGraph, RecordedGraph
 from swiftkern.layer_kernels import invariant_kernels_available
+from swiftkern.lookup_index import PromptLookup
 
 INVARIANT = invariant_kernels_available("cpu", torch.float32)
 SKIP = "attn:1|mlp:2"
@@ -120,9 +123,9 @@ def batches(draw):
 @given(name=st.sampled_from(sorted(CONFIGS)), batch=batches(), max_new=st.integers(1, 18),
        eos_at=st.one_of(st.none(), st.integers(0, 17)), stop_at=st.one_of(st.none(), st.integers(0, 17)),
        graph_type=st.sampled_from([None, None, EmulatedGraph, RecordedGraph]), model=st.sampled_from(sorted(MODELS)),
-       data=st.data())
+       index_prompts=st.booleans(), data=st.data())
 def test_greedy_any_mix_is_hf_greedy_alone(fixed_costs, name, batch, max_new, eos_at, stop_at, graph_type, model,
-                                          data):
+                                          index_prompts, data):
     prompts, arrive = batch
     gen = generator(name, graph_type, model)
     # an EOS and a stop token taken from what the first prompt's output really holds
@@ -131,8 +134,10 @@ def test_greedy_any_mix_is_hf_greedy_alone(fixed_costs, name, batch, max_new, eo
     stop = [] if stop_at is None else [plain[stop_at]]
     flags = draw_flags(data, name, len(prompts))
     streamed = Recorder()
-    out = gen.generate(prompts, max_new_tokens=max_new, eos_token_id=eos, stop_token_ids=stop,
-                       deterministic=flags, streamer=streamed, arrive_at=arrive)
+    # index_prompts: prompt lookup matches through lookup_index.PromptIndex for every prompt, not only long ones
+    with mock.patch.object(PromptLookup, "INDEX_MIN_TOKENS", 1 if index_prompts else PromptLookup.INDEX_MIN_TOKENS):
+        out = gen.generate(prompts, max_new_tokens=max_new, eos_token_id=eos, stop_token_ids=stop,
+                           deterministic=flags, streamer=streamed, arrive_at=arrive)
     for i, p in enumerate(prompts):
         assert out.tokens[i] == cut(hf_full(p, model), max_new, eos + stop), (name, model, i)
     assert streamed.per_request(len(prompts)) == out.tokens
