@@ -223,18 +223,13 @@ class DrafterPolicy:
         if self.rows_alone or len(choices) < 2 or not any(c.k for c in choices):
             return choices
         draft_cost = self.costs.draft_cost()
-        widest = max(c.expected_drafts for c in choices)
-        verify = self.costs.verify_upto(widest + 1)  # verify[K]: a pass of K + 1 tokens
-        # per row, expected_tokens(acceptance, m) for m = 0 .. its drafts, made once, not once a width
-        gains = [[expected_tokens(c.acceptance, m) for m in range(c.expected_drafts + 1)] for c in choices]
-        skips = [c.expected_drafts for c in choices if c.drafter == "layer-skip"]
 
         def rate(K: int) -> float:
-            tokens = sum(g[K] if K < len(g) else g[-1] for g in gains)
-            forwards = max((n if n < K else K for n in skips), default=0)
-            return tokens / (forwards * draft_cost + verify[K])
+            tokens = sum(expected_tokens(c.acceptance, min(c.expected_drafts, K)) for c in choices)
+            forwards = max((min(c.expected_drafts, K) for c in choices if c.drafter == "layer-skip"), default=0)
+            return tokens / (forwards * draft_cost + self.costs.verify(K + 1))
 
-        width = max(range(widest + 1), key=rate)
+        width = max(range(max(c.expected_drafts for c in choices) + 1), key=rate)
         if width == 0:
             return [Choice("none", 0, 0.0) for _ in choices]
         return [c if c.k <= width else Choice(c.drafter, width, c.tokens_per_s, c.acceptance, min(c.expected_drafts, width))
