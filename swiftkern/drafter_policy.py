@@ -153,14 +153,11 @@ class DrafterPolicy:
         return 2 * self.costs.widest() - 1 if self.measure else self.k_max
 
     def _best_k(self, a: float, k_limit: int, draft_cost: float) -> tuple[int, float]:
-        """(k, rate): the draft count up to k_limit with the most expected tokens per second (0:
-        none), ``_rate``'s arithmetic inlined (a row's choice values up to k_max counts a step)."""
         k_limit = min(k_limit, self._most_drafts())
         verify = self.costs.verify_upto(k_limit + 1)  # verify[T - 1]: a pass of T tokens
         best_k, best = 0, 1.0 / verify[0]
         for k in range(1, k_limit + 1):
-            tokens = float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)  # expected_tokens(a, k)
-            rate = tokens / (k * draft_cost + verify[k])
+            rate = self._rate(a, k, draft_cost, verify[k])
             if rate > best:
                 best_k, best = k, rate
         return best_k, best
