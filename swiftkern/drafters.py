@@ -40,17 +40,9 @@ def lookup_match(context: list[int], k: int, max_ngram: int = LOOKUP_MAX_NGRAM, 
     if k <= 0 or longest < min_ngram:
         return LookupMatch(0, [])
     last = context[-1]
-    best_n, ends = 0, []  # ends: the match ends of length best_n, latest first
-    for end in range(size - 2, -1, -1):  # latest first; the continuation context[end + 1:] is non-empty
-        if context[end] != last:
-            continue
-        n = 1
-        while n < longest and n <= end and context[end - n] == context[size - 1 - n]:
-            n += 1
-        if n > best_n:
-            best_n, ends = n, [end]
-        elif n == best_n:
-            ends.append(end)
+    # latest first; the continuation context[end + 1:] is non-empty
+    candidates = ((context, end, end) for end in range(size - 2, -1, -1) if context[end] == last)
+    best_n, ends = longest_matches(candidates, context, longest)  # ends: of length best_n, latest first
     if best_n < min_ngram:
         return LookupMatch(0, [])
     if not vote:
@@ -61,6 +53,25 @@ def lookup_match(context: list[int], k: int, max_ngram: int = LOOKUP_MAX_NGRAM, 
     top = max(votes.values())
     chosen = next(end for end in ends if votes[context[end + 1]] == top)  # the latest of the most voted
     return LookupMatch(best_n, context[chosen + 1:chosen + 1 + k])
+
+
+def longest_matches(candidates, context: list[int], longest: int, first_n: int = 1) -> tuple[int, list[int]]:
+    """(n, ends): the most tokens, up to ``longest``, that a candidate match shares with the end
+    of ``context``, and the context positions of the candidates that share that many, in the
+    candidates' order. candidates: (tokens, at, end) with tokens[at] the context's token at
+    position ``end`` (``tokens`` the context or any list holding that stretch of it), known to
+    match the last ``first_n`` tokens; context: the context, or any list ending as it does."""
+    T = len(context)
+    best_n, ends = 0, []
+    for tokens, at, end in candidates:
+        n = first_n
+        while n < longest and n <= end and tokens[at - n] == context[T - 1 - n]:
+            n += 1
+        if n > best_n:
+            best_n, ends = n, [end]
+        elif n == best_n:
+            ends.append(end)
+    return best_n, ends
 
 
 def lookup_draft(context: list[int], k: int, max_ngram: int = LOOKUP_MAX_NGRAM, min_ngram: int = 1) -> list[int]:

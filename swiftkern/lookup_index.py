@@ -20,7 +20,7 @@ are the same.
 
 from __future__ import annotations
 
-from .drafters import LOOKUP_MAX_NGRAM, LookupMatch, lookup_match
+from .drafters import LOOKUP_MAX_NGRAM, LookupMatch, longest_matches, lookup_match
 
 NO_MATCH = LookupMatch(0, [])
 
@@ -62,18 +62,7 @@ class PromptIndex:
     def _longest(self, tail: list[int], offset: int, longest: int, before: int | None) -> tuple[int, list[int]]:
         """(the longest match, its ends in context positions, latest first) among the ends that
         hold the last token (before None) or the last pair (before: the token ahead of it)."""
-        T = len(tail)
-        first_n = 1 if before is None else 2
-        best_n, ends = 0, []
-        for tokens, at, end in self._candidates(tail, offset, before):
-            n = first_n
-            while n < longest and n <= end and tokens[at - n] == tail[T - 1 - n]:
-                n += 1
-            if n > best_n:
-                best_n, ends = n, [end]
-            elif n == best_n:
-                ends.append(end)
-        return best_n, ends
+        return longest_matches(self._candidates(tail, offset, before), tail, longest, 1 if before is None else 2)
 
     def _candidates(self, tail: list[int], offset: int, before: int | None):
         """(tokens, at, end) for each end holding the last token (or pair), latest first: the
