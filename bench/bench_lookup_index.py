@@ -1,13 +1,16 @@
-"""Prompt lookup over long prompts: the prompt's index (``lookup_index.PromptIndex``) vs the scan
-of the whole context every step (``drafters.lookup_match``).
+"""Prompt lookup over long contexts: the context's index (``lookup_index.ContextIndex``, through
+``PromptLookup`` as the decoding loops use it) vs the scan of the whole context every step
+(``drafters.lookup_match``).
 
     python -m bench --routine lookup_index [--providers index,scan] [--reps N] [--smoke] [--no-csv]
 
-Group ``match``: one row's lookups over a prompt of P tokens (P = 256, 1024, 4096, 16384;
-``--smoke``: 256, 1024) as 64 tokens are generated after it, one lookup a step (k = 8). The
+Group ``match``: one row's lookups (k = 8) over 64 steps, each committing one more output token,
+after a prompt of P tokens (P = 256, 1024, 4096, 16384; ``--smoke``: 256, 1024) and, in the last
+case, after a prompt of 128 tokens and 4096 output tokens already committed (a long answer). The
 tokens are the bench prompts' SmolLM2 token ids (``--smoke``: their bytes) in chunks of 4-31
 drawn at random, so that n-grams repeat as in text; the two ways' matches are checked equal
-first. ``median_ms``: the 64 lookups; ``us_step``: one; ``build_ms``: making the index.
+first. ``median_ms``: the 64 lookups (the index: with its growth by each committed token);
+``us_step``: one; ``build_ms``: indexing what came before the 64 steps.
 Group ``decode``: self-spec with prompt lookup, greedy, on a small random Llama with SmolLM2's
 vocabulary (4 layers of 64: a forward of about a millisecond, as a small model's on a GPU,
 where the host's work a step is what decoding waits for), 8 prompts of 4096 such tokens
@@ -32,7 +35,7 @@ import swiftkern  # noqa: E402
 from bench import common  # noqa: E402
 from bench.bench_generate import encode, load_prompts  # noqa: E402
 from swiftkern.drafters import lookup_match  # noqa: E402
-from swiftkern.lookup_index import PromptIndex, PromptLookup  # noqa: E402
+from swiftkern.lookup_index import PromptLookup  # noqa: E402
 
 ROUTINE = "lookup_index"
 PRINT_KEYS = ("group", "provider", "shape", "median_ms", "us_step", "x_vs_scan", "build_ms", "decode_tok_s")
@@ -57,20 +60,32 @@ def token_stream(args, n: int, seed: int) -> list[int]:
 
 def match_rows(args, ways: list[str], reps: int) -> list[dict]:
     rows = []
-    for P in (256, 1024) if args.smoke else (256, 1024, 4096, 16384):
-        tokens = token_stream(args, P + STEPS, seed=P)
+    cases = [(256, 0), (1024, 0)] if args.smoke else [(256, 0), (1024, 0), (4096, 0), (16384, 0), (128, 4096)]
+    for P, G in cases:
+        tokens = token_stream(args, P + G + STEPS, seed=P + G)
         prompt = tokens[:P]
+        steps = [tokens[P:P + G + g] for g in range(1, STEPS + 1)]  # the output committed at each step
+
+        def fresh() -> PromptLookup:  # a lookup whose index holds the prompt and the first G output tokens
+            lookup = PromptLookup([prompt])
+            lookup.match(0, tokens[P:P + G], 8)
+            return lookup
+
         t0 = time.perf_counter()
-        index = PromptIndex(prompt)
+        first = fresh()
         build_ms = (time.perf_counter() - t0) * 1e3
-        steps = [tokens[P:P + g] for g in range(1, STEPS + 1)]
-        if any(index.match(g, 8) != lookup_match(prompt + g, 8) for g in steps):
-            raise AssertionError(f"lookup_index: the index's matches differ from the scan's at P={P}")
-        fns = {"index": lambda: [index.match(g, 8) for g in steps],
-               "scan": lambda: [lookup_match(prompt + g, 8) for g in steps]}
+        if any(first.match(0, out, 8) != lookup_match(prompt + out, 8) for out in steps):
+            raise AssertionError(f"lookup_index: the index's matches differ from the scan's at P={P} G={G}")
+        ready = [fresh() for _ in range(reps + 1)]  # warm-up and timed calls each start from a fresh index
+
+        def indexed(ready=ready, steps=steps) -> list:
+            lookup = ready.pop()
+            return [lookup.match(0, out, 8) for out in steps]
+
+        fns = {"index": indexed, "scan": lambda: [lookup_match(prompt + out, 8) for out in steps]}
         times = common.time_fn({w: fns[w] for w in ways}, "cpu", warmup=1, reps=reps)
         for way, t in times.items():
-            rows.append(common.row(ROUTINE, way, "cpu", "", f"P={P} steps={STEPS}", t, group="match",
+            rows.append(common.row(ROUTINE, way, "cpu", "", f"P={P} G={G}+{STEPS}", t, group="match",
                                    us_step=round(t["median_ms"] * 1e3 / STEPS, 2),
                                    x_vs_scan=round(times["scan"]["median_ms"] / t["median_ms"], 2) if "scan" in times
                                    else "", build_ms=round(build_ms, 2) if way == "index" else ""))

@@ -318,8 +318,8 @@ def _lookup_drafts(rows, lookup: PromptLookup, requests, window, stats, per_row,
         if not row.verified or row.stopped:
             continue
         room = min(window - 1, requests.remaining(r)) - len(row.unverified)
-        match = lookup.match(r, requests.out[r] + row.unverified, room,
-                             min_ngram=1 if policy is not None else LOOKUP_MIN_NGRAM_UNJUDGED)
+        match = lookup.match(r, requests.out[r], room, min_ngram=1 if policy is not None else LOOKUP_MIN_NGRAM_UNJUDGED,
+                             pending=row.unverified)
         tokens = _through_stop(match.tokens, requests.stop_ids)
         if tokens and (policy is None or policy.take(
                 r, row.kind or kind, len(row.unverified), len(tokens), match.ngram,
@@ -352,8 +352,8 @@ def _checked_lookups(rows, lookup: PromptLookup, requests, window) -> list[list[
         if not row.verified or row.stopped or room <= 0:
             drafts.append([])
             continue
-        match = lookup.match(r, requests.out[r] + row.unverified, min(room, RIDE_ALONG_MAX),
-                             min_ngram=LOOKUP_MIN_NGRAM_UNJUDGED)
+        match = lookup.match(r, requests.out[r], min(room, RIDE_ALONG_MAX), min_ngram=LOOKUP_MIN_NGRAM_UNJUDGED,
+                             pending=row.unverified)
         drafts.append(_through_stop(match.tokens, requests.stop_ids))
     return drafts
 

@@ -134,7 +134,7 @@ def test_greedy_any_mix_is_hf_greedy_alone(fixed_costs, name, batch, max_new, eo
     stop = [] if stop_at is None else [plain[stop_at]]
     flags = draw_flags(data, name, len(prompts))
     streamed = Recorder()
-    # index_prompts: prompt lookup matches through lookup_index.PromptIndex for every prompt, not only long ones
+    # index_prompts: prompt lookup matches through lookup_index.ContextIndex for every request, not long ones alone
     with mock.patch.object(PromptLookup, "INDEX_MIN_TOKENS", 1 if index_prompts else PromptLookup.INDEX_MIN_TOKENS):
         out = gen.generate(prompts, max_new_tokens=max_new, eos_token_id=eos, stop_token_ids=stop,
                            deterministic=flags, streamer=streamed, arrive_at=arrive)

@@ -1,8 +1,9 @@
-"""lookup_index: the prompt's index gives ``lookup_match``'s answer over prompt + generated tokens,
-match for match (hypothesis-drawn prompts and outputs over small vocabularies, so that tokens,
-pairs and longer n-grams repeat, and long prompts made of repeated chunks); PromptLookup's choice
-of way and its dropping of finished requests' indexes; and lookup decoding with prompts long
-enough to be indexed, greedy and deterministic, against plain decoding."""
+"""lookup_index: the context's index gives ``lookup_match``'s answer over indexed + further tokens,
+match for match (hypothesis-drawn contexts over small vocabularies, so that tokens, pairs and
+longer n-grams repeat, indexed at once or extended piece by piece, and long prompts made of
+repeated chunks); PromptLookup following a growing output (and one that changed under it), its
+choice of way and its dropping of finished requests' indexes; and lookup decoding with prompts
+long enough to be indexed, greedy and deterministic, against plain decoding."""
 
 from __future__ import annotations
 
@@ -14,17 +15,33 @@ from hypothesis import given, settings, strategies as st
 from conftest import tiny_model
 from swiftkern import Generator
 from swiftkern.drafters import lookup_match
-from swiftkern.lookup_index import PromptIndex, PromptLookup
+from swiftkern.lookup_index import ContextIndex, PromptLookup
 
 
 @settings(max_examples=600, deadline=None)
 @given(vocab=st.sampled_from([1, 2, 3, 5, 20]), data=st.data(), k=st.integers(0, 12),
        max_ngram=st.integers(1, 10), min_ngram=st.integers(1, 4), vote=st.booleans())
 def test_index_equals_the_scan(vocab, data, k, max_ngram, min_ngram, vote):
-    prompt = data.draw(st.lists(st.integers(0, vocab - 1), max_size=50), label="prompt")
-    generated = data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=30), label="generated")
-    want = lookup_match(prompt + generated, k, max_ngram, min_ngram, vote)
-    assert PromptIndex(prompt).match(generated, k, max_ngram, min_ngram, vote) == want
+    """Indexed tokens (made at once, or from a start extended by pieces) then tokens not indexed."""
+    tokens = st.lists(st.integers(0, vocab - 1), max_size=50)
+    indexed = data.draw(tokens, label="indexed")
+    pieces = data.draw(st.lists(tokens, max_size=3), label="extended by")
+    rest = data.draw(st.lists(st.integers(0, vocab - 1), min_size=0 if indexed or any(pieces) else 1, max_size=30),
+                     label="not indexed")
+    grown = ContextIndex(indexed)
+    for piece in pieces:
+        grown.extend(piece)
+    whole = indexed + [t for piece in pieces for t in piece]
+    want = lookup_match(whole + rest, k, max_ngram, min_ngram, vote)
+    assert grown.match(rest, k, max_ngram, min_ngram, vote) == want
+    assert ContextIndex(whole).match(rest, k, max_ngram, min_ngram, vote) == want
+    followed = range(len(whole) - 1)  # the positions another indexed token follows
+    singles, pairs = {}, {}
+    for end in followed:
+        singles.setdefault(whole[end], []).append(end)
+        if end >= 1:
+            pairs.setdefault((whole[end - 1], whole[end]), []).append(end)
+    assert (grown.singles, grown.pairs) == (singles, pairs)
 
 
 def _chunked(n: int, seed: int, vocab: int = 300) -> list[int]:
@@ -43,25 +60,41 @@ def _chunked(n: int, seed: int, vocab: int = 300) -> list[int]:
 def test_index_equals_the_scan_on_long_prompts():
     for seed in range(3):
         tokens = _chunked(3000, seed)
-        index = PromptIndex(tokens[:2500])
+        index = ContextIndex(tokens[:2500])
         for g in range(1, 500, 7):
             generated = tokens[2500:2500 + g]
             for k in (1, 8):
                 assert index.match(generated, k) == lookup_match(tokens[:2500] + generated, k), (seed, g, k)
 
 
-def test_prompt_lookup_indexes_long_prompts_and_drops_finished_ones():
+def test_prompt_lookup_indexes_long_contexts_and_drops_finished_ones():
     short, long_a, long_b = _chunked(50, 0), _chunked(400, 1), _chunked(300, 2)
     done = [False, False, False]
     lookup = PromptLookup([short, long_a, long_b], done)
     for r, prompt in enumerate([short, long_a, long_b]):
-        generated = prompt[-5:] + [7]
-        assert lookup.match(r, generated, 6) == lookup_match(prompt + generated, 6)
-    assert sorted(lookup._indexes) == [1, 2]  # the short prompt is scanned
+        committed = prompt[-5:] + [7]
+        assert lookup.match(r, committed, 6) == lookup_match(prompt + committed, 6)
+    assert sorted(lookup._indexes) == [1, 2]  # the short one is scanned
     done[1] = True
     lookup._indexes.pop(2)
     lookup.match(2, [1], 4)  # a new index: the finished request's goes
     assert sorted(lookup._indexes) == [2]
+
+
+def test_prompt_lookup_follows_the_output():
+    """A short prompt whose output grows past INDEX_MIN_TOKENS, with tokens pending after it; the
+    index extends with each commit, and is made again when the output does not extend it."""
+    tokens = _chunked(700, 3)
+    prompt, output = tokens[:100], tokens[100:]
+    lookup = PromptLookup([prompt])
+    for n in range(0, 600, 9):
+        committed, pending = output[:n], output[n:n + 3]
+        assert lookup.match(0, committed, 8, pending=pending) == lookup_match(prompt + committed + pending, 8), n
+    index = lookup._indexes[0]
+    assert index.tokens == prompt + output[:594]
+    changed = output[:590] + [5, 6, 7, 8]  # not an extension of what it holds
+    assert lookup.match(0, changed, 8) == lookup_match(prompt + changed, 8)
+    assert lookup._indexes[0] is not index and lookup._indexes[0].tokens == prompt + changed
 
 
 def _long_prompts(vocab: int) -> list[list[int]]:
