@@ -12,10 +12,11 @@ drawn at random, so that n-grams repeat as in text; the two ways' matches are ch
 first. ``median_ms``: the 64 lookups (the index: with its growth by each committed token);
 ``us_step``: one; ``build_ms``: indexing what came before the 64 steps.
 Group ``decode``: self-spec with prompt lookup, greedy, on a small random Llama with SmolLM2's
-vocabulary (4 layers of 64: a forward of about a millisecond, as a small model's on a GPU,
-where the host's work a step is what decoding waits for), 8 prompts of 4096 such tokens
+vocabulary (4 layers of 64: on the CPU a forward of about a millisecond, as a small model's on
+a GPU, where the host's work a step is what decoding waits for), 8 prompts of 4096 such tokens
 (``--smoke``: 2 of 512), 32 new tokens; the index on and off (``PromptLookup.INDEX_MIN_TOKENS``),
-decode tok/s. The tokens must be equal. ``x_vs_scan``: the scan's median over this provider's,
+decode tok/s. The tokens must be equal. On ``--device cuda`` the decode group alone runs, there
+(the match group is host work, timed on the CPU machine). ``x_vs_scan``: the scan's median over this provider's,
 same case, same run.
 """
 
@@ -92,20 +93,20 @@ def match_rows(args, ways: list[str], reps: int) -> list[dict]:
     return rows
 
 
-def small_llama():
+def small_llama(device: str):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(num_hidden_layers=4, hidden_size=64, intermediate_size=96, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=8192, pad_token_id=0,
                       bos_token_id=1, eos_token_id=2)
-    return swiftkern.SkipModel.from_hf(LlamaForCausalLM(cfg).eval())
+    return swiftkern.SkipModel.from_hf(LlamaForCausalLM(cfg).eval().to(device))
 
 
 def decode_rows(args, ways: list[str], reps: int) -> list[dict]:
     batch, P, n = (2, 512, 8) if args.smoke else (8, 4096, 32)
     prompts = [token_stream(args, P, seed=100 + i) for i in range(batch)]
-    gen = swiftkern.Generator(small_llama(), mode="self-spec", drafter="lookup")
+    gen = swiftkern.Generator(small_llama(args.device), mode="self-spec", drafter="lookup")
     limits = {"index": PromptLookup.INDEX_MIN_TOKENS, "scan": 10 ** 9}
     tokens, decode_s = {}, {}
 
@@ -118,11 +119,11 @@ def decode_rows(args, ways: list[str], reps: int) -> list[dict]:
         tokens[way] = out.tokens
         decode_s.setdefault(way, []).append(out.stats["decode_s"])
 
-    times = common.time_fn({w: (lambda w=w: run_way(w)) for w in ways}, "cpu", warmup=1, reps=reps)
+    times = common.time_fn({w: (lambda w=w: run_way(w)) for w in ways}, args.device, warmup=1, reps=reps)
     if len({str(t) for t in tokens.values()}) > 1:
         raise AssertionError("lookup_index: the index changed the generated tokens")
     tok_s = {w: batch * n / statistics.median(decode_s[w]) for w in ways}
-    return [common.row(ROUTINE, w, "cpu", torch.float32, f"B={batch} P={P} N={n}", t, group="decode",
+    return [common.row(ROUTINE, w, args.device, torch.float32, f"B={batch} P={P} N={n}", t, group="decode",
                        decode_tok_s=round(tok_s[w], 1),
                        x_vs_scan=round(tok_s[w] / tok_s["scan"], 2) if "scan" in tok_s else "")
             for w, t in times.items()]
@@ -131,7 +132,7 @@ def decode_rows(args, ways: list[str], reps: int) -> list[dict]:
 def run(args) -> list[dict]:
     ways = [w for w in ("index", "scan") if not args.providers or w in args.providers]
     reps = args.reps or (2 if args.smoke else 10)
-    rows = match_rows(args, ways, reps)
+    rows = [] if args.device.startswith("cuda") else match_rows(args, ways, reps)
     return rows + decode_rows(args, ways, max(1, reps // 2))
 
 

@@ -31,6 +31,8 @@
 #                                          determinism with CUDA graphs (ar, deterministic, self-spec+det-invariant) under
 #                                          PLANS and under the last_adds twins of PLANS' plans (the same bits, 4 launches a
 #                                          layer fewer; 120 + 120 s; the tests skipped after autotests on a warm machine)
+#   bash bench/gpu_session.sh lookup       self-spec lookup decoding of 8 x 4096-token prompts (a small random Llama)
+#                                          with the context index on and off (lookup_index's decode group; 120 s)
 #   bash bench/gpu_session.sh det          determinism with CUDA graphs: the replay with the portable verifier set
 #                                          (det-replay-portable) beside the default fused one (det-replay), deterministic
 #                                          (auto: the invariant set on CUDA), one request in eight; verifier_pass (eager)
@@ -265,6 +267,12 @@ stage_detbf16() {
   bench_cut 90 --routine determinism --max-new-tokens 64 --reps 2 --cuda-graphs --dtype bfloat16 \
     --providers ar,deterministic,det-replay > "$OUT/determinism-bf16.log" 2>&1
   echo "determinism bf16 graphs: exit $?"; tail -12 "$OUT/determinism-bf16.log"
+}
+
+stage_lookup() {
+  # prompt lookup's host work a step, per row, with and without the context index, where the forward is a GPU's
+  bench_cut 120 --routine lookup_index --reps 6 > "$OUT/lookup-index.log" 2>&1
+  echo "lookup_index: exit $?"; grep -E "^decode" "$OUT/lookup-index.log" | cut -c1-110
 }
 
 stage_det() {
