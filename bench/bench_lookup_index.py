@@ -16,8 +16,8 @@ vocabulary (4 layers of 64: on the CPU a forward of about a millisecond, as a sm
 a GPU, where the host's work a step is what decoding waits for), 8 prompts of 4096 such tokens
 (``--smoke``: 2 of 512), 32 new tokens; the index on and off (``PromptLookup.INDEX_MIN_TOKENS``),
 decode tok/s. The tokens must be equal. On ``--device cuda`` the decode group alone runs, there
-(the match group is host work, timed on the CPU machine). ``x_vs_scan``: the scan's median over this provider's,
-same case, same run.
+(the match group is host work, timed on the CPU machine). ``x_vs_scan``: the scan's median over
+this provider's, same case, same run.
 """
 
 from __future__ import annotations

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 from .drafters import LOOKUP_MAX_NGRAM, LookupMatch, longest_matches, lookup_match
 
-NO_MATCH = LookupMatch(0, [])
-
 
 class ContextIndex:
     """Where each token and each adjacent pair of ``tokens`` ends: positions 0 .. L-2 (followed
@@ -55,7 +53,7 @@ class ContextIndex:
         size = P + len(generated)
         longest = min(max_ngram, size - 1)
         if k <= 0 or longest < min_ngram:
-            return NO_MATCH
+            return LookupMatch(0, [])
         offset = max(0, P - max_ngram)  # tail[i] is context[offset + i]: what a match reaches back to
         tail = self.tokens[offset:] + generated
         if longest >= 2:
@@ -86,7 +84,7 @@ class ContextIndex:
                 vote: bool) -> LookupMatch:
         best_n, ends = found
         if best_n < min_ngram:
-            return NO_MATCH
+            return LookupMatch(0, [])
         P = len(self.tokens)
 
         def at(i: int) -> int:

@@ -92,7 +92,7 @@ def test_logits_that_require_grad():
     assert torch.equal(top_p_removed(x, 0.9), top_p_removed_by_sort(x.detach(), 0.9))
 
 
-# ---------------------------------------------------------------- the cut op and the sort
+# ---------------------------------------------------------------- the cut op
 
 def sorted_and_probs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s = x.sort(dim=-1).values  # [N, V]
