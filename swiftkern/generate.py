@@ -31,7 +31,8 @@ from .drafter_policy import DrafterPolicy
 from . import layer_set_store
 from .speculative import DraftPolicy, decode_self_spec
 from .tuner import OnTheFlyTuner, tuner_options
-from .deterministic import FastPath, decode_deterministic
+from .deterministic import decode_deterministic
+from .fast_path import FastPath
 from .cuda_graphs import GraphRunner
 from .verifier_kernels import CHOICES as VERIFIER_KERNELS, verifier_kernels as verifier_kernels_for
 

@@ -17,7 +17,8 @@ from conftest import tiny_model
 from swiftkern import ops, reference
 from swiftkern.batch_invariant import (KEY_BLOCK, bi_attention, bi_exp, bi_log_softmax, bi_rms_norm, bi_silu_mul,
                                        tree_sum)
-from swiftkern.deterministic import FastPath, invariant_token_logprobs
+from swiftkern.deterministic import invariant_token_logprobs
+from swiftkern.fast_path import FastPath
 from swiftkern.errors import SwiftkernError
 from swiftkern.generate import Generator, prefill
 from swiftkern.layer_kernels import invariant_kernels_available
@@ -482,6 +483,7 @@ def test_full_fast_steps_check_lookup_drafts_in_their_forward(tiny, sample, monk
     model agrees with: fewer fast steps for the same tokens, logprobs and verify passes' say
     as without them (RIDE_ALONG_MAX = 0), and a row alone keeps its bits in a batch."""
     import swiftkern.deterministic as deterministic
+    import swiftkern.deterministic_steps as steps
 
     policy = deterministic.FastPathPolicy  # fixed costs: the full model wins every step
     monkeypatch.setattr(deterministic, "FastPathPolicy", lambda *a, **k: policy(*a, **k, measure=False))
@@ -490,7 +492,7 @@ def test_full_fast_steps_check_lookup_drafts_in_their_forward(tiny, sample, monk
     gen = Generator(tiny, mode="deterministic", window=8, drafter="self-spec", layer_set="attn:1,2|mlp:2",
                     eps=0.0, replay="always", verify_batch=2)
     checked = gen.generate(prompts, **kw)
-    monkeypatch.setattr(deterministic, "RIDE_ALONG_MAX", 0)
+    monkeypatch.setattr(steps, "RIDE_ALONG_MAX", 0)
     plain = gen.generate(prompts, **kw)
     assert checked.tokens == plain.tokens and all(len(t) == 24 for t in checked.tokens)
     assert all(torch.equal(a, b) for a, b in zip(checked.logprobs, plain.logprobs))
@@ -500,7 +502,7 @@ def test_full_fast_steps_check_lookup_drafts_in_their_forward(tiny, sample, monk
         assert checked.stats["fast_steps"] < plain.stats["fast_steps"]
         # the CPU's regular kernels give the verifier's bits: every checked draft is the model's
         assert checked.stats["rolled_back"] == 0
-    monkeypatch.setattr(deterministic, "RIDE_ALONG_MAX", 3)
+    monkeypatch.setattr(steps, "RIDE_ALONG_MAX", 3)
     alone = gen.generate(prompts[1:], **dict(kw, seed=4))
     assert alone.tokens[0] == checked.tokens[1] and torch.equal(alone.logprobs[0], checked.logprobs[1])
 

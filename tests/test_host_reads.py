@@ -1,4 +1,4 @@
-"""Host reads of device tensors in mode deterministic's replay loop (swiftkern/deterministic.py),
+"""Host reads of device tensors in mode deterministic's replay loop (swiftkern/deterministic_steps.py),
 counted on the CPU.
 
 On a GPU, reading a device tensor on the host (``tolist``, ``item``, ``int(t)``, ``bool(t)``,
@@ -33,7 +33,9 @@ from swiftkern import top_p
 from swiftkern import SkipModel
 from swiftkern.cuda_graphs import GraphRunner
 from swiftkern.graph_capture import RecordedGraph
-from swiftkern.deterministic import FastPath, decode_deterministic
+from swiftkern.deterministic import decode_deterministic
+from swiftkern.deterministic_steps import DeterministicRun
+from swiftkern.fast_path import FastPath
 from swiftkern.layer_set import LayerSet
 from swiftkern.requests import Requests
 from swiftkern.sampling import (SamplingParams, keyed_uniforms, probs_from_logits, sample_from_weights, select_tokens,
@@ -138,17 +140,17 @@ class Stream(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def phases(stream: Stream, monkeypatch, names=("_fast_step", "_verify", "_prefill_rows")):
-    """Each call of deterministic.<name> is a phase of ``stream``."""
+def phases(stream: Stream, monkeypatch, names=("fast_step", "verify", "prefill")):
+    """Each call of DeterministicRun.<name> is a phase of ``stream``."""
     for name in names:
-        def call(*a, _fn=getattr(deterministic, name), _name=name, **k):
+        def call(*a, _fn=getattr(DeterministicRun, name), _name=name, **k):
             before, stream.phase = stream.phase, _name
             stream.syncs.append((("begin", _name), "", "", False, ""))
             try:
                 return _fn(*a, **k)
             finally:
                 stream.phase = before
-        monkeypatch.setattr(deterministic, name, call)
+        monkeypatch.setattr(DeterministicRun, name, call)
     with stream:
         yield stream
 
@@ -200,7 +202,7 @@ def test_every_fast_step_and_verify_pass_waits_for_the_device_once(tiny, monkeyp
     assert stats["fast_steps"] > 3 and stats["verify_passes"] > 3 and all(len(t) == 12 for t in out)
     if fast == "full+check" and not sample:
         assert checks  # lookup drafts rode along in a full step
-    steps, passes = stream.of("_fast_step"), stream.of("_verify")
+    steps, passes = stream.of("fast_step"), stream.of("verify")
     assert len(steps) >= stats["fast_steps"] and len(passes) == stats["verify_passes"]
     for kind, calls, copies in (("fast step", steps, 3), ("verify pass", passes, 3)):
         for syncs in calls:
@@ -226,7 +228,7 @@ def test_with_cuda_graphs_too(tiny, monkeypatch, fast):
         out, stats = _decode(tiny, PROMPTS, _fast_paths(tiny)[fast], False, arrive_at=[0, 0, 3])
     monkeypatch.undo()
     assert out == plain and runner.replays_by_kind.get("verify", 0) > 0 and runner.replays_by_kind["forward"] > 0
-    for syncs in stream.of("_fast_step") + stream.of("_verify"):
+    for syncs in stream.of("fast_step") + stream.of("verify"):
         assert [s[1] for s in syncs if s[3]] == ["read"] * bool(syncs), syncs
 
 
@@ -248,7 +250,7 @@ def test_a_draft_step_reads_its_tokens_and_confidence_at_once(tiny, monkeypatch)
     plain, _ = _decode(tiny, PROMPTS[:2], FastPath(), False)
     assert out == plain
     assert True in confident and False in confident  # some drafts fell below eps
-    for syncs in stream.of("_fast_step"):
+    for syncs in stream.of("fast_step"):
         assert [s[1] for s in syncs if s[3]] == ["read"] * bool(syncs)
 
 
@@ -260,20 +262,20 @@ def test_device_lengths_follow_the_host_lengths(tiny, monkeypatch, sample):
     seen = []
 
     def checked(name):
-        fn = getattr(deterministic, name)
+        fn = getattr(DeterministicRun, name)
 
-        def call(model_or_verifier, cache, *a, **k):
-            out = fn(model_or_verifier, cache, *a, **k)
-            assert cache.lengths.tolist() == cache.host_lengths, name
+        def call(run, *a, **k):
+            out = fn(run, *a, **k)
+            assert run.cache.lengths.tolist() == run.cache.host_lengths, name
             seen.append(name)
             return out
         return call
 
-    for name in ("_fast_step", "_verify"):
-        monkeypatch.setattr(deterministic, name, checked(name))
+    for name in ("fast_step", "verify"):
+        monkeypatch.setattr(DeterministicRun, name, checked(name))
     prompts = PROMPTS + [[7, 7, 8]]
     out, stats = _decode(tiny, prompts, FastPath(), sample, max_new=10, arrive_at=[0, 0, 2, 5])
-    assert {"_fast_step", "_verify"} <= set(seen)
+    assert {"fast_step", "verify"} <= set(seen)
     monkeypatch.undo()
     cache = tiny.new_cache(2, 16)
     with Stream() as stream:

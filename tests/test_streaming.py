@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from conftest import hf_greedy, tiny_model
 from swiftkern import Generator, SkipModel, SwiftkernError, TextStream
-from swiftkern.deterministic import FastPath, decode_deterministic
+from swiftkern.deterministic import decode_deterministic
+from swiftkern.fast_path import FastPath
 from swiftkern.layer_kernels import invariant_kernels_available
 from swiftkern.requests import Requests
 from swiftkern.sampling import SamplingParams
