@@ -12,11 +12,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import ops
-from .arg_checks import flag, real, token_ids, whole
+from .arg_checks import flag, real, whole
+from .call_inputs import arrival_steps, check_positions, per_prompt, stop_string_check, stop_token_set
 from .errors import SwiftkernError
 from .kv_cache import KVCache
-from .layer_set import LayerSet
 from .layer_kernels import invariant_backend, invariant_kernels_available
 from .rope_table import rope_follows_the_batch
 from .model import SkipModel
@@ -34,11 +33,8 @@ from .tuner import OnTheFlyTuner, tuner_options
 from .deterministic import decode_deterministic
 from .fast_path import FastPath
 from .cuda_graphs import GraphRunner
-from .verifier_kernels import CHOICES as VERIFIER_KERNELS, verifier_kernels as verifier_kernels_for
+from .generator_options import MODES, check_options, is_auto, parse_layer_set, replay_elided
 
-REPLAY = ("auto", "always", "never")
-MODES = ("ar", "self-spec", "deterministic")
-DRAFTERS = ("auto", "layer-skip", "lookup", "none", "self-spec")
 
 
 @dataclass
@@ -172,86 +168,22 @@ class Generator:
             model = cuda_graphs.model  # an HF model whose runner (and its graphs) a caller keeps
         self.model = model if isinstance(model, SkipModel) else SkipModel.from_hf(model)
         self.tokenizer = tokenizer
-        self.mode = mode
-        k_max = whole("k_max", k_max, 1)
-        eps = real("eps", eps)
-        if not 0.0 <= eps <= 1.0:
-            raise SwiftkernError(f"eps must be in [0, 1], got {eps}")
-        if drafter not in DRAFTERS:
-            raise SwiftkernError(f"unknown drafter {drafter!r}; available: {', '.join(DRAFTERS)}")
-        self.drafter = drafter
-        if (drafter == "self-spec") != (mode == "deterministic" and drafter not in ("auto", "none")):
-            raise SwiftkernError(f"drafter {drafter} does not go with mode {mode}: mode deterministic takes "
-                                 "drafter self-spec (or auto/none: no drafts), and only it does")
-        if mode == "ar" and drafter not in ("auto", "none"):
-            raise SwiftkernError(f"drafter {drafter} needs mode self-spec: mode ar drafts nothing")
-        drafts_with_layers = (mode == "self-spec" and drafter in ("auto", "layer-skip")) or drafter == "self-spec"
-        self.auto_layer_set = isinstance(layer_set, str) and layer_set.strip() == "auto"  # refused below if misplaced
-        if layer_set is not None and not self.auto_layer_set and not drafts_with_layers:
-            raise SwiftkernError(f"mode {mode} with drafter {drafter} would ignore layer_set: a layer set is for "
-                                 "a layer-skipped draft (mode self-spec with drafter auto or layer-skip, or mode "
-                                 "deterministic with drafter self-spec); leave it out here")
+        self.k_max = whole("k_max", k_max, 1)
+        self.eps = real("eps", eps)
+        if not 0.0 <= self.eps <= 1.0:
+            raise SwiftkernError(f"eps must be in [0, 1], got {self.eps}")
+        self.adaptive_eps = flag("adaptive_eps", adaptive_eps)
         self.window, self.verify_batch = whole("window", window, 1), whole("verify_batch", verify_batch, 1)
-        if replay not in REPLAY:
-            raise SwiftkernError(f"replay must be one of {', '.join(REPLAY)}, got {replay!r}")
-        self.replay = replay
-        if mode != "deterministic" and (replay != "auto" or verifier_kernels != "auto"):
-            raise SwiftkernError(f"replay and verifier_kernels are for mode deterministic; mode {mode} would ignore "
-                                 f"replay={replay!r}, verifier_kernels={verifier_kernels!r}: leave them out")
-        if mode == "deterministic" and replay == "never" and invariant_backend(
-                self.model.device.type, self.model.dtype) is None:
-            raise SwiftkernError(
-                f"replay='never' decodes through the batch-invariant kernels, which run on the CPU with the C++ "
-                f"extension (float32, bfloat16, float16) or on CUDA with the Triton kernels (SWIFTKERN_BACKEND auto "
-                f"or triton); here: {self.model.device.type}, {self.model.dtype}, SWIFTKERN_BACKEND="
-                f"{ops.backends.current_backend()}. Use replay='auto' or 'always'")
-        if mode == "deterministic" and rope_follows_the_batch(self.model.rotary):
-            raise SwiftkernError(f"mode deterministic does not support rope_type {self.model.rotary.rope_type!r}: its "
-                                 "frequencies follow the longest position in the batch; use mode ar or self-spec")
-        if verifier_kernels not in VERIFIER_KERNELS or mode == "deterministic":  # refuse a bad choice now
-            verifier_kernels_for(verifier_kernels, self.model.device.type, self.model.dtype)
-        self.verifier_kernels = verifier_kernels
-        if drafter == "self-spec" and layer_set is None:
-            raise SwiftkernError("drafter self-spec needs a layer set (e.g. 'attn:3,5|mlp:4')")
-        if verifier_kernels != "auto" and self.replay_elided():
-            raise SwiftkernError(
-                f"verifier_kernels={verifier_kernels!r} picks the replay's per-row ops, but replay={replay!r} runs no "
-                f"replay here ({self.model.device.type}, {self.model.dtype}: every step on the batch-invariant "
-                "kernels); pass replay='always' to replay with them, or leave verifier_kernels out")
+        self.search_options = tuner_options(search_options)
+        check_options(self.model, mode, drafter, layer_set, replay, verifier_kernels, skip_ratio,
+                      self.search_options, self.adaptive_eps)
+        self.mode, self.drafter, self.replay, self.verifier_kernels = mode, drafter, replay, verifier_kernels
+        self.skip_ratio = skip_ratio
+        self.auto_layer_set = is_auto(layer_set)
+        self.layer_set = parse_layer_set(None if self.auto_layer_set else layer_set, self.model.num_layers)
+        self.draft_vocab = None if draft_vocab is None else whole("draft_vocab (None: the full head)", draft_vocab, 1)
         self._tuner_state: OnTheFlyTuner | None = None  # layer_set "auto": kept across calls
         self._drafter_costs: dict = {}  # the drafter policy's timed costs per batch size: kept across calls
-        if self.auto_layer_set:
-            if mode != "self-spec" or drafter not in ("auto", "layer-skip"):
-                raise SwiftkernError("layer_set 'auto' (search while generating) needs mode self-spec with "
-                                     "drafter auto or layer-skip")
-            layer_set = None
-        if not (skip_ratio == "auto" or (isinstance(skip_ratio, (int, float)) and 0 < skip_ratio < 1)):
-            raise SwiftkernError(f"skip_ratio must be 'auto' or in (0, 1), got {skip_ratio!r}")
-        self.skip_ratio = skip_ratio
-        if skip_ratio != "auto" and not self.auto_layer_set:
-            raise SwiftkernError(f"skip_ratio is the search's (layer_set='auto'); with layer_set {layer_set!r} it "
-                                 "would be ignored: leave it out")
-        self.search_options = tuner_options(search_options)
-        if self.search_options and not self.auto_layer_set:
-            raise SwiftkernError("search_options are for the search of layer_set='auto'; leave them out here")
-        if mode == "self-spec" and drafter == "layer-skip" and layer_set is None and not self.auto_layer_set:
-            raise SwiftkernError("drafter layer-skip needs a layer set (e.g. 'attn:3,5|mlp:4' or 'none')")
-        if draft_vocab is not None:
-            draft_vocab = whole("draft_vocab (None: the full head)", draft_vocab, 1)
-        self.draft_vocab = draft_vocab
-        if isinstance(layer_set, str):
-            layer_set = LayerSet.parse(layer_set, self.model.num_layers)
-        elif layer_set is not None and not isinstance(layer_set, LayerSet):
-            raise SwiftkernError(f"layer_set must be a LayerSet, its string form ('attn:3,5|mlp:4', 'none'), 'auto' "
-                                 f"or None, got {layer_set!r} ({type(layer_set).__name__})")
-        if layer_set is not None and layer_set.num_layers != self.model.num_layers:
-            raise SwiftkernError(f"layer set is for {layer_set.num_layers} layers, the model has "
-                                 f"{self.model.num_layers}")
-        self.layer_set = layer_set
-        self.k_max, self.eps, self.adaptive_eps = k_max, eps, flag("adaptive_eps", adaptive_eps)
-        if self.adaptive_eps and not (mode == "self-spec" and drafter in ("auto", "layer-skip")):
-            raise SwiftkernError(f"adaptive_eps moves the layer-skipped draft's eps in mode self-spec (drafter auto or "
-                                 f"layer-skip); mode {mode} with drafter {drafter} would ignore it: leave it out")
         if isinstance(cuda_graphs, GraphRunner):
             self.graph_runner = cuda_graphs
         elif cuda_graphs is True:
@@ -297,11 +229,7 @@ class Generator:
         --routine determinism``: 2.46x / 1.28x / 0.91x ``ar`` against 0.93x / 0.72x / 0.87x at
         batch 8 / 32 / 1 in float32, 0.70x / 0.73x / 0.72x against 0.53x / 0.49x / 0.64x in
         bfloat16), while the self-spec drafter's steps there are cheaper replayed (0.86x against 0.49x)."""
-        if self.mode != "deterministic" or self.replay == "always":
-            return False
-        device, dtype = self.model.device.type, self.model.dtype
-        return self.replay == "never" or invariant_kernels_available(device, dtype) or (
-            device == "cuda" and self.drafter != "self-spec" and invariant_backend(device, dtype) == "triton")
+        return replay_elided(self.model, self.mode, self.replay, self.drafter)
 
     def invariant_decode(self) -> bool:
         """Whether this Generator's decoding passes (decode steps, drafts, verify passes; not the
@@ -356,40 +284,6 @@ class Generator:
         """str | list[str] | list[int] | list[list[int]] | integer tensor [T] or [B, T] -> token
         id lists (``prompt_ids.encode_prompts``: text through the tokenizer, ids checked)."""
         return encode_prompts(prompts, self.tokenizer, self.model.vocab_size, flag("chat", chat))
-
-    def _check_arrivals(self, arrive_at, n: int) -> list[int] | None:
-        if arrive_at is None:
-            return None
-        if not isinstance(arrive_at, (list, tuple)):
-            raise SwiftkernError(f"arrive_at: a list of one step per prompt ({n}), got {arrive_at!r}")
-        arrive_at = list(arrive_at)
-        if len(arrive_at) != n or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in arrive_at) or 0 not in arrive_at:
-            raise SwiftkernError(f"arrive_at: one step >= 0 per prompt ({n}), at least one 0; got {arrive_at}")
-        return arrive_at
-
-    def _stop_ids(self, eos_token_id, stop_token_ids) -> frozenset[int]:
-        """The ids that end a row: the given ones (checked), else the model's or tokenizer's EOS."""
-        V = self.model.vocab_size
-        stops = token_ids("stop_token_ids", [] if stop_token_ids is None else stop_token_ids, V)
-        if eos_token_id is not None:
-            return frozenset(stops + token_ids("eos_token_id", eos_token_id, V))
-        eos = getattr(self.model.hf_model.generation_config, "eos_token_id", None)
-        if eos is None and self.tokenizer is not None:
-            eos = self.tokenizer.eos_token_id
-        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-        return frozenset(stops + [int(t) for t in eos])
-
-    def _stop_check(self, stop: str | list[str] | None):
-        if stop is None or (isinstance(stop, (list, tuple)) and not stop):
-            return None
-        if not isinstance(stop, (str, list, tuple)) or stop == "":
-            raise SwiftkernError(f"stop must be a non-empty string or a list of them, got {stop!r}")
-        stop = [stop] if isinstance(stop, str) else list(stop)  # a str is one stop string, not its characters
-        if not all(isinstance(s, str) and s for s in stop):
-            raise SwiftkernError(f"stop must be a non-empty string or a list of them, got {stop!r}")
-        if self.tokenizer is None:
-            raise SwiftkernError("stop strings need a tokenizer: Generator(model, tokenizer)")
-        return lambda b, toks: any(s in self.tokenizer.decode(toks) for s in stop)
 
     def _decode(self, cache: KVCache, first_logits, params: SamplingParams, seeds: list[int], requests: Requests,
                 ids: list[list[int]], verified: list[bool], invariant: bool) -> tuple[int, dict]:
@@ -481,23 +375,14 @@ class Generator:
         params = SamplingParams(do_sample, temperature, top_k, top_p)
         self._check_sampling_fits(params)
         ids = self.encode(prompts, chat)
-        seeds = [whole("seed", s, *SEED_RANGE) for s in (seed if isinstance(seed, (list, tuple)) else [seed] * len(ids))]
-        if len(seeds) != len(ids):
-            raise SwiftkernError(f"got {len(seeds)} seeds for {len(ids)} prompts")
-        arrive_at = self._check_arrivals(arrive_at, len(ids))
-        verified = [flag("deterministic", d) for d in
-                    (deterministic if isinstance(deterministic, (list, tuple)) else [deterministic] * len(ids))]
-        if len(verified) != len(ids):
-            raise SwiftkernError(f"got {len(verified)} deterministic flags for {len(ids)} prompts")
+        seeds = per_prompt("seeds", seed, len(ids), lambda s: whole("seed", s, *SEED_RANGE))
+        arrive_at = arrival_steps(arrive_at, len(ids))
+        verified = per_prompt("deterministic flags", deterministic, len(ids), lambda d: flag("deterministic", d))
         if not all(verified) and self.mode != "deterministic":
             raise SwiftkernError("deterministic=False for some prompts needs mode='deterministic'")
-        limit = getattr(self.model.config, "max_position_embeddings", None)
         longest = max(len(p) for p in ids)
-        if limit is not None and longest + max_new_tokens > limit:
-            raise SwiftkernError(
-                f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds the model's "
-                f"{limit} positions; shorten the prompt or lower --max-new-tokens")
-        stop_ids = self._stop_ids(eos_token_id, stop_token_ids)
+        check_positions(self.model, longest, max_new_tokens)
+        stop_ids = stop_token_set(self.model, self.tokenizer, eos_token_id, stop_token_ids)
         device = self.model.device
         # a verify pass may overshoot by K+1, K at most k_max and a row's remaining tokens
         spec_slack = min(self.k_max, max_new_tokens) + 1
@@ -526,7 +411,7 @@ class Generator:
                                 if not replayed else None)
                 _sync(device)
                 t1 = time.perf_counter()
-                requests = Requests(len(ids), max_new_tokens, stop_ids, self._stop_check(stop), streamer, arrive_at,
+                requests = Requests(len(ids), max_new_tokens, stop_ids, stop_string_check(self.tokenizer, stop), streamer, arrive_at,
                                     invariant_prefill=invariant)
                 waited, reads = READ_CLOCK.snapshot()
                 with self.model.batch_invariant(self.invariant_decode()):

@@ -196,10 +196,10 @@ def test_auto_replay_follows_the_measured_cheaper_way(monkeypatch, device, draft
     on the CPU only where the C++ set runs. (A stand-in Generator: the rule reads nothing else.)"""
     from types import SimpleNamespace
 
-    import swiftkern.generate as generate
+    import swiftkern.generator_options as options
 
-    monkeypatch.setattr(generate, "invariant_backend", lambda dev, dtype: backend_name)
-    monkeypatch.setattr(generate, "invariant_kernels_available", lambda dev, dtype: cpp)
+    monkeypatch.setattr(options, "invariant_backend", lambda dev, dtype: backend_name)
+    monkeypatch.setattr(options, "invariant_kernels_available", lambda dev, dtype: cpp)
     gen = SimpleNamespace(mode="deterministic", replay=replay, drafter=drafter,
                           model=SimpleNamespace(device=torch.device(device), dtype=torch.float32))
     assert Generator.replay_elided(gen) is elided
