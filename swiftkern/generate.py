@@ -28,7 +28,8 @@ from .device_reads import CLOCK as READ_CLOCK, read
 from .draft_head import DEFAULT_DRAFT_VOCAB, DraftHead
 from .drafter_policy import DrafterPolicy
 from . import layer_set_store
-from .speculative import DraftPolicy, decode_self_spec
+from .layer_skip_draft import DraftPolicy
+from .speculative import decode_self_spec
 from .tuner import OnTheFlyTuner, tuner_options
 from .deterministic import decode_deterministic
 from .fast_path import FastPath

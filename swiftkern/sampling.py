@@ -27,13 +27,18 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def keyed_uniform(seed: int, position: int, stream: int = 0) -> float:
+# the streams of keyed uniforms: a token's own draw (``token_uniforms``), the layer-skipped
+# draft's draws, rejection sampling's acceptance tests and its draws from the residual
+STREAM_TARGET, STREAM_DRAFT, STREAM_ACCEPT, STREAM_RESIDUAL = 0, 1, 2, 3
+
+
+def keyed_uniform(seed: int, position: int, stream: int = STREAM_TARGET) -> float:
     """A uniform in [0, 1) that is a pure function of (seed, position, stream)."""
     h = _splitmix64(_splitmix64(_splitmix64(seed & _MASK64) ^ position) ^ stream)
     return (h >> 40) / float(1 << 24)  # 24 bits: exactly representable in float32
 
 
-def keyed_uniforms(seeds: list[int], positions: list[int], stream: int = 0,
+def keyed_uniforms(seeds: list[int], positions: list[int], stream: int = STREAM_TARGET,
                    device: torch.device | str = "cpu") -> torch.Tensor:
     """float32 [B] uniforms for row b at absolute position positions[b]."""
     vals = [keyed_uniform(s, p, stream) for s, p in zip(seeds, positions)]

@@ -305,10 +305,10 @@ def test_tokens_drawn_with_uniforms_made_before_the_forward_are_select_tokens(pa
 
 @pytest.mark.parametrize("sample", [False, True])
 def test_a_speculative_layer_skip_draft_stalls_once_a_forward(tiny, sample):
-    """speculative.draft_tokens: each draft forward waits for the device once (its tokens'
+    """layer_skip_draft.draft_tokens: each draft forward waits for the device once (its tokens'
     confidence read); a sampled draft's uniforms are copied in before the forward, not after its
     launch (which stalled a second time)."""
-    from swiftkern.speculative import DraftPolicy, draft_tokens
+    from swiftkern.layer_skip_draft import DraftPolicy, draft_tokens
 
     cache = tiny.new_cache(2, 40)
     logits = tiny.forward(torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]]), cache)
@@ -325,19 +325,19 @@ def test_a_speculative_layer_skip_draft_stalls_once_a_forward(tiny, sample):
 
 @pytest.mark.parametrize("sample", [False, True])
 def test_a_speculative_verify_step_stalls_once(tiny, sample):
-    """speculative.verify_and_accept: its host values copied in before the forward, everything
+    """verify_step.verify_and_accept: its host values copied in before the forward, everything
     queued before its one read (num_draft's range from the host, the pending token gathered on
     the device, the logprobs queued where a GPU would queue them)."""
-    from swiftkern import speculative
+    from swiftkern import verify_step
 
     cache = tiny.new_cache(2, 40)
     logits = tiny.forward(torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]]), cache)
     pending = logits[:, -1].argmax(-1)
     drafts = torch.tensor([[3, 4, 5], [6, 0, 0]])
     with pytest.MonkeyPatch.context() as mp, Stream() as stream:
-        mp.setattr(speculative, "queue_logprobs", lambda device, positions: True)
+        mp.setattr(verify_step, "queue_logprobs", lambda device, positions: True)
         stream.phase = "verify"
-        speculative.verify_and_accept(tiny, cache, pending, drafts, None, [3, 1],
+        verify_step.verify_and_accept(tiny, cache, pending, drafts, None, [3, 1],
                                       SamplingParams(do_sample=sample, temperature=0.8), [1, 2], logprobs=True)
     assert [s[1] for s in stream.syncs if s[3]] == ["read"], stream.syncs
 

@@ -118,7 +118,7 @@ def test_large_vocab_kernel_equals_reference(greedy_draft):
 
 
 def test_k0_b0_half_precision_and_backend_knob():
-    # K = 0 with an empty u_accept built on the CPU, as swiftkern.speculative does
+    # K = 0 with an empty u_accept built on the CPU, as swiftkern.verify_step does
     p = torch.softmax(torch.randn(2, 1, 9), -1)
     out, acc = ops.rejection_sample(torch.empty(2, 0, dtype=torch.int64), None, p, torch.zeros(2, dtype=torch.int32),
                                     torch.zeros(2, 0), torch.rand(2, 1))

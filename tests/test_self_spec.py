@@ -238,7 +238,7 @@ def test_per_request_stats_add_up():
 
 
 def test_adaptive_threshold_moves_toward_the_target_and_stays_lossless():
-    from swiftkern.speculative import DraftPolicy
+    from swiftkern.layer_skip_draft import DraftPolicy
 
     policy = DraftPolicy(eps=0.5, adaptive=True, target_acceptance=0.9)
     for _ in range(20):
@@ -259,7 +259,7 @@ def test_a_verify_step_reads_the_device_once(monkeypatch):
     tolist, no aminmax of num_draft (int32; the forward's CPU-only token check is not a
     device read), no item."""
     from swiftkern.sampling import SamplingParams
-    from swiftkern.speculative import verify_and_accept
+    from swiftkern.verify_step import verify_and_accept
 
     sm = SkipModel(model("llama")[0])
     cache = sm.new_cache(2, 32)
@@ -298,13 +298,13 @@ def test_logprobs_queued_for_every_position_have_the_rows_bits(monkeypatch, queu
     """The GPU's way (every position's logprob before the read) and the CPU's (each row's kept
     tokens after it) give the same bits: mode deterministic's speculative loop without replay
     returns the logprobs of the invariant model, checked against a prefill of its output."""
-    from swiftkern import speculative
+    from swiftkern import verify_step
     from swiftkern.layer_kernels import invariant_kernels_available
     from swiftkern.deterministic import invariant_token_logprobs
 
     if not invariant_kernels_available("cpu", torch.float32):
         pytest.skip("needs the C++ invariant kernels (replay auto elided on the CPU)")
-    monkeypatch.setattr(speculative, "queue_logprobs", lambda device, positions: queued)
+    monkeypatch.setattr(verify_step, "queue_logprobs", lambda device, positions: queued)
     sm = SkipModel(model("llama")[0])
     gen = Generator(sm, mode="deterministic", drafter="self-spec", layer_set="attn:1|mlp:2", eps=0.0, k_max=4)
     prompts = [[7, 8, 9, 10, 7, 8, 9, 10, 7], [40, 41, 40, 41, 40]]

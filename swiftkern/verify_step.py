@@ -1,0 +1,90 @@
+"""One verify step of self-speculative decoding: the pending token and every row's drafts through
+the full model in one forward, the acceptance rule on its logits (``ops.greedy_accept`` greedy,
+``ops.rejection_sample`` sampled), and one read of the outcome to the host."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import ops
+from .batch_invariant import bi_token_logprob
+from .device_reads import read
+from .kv_cache import KVCache
+from .model import SkipModel
+from .sampling import STREAM_ACCEPT, STREAM_RESIDUAL, SamplingParams, keyed_uniforms, probs_from_logits
+
+
+def _chunk_uniforms(seeds: list[int], start: list[int], count: int, stream: int, device) -> torch.Tensor:
+    """float32 [B, count]: entry (b, j) keyed on (seeds[b], position start[b] + 1 + j, stream),
+    made on the host and copied in once (each copy to a GPU is a sync)."""
+    flat_seeds = [seed for seed in seeds for _ in range(count)]
+    flat_positions = [s + 1 + j for s in start for j in range(count)]
+    return keyed_uniforms(flat_seeds, flat_positions, stream, device).view(len(seeds), count)
+
+
+QUEUED_LOGPROB_ROWS = 64  # B * (K+1) positions up to which a GPU step queues every logprob
+
+
+def queue_logprobs(device: torch.device, positions: int) -> bool:
+    """Whether a verify step computes every position's logprob before its read (a GPU, at most
+    QUEUED_LOGPROB_ROWS positions: it runs while the host waits anyway, and its float32
+    [positions, V] temporaries stay small) rather than each row's kept tokens after it (the CPU,
+    or a wide step: fewer rows to compute). The same bits either way."""
+    return device.type != "cpu" and positions <= QUEUED_LOGPROB_ROWS
+
+
+@dataclass
+class Verified:
+    """One verify step's outcome. rows: each row's out tokens on the host (its accepted drafts,
+    then the corrected/bonus token, then -1); num_accepted: list[int]; pending: int64 [B] on the
+    device, each row's corrected or bonus token; out: int64 [B, K+1] and logits [B, K+1, V] on
+    the device; queued: float32 [B, K+1], every out token's ``bi_token_logprob`` launched before
+    the read (on a GPU, where it overlaps the forward; entries past a row's tokens are token
+    0's), or None."""
+    rows: list[list[int]]
+    num_accepted: list[int]
+    pending: torch.Tensor
+    out: torch.Tensor
+    logits: torch.Tensor
+    queued: torch.Tensor | None
+
+    def logprobs(self, i: int, n: int) -> torch.Tensor:
+        """float32 [n]: row i's first n out tokens' log-probabilities (the same bits either way:
+        the op is row-invariant; on the CPU computed for those n alone, which costs less)."""
+        if self.queued is not None:
+            return self.queued[i, :n]
+        return bi_token_logprob(self.logits[i, :n], self.out[i, :n])
+
+
+def verify_and_accept(model: SkipModel, cache: KVCache, pending: torch.Tensor, drafts: torch.Tensor,
+                      draft_probs, num_draft: list[int], params: SamplingParams, seeds: list[int],
+                      logprobs: bool = False) -> Verified:
+    """One full-model forward over [pending, drafts] [B, K+1] and the acceptance rule, read back
+    to the host once: everything the step launches is queued before that read, and nothing
+    before it waits for the GPU (host values are copied in before the forward; the acceptance
+    op's checks take max(num_draft) from the host list), so on a GPU the host's next work
+    overlaps the forward. The cache is advanced by K+1 (the caller rolls it back)."""
+    B, K = drafts.shape
+    device = drafts.device
+    start = list(cache.host_lengths)  # position of each row's pending token
+    nd = torch.tensor(num_draft, dtype=torch.int32, device=device)  # [B]
+    if params.do_sample:
+        u_accept = _chunk_uniforms(seeds, start, K, STREAM_ACCEPT, device)  # [B, K]
+        u_sample = _chunk_uniforms(seeds, start, K + 1, STREAM_RESIDUAL, device)  # [B, K+1]
+    logits = model.forward(torch.cat([pending.unsqueeze(1), drafts], dim=1), cache)  # [B, K+1, V]
+    max_draft = max(num_draft, default=0)
+    if not params.do_sample:
+        out, acc = ops.greedy_accept(drafts, logits, nd, max_draft=max_draft)  # [B, K+1], [B]
+    else:
+        target = probs_from_logits(logits.reshape(B * (K + 1), -1), params).view(B, K + 1, -1)
+        out, acc = ops.rejection_sample(drafts, draft_probs, target, nd, u_accept, u_sample, max_draft=max_draft)
+    lps = None
+    if logprobs and queue_logprobs(device, B * (K + 1)):  # every position's, queued before the read (Verified.logprobs)
+        flat = out.clamp(min=0).view(-1)  # [B*(K+1)]
+        lps = bi_token_logprob(logits.reshape(B * (K + 1), -1), flat).view(B, K + 1)
+    acc = acc.to(torch.int64)
+    next_pending = out.gather(1, acc.unsqueeze(1)).squeeze(1)  # [B] the corrected or bonus token
+    host = read(torch.cat([acc.unsqueeze(1), out], dim=1))  # the step's one read: [B, 1 + K+1]
+    return Verified([h[1:] for h in host], [h[0] for h in host], next_pending, out, logits, lps)
