@@ -8,7 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import tiny_model
-from swiftkern import SkipModel, cli
+from swiftkern import SkipModel, cli, prompt_file
 
 
 def run(*args):
@@ -51,9 +51,9 @@ def test_a_generation_option_in_a_prompt_file_is_refused_not_ignored(tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "ok", "kind": "x", "arrive_at": 1}\n{"prompt": "b", "seed": 3, "top_p": 0.5}\n')
     with pytest.raises(cli.SwiftkernError, match=r"p.jsonl:2: per-request 'seed', 'top_p' is not read"):
-        cli.read_prompt_records(str(f))
+        prompt_file.read_prompt_records(str(f))
     f.write_text('{"prompt": "ok", "kind": "x", "arrive_at": 1}\n{"text": "b"}\n')
-    assert cli.read_prompt_records(str(f)) == (["ok", "b"], [1, 0])
+    assert prompt_file.read_prompt_records(str(f)) == (["ok", "b"], [1, 0])
 
 
 def test_help_explains_itself():
