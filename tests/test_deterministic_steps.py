@@ -44,3 +44,48 @@ def test_through_stop_keeps_the_first_stop_and_drops_what_follows():
     assert _through_stop([9, 1], stops) == [9]
     assert _through_stop([5, 6], stops) == [5, 6]
     assert _through_stop([], stops) == []
+
+
+def test_a_verify_pass_commits_by_the_replay_rule():
+    """One verify pass over three rows whose unverified tokens are set by hand against HF greedy
+    (the reference): a full window matched with tokens past it (a stop among them holds), a short
+    window of a stopped row matched (the verifier's next token is committed too: a free token),
+    and a mismatch (the verifier's token replaces the rest). Checks the committed tokens, what
+    stays unverified, the stop flags, the stats and the cache lengths the fast path resumes at."""
+    import torch
+
+    from conftest import hf_greedy, tiny_model
+    from swiftkern import SkipModel
+    from swiftkern.deterministic_steps import DeterministicRun
+    from swiftkern.fast_path import FastPath
+    from swiftkern.requests import Requests
+    from swiftkern.sampling import SamplingParams
+    from swiftkern.verifier import Verifier
+
+    hf = tiny_model("llama")
+    model = SkipModel.from_hf(hf)
+    prompts = [[5, 6, 7, 8], [10, 11, 12], [1, 2, 3, 4, 5, 6]]
+    greedy = [hf_greedy(hf, p, 8, eos_token_id=[]) for p in prompts]
+    window = 4
+    requests = Requests(3, max_new_tokens=20, stop_ids=frozenset())
+    cache = model.new_cache(3, 40)
+    run = DeterministicRun(model, cache, prompts, SamplingParams(), [0, 0, 0], requests,
+                           Verifier(model, window, 3), FastPath(), None, [True] * 3)
+    with torch.inference_mode():
+        rows = run.prefill([0, 1, 2], [0, 1, 2], batched=True)
+        assert [row.pending for row in rows] == [g[0] for g in greedy]
+        wrong = (greedy[2][2] + 1) % model.vocab_size
+        rows[0].unverified, rows[0].stopped = greedy[0][1:7], True  # 6 tokens: a window and 2 past it
+        rows[1].unverified, rows[1].stopped = greedy[1][1:3], True  # 2 tokens, then the row stopped
+        rows[2].unverified = [greedy[2][1], wrong, greedy[2][3]]  # wrong at its second token
+        run.verify(rows, [0, 1, 2])
+    assert requests.out == [greedy[0][:1 + window], greedy[1][:4], greedy[2][:3]]
+    assert [row.unverified for row in rows] == [greedy[0][5:7], [], []]
+    assert [row.pending for row in rows] == [greedy[0][4], greedy[1][3], greedy[2][2]]
+    assert [row.stopped for row in rows] == [True, False, False]
+    assert (run.stats["rolled_back"], run.stats["corrected"]) == (2, 1)
+    assert [r["rolled_back"] for r in run.per_row] == [0, 0, 2]
+    # each row resumes after its pending token's position, its unverified tokens' KV kept
+    assert cache.host_lengths == [len(p) + len(o) - 1 + len(row.unverified)
+                                  for p, o, row in zip(prompts, requests.out, rows)]
+    assert cache.lengths.tolist() == cache.host_lengths

@@ -329,3 +329,26 @@ def test_assembling_layer_skip_drafts_reads_them_once(monkeypatch):
     drafts, probs, num_draft = _assemble(3, choices, [[], [], [11, 12, 13]], skip, SamplingParams(), 50, "cpu")
     assert len(reads) == 1 and num_draft == [3, 1, 2] and probs is None
     assert real(drafts) == [[4, 5, 6], [7, 0, 0], [11, 12, 0]]
+
+
+def test_sampled_mixed_rows_give_each_draft_its_own_draft_probability():
+    """Rejection sampling reads q(draft) from draft_probs: a layer-skipped row keeps its draft's
+    distribution, a lookup row (a deterministic draft) gets q = 1 at each of its tokens (with
+    q = 0 there, p / q is infinite and every lookup draft would be accepted whatever p), a row
+    without drafts stays zero."""
+    from swiftkern.drafter_policy import Choice
+    from swiftkern.sampling import SamplingParams
+    from swiftkern.speculative import _assemble
+
+    V = 10
+    skip_q = torch.softmax(torch.randn(3, 3, V, generator=torch.Generator().manual_seed(0)), -1)  # [B, Ks, V]
+    skip = (torch.tensor([[4, 5, 6], [0, 0, 0], [0, 0, 0]]), skip_q, [3, 0, 0])
+    choices = [Choice("layer-skip", 3, 0.0), Choice("lookup", 2, 0.0), Choice("none", 0, 0.0)]
+    drafts, probs, num_draft = _assemble(3, choices, [[], [7, 8, 9], []], skip, SamplingParams(do_sample=True), V,
+                                         "cpu")
+    assert num_draft == [3, 2, 0] and drafts.tolist() == [[4, 5, 6], [7, 8, 0], [0, 0, 0]]
+    assert torch.equal(probs[0], skip_q[0])
+    lookup_q = torch.zeros(3, V)
+    lookup_q[0, 7] = lookup_q[1, 8] = 1.0
+    assert torch.equal(probs[1], lookup_q)
+    assert not probs[2].any()
