@@ -302,13 +302,15 @@ def test_a_stop_string_inside_accepted_drafts_ends_the_output_there(mode, fixed_
 def test_filter_logits_keeps_what_hf_warpers_keep(temperature, top_k):
     """filter_logits vs transformers' own Temperature -> TopK -> TopP warpers on random rows,
     with top_p set so that a row's cumulative mass sits exactly on the cut (HF removes a token
-    whose sorted cumulative probability is <= 1 - top_p): the same tokens kept, the same values."""
+    whose sorted cumulative probability is <= 1 - top_p), and a row whose top-k cut falls among
+    values 1e-4 apart: the same tokens kept, the same values."""
     from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
                                                         TopPLogitsWarper)
 
     g = torch.Generator().manual_seed(int(temperature * 10) + top_k)
     logits = torch.randn(6, 50, generator=g) * 3
     logits[1, :10] = logits[1, 10]  # ties
+    logits[2, :10] = logits[2].max() + 1 + 1e-4 * torch.arange(10)  # near-ties at the top: top-k cuts inside them
     for row in range(logits.shape[0]):
         z = logits[row:row + 1] / temperature
         if top_k:
