@@ -1,0 +1,164 @@
+"""Plant one bug at a time in the decoding loops' source and see whether the tests catch it.
+
+    .venv/bin/python tools/mutation_sweep.py            # every mutant below
+    .venv/bin/python tools/mutation_sweep.py M10,M23    # some of them
+    .venv/bin/python tools/mutation_sweep.py --tests tests/test_self_spec.py M10
+
+Each mutant replaces one exact snippet of a file (it must occur once) in a git worktree of HEAD
+(the C++ extension copied in from this checkout, so build it first), runs the tests on it
+(``-x``, two xdist workers, no slow tests) and prints KILLED (a test failed) or SURVIVED with the
+first failing tests. The checkout itself is never touched. A survivor is a place to look: a bug
+no test sees, or an equivalent change (listed in EQUIVALENT with the reason)."""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+TESTS = [f"tests/test_{name}.py" for name in (
+    "self_spec", "generate", "kv_cache", "streaming", "arrivals", "deterministic", "acceptance", "exact_self_spec",
+    "lookup", "lookup_index", "lookup_replay", "deterministic_steps", "greedy_accept", "rejection_sample",
+    "feature_mix", "hf_integration", "host_reads", "replay_policy", "drafter_policy", "call_inputs", "top_p",
+    "input_contract", "keyed_draws", "generator_options")]
+
+# (id, file, snippet, replacement, the bug it plants)
+MUTANTS = [
+    ("M01", "swiftkern/speculative.py", "committed = row[: num_accepted[i] + 1]",
+     "committed = row[: num_accepted[i]] or row[:1]", "self-spec drops the bonus token"),
+    ("M02", "swiftkern/speculative.py", "cache.rollback([n + 1 + a for n, a in zip(base, verified.num_accepted)])",
+     "cache.rollback([n + a for n, a in zip(base, verified.num_accepted)])", "rollback one position short"),
+    ("M03", "swiftkern/speculative.py", 'counts["accepted"] += min(num_accepted[i], n)',
+     'counts["accepted"] += num_accepted[i]', "stats count drafts accepted past a stop"),
+    ("M04", "swiftkern/verify_step.py", "flat_positions = [s + 1 + j for s in start",
+     "flat_positions = [s + j for s in start", "rejection sampling's uniforms keyed one position early"),
+    ("M05", "swiftkern/requests.py", "len(out) >= self.max_new_tokens", "len(out) > self.max_new_tokens",
+     "one token past max_new_tokens"),
+    ("M06", "swiftkern/requests.py", "return [j if j in stays else next(tail) for j in range(n)]", "return list(kept)",
+     "a departure moves more rows than it needs"),
+    ("M07", "swiftkern/kv_cache.py", "        if old in written:\n            return True",
+     "        if old in written:\n            return False", "select_rows overwrites a row it still reads"),
+    ("M08", "swiftkern/kv_cache.py", "        if new != self.host_lengths:\n            self.set_lengths(new)",
+     "        if new != self.host_lengths:\n            self.host_lengths = new", "rollback leaves the device lengths"),
+    ("M09", "swiftkern/speculative.py", "probs[i, :n] = skip[1][i, :n]",
+     "probs[i, torch.arange(n, device=device), drafts[i, :n]] = 1.0", "a layer-skipped draft's q made one-hot"),
+    ("M10", "swiftkern/speculative.py",
+     "            elif n:\n                probs[i, torch.arange(n, device=device), drafts[i, :n]] = 1.0",
+     "            elif False:\n                pass", "lookup drafts get q = 0 in sampled mixed rows"),
+    ("M11", "swiftkern/deterministic_steps.py", "commit, rest = row.unverified[:match] + [preds[match]], []",
+     "commit, rest = row.unverified[:match + 1], []", "the replay commits the fast token at a mismatch"),
+    ("M12", "swiftkern/deterministic_steps.py", "commit, rest = row.unverified + [preds[compared]], []",
+     "commit, rest = (row.unverified or [preds[compared]]), []", "a matched short window loses the verifier's token"),
+    ("M13", "swiftkern/deterministic_steps.py",
+     "lengths[s.row] = self.vlen(alive[s.row]) - 1 + len(rows[s.row].unverified)",
+     "lengths[s.row] = self.vlen(alive[s.row]) + len(rows[s.row].unverified)", "cache one position long after a pass"),
+    ("M14", "swiftkern/deterministic_steps.py", "row.stopped = row.stopped and bool(rest)", "row.stopped = False",
+     "a stop among the tokens past the window is forgotten"),
+    ("M15", "swiftkern/deterministic_steps.py", "positions = [s.start + 1 + j for s in slots for j in s.want]",
+     "positions = [s.start + j for s in slots for j in s.want]", "the verifier's uniforms keyed one position early"),
+    ("M16", "swiftkern/requests.py", "due = [r for r in self.waiting if self.arrive_at[r] <= self.step]",
+     "due = [r for r in self.waiting if self.arrive_at[r] < self.step]", "arrivals join one step late"),
+    ("M17", "swiftkern/verify_step.py", "next_pending = out.gather(1, acc.unsqueeze(1)).squeeze(1)",
+     "next_pending = out[:, -1]", "the next pending token from the last slot"),
+    ("M18", "swiftkern/verify_step.py", "return bi_token_logprob(self.logits[i, :n], self.out[i, :n])",
+     "return bi_token_logprob(self.logits[i, :n], self.out[i, :n].flip(0))", "logprobs of the wrong tokens"),
+    ("M19", "swiftkern/kv_cache.py", "            m = self.host_lengths[old]\n", "            m = self.host_lengths[new]\n",
+     "select_rows copies the wrong length"),
+    ("M20", "swiftkern/kv_cache.py", "        self.lengths[first:] = 0\n", "", "added rows keep stale device lengths"),
+    ("M21", "swiftkern/layer_skip_draft.py", "if confidence[b] < policy.eps:", "if confidence[b] < policy.eps and False:",
+     "the confidence stop ignored"),
+    ("M22", "swiftkern/sampling.py", "    return idx.clamp_(max=weights.shape[-1] - 1)",
+     "    return idx.clamp_(max=weights.shape[-1] - 2)", "the inverse-CDF draw never picks the last id"),
+    ("M23", "swiftkern/sampling.py", '        out.masked_fill_(out < kth, float("-inf"))',
+     '        out.masked_fill_(out < kth - 1e-3, float("-inf"))', "top-k keeps near-ties below the k-th value"),
+    ("M24", "swiftkern/deterministic_steps.py", "fed = row.unverified[:T - 1]",
+     "fed = row.unverified[:T - 2] if T > 2 else row.unverified[:T - 1]", "the replay feeds one token fewer"),
+    ("M25", "swiftkern/generate.py", "[n + 1 for n in cache.host_lengths],", "[n for n in cache.host_lengths],",
+     "ar's sampled draws keyed on the previous token's position"),
+    ("M26", "swiftkern/streaming.py", "        if not text.endswith(_INCOMPLETE):\n            self._write_from",
+     "        if True:\n            self._write_from", "TextStream writes half characters"),
+    ("M27", "swiftkern/lookup_index.py", "                if end:\n", "                if True:\n",
+     "the index's pairs wrap around at position 0"),
+    ("M28", "swiftkern/lookup_index.py", "for at in range(T - 2, max(P - 2 - offset, -1), -1):",
+     "for at in range(T - 2, max(P - 1 - offset, -1), -1):", "the index skips the last indexed end"),
+    ("M29", "swiftkern/drafters.py", "while n < longest and n <= end and", "while n < longest and n < end and",
+     "a lookup match cannot reach position 0"),
+    ("M30", "swiftkern/drafters.py", "    top = max(votes.values())\n    chosen = next(end for end in ends if votes[con",
+     "    top = min(votes.values())\n    chosen = next(end for end in ends if votes[con",
+     "the vote picks the least common continuation"),
+    ("M31", "swiftkern/requests.py", "self.stop_check(r, out)):", "self.stop_check(r, out[:-1])):",
+     "a stop string seen one token late"),
+    ("M32", "swiftkern/generator_options.py", 'return replay == "never" or invariant_kernels_available',
+     "return invariant_kernels_available", "replay='never' ignored on CUDA with the self-spec drafter"),
+    ("M33", "swiftkern/kv_cache.py", "if max(self.host_lengths) + num_new > self.max_len:",
+     "if max(self.host_lengths) + num_new >= self.max_len:", "the cache refuses an exact fit"),
+    ("M34", "swiftkern/verify_step.py", "u_sample = _chunk_uniforms(seeds, start, K + 1, STREAM_RESIDUAL, device)",
+     "u_sample = _chunk_uniforms(seeds, start, K + 1, STREAM_ACCEPT, device)",
+     "the residual draw reuses the acceptance test's uniform"),
+]
+
+EQUIVALENT = {
+    "M04": "every acceptance and residual key moves by one position in every step alike, so no key is used "
+           "twice and each draw stays a fresh uniform: the same distribution, the same invariance",
+}
+
+
+def run(mutant, worktree: str, tests: list[str], env: dict) -> str:
+    mid, path, old, new, what = mutant
+    file = os.path.join(worktree, path)
+    with open(file) as f:
+        source = f.read()
+    if source.count(old) != 1:
+        return f"{mid} STALE: the snippet occurs {source.count(old)} times in {path}"
+    with open(file, "w") as f:
+        f.write(source.replace(old, new))
+    for db in glob.glob(os.path.join(worktree, "**", ".hypothesis"), recursive=True):
+        shutil.rmtree(db, ignore_errors=True)  # a failing example saved by the last mutant replays
+    start = time.time()
+    try:
+        done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-n", "2", "-p", "no:cacheprovider",
+                               "-m", "not slow", *tests], cwd=worktree, env=env, capture_output=True, text=True)
+    finally:
+        with open(file, "w") as f:
+            f.write(source)
+    failed = [line for line in done.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))][:2]
+    verdict = "KILLED" if done.returncode != 0 else "SURVIVED"
+    note = f" (equivalent: {EQUIVALENT[mid]})" if verdict == "SURVIVED" and mid in EQUIVALENT else ""
+    return f"{mid} {verdict} {time.time() - start:.0f}s {what}{note} {failed if failed else ''}".rstrip()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("ids", nargs="?", default="", help="comma-separated mutant ids (default: all)")
+    parser.add_argument("--tests", default=",".join(TESTS), help="comma-separated test files to run on each mutant")
+    args = parser.parse_args()
+    wanted = set(filter(None, args.ids.split(",")))
+    unknown = wanted - {m[0] for m in MUTANTS}
+    if unknown:
+        parser.error(f"unknown mutant ids: {', '.join(sorted(unknown))}")
+    built = glob.glob(os.path.join(ROOT, "swiftkern", "_C*.so"))
+    if not built:
+        parser.error("no swiftkern/_C*.so here: build the extension first (make setup)")
+    worktree = tempfile.mkdtemp(prefix="swiftkern-mutants-")
+    subprocess.run(["git", "worktree", "add", "--detach", "-q", worktree, "HEAD"], cwd=ROOT, check=True)
+    try:
+        for so in built:
+            shutil.copy(so, os.path.join(worktree, "swiftkern"))
+        env = dict(os.environ, PYTHONPATH=worktree)
+        for mutant in MUTANTS:
+            if not wanted or mutant[0] in wanted:
+                print(run(mutant, worktree, args.tests.split(","), env), flush=True)
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", worktree], cwd=ROOT)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
