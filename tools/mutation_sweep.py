@@ -27,7 +27,7 @@ TESTS = [f"tests/test_{name}.py" for name in (
     "self_spec", "generate", "kv_cache", "streaming", "arrivals", "deterministic", "acceptance", "exact_self_spec",
     "lookup", "lookup_index", "lookup_replay", "deterministic_steps", "greedy_accept", "rejection_sample",
     "feature_mix", "hf_integration", "host_reads", "replay_policy", "drafter_policy", "call_inputs", "top_p",
-    "input_contract", "keyed_draws", "generator_options")]
+    "input_contract", "keyed_draws", "generator_options", "draft_head")]
 
 # (id, file, snippet, replacement, the bug it plants)
 MUTANTS = [
@@ -102,6 +102,12 @@ MUTANTS = [
     ("M34", "swiftkern/verify_step.py", "u_sample = _chunk_uniforms(seeds, start, K + 1, STREAM_RESIDUAL, device)",
      "u_sample = _chunk_uniforms(seeds, start, K + 1, STREAM_ACCEPT, device)",
      "the residual draw reuses the acceptance test's uniform"),
+    ("M35", "swiftkern/verifier.py", "real += real[-1:] * (R * T - len(real))", "real += [0] * (R * T - len(real))",
+     "a verify pass's padded writes land on the first slot's position in the last slot's row"),
+    ("M36", "swiftkern/verifier.py", "key_blocks = -(-(max(s.start for s in slots) + T) // KEY_BLOCK)",
+     "key_blocks = -(-(max(s.start for s in slots) + 1) // KEY_BLOCK)", "a verify pass's keys end short of its tokens"),
+    ("M37", "swiftkern/draft_head.py", "                if n:\n                    rows[:n] = self._rows[i][:n]\n", "",
+     "the pruned draft head loses its rows when it grows"),
 ]
 
 EQUIVALENT = {
