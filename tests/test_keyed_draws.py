@@ -29,13 +29,26 @@ def _drawable(probs: torch.Tensor, u: float) -> set[int]:
     return {t for t in range(first, min(last, V - 1) + 1) if probs[t] > 0}
 
 
+def _spread_model():
+    """A tiny Llama whose next-token distribution is spread out: draws differ from greedy's."""
+    hf = tiny_model("llama", vocab_size=V)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(0.1)
+    return hf
+
+
+def _next_probs(hf, context: list[int]) -> torch.Tensor:
+    """HF's filtered next-token distribution after ``context``: float64 [V]."""
+    with torch.no_grad():
+        logits = hf(torch.tensor([context])).logits[0, -1]  # [V]
+    return expected_probs(logits, **KW)
+
+
 def _assert_keyed(hf, prompt: list[int], seed: int, tokens: list[int]) -> None:
     for j, token in enumerate(tokens):
         context = prompt + tokens[:j]
-        with torch.no_grad():
-            logits = hf(torch.tensor([context])).logits[0, -1]  # [V]
         u = keyed_uniform(seed, len(context))  # the new token's absolute position
-        allowed = _drawable(expected_probs(logits, **KW), u)
+        allowed = _drawable(_next_probs(hf, context), u)
         assert token in allowed, f"token {j} (position {len(context)}): drew {token}, the keyed draw gives {allowed}"
 
 
@@ -43,9 +56,7 @@ def _assert_keyed(hf, prompt: list[int], seed: int, tokens: list[int]) -> None:
                                     dict(mode="deterministic", replay="always", window=4, verify_batch=2)],
                          ids=["ar", "deterministic", "deterministic-replay"])
 def test_every_sampled_token_is_its_positions_keyed_draw(config):
-    hf = tiny_model("llama", vocab_size=V)
-    with torch.no_grad():
-        hf.lm_head.weight.mul_(0.1)  # a spread-out distribution: draws differ from greedy's
+    hf = _spread_model()
     out = Generator(hf, **config).generate(PROMPTS, max_new_tokens=10, do_sample=True, seed=SEEDS,
                                             eos_token_id=[], **KW)
     assert all(len(t) == 10 for t in out.tokens)
@@ -57,15 +68,11 @@ def test_every_sampled_token_is_its_positions_keyed_draw(config):
 def test_the_check_tells_a_draw_keyed_one_position_early():
     """The negative control: tokens drawn with each uniform keyed on the position before are
     refused by the same check (so a passing test means the keys, not a loose tolerance)."""
-    hf = tiny_model("llama", vocab_size=V)
-    with torch.no_grad():
-        hf.lm_head.weight.mul_(0.1)
+    hf = _spread_model()
     prompt, seed, tokens = PROMPTS[1], SEEDS[1], []
     for _ in range(10):
         context = prompt + tokens
-        with torch.no_grad():
-            logits = hf(torch.tensor([context])).logits[0, -1]
-        probs = expected_probs(logits, **KW)
+        probs = _next_probs(hf, context)
         u = keyed_uniform(seed, len(context) - 1)
         tokens.append(int(torch.searchsorted(probs.cumsum(0), (u * probs.sum()).reshape(1), right=True)))
     with pytest.raises(AssertionError, match="the keyed draw gives"):
