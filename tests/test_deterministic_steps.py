@@ -1,12 +1,20 @@
-"""The deterministic loop's pure helpers (swiftkern/deterministic_steps.py) against a step-by-step
-simulation of the loop's rule for when a verify pass runs."""
+"""The deterministic loop's steps (swiftkern/deterministic_steps.py): its pure helpers against a
+step-by-step simulation of the loop's rule for when a verify pass runs, and one verify pass's
+commits against HF greedy."""
 
 from __future__ import annotations
 
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swiftkern.deterministic_steps import Row, _steps_to_verify, _through_stop
+from conftest import hf_greedy, tiny_model
+from swiftkern import SkipModel
+from swiftkern.deterministic_steps import DeterministicRun, Row, _steps_to_verify, _through_stop
+from swiftkern.fast_path import FastPath
+from swiftkern.requests import Requests
+from swiftkern.sampling import SamplingParams
+from swiftkern.verifier import Verifier
 
 
 def _simulated_wait(rows: list[Row], me: Row, window: int, verify_batch: int) -> int:
@@ -52,16 +60,6 @@ def test_a_verify_pass_commits_by_the_replay_rule():
     window of a stopped row matched (the verifier's next token is committed too: a free token),
     and a mismatch (the verifier's token replaces the rest). Checks the committed tokens, what
     stays unverified, the stop flags, the stats and the cache lengths the fast path resumes at."""
-    import torch
-
-    from conftest import hf_greedy, tiny_model
-    from swiftkern import SkipModel
-    from swiftkern.deterministic_steps import DeterministicRun
-    from swiftkern.fast_path import FastPath
-    from swiftkern.requests import Requests
-    from swiftkern.sampling import SamplingParams
-    from swiftkern.verifier import Verifier
-
     hf = tiny_model("llama")
     model = SkipModel.from_hf(hf)
     prompts = [[5, 6, 7, 8], [10, 11, 12], [1, 2, 3, 4, 5, 6]]
