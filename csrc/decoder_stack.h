@@ -12,8 +12,9 @@
 namespace swiftkern {
 
 // One layer's weights, in the order of swiftkern.model._Layer's fields.
+// kQNorm, kKNorm: Qwen3's per-head RMSNorm weights [D] of the queries and keys before RoPE (None: none).
 enum Field { kLnAttn, kQ, kK, kV, kQBias, kKBias, kVBias, kO, kOBias, kLnMlp, kGate, kUp, kDown, kGateBias,
-             kUpBias, kDownBias, kFields };
+             kUpBias, kDownBias, kQNorm, kKNorm, kFields };
 
 struct StackShape {
   int64_t B, T, num_heads, num_kv_heads, head_dim, max_len, skinny_max_rows;  // skinny_max_rows < 0: any
@@ -22,7 +23,7 @@ struct StackShape {
   bool invariant;
 };
 
-// One layer's weights: float32 (16, _Layer's fields) and packed (the same slots; undefined where
+// One layer's weights: float32 (kFields, _Layer's fields) and packed (the same slots; undefined where
 // a weight is not packed, or no packed list was given)
 struct LayerWeights {
   const std::optional<at::Tensor>* w;

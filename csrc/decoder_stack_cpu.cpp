@@ -51,12 +51,20 @@ std::tuple<at::Tensor, at::Tensor> add_norm(const StackShape& s, const at::Tenso
   return fused_add_rms_norm_cpu(pending, hidden, weight, s.eps);
 }
 
+// Qwen3's per-head norm: x [B, T, heads, D] normed over D (x itself where the model has none)
+at::Tensor head_norm(const StackShape& s, const at::Tensor& x, const std::optional<at::Tensor>& weight) {
+  const at::Tensor* w = present(weight);
+  return w ? rms_norm_cpu(x, *w, s.eps) : x;
+}
+
 at::Tensor attention(const StackShape& s, const LayerWeights& w, const at::Tensor& x,
                      at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& cos, const at::Tensor& sin,
                      const at::Tensor& positions, const at::Tensor& cache_lens) {
   const int64_t B = s.B, T = s.T, D = s.head_dim;
-  at::Tensor q = project(s, x, w, kQ, kQBias).view({B, T, s.num_heads, D}).transpose(1, 2);     // [B, Hq, T, D]
-  at::Tensor k = project(s, x, w, kK, kKBias).view({B, T, s.num_kv_heads, D}).transpose(1, 2);  // [B, Hkv, T, D]
+  at::Tensor q = head_norm(s, project(s, x, w, kQ, kQBias).view({B, T, s.num_heads, D}), w.w[kQNorm])
+                     .transpose(1, 2);  // [B, Hq, T, D]
+  at::Tensor k = head_norm(s, project(s, x, w, kK, kKBias).view({B, T, s.num_kv_heads, D}), w.w[kKNorm])
+                     .transpose(1, 2);  // [B, Hkv, T, D]
   at::Tensor v = project(s, x, w, kV, kVBias).view({B, T, s.num_kv_heads, D}).transpose(1, 2);
   q = rope_kv_append_cpu(q, k, v, cos, sin, k_cache, v_cache, positions);
   if (s.max_len < k_cache.size(2)) {  // the keys in use only (ops.keys_in_use)
@@ -77,8 +85,8 @@ at::Tensor mlp(const StackShape& s, const LayerWeights& w, const at::Tensor& x) 
 }  // namespace
 
 // hidden: float32, bfloat16 or float16 [B, T, H] (the embeddings; the weights in the same dtype);
-// weights: 16 per layer (_Layer's fields, None for
-// an absent bias); skip: per layer, bit 0 = attention skipped, bit 1 = MLP skipped; k_cache,
+// weights: kFields per layer (_Layer's fields, None for
+// an absent bias or head norm); skip: per layer, bit 0 = attention skipped, bit 1 = MLP skipped; k_cache,
 // v_cache: [L, B, Hkv, S, D]; cos, sin: [B, T, D]; positions: int64 [B, T]; cache_lens: [B]
 // the lengths after this chunk; max_len: keys in use; skinny_max_rows: ops.skinny_max_rows(dtype)
 // (-1: the fixed-order kernel at any number of rows: the invariant set, bf16 / fp16); invariant: the

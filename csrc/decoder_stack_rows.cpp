@@ -15,6 +15,7 @@
 #include <cstring>
 #include <optional>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "decoder_stack.h"
@@ -78,6 +79,7 @@ std::optional<Projection> projection(const StackShape& s, const LayerWeights& lw
 // A kept layer's kernels and norm weights (each part filled where its sub-layer runs)
 struct LayerPlan {
   const float *ln_attn = nullptr, *ln_mlp = nullptr;
+  const float *q_norm = nullptr, *k_norm = nullptr;  // [D] each, Qwen3's per-head norms; null: none
   Projection q, k, v, o, gate, up, down;
 };
 
@@ -138,6 +140,12 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> decoder_stack_rows(
     if (plan.ln_attn && !(take(plan.q, kQ, kQBias, Hq * D, H) && take(plan.k, kK, kKBias, Hkv * D, H) &&
                           take(plan.v, kV, kVBias, Hkv * D, H) && take(plan.o, kO, kOBias, H, Hq * D)))
       return std::nullopt;
+    if (plan.ln_attn)
+      for (auto [slot, norm] : {std::pair{kQNorm, &plan.q_norm}, std::pair{kKNorm, &plan.k_norm}})
+        if (const at::Tensor* w = present(lw.w[slot])) {
+          if (!is_f32(*w, 1) || w->size(0) != D) return std::nullopt;
+          *norm = w->data_ptr<float>();
+        }
     if (plan.ln_mlp) {
       const at::Tensor* gate = present(lw.w[kGate]);
       if (!gate || gate->dim() != 2 || (I != 0 && gate->size(0) != I)) return std::nullopt;
@@ -176,6 +184,10 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> decoder_stack_rows(
       plan.q(x, M, q);
       plan.k(x, M, k);
       plan.v(x, M, v);
+      if (plan.q_norm)  // in place, one row per token and head (each row read before it is written)
+        cpu::add_rms_norm_rows(q, D, nullptr, D, plan.q_norm, q, nullptr, M * Hq, D, static_cast<float>(s.eps));
+      if (plan.k_norm)
+        cpu::add_rms_norm_rows(k, D, nullptr, D, plan.k_norm, k, nullptr, M * Hkv, D, static_cast<float>(s.eps));
       rope.k_cache = kc + i * k_cache.stride(0);
       rope.v_cache = vc + i * v_cache.stride(0);
       cpu::rope_kv_append_rows(rope);

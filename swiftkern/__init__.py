@@ -14,7 +14,8 @@ from .model import SkipModel
 from .generate import Generator, GenerationOutput
 from .loading import load_model
 from .streaming import TextStream
-from .patching import apply_swiftkern_to_llama, apply_swiftkern_to_mistral, apply_swiftkern_to_qwen2
+from .patching import (apply_swiftkern_to_llama, apply_swiftkern_to_mistral, apply_swiftkern_to_qwen2,
+                       apply_swiftkern_to_qwen3)
 
 __all__ = ["SwiftkernError", "LayerSet", "KVCache", "SkipModel", "Generator", "GenerationOutput",
            "TextStream", "load_model", "__version__"]

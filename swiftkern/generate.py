@@ -108,7 +108,7 @@ class Generator:
 
     ``Generator(model, tokenizer=None, mode="ar", layer_set=None, k_max=25, eps=0.8,
     adaptive_eps=False, drafter="auto", draft_vocab=8192)``: ``model`` is a ``SkipModel`` or an
-    HF LLaMA/Mistral/Qwen2 causal LM (wrapped, weights shared); ``tokenizer`` is needed for
+    HF LLaMA/Mistral/Qwen2/Qwen3 causal LM (wrapped, weights shared); ``tokenizer`` is needed for
     text prompts and ``texts``.
     Modes: ``ar`` (plain decoding; greedy is token-identical to HF ``generate``) and
     ``self-spec`` (draft, verify all drafts in one full pass, keep the matching prefix; greedy

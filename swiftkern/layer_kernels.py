@@ -150,7 +150,7 @@ def _stack_for(invariant: bool) -> Callable | None:
     of a ~24 ms decode step). Matmuls as ``linear`` here: the C++ kernel up to
     ops.skinny_max_rows(dtype) rows (at any number in the invariant set), torch's past that.
 
-    stack(hidden [B, T, H], weights (16 per layer, _Layer's fields), skip (per layer: 1 attention
+    stack(hidden [B, T, H], weights (18 per layer, _Layer's fields), skip (per layer: 1 attention
     skipped, 2 MLP skipped), k_cache, v_cache [L, B, Hkv, S, D], cos, sin [B, T, D], positions
     [B, T], cache_lens [B], max_len, num_heads, num_kv_heads, head_dim, eps, scale, packed
     (empty, or the packed weight or None per weight slot: packed_weights.PackedSet.slots(), read

@@ -23,6 +23,7 @@ SUPPORTED_MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
 }
 
 
@@ -46,6 +47,19 @@ class _Layer:
     gate_bias: torch.Tensor | None
     up_bias: torch.Tensor | None
     down_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None  # [D]: Qwen3's RMSNorm of each query head before RoPE, else None
+    k_norm: torch.Tensor | None  # [D]: the same for each key head
+
+
+def _norm_weight(attn, name: str) -> torch.Tensor | None:
+    norm = getattr(attn, name, None)
+    return None if norm is None else norm.weight
+
+
+def head_norm(kern, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """Qwen3's per-head RMSNorm: x [..., heads, D] normed over D with weight [D] (HF applies it
+    to the projection's view before RoPE); x itself where the model has none (weight None)."""
+    return x if weight is None else kern.rms_norm(x, weight, eps)
 
 
 def _check_supported(hf_model) -> None:
@@ -89,7 +103,7 @@ class SkipModel:
         self.lm_head_bias = getattr(hf_model.lm_head, "bias", None)
         self.rotary = inner.rotary_emb
         self.layers = [self._layer(layer) for layer in inner.layers]
-        # the same weights flat, 16 per layer in _Layer's field order, for LayerKernels.stack
+        # the same weights flat, 18 per layer in _Layer's field order, for LayerKernels.stack
         self._stack_weights = [getattr(w, f.name) for w in self.layers for f in fields(_Layer)]
         self.packed = self._pack(pack_weights)
         self.invariant = False  # True inside batch_invariant(): the invariant kernel set
@@ -102,7 +116,7 @@ class SkipModel:
 
     @classmethod
     def from_hf(cls, hf_model, pack_weights: bool | None = None) -> "SkipModel":
-        """Wrap an HF LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM.
+        """Wrap an HF LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM.
 
         ``pack_weights``: keep a packed copy of the projection and LM head weights that are
         exactly integer codes times a scale (a GGUF model dequantized to float32;
@@ -168,6 +182,7 @@ class SkipModel:
             ln_mlp=layer.post_attention_layernorm.weight,
             gate=mlp.gate_proj.weight, up=mlp.up_proj.weight, down=mlp.down_proj.weight,
             gate_bias=mlp.gate_proj.bias, up_bias=mlp.up_proj.bias, down_bias=mlp.down_proj.bias,
+            q_norm=_norm_weight(attn, "q_norm"), k_norm=_norm_weight(attn, "k_norm"),
         )
 
     @contextmanager
@@ -287,8 +302,8 @@ class SkipModel:
             if skip_attn[i] is not True:
                 x, hidden = self._add_norm(kern, hidden, pending, w.ln_attn, fuse)
                 q, k, v = linears(x, (w.q, w.k, w.v), (w.q_bias, w.k_bias, w.v_bias))
-                q = q.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
-                k = k.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+                q = head_norm(kern, q.view(B, T, self.num_heads, self.head_dim), w.q_norm, self.eps).transpose(1, 2)
+                k = head_norm(kern, k.view(B, T, self.num_kv_heads, self.head_dim), w.k_norm, self.eps).transpose(1, 2)
                 v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
                 q = kern.rope_kv_append(q, k, v, cos, sin, cache.k[i], cache.v[i], positions, uniform_start, max_len)
                 attn = kern.verify_attention(q, cache.k[i], cache.v[i], new_lengths, self.scale, max_len, mask)

@@ -30,6 +30,7 @@ FAMILIES = {
     "llama": ("transformers.models.llama.modeling_llama", "LlamaRMSNorm", "LlamaMLP"),
     "mistral": ("transformers.models.mistral.modeling_mistral", "MistralRMSNorm", "MistralMLP"),
     "qwen2": ("transformers.models.qwen2.modeling_qwen2", "Qwen2RMSNorm", "Qwen2MLP"),
+    "qwen3": ("transformers.models.qwen3.modeling_qwen3", "Qwen3RMSNorm", "Qwen3MLP"),
 }
 
 
@@ -182,3 +183,9 @@ def apply_swiftkern_to_mistral(model=None, rms_norm: bool = True, swiglu: bool =
 def apply_swiftkern_to_qwen2(model=None, rms_norm: bool = True, swiglu: bool = True) -> Patch:
     """As ``apply_swiftkern_to_llama``, for ``Qwen2RMSNorm`` / ``Qwen2MLP``."""
     return _apply(("qwen2",), model, rms_norm, swiglu)
+
+
+def apply_swiftkern_to_qwen3(model=None, rms_norm: bool = True, swiglu: bool = True) -> Patch:
+    """As ``apply_swiftkern_to_llama``, for ``Qwen3RMSNorm`` (the layer norms and each
+    attention's per-head query and key norms) / ``Qwen3MLP``."""
+    return _apply(("qwen3",), model, rms_norm, swiglu)

@@ -26,7 +26,7 @@ from .batch_invariant import KEY_BLOCK, bi_linear, bi_linears, bi_log_softmax
 from .cuda_graphs import attention_span
 from .errors import SwiftkernError
 from .kv_cache import KVCache
-from .model import SkipModel
+from .model import SkipModel, head_norm
 from .verifier_kernels import verifier_kernels
 from .rope_table import rope_follows_the_batch
 
@@ -167,8 +167,8 @@ class Verifier:
         for i, w in enumerate(m.layers):
             x, hidden = _add_norm(kern, hidden, delta, w.ln_attn, m.eps)
             q, k, v = self._linears(x, (w.q, w.k, w.v), (w.q_bias, w.k_bias, w.v_bias))
-            q = q.view(R, T, m.num_heads, D).transpose(1, 2)
-            k = k.view(R, T, Hkv, D).transpose(1, 2)
+            q = head_norm(kern, q.view(R, T, m.num_heads, D), w.q_norm, m.eps).transpose(1, 2)
+            k = head_norm(kern, k.view(R, T, Hkv, D), w.k_norm, m.eps).transpose(1, 2)
             v = v.view(R, T, Hkv, D).transpose(1, 2)
             q, k, v = kern.rope(q, k, v, cos, sin)
             for new, store in ((k, cache.k[i]), (v, cache.v[i])):  # store: [B, Hkv, S, D]

@@ -28,7 +28,7 @@ def pytest_configure(config):
 def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
     """A small random HF causal LM of the given family (float32, eval mode)."""
     from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
-                              Qwen2Config, Qwen2ForCausalLM)
+                              Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
     common = dict(num_hidden_layers=4, hidden_size=64, intermediate_size=96, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=301, max_position_embeddings=512,
@@ -39,6 +39,8 @@ def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
         model = LlamaForCausalLM(LlamaConfig(**common))
     elif arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common))
+    elif arch == "qwen3":  # per-head q/k norms; head_dim 24, not hidden_size / heads (16)
+        model = Qwen3ForCausalLM(Qwen3Config(**{"head_dim": 24, **common}))
     elif arch == "mistral":
         model = MistralForCausalLM(MistralConfig(**{"sliding_window": None, **common}))
     else:

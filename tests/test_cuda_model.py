@@ -85,7 +85,7 @@ def test_forward_matches_the_cpu_kernels(layer_set):
         torch.testing.assert_close(got_cache.v[:, b, :, :n], want_cache.v[:, b, :, :n], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_ar_and_self_spec_greedy_match_hf(arch):
     hf = tiny_model(arch, num_hidden_layers=4)
     prompt = [5, 17, 99, 3, 250, 7]

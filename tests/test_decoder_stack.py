@@ -20,9 +20,9 @@ pytestmark = pytest.mark.usefixtures("uninitialized_is_poison")  # conftest: unw
 needs_stack = pytest.mark.skipif(LayerKernels.for_device("cpu").stack is None,
                                  reason="the C++ CPU kernels (decoder_stack) were not built")
 
-# the order csrc/decoder_stack_cpu.cpp reads a layer's 16 weights in (its enum Field)
+# the order csrc/decoder_stack.h reads a layer's 18 weights in (its enum Field)
 CPP_FIELDS = ["ln_attn", "q", "k", "v", "q_bias", "k_bias", "v_bias", "o", "o_bias", "ln_mlp", "gate", "up", "down",
-              "gate_bias", "up_bias", "down_bias"]
+              "gate_bias", "up_bias", "down_bias", "q_norm", "k_norm"]
 
 
 def test_layer_fields_are_in_the_order_the_cpp_stack_reads():
@@ -46,7 +46,7 @@ def _run(model, chunks, layer_set=None):
 
 
 @needs_stack
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # qwen2: q/k/v biases; qwen3: q/k norms
 @pytest.mark.parametrize("skip", [None, "attn:1|mlp:0,2", "attn:0,1,2,3|mlp:3"])
 @pytest.mark.parametrize("invariant", [False, True])
 @pytest.mark.parametrize("mkl_lags", [False, True], ids=["torch-past-32-rows", "cpp-at-any-size"])
@@ -77,7 +77,7 @@ def test_stack_equals_the_python_loop(arch, skip, invariant, mkl_lags, monkeypat
 
 
 @needs_stack
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_stack_runs_bf16_and_fp16_with_the_python_loops_bits(arch, dtype, monkeypatch):
     """A model in bf16 / fp16 takes the stack too (its projections torch's matmul, as ops.linear
@@ -107,13 +107,16 @@ def test_stack_runs_bf16_and_fp16_with_the_python_loops_bits(arch, dtype, monkey
 
 
 @needs_stack
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
 @pytest.mark.parametrize("skip", [None, "attn:0,2|mlp:1"])
-def test_stack_equals_the_reference_ops_on_odd_shapes(skip):
+def test_stack_equals_the_reference_ops_on_odd_shapes(skip, arch):
     """Against SWIFTKERN_BACKEND=reference (torch's own ops, none of the C++ kernels the stack
-    shares with the Python loop): heads 9 / 3, hidden 72, head size 8, intermediate 100,
-    qwen2's biases, rows of a 37-token prefill, a verify chunk of 5 and a decode step."""
-    hf = tiny_model("qwen2", num_hidden_layers=3, hidden_size=72, num_attention_heads=9, num_key_value_heads=3,
-                    intermediate_size=100)
+    shares with the Python loop): heads 9 / 3, hidden 72, head size 8 (qwen3: 20, its per-head
+    norms over 20), intermediate 100, qwen2's biases, rows of a 37-token prefill, a verify chunk
+    of 5 and a decode step."""
+    heads = dict(head_dim=20) if arch == "qwen3" else {}
+    hf = tiny_model(arch, num_hidden_layers=3, hidden_size=72, num_attention_heads=9, num_key_value_heads=3,
+                    intermediate_size=100, **heads)
     model = SkipModel.from_hf(hf)
     layer_set = LayerSet.parse(skip, 3) if skip else None
     g = torch.Generator().manual_seed(5)
@@ -176,7 +179,7 @@ def _stack_rows(monkeypatch, rows: bool, shared: list):
 
 
 @needs_stack
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # qwen2: q/k/v biases; qwen3: q/k norms
 @pytest.mark.parametrize("packed", [False, True], ids=["float32-weights", "packed-weights"])
 @pytest.mark.parametrize("invariant", [False, True])
 def test_float32_row_path_has_the_op_by_op_bits(arch, packed, invariant, monkeypatch):
@@ -185,8 +188,9 @@ def test_float32_row_path_has_the_op_by_op_bits(arch, packed, invariant, monkeyp
     verify chunk of 5, decode steps with and without skipped sub-layers, three rows of unequal
     lengths; and the row path ran (one buffer holds both outputs) wherever no projection went to
     torch's matmul."""
+    heads = dict(head_dim=32) if arch == "qwen3" else {}  # 6 x 32: GGUF quantizes rows of 32s
     hf = tiny_model(arch, num_hidden_layers=4, num_attention_heads=6, num_key_value_heads=2, hidden_size=96,
-                    intermediate_size=160)
+                    intermediate_size=160, **heads)
     model = SkipModel.from_hf(gguf_like(hf) if packed else hf, pack_weights=False)
     if packed:
         model.packed = PackedSet(model._stack_weights + [model.lm_head])

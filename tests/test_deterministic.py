@@ -5,6 +5,7 @@ a prompt's tokens and logprobs are the same bits alone and at any place in batch
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -137,8 +138,15 @@ def test_bi_attention_query_depends_on_its_own_keys_only():
 
 # --------------------------------------------------------------------------- the verifier
 
+@functools.cache
+def tiny_qwen3():
+    return SkipModel(tiny_model("qwen3", seed=4))  # per-head q/k norms before RoPE
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("kernels", KERNEL_SETS)
-def test_verifier_computes_the_model(tiny, kernels):
+def test_verifier_computes_the_model(tiny, kernels, family):
+    tiny = tiny_qwen3() if family == "qwen3" else tiny
     prompt = [5, 9, 33, 7, 81, 120, 4, 250, 17, 3, 99]
     cache = tiny.new_cache(1, 64)
     want = tiny.forward(torch.tensor([prompt]), cache)[0]  # [T, V]
@@ -267,8 +275,9 @@ def test_needle_tiny_self_spec_with_replay(tiny, sample):
                 eps=0.0)
 
 
-def test_needle_tiny_qwen2_with_biases():
-    model = SkipModel(tiny_model("qwen2", seed=3))
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])  # q/k/v biases; per-head q/k norms
+def test_needle_tiny_qwen_families(family):
+    model = SkipModel(tiny_model("qwen2", seed=3)) if family == "qwen2" else tiny_qwen3()
     for replay in ("always", "auto") if invariant_kernels_available("cpu", torch.float32) else ("always",):
         gen = Generator(model, mode="deterministic", window=4, verify_batch=2, replay=replay)
         _needle_trials(gen, [8, 8, 100, 7], random.Random(3), trials=2, max_batch=9, max_new_tokens=12,

@@ -1,7 +1,7 @@
 """Every feature at once, drawn at random: a mode and drafter, a batch of prompts of any lengths
 (repetitive ones, so lookup drafts), arrivals while others decode, an EOS and a stop token that
 the output really meets, per-request deterministic flags, a streamer, any ``max_new_tokens``,
-the forwards replayed through CUDA graphs' CPU stand-ins or not, five tiny model layouts, prompt
+the forwards replayed through CUDA graphs' CPU stand-ins or not, six tiny model layouts, prompt
 lookup through the prompts' index or their scan.
 Greedy, each request's tokens are HF greedy's for its prompt alone, cut at its first EOS / stop
 token; the streamer got exactly those tokens; the stats add up. Seeded sampling in mode
@@ -61,6 +61,7 @@ MODELS = {  # tiny random models of each family and attention layout the runner 
     "llama": ("llama", {}),
     "qwen2": ("qwen2", {}),  # q/k/v biases
     "mistral": ("mistral", {}),
+    "qwen3": ("qwen3", {}),  # per-head q/k norms, head_dim past hidden_size / heads
     "llama-mqa-tied": ("llama", dict(num_key_value_heads=1, tie_word_embeddings=True, seed=5)),
     "llama-mha-5-layers": ("llama", dict(num_key_value_heads=4, num_hidden_layers=5, seed=9)),
 }

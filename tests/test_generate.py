@@ -16,7 +16,7 @@ from swiftkern.sampling import SamplingParams, filter_logits, keyed_uniform, sam
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [200]]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3"])
 def test_greedy_matches_hf_batch_1_and_batched(arch):
     hf = tiny_model(arch)
     gen = Generator(hf)

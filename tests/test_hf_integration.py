@@ -42,7 +42,7 @@ class Recorder:
         self.calls.append("end")
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
 @pytest.mark.parametrize("options", MODES, ids=["ar", "self-spec", "lookup"])
 def test_greedy_equals_hf_generate(arch, options):
     model = tiny_model(arch, seed=1)
@@ -82,7 +82,7 @@ ROW = st.one_of(st.lists(st.integers(3, 300), min_size=1, max_size=20),
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(arch=st.sampled_from(["llama", "mistral", "qwen2"]), options=st.sampled_from(ANY_MODE),
+@given(arch=st.sampled_from(["llama", "mistral", "qwen2", "qwen3"]), options=st.sampled_from(ANY_MODE),
        rows=st.lists(ROW, min_size=1, max_size=4), max_new=st.integers(1, 16),
        eos_at=st.one_of(st.none(), st.tuples(st.integers(0, 3), st.integers(0, 15))))
 def test_any_left_padded_batch_equals_hf(arch, options, rows, max_new, eos_at):

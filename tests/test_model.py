@@ -6,7 +6,7 @@ import torch
 from conftest import tiny_model
 from swiftkern import LayerSet, SkipModel, SwiftkernError
 
-ARCHS = ["llama", "qwen2", "mistral"]
+ARCHS = ["llama", "qwen2", "mistral", "qwen3"]
 
 
 def hf_logits(hf, ids):

@@ -12,7 +12,7 @@ from conftest import tiny_model
 # dtype: (atol, rtol) of patched vs unpatched outputs
 TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 1.6e-2)}
 APPLY = {"llama": swiftkern.apply_swiftkern_to_llama, "mistral": swiftkern.apply_swiftkern_to_mistral,
-         "qwen2": swiftkern.apply_swiftkern_to_qwen2}
+         "qwen2": swiftkern.apply_swiftkern_to_qwen2, "qwen3": swiftkern.apply_swiftkern_to_qwen3}
 
 
 @pytest.fixture
@@ -35,7 +35,7 @@ def _logits(model, ids):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
 @pytest.mark.parametrize("level", ["instance", "class"])
 def test_patched_model_matches_unpatched(arch, dtype, level, spy):
     model = tiny_model(arch, seed=2).to(dtype)
@@ -47,7 +47,8 @@ def test_patched_model_matches_unpatched(arch, dtype, level, spy):
     finally:
         patch.undo()
     layers = model.config.num_hidden_layers
-    assert spy == {"rms_norm": 2 * layers + 1, "silu_mul": layers}  # the patched forwards ran
+    head_norms = 2 * layers if arch == "qwen3" else 0  # qwen3: each attention's query and key norms too
+    assert spy == {"rms_norm": 2 * layers + 1 + head_norms, "silu_mul": layers}  # the patched forwards ran
     atol, rtol = TOLERANCE[dtype]
     torch.testing.assert_close(got, want, atol=atol * want.abs().max().item(), rtol=rtol)
     assert torch.equal(_logits(model, ids), want)  # undone

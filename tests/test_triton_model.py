@@ -56,8 +56,9 @@ def test_forward_matches_the_reference_backend(layer_set, plans):
         torch.testing.assert_close(got_cache.k[:, b, :, :n], want_cache.k[:, b, :, :n], atol=1e-5, rtol=1e-5)
 
 
-def test_ar_and_self_spec_greedy_match_hf(plans):
-    hf = tiny_model("llama", num_hidden_layers=4).to(DEVICE)
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # qwen3: the per-head q/k norms through Triton's rms_norm
+def test_ar_and_self_spec_greedy_match_hf(plans, arch):
+    hf = tiny_model(arch, num_hidden_layers=4).to(DEVICE)
     prompt = [5, 17, 99, 3, 250, 7]
     want = hf_greedy_on(hf, prompt, 10)
     with backend("triton"):

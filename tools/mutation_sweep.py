@@ -27,7 +27,7 @@ TESTS = [f"tests/test_{name}.py" for name in (
     "self_spec", "generate", "kv_cache", "streaming", "arrivals", "deterministic", "acceptance", "exact_self_spec",
     "lookup", "lookup_index", "lookup_replay", "deterministic_steps", "greedy_accept", "rejection_sample",
     "feature_mix", "hf_integration", "host_reads", "replay_policy", "drafter_policy", "call_inputs", "top_p",
-    "input_contract", "keyed_draws", "generator_options", "draft_head")]
+    "input_contract", "keyed_draws", "generator_options", "draft_head", "decoder_stack")]
 
 # (id, file, snippet, replacement, the bug it plants)
 MUTANTS = [
@@ -108,6 +108,11 @@ MUTANTS = [
      "key_blocks = -(-(max(s.start for s in slots) + 1) // KEY_BLOCK)", "a verify pass's keys end short of its tokens"),
     ("M37", "swiftkern/draft_head.py", "                if n:\n                    rows[:n] = self._rows[i][:n]\n", "",
      "the pruned draft head loses its rows when it grows"),
+    ("M38", "swiftkern/verifier.py", "k = head_norm(kern, k.view(R, T, Hkv, D), w.k_norm, m.eps)",
+     "k = head_norm(kern, k.view(R, T, Hkv, D), None, m.eps)", "the verifier drops Qwen3's key-head norm"),
+    ("M39", "swiftkern/model.py", "q = head_norm(kern, q.view(B, T, self.num_heads, self.head_dim), w.q_norm, self.eps)",
+     "q = head_norm(kern, q.view(B, T, self.num_heads, self.head_dim), w.k_norm, self.eps)",
+     "the runner's Python loop norms Qwen3's query heads with the key-head weight"),
 ]
 
 EQUIVALENT = {

@@ -181,7 +181,7 @@ def generate(model, input_ids: torch.Tensor | None = None, logits_processor=None
     custom_generate=generate, swift_mode=..., layer_set=..., ...)``. Called directly:
     ``generate(model, input_ids, max_new_tokens=..., ...)`` (it goes through ``model.generate``).
 
-    model: an HF LLaMA / Mistral / Qwen2 causal LM. input_ids: int64 [B, T], left-padded when
+    model: an HF LLaMA / Mistral / Qwen2 / Qwen3 causal LM. input_ids: int64 [B, T], left-padded when
     rows differ in length, with attention_mask [B, T] (0 on padding).
 
     swiftkern options (the rest is HF's): ``swift_mode`` — ``"self-spec"`` (default: layer-skipped
