@@ -1,14 +1,20 @@
-"""Plant one bug at a time in the decoding loops' source and see whether the tests catch it.
+"""Plant one bug at a time in the decoding loops' and the kernels' source and see whether the
+tests catch it.
 
     .venv/bin/python tools/mutation_sweep.py            # every mutant below
     .venv/bin/python tools/mutation_sweep.py M10,M23    # some of them
     .venv/bin/python tools/mutation_sweep.py --tests tests/test_self_spec.py M10
 
-Each mutant replaces one exact snippet of a file (it must occur once) in a git worktree of HEAD
-(the C++ extension copied in from this checkout, so build it first), runs the tests on it
-(``-x``, two xdist workers, no slow tests) and prints KILLED (a test failed) or SURVIVED with the
-first failing tests. The checkout itself is never touched. A survivor is a place to look: a bug
-no test sees, or an equivalent change (listed in EQUIVALENT with the reason)."""
+Each mutant replaces one exact snippet of a file (it must occur once) in a git worktree of HEAD,
+runs the tests on it (``-x``, two xdist workers, no slow tests) and prints KILLED (a test failed)
+or SURVIVED with the first failing tests. The checkout itself is never touched. A survivor is a
+place to look: a bug no test sees, or an equivalent change (listed in EQUIVALENT with the reason).
+
+The loops' mutants (M..) run the loop and op tests (TESTS) with the C++ extension copied in from
+this checkout, so build it first. A kernel mutant (K..) names its own tests: its op's. One in
+``csrc/`` rebuilds the worktree's extension with it and again without it (the first such mutant
+builds the whole extension there once: minutes on two cores); the Triton kernels run under the
+interpreter without a GPU (tests/conftest.py), as in ``make test``."""
 
 from __future__ import annotations
 
@@ -29,7 +35,7 @@ TESTS = [f"tests/test_{name}.py" for name in (
     "feature_mix", "hf_integration", "host_reads", "replay_policy", "drafter_policy", "call_inputs", "top_p",
     "input_contract", "keyed_draws", "generator_options", "draft_head", "decoder_stack")]
 
-# (id, file, snippet, replacement, the bug it plants)
+# (id, file, snippet, replacement, the bug it plants[, the tests to run instead of TESTS])
 MUTANTS = [
     ("M01", "swiftkern/speculative.py", "committed = row[: num_accepted[i] + 1]",
      "committed = row[: num_accepted[i]] or row[:1]", "self-spec drops the bonus token"),
@@ -115,14 +121,29 @@ MUTANTS = [
      "the runner's Python loop norms Qwen3's query heads with the key-head weight"),
 ]
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kernel_mutants import KERNEL_MUTANTS  # noqa: E402
+
+MUTANTS += KERNEL_MUTANTS
+
 EQUIVALENT = {
     "M04": "every acceptance and residual key moves by one position in every step alike, so no key is used "
            "twice and each draw stays a fresh uniform: the same distribution, the same invariance",
 }
 
 
+def build(worktree: str, env: dict) -> str | None:
+    """Build the worktree's C++ extension in place (ninja recompiles what changed) -> None, or
+    the end of the compiler's output where the build failed."""
+    done = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=worktree, env=env,
+                          capture_output=True, text=True)
+    return None if done.returncode == 0 else (done.stdout + done.stderr)[-400:]
+
+
 def run(mutant, worktree: str, tests: list[str], env: dict) -> str:
-    mid, path, old, new, what = mutant
+    mid, path, old, new, what = mutant[:5]
+    tests = mutant[5] if len(mutant) > 5 else tests
+    native = path.startswith("csrc/")
     file = os.path.join(worktree, path)
     with open(file) as f:
         source = f.read()
@@ -134,11 +155,16 @@ def run(mutant, worktree: str, tests: list[str], env: dict) -> str:
         shutil.rmtree(db, ignore_errors=True)  # a failing example saved by the last mutant replays
     start = time.time()
     try:
+        failure = build(worktree, env) if native else None
+        if failure is not None:  # a mutant the compiler refuses is no bug a test could miss
+            return f"{mid} UNBUILT {what}: {failure!r}"
         done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-n", "2", "-p", "no:cacheprovider",
                                "-m", "not slow", *tests], cwd=worktree, env=env, capture_output=True, text=True)
     finally:
         with open(file, "w") as f:
             f.write(source)
+        if native and build(worktree, env) is not None:
+            raise RuntimeError(f"{mid}: the extension does not build again without the mutant")
     failed = [line for line in done.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))][:2]
     verdict = "KILLED" if done.returncode != 0 else "SURVIVED"
     note = f" (equivalent: {EQUIVALENT[mid]})" if verdict == "SURVIVED" and mid in EQUIVALENT else ""
@@ -160,12 +186,26 @@ def main() -> int:
     worktree = tempfile.mkdtemp(prefix="swiftkern-mutants-")
     subprocess.run(["git", "worktree", "add", "--detach", "-q", worktree, "HEAD"], cwd=ROOT, check=True)
     try:
-        for so in built:
-            shutil.copy(so, os.path.join(worktree, "swiftkern"))
-        env = dict(os.environ, PYTHONPATH=worktree)
-        for mutant in MUTANTS:
-            if not wanted or mutant[0] in wanted:
-                print(run(mutant, worktree, args.tests.split(","), env), flush=True)
+        # the worktree's Triton kernels as swiftkern.triton_kernels (setup.py's package_dir): the
+        # editable install's finder would hand out this checkout's, and every Triton mutant survive
+        os.symlink(os.path.join("..", "triton_kernels"), os.path.join(worktree, "swiftkern", "triton_kernels"))
+        env = dict(os.environ, PYTHONPATH=worktree, MAX_JOBS="2")
+        where = subprocess.run([sys.executable, "-c", "import swiftkern, swiftkern.triton_kernels as t; "
+                                "print(swiftkern.__file__); print(t.__file__)"], cwd=worktree, env=env,
+                               capture_output=True, text=True, check=True).stdout.split()
+        if not all(os.path.realpath(p).startswith(os.path.realpath(worktree) + os.sep) for p in where):
+            raise RuntimeError(f"the tests would import {where}, not the worktree's code")
+        chosen = [m for m in MUTANTS if not wanted or m[0] in wanted]
+        if any(m[1].startswith("csrc/") for m in chosen):
+            print("building the worktree's extension (once)...", flush=True)
+            failure = build(worktree, env)
+            if failure is not None:
+                raise RuntimeError(f"the worktree's extension does not build: {failure}")
+        else:
+            for so in built:
+                shutil.copy(so, os.path.join(worktree, "swiftkern"))
+        for mutant in chosen:
+            print(run(mutant, worktree, args.tests.split(","), env), flush=True)
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", worktree], cwd=ROOT)
     return 0
