@@ -52,13 +52,20 @@ def _assert_keyed(hf, prompt: list[int], seed: int, tokens: list[int]) -> None:
         assert token in allowed, f"token {j} (position {len(context)}): drew {token}, the keyed draw gives {allowed}"
 
 
-@pytest.mark.parametrize("config", [dict(mode="ar"), dict(mode="deterministic"),
-                                    dict(mode="deterministic", replay="always", window=4, verify_batch=2)],
-                         ids=["ar", "deterministic", "deterministic-replay"])
-def test_every_sampled_token_is_its_positions_keyed_draw(config):
+REPLAY = dict(mode="deterministic", replay="always", window=4, verify_batch=2)
+
+
+@pytest.mark.parametrize("config,call", [
+    (dict(mode="ar"), {}),
+    (dict(mode="deterministic"), {}),
+    (REPLAY, {}),
+    # requests that skip verification keep the fast path's own draws: keyed alike
+    (REPLAY, dict(deterministic=[False, True, False])),
+], ids=["ar", "deterministic", "deterministic-replay", "deterministic-replay-unverified"])
+def test_every_sampled_token_is_its_positions_keyed_draw(config, call):
     hf = _spread_model()
     out = Generator(hf, **config).generate(PROMPTS, max_new_tokens=10, do_sample=True, seed=SEEDS,
-                                            eos_token_id=[], **KW)
+                                            eos_token_id=[], **KW, **call)
     assert all(len(t) == 10 for t in out.tokens)
     for prompt, seed, tokens in zip(PROMPTS, SEEDS, out.tokens):
         _assert_keyed(hf, prompt, seed, tokens)
