@@ -141,9 +141,10 @@ def build(worktree: str, env: dict) -> str | None:
     return None if done.returncode == 0 else (done.stdout + done.stderr)[-400:]
 
 
-def run(mutant, worktree: str, tests: list[str], env: dict) -> str:
+def run(mutant, worktree: str, tests: list[str] | None, env: dict) -> str:
+    """tests: the files to run (None: the mutant's own, else TESTS)."""
     mid, path, old, new, what = mutant[:5]
-    tests = mutant[5] if len(mutant) > 5 else tests
+    tests = tests or (mutant[5] if len(mutant) > 5 else TESTS)
     native = path.startswith("csrc/")
     file = os.path.join(worktree, path)
     with open(file) as f:
@@ -175,7 +176,8 @@ def run(mutant, worktree: str, tests: list[str], env: dict) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("ids", nargs="?", default="", help="comma-separated mutant ids (default: all)")
-    parser.add_argument("--tests", default=",".join(TESTS), help="comma-separated test files to run on each mutant")
+    parser.add_argument("--tests", default=None, help="comma-separated test files to run on each mutant "
+                                                      "(default: the mutant's own, else the loop and op tests)")
     args = parser.parse_args()
     wanted = set(filter(None, args.ids.split(",")))
     unknown = wanted - {m[0] for m in MUTANTS}
@@ -206,7 +208,7 @@ def main() -> int:
             for so in built:
                 shutil.copy(so, os.path.join(worktree, "swiftkern"))
         for mutant in chosen:
-            print(run(mutant, worktree, args.tests.split(","), env), flush=True)
+            print(run(mutant, worktree, args.tests.split(",") if args.tests else None, env), flush=True)
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", worktree], cwd=ROOT)
     return 0
