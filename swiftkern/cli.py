@@ -66,7 +66,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="swiftkern",
-        description="Lossless fast LLM decoding. 'generate' writes text with a LLaMA-family "
+        description="Lossless fast LLM decoding. 'generate' writes text with a Llama, Mistral, Qwen2 or Qwen3 "
                     "model; 'info' shows versions, device and kernel backends; 'search' finds a "
                     "model's draft layer set offline and stores it; 'bench' runs the kernel and "
                     "end-to-end benchmarks of a source checkout.")
