@@ -96,12 +96,13 @@ def test_chat_prompt_is_the_tokenizers_template(smollm2):
     assert Generator(model, tok).encode("Why is the sky blue?", chat=True) == [expect]
 
 
-def test_load_model_from_a_local_folder(smollm2, tmp_path):
-    """A saved HF folder (tiny random Llama + the SmolLM2 tokenizer) loads with no network."""
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_load_model_from_a_local_folder(smollm2, tmp_path, arch):
+    """A saved HF folder (a tiny random Llama or Qwen3 + the SmolLM2 tokenizer) loads with no network."""
     import swiftkern
     from conftest import tiny_model
 
-    hf = tiny_model("llama", vocab_size=49152)
+    hf = tiny_model(arch, vocab_size=49152)
     hf.save_pretrained(tmp_path)
     smollm2[1].save_pretrained(tmp_path)
     model, tok = swiftkern.load_model(str(tmp_path))
