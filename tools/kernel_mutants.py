@@ -1,4 +1,4 @@
-"""Planted bugs in the kernels (C++ in csrc/, Triton in triton_kernels/), for tools/mutation_sweep.py:
+"""Planted bugs in the kernels (C++ and CUDA in csrc/, Triton in triton_kernels/), for tools/mutation_sweep.py:
 each a one-snippet change on a path the CPU runs (the C++ extension, or Triton's interpreter) that a
 user's inputs can expose, with the test files that hold that kernel to swiftkern/reference.py."""
 
@@ -92,4 +92,20 @@ KERNEL_MUTANTS = [
     ("K21", "triton_kernels/skinny_linear.py", "out = out + bias.to(out.dtype)", "out = out",
      "the Triton skinny_linear drops the bias",
      ["tests/test_triton_skinny_linear.py"]),
+    # ------------------------------------------------------------------ CUDA (csrc/*.cu, *.cuh), in the CPU
+    # emulation of CUDA (tests/cuda_emu: built from the worktree's csrc by a hash of its sources)
+    ("K22", "csrc/rope_kv_append.cuh", "-__fmul_rn(hi, Ty::load(s1.v[e]))", "__fmul_rn(hi, Ty::load(s1.v[e]))",
+     "the CUDA rope_kv_append's rotate-half adds x2 * sin to the first half instead of subtracting it",
+     ["tests/test_cuda_ops.py"]),
+    ("K23", "csrc/fused_add_rms_norm.cuh", "out.v[e] = Ty::store(Ty::load(wc.v[e]) * ", "out.v[e] = Ty::store(1.0f * ",
+     "the CUDA fused_add_rms_norm ignores the norm's weight", ["tests/test_cuda_ops.py"]),
+    ("K24", "csrc/greedy_accept.cuh",
+     "return a.value > b.value || (a.value == b.value && a.index < b.index);",
+     "return a.value > b.value || (a.value == b.value && a.index > b.index);",
+     "the CUDA greedy argmax's reduction keeps the highest index among tied maxima (torch: the lowest)",
+     ["tests/test_cuda_ops.py"]),
+    ("K25", "csrc/kv_compact.cuh", "if (to.i >= n) break;", "if (to.i >= n - 1) break;",
+     "the CUDA kv_compact's register path leaves a row's last kept entry unwritten", ["tests/test_cuda_ops.py"]),
+    ("K26", "csrc/rejection_sample.cuh", "return v < d.lo ? d.lo : v;", "return v;",
+     "the CUDA rejection_sample's residual weights are not clamped at 0", ["tests/test_cuda_ops.py"]),
 ]

@@ -13,8 +13,9 @@ place to look: a bug no test sees, or an equivalent change (listed in EQUIVALENT
 The loops' mutants (M..) run the loop and op tests (TESTS) with the C++ extension copied in from
 this checkout, so build it first. A kernel mutant (K..) names its own tests: its op's. One in
 ``csrc/`` rebuilds the worktree's extension with it and again without it (the first such mutant
-builds the whole extension there once: minutes on two cores); the Triton kernels run under the
-interpreter without a GPU (tests/conftest.py), as in ``make test``."""
+builds the whole extension there once: minutes on two cores); one in a CUDA file runs in the
+CPU emulation of CUDA (tests/cuda_emu), which builds itself from the worktree's sources; the
+Triton kernels run under the interpreter without a GPU (tests/conftest.py), as in ``make test``."""
 
 from __future__ import annotations
 
@@ -145,7 +146,7 @@ def run(mutant, worktree: str, tests: list[str] | None, env: dict) -> str:
     """tests: the files to run (None: the mutant's own, else TESTS)."""
     mid, path, old, new, what = mutant[:5]
     tests = tests or (mutant[5] if len(mutant) > 5 else TESTS)
-    native = path.startswith("csrc/")
+    native = path.startswith("csrc/") and not path.endswith((".cu", ".cuh"))  # CUDA: the emulation builds it
     file = os.path.join(worktree, path)
     with open(file) as f:
         source = f.read()
@@ -199,7 +200,7 @@ def main() -> int:
         if not all(os.path.realpath(p).startswith(os.path.realpath(worktree) + os.sep) for p in where):
             raise RuntimeError(f"the tests would import {where}, not the worktree's code")
         chosen = [m for m in MUTANTS if not wanted or m[0] in wanted]
-        if any(m[1].startswith("csrc/") for m in chosen):
+        if any(m[1].startswith("csrc/") and not m[1].endswith((".cu", ".cuh")) for m in chosen):
             print("building the worktree's extension (once)...", flush=True)
             failure = build(worktree, env)
             if failure is not None:
