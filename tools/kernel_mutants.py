@@ -1,6 +1,6 @@
 """Planted bugs in the kernels (C++ and CUDA in csrc/, Triton in triton_kernels/), for tools/mutation_sweep.py:
-each a one-snippet change on a path the CPU runs (the C++ extension, or Triton's interpreter) that a
-user's inputs can expose, with the test files that hold that kernel to swiftkern/reference.py."""
+each a one-snippet change on a path the CPU runs (the C++ extension, the CPU emulation of CUDA, or Triton's
+interpreter) that a user's inputs can expose, with the test files that hold that kernel to swiftkern/reference.py."""
 
 # (id, file, snippet, replacement, the bug it plants, the tests that should catch it)
 KERNEL_MUTANTS = [
