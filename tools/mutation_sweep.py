@@ -10,9 +10,10 @@ runs the tests on it (``-x``, two xdist workers, no slow tests) and prints KILLE
 or SURVIVED with the first failing tests. The checkout itself is never touched. A survivor is a
 place to look: a bug no test sees, or an equivalent change (listed in EQUIVALENT with the reason).
 
-The loops' mutants (M..) run the loop and op tests (TESTS) with the C++ extension copied in from
-this checkout, so build it first. A kernel mutant (K..) names its own tests: its op's. One in
-``csrc/`` rebuilds the worktree's extension with it and again without it (the first such mutant
+A mutant runs its own tests where it names them (the kernel mutants K.., and M40 on), else the
+loop and op tests (TESTS); ``--tests`` overrides both. Where no mutant is in csrc's C++, the C++
+extension is copied in from this checkout, so build it first. A mutant in csrc's C++ rebuilds
+the worktree's extension with it and again without it (the first such mutant
 builds the whole extension there once: minutes on two cores); one in a CUDA file runs in the
 CPU emulation of CUDA (tests/cuda_emu), which builds itself from the worktree's sources; the
 Triton kernels run under the interpreter without a GPU (tests/conftest.py), as in ``make test``."""
@@ -134,6 +135,12 @@ EQUIVALENT = {
 }
 
 
+def builds_the_extension(path: str) -> bool:
+    """Whether a mutant of this file needs the worktree's C++ extension built: csrc's C++ does;
+    the CUDA files do not (the CPU emulation of CUDA builds itself from them)."""
+    return path.startswith("csrc/") and not path.endswith((".cu", ".cuh"))
+
+
 def build(worktree: str, env: dict) -> str | None:
     """Build the worktree's C++ extension in place (ninja recompiles what changed) -> None, or
     the end of the compiler's output where the build failed."""
@@ -146,7 +153,7 @@ def run(mutant, worktree: str, tests: list[str] | None, env: dict) -> str:
     """tests: the files to run (None: the mutant's own, else TESTS)."""
     mid, path, old, new, what = mutant[:5]
     tests = tests or (mutant[5] if len(mutant) > 5 else TESTS)
-    native = path.startswith("csrc/") and not path.endswith((".cu", ".cuh"))  # CUDA: the emulation builds it
+    native = builds_the_extension(path)
     file = os.path.join(worktree, path)
     with open(file) as f:
         source = f.read()
@@ -200,7 +207,7 @@ def main() -> int:
         if not all(os.path.realpath(p).startswith(os.path.realpath(worktree) + os.sep) for p in where):
             raise RuntimeError(f"the tests would import {where}, not the worktree's code")
         chosen = [m for m in MUTANTS if not wanted or m[0] in wanted]
-        if any(m[1].startswith("csrc/") and not m[1].endswith((".cu", ".cuh")) for m in chosen):
+        if any(builds_the_extension(m[1]) for m in chosen):
             print("building the worktree's extension (once)...", flush=True)
             failure = build(worktree, env)
             if failure is not None:
