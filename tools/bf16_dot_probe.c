@@ -29,33 +29,24 @@ static double now(void) {
 #define DECL(i) __m512 a##i = _mm512_setzero_ps();
 #define SUM(i) s = _mm512_add_ps(s, a##i);
 
-__attribute__((target("avx512f,avx512bf16"))) static float dp_chains(long n) {
-  CHAINS12(DECL)
-  __m512bh x = (__m512bh)_mm512_set1_epi16(0x3f80), y = (__m512bh)_mm512_set1_epi16(0x3000);
-  for (long i = 0; i < n; i++) {
-#define STEP(i) a##i = _mm512_dpbf16_ps(a##i, x, y);
-    CHAINS12(STEP)
-#undef STEP
-    __asm__ volatile("" : "+v"(x), "+v"(y));
+// fn(n): 12 independent chains of `step` (a##i: the chain's register), n steps each, on x and y
+#define CHAIN_TIMER(fn, isa, T, x0, y0, step)             \
+  __attribute__((target(isa))) static float fn(long n) {   \
+    CHAINS12(DECL)                                            \
+    T x = x0, y = y0;                                         \
+    for (long i = 0; i < n; i++) {                            \
+      CHAINS12(step)                                          \
+      __asm__ volatile("" : "+v"(x), "+v"(y));                \
+    }                                                         \
+    __m512 s = _mm512_setzero_ps();                           \
+    CHAINS12(SUM)                                             \
+    return _mm512_reduce_add_ps(s);                           \
   }
-  __m512 s = _mm512_setzero_ps();
-  CHAINS12(SUM)
-  return _mm512_reduce_add_ps(s);
-}
-
-__attribute__((target("avx512f"))) static float fma_chains(long n) {
-  CHAINS12(DECL)
-  __m512 x = _mm512_set1_ps(1.f), y = _mm512_set1_ps(1e-6f);
-  for (long i = 0; i < n; i++) {
-#define STEP(i) a##i = _mm512_fmadd_ps(x, y, a##i);
-    CHAINS12(STEP)
-#undef STEP
-    __asm__ volatile("" : "+v"(x), "+v"(y));
-  }
-  __m512 s = _mm512_setzero_ps();
-  CHAINS12(SUM)
-  return _mm512_reduce_add_ps(s);
-}
+#define DP_STEP(i) a##i = _mm512_dpbf16_ps(a##i, x, y);
+#define FMA_STEP(i) a##i = _mm512_fmadd_ps(x, y, a##i);
+CHAIN_TIMER(dp_chains, "avx512f,avx512bf16", __m512bh, (__m512bh)_mm512_set1_epi16(0x3f80),
+            (__m512bh)_mm512_set1_epi16(0x3000), DP_STEP)
+CHAIN_TIMER(fma_chains, "avx512f", __m512, _mm512_set1_ps(1.f), _mm512_set1_ps(1e-6f), FMA_STEP)
 
 typedef struct {
   uint8_t palette, start_row, reserved[14];
