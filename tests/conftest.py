@@ -23,6 +23,12 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: loads the real SmolLM2 model (runs in CI, kept few)")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        from interpreter_check import runtime_loop_bound_problem
+
+        problem = runtime_loop_bound_problem()
+        if problem is not None:
+            pytest.exit(problem, returncode=4)
 
 
 def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
