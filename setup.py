@@ -3,9 +3,10 @@
 Install with ``pip install --no-build-isolation -e .`` so the build sees the installed torch
 (torch is not a build or runtime requirement: install the build you want first). Paths:
 
-  (a) torch built with CUDA and nvcc / CUDA_HOME found -> CUDAExtension swiftkern._C from
-      csrc/*.cpp + csrc/*.cu, -DSWIFTKERN_WITH_CUDA; TORCH_CUDA_ARCH_LIST defaults to
-      "8.0;9.0a" when no GPU is visible (else torch builds for the visible GPU);
+  (a) torch built with CUDA and a CUDA toolkit found (CUDA_HOME, or the one nvcc on PATH runs
+      from) -> CUDAExtension swiftkern._C from csrc/*.cpp + csrc/*.cu, -DSWIFTKERN_WITH_CUDA;
+      TORCH_CUDA_ARCH_LIST defaults to "8.0;9.0a" when no GPU is visible (else torch builds for
+      the visible GPU);
   (b) any other torch -> CppExtension swiftkern._C from csrc/*.cpp (CPU kernels, -O3, OpenMP);
   (c) torch not importable -> pure Python (ops use swiftkern/reference.py).
 
@@ -17,6 +18,7 @@ The chosen path is printed to stderr (``pip install -v`` shows it).
 import glob
 import os
 import shutil
+import subprocess
 import sys
 
 from setuptools import setup
@@ -80,6 +82,46 @@ def cuda_archs(torch) -> str:
     return f"{major}.{minor} (visible GPU)"
 
 
+def has_cuda_headers(home: str | None) -> bool:
+    return bool(home) and os.path.isfile(os.path.join(home, "include", "cuda_runtime_api.h"))
+
+
+def nvcc_toolkit() -> str | None:
+    """The CUDA toolkit the nvcc on PATH runs from, as nvcc reports it (`_HERE_` of a dry run).
+
+    torch takes the folder above nvcc's for CUDA_HOME; where nvcc on PATH is a wrapper script
+    (/usr/local/bin/nvcc running /usr/local/cuda-13.0/bin/nvcc, as on this project's machines)
+    that is /usr/local, which has no CUDA headers, and the build failed on cuda_runtime_api.h."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return None
+    try:
+        run = subprocess.run([nvcc, "-dryrun", "-E", "-x", "cu", os.devnull], capture_output=True, text=True,
+                             timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in (run.stdout + run.stderr).splitlines():
+        if line.startswith("#$ _HERE_="):
+            return os.path.dirname(os.path.normpath(line.split("=", 1)[1].strip()))
+    return None
+
+
+def cuda_home(ce) -> str | None:
+    """torch's CUDA_HOME where it has the CUDA headers, else nvcc's own toolkit (torch's module
+    then uses it too), else None; a CUDA_HOME or CUDA_PATH set by the user is kept as it is."""
+    if os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or has_cuda_headers(ce.CUDA_HOME):
+        return ce.CUDA_HOME
+    found = nvcc_toolkit()
+    if not has_cuda_headers(found):
+        return None
+    if ce.CUDA_HOME:
+        note(f"torch's CUDA_HOME {ce.CUDA_HOME} has no CUDA headers; building with the toolkit nvcc runs "
+             f"from, {found}")
+    ce.CUDA_HOME = found
+    os.environ["CUDA_HOME"] = found
+    return found
+
+
 def remove_stale_extension() -> None:
     """An earlier in-place (editable) build must not shadow a pure-Python install."""
     for path in glob.glob(os.path.join(ROOT, "swiftkern", "_C.*")):
@@ -110,8 +152,8 @@ def make_extension():
     cflags, lflags = host_flags()
     lflags = lflags + loaded_libstdcxx()
     nvcc = shutil.which("nvcc")
-    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    if torch.version.cuda and ce.CUDA_HOME:
+    user_cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if torch.version.cuda and cuda_home(ce):
         if not torch.cuda.is_available() and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
             os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0a"
         cflags = cflags + ["-DSWIFTKERN_WITH_CUDA"]
@@ -127,13 +169,13 @@ def make_extension():
                                extra_compile_args={"cxx": flags, "nvcc": nvcc_flags})
     else:
         if torch.version.cuda:
-            why = (f"torch {torch.__version__} has CUDA {torch.version.cuda} but no nvcc / CUDA_HOME "
-                   "was found, so the CUDA kernels are NOT compiled (CUDA ops run the Triton kernels "
+            why = (f"torch {torch.__version__} has CUDA {torch.version.cuda} but no CUDA toolkit with "
+                   "its headers was found (nvcc, CUDA_HOME), so the CUDA kernels are NOT compiled (CUDA ops run the Triton kernels "
                    f"or the reference); install the CUDA {torch.version.cuda} toolkit, put nvcc on "
                    "PATH or set CUDA_HOME, and reinstall to build them")
-        elif nvcc or cuda_home:
+        elif nvcc or user_cuda_home:
             why = (f"torch {torch.__version__} is a CPU-only build (torch.version.cuda is None), so "
-                   f"nvcc ({nvcc or cuda_home}) is not used")
+                   f"nvcc ({nvcc or user_cuda_home}) is not used")
         else:
             why = f"torch {torch.__version__} is a CPU-only build and there is no nvcc"
         srcs = sources("*.cpp")
