@@ -106,10 +106,10 @@ def nvcc_toolkit() -> str | None:
     return None
 
 
-def cuda_home(ce) -> str | None:
+def cuda_home(ce, user_cuda_home: str | None) -> str | None:
     """torch's CUDA_HOME where it has the CUDA headers, else nvcc's own toolkit (torch's module
-    then uses it too), else None; a CUDA_HOME or CUDA_PATH set by the user is kept as it is."""
-    if os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or has_cuda_headers(ce.CUDA_HOME):
+    then uses it too), else None; with a CUDA_HOME or CUDA_PATH set by the user, torch's as it is."""
+    if user_cuda_home or has_cuda_headers(ce.CUDA_HOME):
         return ce.CUDA_HOME
     found = nvcc_toolkit()
     if not has_cuda_headers(found):
@@ -153,7 +153,7 @@ def make_extension():
     lflags = lflags + loaded_libstdcxx()
     nvcc = shutil.which("nvcc")
     user_cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    if torch.version.cuda and cuda_home(ce):
+    if torch.version.cuda and cuda_home(ce, user_cuda_home):
         if not torch.cuda.is_available() and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
             os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0a"
         cflags = cflags + ["-DSWIFTKERN_WITH_CUDA"]
@@ -170,8 +170,8 @@ def make_extension():
     else:
         if torch.version.cuda:
             why = (f"torch {torch.__version__} has CUDA {torch.version.cuda} but no CUDA toolkit with "
-                   "its headers was found (nvcc, CUDA_HOME), so the CUDA kernels are NOT compiled (CUDA ops run the Triton kernels "
-                   f"or the reference); install the CUDA {torch.version.cuda} toolkit, put nvcc on "
+                   "its headers was found (nvcc, CUDA_HOME), so the CUDA kernels are NOT compiled (CUDA "
+                   f"ops run the Triton kernels or the reference); install the CUDA {torch.version.cuda} toolkit, put nvcc on "
                    "PATH or set CUDA_HOME, and reinstall to build them")
         elif nvcc or user_cuda_home:
             why = (f"torch {torch.__version__} is a CPU-only build (torch.version.cuda is None), so "

@@ -28,6 +28,11 @@ def _setup_functions():
     return types.SimpleNamespace(**{name: namespace[name] for name in NAMES})
 
 
+def _user_cuda_home():
+    """What setup.py's make_extension passes: the CUDA_HOME or CUDA_PATH the user set."""
+    return os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+
+
 def _toolkit(root: Path, headers: bool) -> Path:
     (root / "bin").mkdir(parents=True)
     (root / "include").mkdir()
@@ -57,7 +62,7 @@ def test_a_wrapper_nvcc_leads_to_its_own_toolkit(tmp_path, clean_env):
     clean_env.setenv("PATH", str(tmp_path / "local" / "bin"))
     fns = _setup_functions()
     torch_ce = types.SimpleNamespace(CUDA_HOME=str(tmp_path / "local"))  # torch's guess: nvcc's parent's parent
-    assert fns.cuda_home(torch_ce) == str(toolkit)
+    assert fns.cuda_home(torch_ce, _user_cuda_home()) == str(toolkit)
     assert torch_ce.CUDA_HOME == str(toolkit) and os.environ["CUDA_HOME"] == str(toolkit)
 
 
@@ -66,17 +71,17 @@ def test_torchs_cuda_home_is_kept_where_it_has_the_headers(tmp_path, clean_env):
     _wrapper_nvcc(tmp_path / "bin", _toolkit(tmp_path / "other", headers=True))
     clean_env.setenv("PATH", str(tmp_path / "bin"))
     torch_ce = types.SimpleNamespace(CUDA_HOME=str(good))
-    assert _setup_functions().cuda_home(torch_ce) == str(good)
+    assert _setup_functions().cuda_home(torch_ce, _user_cuda_home()) == str(good)
 
 
 def test_no_toolkit_with_headers_means_no_cuda_build(tmp_path, clean_env):
     _wrapper_nvcc(tmp_path / "bin", _toolkit(tmp_path / "cuda", headers=False))
     clean_env.setenv("PATH", str(tmp_path / "bin"))
     fns = _setup_functions()
-    assert fns.cuda_home(types.SimpleNamespace(CUDA_HOME=str(tmp_path))) is None
+    assert fns.cuda_home(types.SimpleNamespace(CUDA_HOME=str(tmp_path)), _user_cuda_home()) is None
     clean_env.setenv("PATH", str(tmp_path / "nowhere"))  # no nvcc at all
     assert fns.nvcc_toolkit() is None
-    assert fns.cuda_home(types.SimpleNamespace(CUDA_HOME=None)) is None
+    assert fns.cuda_home(types.SimpleNamespace(CUDA_HOME=None), _user_cuda_home()) is None
 
 
 def test_a_cuda_home_the_user_set_is_not_second_guessed(tmp_path, clean_env):
@@ -84,7 +89,7 @@ def test_a_cuda_home_the_user_set_is_not_second_guessed(tmp_path, clean_env):
     clean_env.setenv("PATH", str(tmp_path / "bin"))
     clean_env.setenv("CUDA_HOME", str(tmp_path / "mine"))
     torch_ce = types.SimpleNamespace(CUDA_HOME=str(tmp_path / "mine"))
-    assert _setup_functions().cuda_home(torch_ce) == str(tmp_path / "mine")
+    assert _setup_functions().cuda_home(torch_ce, _user_cuda_home()) == str(tmp_path / "mine")
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on PATH")
