@@ -14,7 +14,7 @@
 // load-bound sweep: SmolLM2's projections at 5 / 6 rows 24.9 / 26.3 ms -> 23.6 / 24.8, one row
 // 20.5; tiles of 7-8 x rows by 3 gained nothing at 8 rows and lost 30 % at 16), and the first x
 // tile prefetches the weight tile two ahead, so the weight streams from memory while earlier
-// tiles compute. On AVX2 (16 registers: tiles of 2 x rows) a call of more than 20 rows, a
+// tiles compute. On AVX2 (16 registers: tiles of up to 3 x rows by 2-4 weight rows) a call of more than 20 rows, a
 // prefill or a deterministic verify pass, runs as lane panels instead (lane_panel_gemm.h): the
 // same sums as a 6 x 16 GEMM tile, where the dot-product tiles ran at ~0.7x MKL's speed.
 //
@@ -108,7 +108,8 @@ __attribute__((target("avx512f"))) static void tile_avx512(const float* x, const
   }
 }
 
-// AVX2: lanes 0-7 and 8-15 of an output in two registers; tiles of up to 2 x rows (16 accumulators).
+// AVX2: lanes 0-7 and 8-15 of an output in two registers; tiles of at most 12 accumulators
+// (avx2_tile_cols).
 template <int MR, int NR, class W>
 __attribute__((target("avx2,fma,f16c"))) static void tile_avx2(const float* x, const W* w, float* y, int64_t K,
                                                                int64_t N, const W* pf) {
@@ -162,14 +163,37 @@ static void fill_row(Isa isa, TileFn<W>* row) {
   row[3] = tile_for<MR, 4, W>(isa);
 }
 
+// AVX2 has 16 vector registers and an output's 16 lanes take two accumulators, so a tile of MR x
+// rows by NR weight rows fits when 2 * MR * NR + 4 <= 16 (the x and weight vectors beside the
+// accumulators): 4 weight rows at one x row, 3 at two, 2 at three. Tiles of up to 3 x rows, a
+// call's rows in near-equal groups. SmolLM2's 7 projections of a layer on a 2-core AMD EPYC
+// (AVX2), one process alternating the tilings, medians of 15, ms at 2 / 4 / 8 / 12 / 16 / 20 rows:
+// 2 x rows by 4 weight rows always (16 accumulators: spilled; the tiling until 2026-11-29)
+// float32 0.37 / 0.55 / 0.93 / 1.64 / 2.04 / 2.43, bf16 0.37 / 0.82 / 1.23 / 1.53 / 2.42 / 2.85;
+// these tiles 0.35 / 0.57 / 0.78 / 1.44 / 1.96 / 2.31 and 0.34 / 0.73 / 1.03 / 1.28 / 2.06 / 2.34;
+// groups of up to 4 (4 x 1 tiles) 0.35 / 0.52 / 0.84 / 1.46 / 2.11 / 2.66 and 0.33 / 0.60 / 1.08 /
+// 1.42 / 2.19 / 2.56 (x re-read from L2 for every weight row past ~12 rows).
+constexpr int kAvx2MaxTileRows = 3;
+constexpr int avx2_tile_cols(int mr) {
+  int nr = kTileCols;
+  while (nr > 1 && 2 * mr * nr + 4 > 16) --nr;
+  return nr;
+}
+static_assert(avx2_tile_cols(1) == 4 && avx2_tile_cols(2) == 3 && avx2_tile_cols(3) == 2);
+
 // The tiles of one instruction set for weights of type W
 template <class W>
 struct TileTable {
   TileFn<W> fn[kMaxTileRows][kTileCols];  // [MR - 1][NR - 1]
   int max_rows;                           // x rows per tile this ISA takes at once
-  explicit TileTable(Isa isa) : max_rows(isa == Isa::kAvx2 ? 2 : isa == Isa::kAvx512 ? kMaxTileRows : 4) {
+  int cols[kMaxTileRows];                 // [MR - 1]: weight rows a tile of MR x rows takes
+  bool equal_groups;                      // a block's x rows in near-equal tiles (else max_rows and the rest)
+  explicit TileTable(Isa isa)
+      : max_rows(isa == Isa::kAvx2 ? kAvx2MaxTileRows : isa == Isa::kAvx512 ? kMaxTileRows : 4),
+        equal_groups(isa == Isa::kAvx2) {
     fill_row<1, W>(isa, fn[0]); fill_row<2, W>(isa, fn[1]); fill_row<3, W>(isa, fn[2]);
     fill_row<4, W>(isa, fn[3]); fill_row<5, W>(isa, fn[4]); fill_row<6, W>(isa, fn[5]);
+    for (int mr = 1; mr <= kMaxTileRows; ++mr) cols[mr - 1] = isa == Isa::kAvx2 ? avx2_tile_cols(mr) : kTileCols;
   }
 };
 
@@ -190,15 +214,20 @@ static int64_t row_block(int max_rows, int64_t M, int64_t K) {
 template <class W>
 static void fixed_order_linear(const TileTable<W>& table, const float* x, const W* w, float* y, int64_t M,
                                int64_t K, int64_t N, int64_t n_begin, int64_t n_end) {
-  constexpr int nr_max = kTileCols;
-  const int mr_max = static_cast<int>(std::min<int64_t>(table.max_rows, M));
   const int64_t block = row_block(table.max_rows, M, K);
   for (int64_t m0 = 0; m0 < M; m0 += block) {
     const int64_t m1 = std::min(M, m0 + block);
+    // AVX2: the block's rows in near-equal groups of at most max_rows (4 rows: 2 + 2, not 3 + 1,
+    // whose one-row tile would take the weight tile again for little work), the weight tile as
+    // wide as the largest group's; other ISAs: groups of max_rows and the rest
+    const int64_t groups = (m1 - m0 + table.max_rows - 1) / table.max_rows;
+    const int group = table.equal_groups ? static_cast<int>((m1 - m0 + groups - 1) / groups)
+                                         : static_cast<int>(std::min<int64_t>(table.max_rows, m1 - m0));
+    const int nr_max = table.cols[group - 1];
     for (int64_t n = n_begin; n < n_end; n += nr_max) {
       const int nr = static_cast<int>(std::min<int64_t>(nr_max, n_end - n));
-      for (int64_t m = m0; m < m1; m += mr_max) {
-        const int mr = static_cast<int>(std::min<int64_t>(mr_max, m1 - m));
+      for (int64_t m = m0; m < m1; m += group) {
+        const int mr = static_cast<int>(std::min<int64_t>(group, m1 - m));
         // the first x tile asks for the weight tile kPrefetchTiles ahead, so it arrives while
         // this one is used; past the end of this task's range nothing is prefetched
         const int64_t ahead = n + kPrefetchTiles * nr_max;
