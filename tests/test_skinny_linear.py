@@ -93,6 +93,25 @@ def test_raw_op_rows_do_not_depend_on_m(K, N, dtype):
 
 
 @needs_cpp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("K,N", [(576, 7), (33, 16)])
+def test_avx2_row_groups_give_the_portable_bits(K, N, dtype):
+    """AVX2 splits a call's rows into near-equal groups of up to 3 (4 rows: 2 + 2, 7: 3 + 2 + 2)
+    with tiles as wide as the largest group's (4 / 3 / 2 weight rows at 1 / 2 / 3 x rows):
+    every row count up to the lane panels (20) and past, against the portable loop, bit for bit;
+    N = 7 and 16 leave partial weight tiles at every width."""
+    from swiftkern import _C
+
+    if "avx2" not in _C.skinny_linear_isas():
+        pytest.skip("this CPU has no AVX2")
+    for M in range(1, 25):
+        x, w, _ = make((M,), K, N, False, 1000 + M)
+        x, w = x.to(dtype), w.to(dtype)
+        want = _C.skinny_linear_isa(x, w, "portable")
+        assert torch.equal(_C.skinny_linear_isa(x, w, "avx2"), want), M
+
+
+@needs_cpp
 @settings(max_examples=25, deadline=None)
 @given(M=st.one_of(st.integers(1, 11), st.integers(15, 40), st.sampled_from([120, 130])),
        K=st.sampled_from([1, 7, 15, 16, 17, 31, 33, 100, 576]), N=st.one_of(st.integers(1, 13), st.sampled_from([16, 17, 33])),
