@@ -144,25 +144,6 @@ __attribute__((target("avx2,fma,f16c"))) static void tile_avx2(const float* x, c
 }
 #endif
 
-template <class W>
-using TileFn = void (*)(const float*, const W*, float*, int64_t, int64_t, const W*);
-
-template <int MR, int NR, class W>
-static TileFn<W> tile_for(Isa isa) {
-#if defined(__x86_64__)
-  if (isa == Isa::kAvx512) return tile_avx512<MR, NR, W>;
-  if (isa == Isa::kAvx2) return tile_avx2<MR, NR, W>;
-#endif
-  (void)isa;
-  return tile_portable<MR, NR, W>;
-}
-
-template <int MR, class W>
-static void fill_row(Isa isa, TileFn<W>* row) {
-  row[0] = tile_for<MR, 1, W>(isa); row[1] = tile_for<MR, 2, W>(isa); row[2] = tile_for<MR, 3, W>(isa);
-  row[3] = tile_for<MR, 4, W>(isa);
-}
-
 // AVX2 has 16 vector registers and an output's 16 lanes take two accumulators, so a tile of MR x
 // rows by NR weight rows fits when 2 * MR * NR + 4 <= 16 (the x and weight vectors beside the
 // accumulators): 4 weight rows at one x row, 3 at two, 2 at three. Tiles of up to 3 x rows, a
@@ -180,6 +161,28 @@ constexpr int avx2_tile_cols(int mr) {
   return nr;
 }
 static_assert(avx2_tile_cols(1) == 4 && avx2_tile_cols(2) == 3 && avx2_tile_cols(3) == 2);
+
+template <class W>
+using TileFn = void (*)(const float*, const W*, float*, int64_t, int64_t, const W*);
+
+template <int MR, int NR, class W>
+static TileFn<W> tile_for(Isa isa) {
+#if defined(__x86_64__)
+  if (isa == Isa::kAvx512) return tile_avx512<MR, NR, W>;
+  if (isa == Isa::kAvx2) {
+    if constexpr (MR <= kAvx2MaxTileRows && NR <= avx2_tile_cols(MR)) return tile_avx2<MR, NR, W>;
+    return nullptr;  // more accumulators than AVX2's registers hold: fixed_order_linear never calls it
+  }
+#endif
+  (void)isa;
+  return tile_portable<MR, NR, W>;
+}
+
+template <int MR, class W>
+static void fill_row(Isa isa, TileFn<W>* row) {
+  row[0] = tile_for<MR, 1, W>(isa); row[1] = tile_for<MR, 2, W>(isa); row[2] = tile_for<MR, 3, W>(isa);
+  row[3] = tile_for<MR, 4, W>(isa);
+}
 
 // The tiles of one instruction set for weights of type W
 template <class W>
