@@ -8,15 +8,16 @@
 // batch-invariant by construction and serves both the decode/verify projections (few rows) and
 // the deterministic verifier's bi_matmul (any number of rows).
 //
-// Speed: the output is computed in register tiles of up to 6 x rows (AVX-512; 2 on AVX2) by 4
-// weight rows, so each weight vector loaded feeds up to 6 FMAs and a verify pass of up to 6
-// tokens is one sweep over the weight (with tiles of 4 x rows, 5 and 6 rows took a second,
+// Speed: the output is computed in register tiles of up to 6 x rows by 4 weight rows (AVX-512;
+// AVX2: avx2_tile_cols), so each weight vector loaded feeds up to 6 FMAs and a verify pass of up
+// to 6 tokens is one sweep over the weight (with tiles of 4 x rows, 5 and 6 rows took a second,
 // load-bound sweep: SmolLM2's projections at 5 / 6 rows 24.9 / 26.3 ms -> 23.6 / 24.8, one row
 // 20.5; tiles of 7-8 x rows by 3 gained nothing at 8 rows and lost 30 % at 16), and the first x
 // tile prefetches the weight tile two ahead, so the weight streams from memory while earlier
-// tiles compute. On AVX2 (16 registers: tiles of up to 3 x rows by 2-4 weight rows) a call of more than 20 rows, a
-// prefill or a deterministic verify pass, runs as lane panels instead (lane_panel_gemm.h): the
-// same sums as a 6 x 16 GEMM tile, where the dot-product tiles ran at ~0.7x MKL's speed.
+// tiles compute. On AVX2 (16 registers: tiles of up to 3 x rows by 2-4 weight rows) a call of
+// more than 20 rows, a prefill or a deterministic verify pass, runs as lane panels instead
+// (lane_panel_gemm.h): the same sums as a 6 x 16 GEMM tile, where the dot-product tiles ran at
+// ~0.7x MKL's speed.
 //
 // bfloat16 / float16 (x and weight of one dtype): the weight is read in its own dtype and loaded
 // into fp32 exactly (exact_load.h), x is upcast once, and each output is rounded once at the end:
