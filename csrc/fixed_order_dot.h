@@ -18,6 +18,18 @@ namespace cpu {
 
 constexpr int kLanes = 16;
 
+// AVX2 has 16 vector registers of 8 lanes and an output's 16 lanes take two accumulators, so a
+// register tile of mr x rows by nr weight rows fits when 2 * mr * nr + 4 <= 16 (4 registers for
+// the vectors the tile loads or builds beside the accumulators) -> the most weight rows, up to
+// max_cols, a tile of mr x rows takes: with max_cols 4, 4 at one x row, 3 at two, 2 at three, then 1
+constexpr int avx2_tile_cols(int mr, int max_cols) {
+  int nr = max_cols;
+  while (nr > 1 && 2 * mr * nr + 4 > 16) --nr;
+  return nr;
+}
+static_assert(avx2_tile_cols(1, 4) == 4 && avx2_tile_cols(2, 4) == 3 && avx2_tile_cols(3, 4) == 2 &&
+              avx2_tile_cols(4, 4) == 1 && avx2_tile_cols(6, 4) == 1);
+
 static inline float reduce_lanes(float* lane) {
   for (int width = kLanes / 2; width >= 1; width /= 2)
     for (int l = 0; l < width; ++l) lane[l] = lane[l] + lane[l + width];

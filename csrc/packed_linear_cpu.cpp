@@ -54,18 +54,10 @@ constexpr int packed_tile_cols(int mr) {
 static_assert(packed_tile_cols(5) == 4 && packed_tile_cols(6) == 3 && packed_tile_cols(8) == 3 &&
               packed_tile_cols(9) == 2 && packed_tile_cols(11) == 2);
 
-// AVX2 has 16 vector registers of 8 lanes: an output's 16 lanes take two accumulators, and the
-// weights are rebuilt one vector at a time (a vector, its codes, the block's scale and offset),
-// so a tile of MR x rows by NR weight rows fits when 2 * MR * NR + 4 <= 16: 4 weight rows at one
-// x row, 3 at two, 2 at three, then 1.
+// AVX2 tiles (avx2_tile_cols, fixed_order_dot.h): the weights are rebuilt one vector at a time
+// (a vector, its codes, the block's scale and offset beside the accumulators)
 constexpr int kAvx2PackedTileRows = 6;  // x rows of an AVX2 register tile, at most (12 accumulators)
-constexpr int avx2_packed_tile_cols(int mr) {
-  int nr = kPackedTileCols;
-  while (nr > 1 && 2 * mr * nr + 4 > 16) --nr;
-  return nr;
-}
-static_assert(avx2_packed_tile_cols(1) == 4 && avx2_packed_tile_cols(2) == 3 && avx2_packed_tile_cols(3) == 2 &&
-              avx2_packed_tile_cols(4) == 1 && avx2_packed_tile_cols(6) == 1);
+constexpr int avx2_packed_tile_cols(int mr) { return avx2_tile_cols(mr, kPackedTileCols); }
 
 // Past this many x rows (more than one register tile holds) each weight tile is unpacked once
 // into L1 rather than rebuilt for every tile of x rows. SmolLM2's projections when tiles were 6

@@ -145,10 +145,8 @@ __attribute__((target("avx2,fma,f16c"))) static void tile_avx2(const float* x, c
 }
 #endif
 
-// AVX2 has 16 vector registers and an output's 16 lanes take two accumulators, so a tile of MR x
-// rows by NR weight rows fits when 2 * MR * NR + 4 <= 16 (the x and weight vectors beside the
-// accumulators): 4 weight rows at one x row, 3 at two, 2 at three. Tiles of up to 3 x rows, a
-// call's rows in near-equal groups. SmolLM2's 7 projections of a layer on a 2-core AMD EPYC
+// AVX2 tiles (avx2_tile_cols, fixed_order_dot.h: at most 12 accumulators beside the x and weight
+// vectors): up to 3 x rows by 4 / 3 / 2 weight rows, a call's rows in near-equal groups. SmolLM2's 7 projections of a layer on a 2-core AMD EPYC
 // (AVX2), one process alternating the tilings, medians of 15, ms at 2 / 4 / 8 / 12 / 16 / 20 rows:
 // 2 x rows by 4 weight rows always (16 accumulators: spilled; the tiling until 2026-11-29)
 // float32 0.37 / 0.55 / 0.93 / 1.64 / 2.04 / 2.43, bf16 0.37 / 0.82 / 1.23 / 1.53 / 2.42 / 2.85;
@@ -156,12 +154,6 @@ __attribute__((target("avx2,fma,f16c"))) static void tile_avx2(const float* x, c
 // groups of up to 4 (4 x 1 tiles) 0.35 / 0.52 / 0.84 / 1.46 / 2.11 / 2.66 and 0.33 / 0.60 / 1.08 /
 // 1.42 / 2.19 / 2.56 (x re-read from L2 for every weight row past ~12 rows).
 constexpr int kAvx2MaxTileRows = 3;
-constexpr int avx2_tile_cols(int mr) {
-  int nr = kTileCols;
-  while (nr > 1 && 2 * mr * nr + 4 > 16) --nr;
-  return nr;
-}
-static_assert(avx2_tile_cols(1) == 4 && avx2_tile_cols(2) == 3 && avx2_tile_cols(3) == 2);
 
 template <class W>
 using TileFn = void (*)(const float*, const W*, float*, int64_t, int64_t, const W*);
@@ -171,7 +163,7 @@ static TileFn<W> tile_for(Isa isa) {
 #if defined(__x86_64__)
   if (isa == Isa::kAvx512) return tile_avx512<MR, NR, W>;
   if (isa == Isa::kAvx2) {
-    if constexpr (MR <= kAvx2MaxTileRows && NR <= avx2_tile_cols(MR)) return tile_avx2<MR, NR, W>;
+    if constexpr (MR <= kAvx2MaxTileRows && NR <= avx2_tile_cols(MR, kTileCols)) return tile_avx2<MR, NR, W>;
     return nullptr;  // more accumulators than AVX2's registers hold: fixed_order_linear never calls it
   }
 #endif
@@ -197,7 +189,8 @@ struct TileTable {
         equal_groups(isa == Isa::kAvx2) {
     fill_row<1, W>(isa, fn[0]); fill_row<2, W>(isa, fn[1]); fill_row<3, W>(isa, fn[2]);
     fill_row<4, W>(isa, fn[3]); fill_row<5, W>(isa, fn[4]); fill_row<6, W>(isa, fn[5]);
-    for (int mr = 1; mr <= kMaxTileRows; ++mr) cols[mr - 1] = isa == Isa::kAvx2 ? avx2_tile_cols(mr) : kTileCols;
+    for (int mr = 1; mr <= kMaxTileRows; ++mr)
+      cols[mr - 1] = isa == Isa::kAvx2 ? avx2_tile_cols(mr, kTileCols) : kTileCols;
   }
 };
 
