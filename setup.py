@@ -10,6 +10,7 @@ Install with ``pip install --no-build-isolation -e .`` so the build sees the ins
   (b) any other torch -> CppExtension swiftkern._C from csrc/*.cpp (CPU kernels, -O3, OpenMP);
   (c) torch not importable -> pure Python (ops use swiftkern/reference.py).
 
+``python setup.py --print-host-flags`` prints the host compile flags and builds nothing.
 SWIFTKERN_BUILD_EXT=0 forces (c); =1 turns a failed extension build into an error (by default
 a failed build falls back to pure Python with a note). MAX_JOBS limits parallel compile jobs.
 The chosen path is printed to stderr (``pip install -v`` shows it).
@@ -203,6 +204,11 @@ def make_extension():
 
     return [ext], {"build_ext": OptionalBuildExt}
 
+
+if __name__ == "__main__" and sys.argv[1:] == ["--print-host-flags"]:
+    # for tools/check_torch_headers.sh: the host compile flags the extension is built with
+    print(" ".join(host_flags()[0]))
+    sys.exit(0)
 
 ext_modules, cmdclass = make_extension()
 

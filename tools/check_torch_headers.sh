@@ -16,6 +16,10 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 unzip -q "$wheel" 'torch/include/*' 'torch/version.py' -d "$work"
 inc=$work/torch/include
+# the flags setup.py compiles with (host_flags), plus what torch's CppExtension adds (-std, -fPIC)
+read -ra hostflags < <(python3 "$root/setup.py" --print-host-flags)
+[ ${#hostflags[@]} -gt 0 ] || { echo "setup.py --print-host-flags printed nothing"; exit 2; }
+echo "host flags (setup.py --print-host-flags): ${hostflags[*]}"
 pyinc=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['include'])")
 echo "torch $(sed -n "s/^__version__ = '\(.*\)'/\1/p" "$work/torch/version.py") headers"
 status=0
@@ -27,7 +31,7 @@ for build in cpu cuda; do
   fi
   failed=0
   for src in "$root"/csrc/*.cpp; do
-    if ! c++ -fsyntax-only -Wall -fPIC -std=c++20 -fopenmp -fno-trapping-math -ffp-contract=off \
+    if ! c++ -fsyntax-only -Wall -fPIC -std=c++20 "${hostflags[@]}" \
         -I"$inc" -I"$inc/torch/csrc/api/include" -I"$pyinc" '-DSWIFTKERN_CXX_FLAGS="check"' \
         -DTORCH_API_INCLUDE_EXTENSION_H -DTORCH_EXTENSION_NAME=_C "${extra[@]}" "$src" 2> "$work/err"; then
       echo "FAIL ($build) ${src#$root/}"; head -5 "$work/err"; failed=$((failed + 1)); status=1
