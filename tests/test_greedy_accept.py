@@ -312,12 +312,15 @@ def test_backend_knob():
 
 def test_reload_is_safe():
     before = ops.backend_info()
+    compiled = {name: dict(used) for name, used in ops.registry.COMPILED.items()}  # {op: {device: kernel}}
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # e.g. the dispatcher's "overriding a previously registered kernel"
         for _ in range(2):  # the registration (registry), the backend choice, the package
             for module in (ops.registry, ops.backends, ops):
                 importlib.reload(module)
     assert ops.backend_info() == before
+    # the reload found its own reference kernels (process_state) and took none of them for compiled ones
+    assert ops.registry.COMPILED == compiled
     d, l, n = _good()
     assert torch.equal(ops.greedy_accept(d, l, n)[0], reference.greedy_accept(d, l, n)[0])
 

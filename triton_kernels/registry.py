@@ -6,21 +6,15 @@ registered is remembered in a module kept in sys.modules, so nothing is register
 
 from __future__ import annotations
 
-import sys
-import types
-
 import torch
+
+from swiftkern.process_state import process_state
 
 from .launch import interpreting
 
 NAMESPACE = "swiftkern_triton"
 
-_STATE = sys.modules.get("swiftkern._triton_state")
-if _STATE is None:
-    _STATE = types.ModuleType("swiftkern._triton_state")
-    _STATE.impls = set()  # {(op, dispatch key)}
-    _STATE.fakes = set()
-    sys.modules["swiftkern._triton_state"] = _STATE
+_STATE = process_state("swiftkern._triton_state", impls=set(), fakes=set())  # {(op, dispatch key)}
 
 
 def dispatch_keys() -> tuple[str, ...]:

@@ -11,13 +11,12 @@ registers nothing twice.
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 import warnings
 
 import torch
 
 from .. import reference
+from ..process_state import process_state
 
 SCHEMAS = {
     "greedy_accept": "(Tensor draft_tokens, Tensor target_logits, Tensor num_draft) -> (Tensor, Tensor)",
@@ -56,12 +55,7 @@ except ImportError as e:
 
 # What this module registered, kept for the whole process so that a reload or a second import
 # neither registers twice nor mistakes its own reference kernels for compiled ones.
-_STATE = sys.modules.get("swiftkern._ops_state")
-if _STATE is None:
-    _STATE = types.ModuleType("swiftkern._ops_state")
-    _STATE.reference_kernels = set()  # {(op, dispatch key)}
-    _STATE.fakes = set()
-    sys.modules["swiftkern._ops_state"] = _STATE
+_STATE = process_state("swiftkern._ops_state", reference_kernels=set(), fakes=set())  # {(op, dispatch key)}
 
 
 def _register(name: str, ref_fn, fake_fn) -> dict:
