@@ -132,6 +132,10 @@ MUTANTS += MORE_MUTANTS + KERNEL_MUTANTS
 EQUIVALENT = {
     "M04": "every acceptance and residual key moves by one position in every step alike, so no key is used "
            "twice and each draw stays a fresh uniform: the same distribution, the same invariance",
+    "K35": "the softmax denominator's lanes are still fixed by the key index alone, so each query's bits still "
+           "do not depend on the batch or the chunk (the invariant kernel's contract); attention's bits are "
+           "not claimed equal across instruction sets (each sums its scores in its own order), and the "
+           "reordered sum is far inside the tolerance against the definition",
 }
 
 
