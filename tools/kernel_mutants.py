@@ -115,6 +115,23 @@ KERNEL_MUTANTS = [
      "r[i] = cb + i < nr - 1 ? load8(w + (cb + i) * K + j * kLanes + lb) : _mm256_setzero_ps();",
      "the AVX2 lane panels (skinny_linear past 20 rows) zero the body of a panel's last weight row",
      ["tests/test_skinny_linear.py"]),
+    # ------------------------------------------------------------------ C++ packing and its watch: a
+    # wrong code or a stale copy would change a model's weights silently
+    ("K38", "csrc/pack_codes_cpu.cpp", "differ |= bits_of(back + offset) ^ bits_of(w[i]);",
+     "differ |= i + 1 < kBlock ? bits_of(back + offset) ^ bits_of(w[i]) : 0u;",
+     "pack_codes accepts a block whose last weight does not come back exactly",
+     ["tests/test_pack_codes.py", "tests/test_packed_weights.py"]),
+    ("K39", "csrc/pack_codes_cpu.cpp", "return {lo, c10::Half(estimate).x, float(c10::Half(lo)) == lo};",
+     "return {lo, c10::Half(estimate).x, true};",
+     "pack_codes takes a 4-bit block whose offset is not a float16 value (the twin refuses it)",
+     ["tests/test_pack_codes.py", "tests/test_packed_weights.py"]),
+    ("K40", "csrc/version_watch.h", "return {t._version(), t.const_data_ptr()};", "return {t._version(), nullptr};",
+     "the version watch misses a weight given new storage (param.data = ...): a stale packed copy is read",
+     ["tests/test_packed_weights.py"]),
+    ("K41", "csrc/version_watch.h", "for (size_t i = 0; i < tensors_.size(); ++i)\n      if (seen_[i]",
+     "for (size_t i = 0; i + 1 < tensors_.size(); ++i)\n      if (seen_[i]",
+     "the version watch never looks at its last tensor (the LM head): a stale packed head is read",
+     ["tests/test_packed_weights.py"]),
     # ------------------------------------------------------------------ Triton (triton_kernels/)
     ("K13", "triton_kernels/fused_add_rms_norm.py",
      "        s += tl.load(res_ptr + base + cols, mask=inside, other=0.0).to(tl.float32)\n", "",
