@@ -124,6 +124,33 @@ def test_what_must_not_pack_packs_in_neither(bits):
 
 
 @needs_cpp
+@pytest.mark.parametrize("bits", [4, 8])
+def test_one_weight_one_ulp_off_anywhere_in_a_block_packs_in_neither(bits):
+    """Every place of a block is checked (the first and the last code, both nibbles of a 4-bit
+    byte): each weight of two rows of two blocks nudged one ulp in turn, no longer rebuilt exactly."""
+    w = gguf_weight(2, 64, Q.Q4_1 if bits == 4 else Q.Q8_0, 5)
+    assert same_answer(w, bits) is not None
+    for k in range(64):
+        x = w.clone()
+        x[1, k] = torch.nextafter(x[1, k], torch.tensor(float("inf")))
+        assert same_answer(x, bits) is None, k
+
+
+@needs_cpp
+def test_an_exact_block_at_an_offset_that_is_no_float16_packs_in_neither():
+    """A 4-bit block that does rebuild exactly (scale * code + offset, every weight) at an offset,
+    its min, that is no float16 value: GGUF's Q4_1 stores a float16 min, so the twin refuses it,
+    and so must the C++ (its offset check, not the rebuild, refuses it). The same codes at the
+    float16 nearest that offset pack."""
+    codes = (torch.arange(64) % 16).float().reshape(2, 32)  # every block: 0..15 twice
+    scale = 2.0 ** -6
+    for offset, packs in ((0.1, False), (float(torch.tensor(0.1).half()), True)):
+        w = scale * codes + torch.tensor(offset, dtype=torch.float32)
+        assert float(w.min()) == float(torch.tensor(offset, dtype=torch.float32))
+        assert (same_answer(w, 4) is not None) == packs, offset
+
+
+@needs_cpp
 def test_zero_and_constant_blocks_and_large_magnitudes():
     w = gguf_weight(4, 128, Q.Q4_1, 11)
     w[0, :32] = 0.0  # scale 0: every code 0, offset 0
