@@ -132,6 +132,21 @@ KERNEL_MUTANTS = [
      "for (size_t i = 0; i + 1 < tensors_.size(); ++i)\n      if (seen_[i]",
      "the version watch never looks at its last tensor (the LM head): a stale packed head is read",
      ["tests/test_packed_weights.py"]),
+    # ------------------------------------------------------------------ the float32 row path of
+    # decoder_stack (every CPU decode step of a float32 model runs it)
+    ("K42", "csrc/decoder_stack_rows.cpp", "std::tuple{!(skip[i] & 1), &plan.ln_attn, kLnAttn}",
+     "std::tuple{!(skip[i] & 2), &plan.ln_attn, kLnAttn}",
+     "the row path reads a layer's attention skip bit from its MLP's: a layer-skipped draft runs the "
+     "wrong sub-layers", ["tests/test_decoder_stack.py"]),
+    ("K43", "csrc/decoder_stack_rows.cpp", "plan.down(act, M, out);\n      pending = true;",
+     "plan.down(act, M, out);",
+     "the row path forgets that an MLP's output is pending: the next norm does not add it",
+     ["tests/test_decoder_stack.py"]),
+    ("K44", "csrc/decoder_stack_rows.cpp",
+     "cpu::add_rms_norm_rows(k, D, nullptr, D, plan.k_norm, k, nullptr, M * Hkv, D, static_cast<float>(s.eps));",
+     "cpu::add_rms_norm_rows(k, D, nullptr, D, plan.k_norm, k, nullptr, M * Hkv - 1, D, static_cast<float>(s.eps));",
+     "the row path leaves the last key head of the last token without Qwen3's key norm",
+     ["tests/test_decoder_stack.py"]),
     # ------------------------------------------------------------------ Triton (triton_kernels/)
     ("K13", "triton_kernels/fused_add_rms_norm.py",
      "        s += tl.load(res_ptr + base + cols, mask=inside, other=0.0).to(tl.float32)\n", "",
