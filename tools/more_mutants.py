@@ -1,6 +1,7 @@
 """More planted bugs in the Python source, for tools/mutation_sweep.py: the CUDA-graph runner's keys and
 writes, layer-set parsing, packed-weight refresh, the runner's forward bookkeeping, the invariant ops and
-RoPE table, the portable verifier, the deterministic fast path and invariant_token_logprobs."""
+RoPE table, the portable verifier, the deterministic fast path and invariant_token_logprobs, and the
+default model's loading (the GGUF dequantizers, the fast reader's strings, the packing twin's exactness)."""
 
 # (id, file, snippet, replacement, the bug it plants, the tests that should catch it)
 MORE_MUTANTS = [
@@ -80,6 +81,24 @@ MORE_MUTANTS = [
      "return bi_token_logprob(logits[prompt_len:], targets)",
      "invariant_token_logprobs scores each token with the logits after it (off by one: the same count)",
      ["tests/test_deterministic.py", "tests/test_self_spec.py"]),
+    # the loading of the default model: what the model's weights and vocabulary are
+    ("M53", "swiftkern/gguf_dequant.py", "q = torch.cat([qs & 0x0F, qs >> 4], 1).float()",
+     "q = torch.cat([qs >> 4, qs & 0x0F], 1).float()",
+     "the Q4_1 dequantizer puts a block's high nibbles first (inputs 0-15 and 16-31 swapped)",
+     ["tests/test_gguf_dequant.py"]),
+    ("M54", "swiftkern/gguf_dequant.py", "q = blocks[:, 2:].contiguous().view(torch.int8).float()",
+     "q = blocks[:, 2:].contiguous().float()",
+     "the Q8_0 dequantizer reads its codes unsigned (a negative code becomes code + 256)",
+     ["tests/test_gguf_dequant.py"]),
+    ("M55", "swiftkern/gguf_reader_fast.py", "parts.append(data[offs + 8:offs + 8 + length])",
+     "parts.append(data[offs + 8:offs + 7 + length])",
+     "the fast GGUF reader drops the last byte of every string of an array (the vocabulary's tokens)",
+     ["tests/test_gguf_once.py"]),
+    ("M56", "swiftkern/packed_weights.py",
+     "exact = ((s * c + offset).view(torch.int32) == blocks.view(torch.int32)).all(-1, keepdim=True)",
+     "exact = ((s * c + offset).view(torch.int32) == blocks.view(torch.int32)).any(-1, keepdim=True)",
+     "the torch twin of pack_codes takes a block where any one weight comes back, not every one",
+     ["tests/test_pack_codes.py", "tests/test_packed_weights.py"]),
 ]
 
 
