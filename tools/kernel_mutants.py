@@ -147,6 +147,29 @@ KERNEL_MUTANTS = [
      "cpu::add_rms_norm_rows(k, D, nullptr, D, plan.k_norm, k, nullptr, M * Hkv - 1, D, static_cast<float>(s.eps));",
      "the row path leaves the last key head of the last token without Qwen3's key norm",
      ["tests/test_decoder_stack.py"]),
+    # ------------------------------------------------------------------ the Triton kernels not yet run on a
+    # GPU (bi_matmul's last_adds, bi_matmul_swiglu, bi_exp_sum in one launch): the interpreter's tests are
+    # all that holds them
+    ("K45", "triton_kernels/bi_matmul.py", '        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")\n', "",
+     "bi_matmul's last_adds never zeroes a tile's counter: the next launch's last program does not see "
+     "itself last, so no one adds the partials", ["tests/test_bi_matmul.py", "tests/test_invariant_triton.py"]),
+    ("K46", "triton_kernels/bi_matmul.py", "    if arrived == chunks - 1:", "    if arrived == chunks - 2:",
+     "bi_matmul's last_adds: the second-to-last program to finish adds the partials (the last chunk's "
+     "may not be stored yet)", ["tests/test_bi_matmul.py", "tests/test_invariant_triton.py"]),
+    ("K47", "triton_kernels/bi_matmul.py",
+     "            u = tl.load(up_ptr + a_offs, mask=a_mask, other=0.0).to(tl.float32)",
+     "            u = tl.load(a_ptr + a_offs, mask=a_mask, other=0.0).to(tl.float32)",
+     "bi_matmul_swiglu multiplies silu(gate) by the gate instead of the up projection",
+     ["tests/test_bi_matmul_swiglu.py"]),
+    ("K48", "triton_kernels/bi_exp_sum.py", "    for j in range(1, half):  # the odd rest, one column after another",
+     "    for j in range(1, half - 1):  # the odd rest, one column after another",
+     "the one-launch bi_exp_sum drops the last column of the odd rest left after the halvings",
+     ["tests/test_triton_bi_exp_sum.py"]),
+    ("K49", "triton_kernels/bi_exp_sum.py",
+     "hi = tl.where(i + half < V, _bi_exp(tl.load(x + i + half, mask=inside & (i + half < V), other=0.0)), 0.0)",
+     "hi = tl.where(i + half <= V, _bi_exp(tl.load(x + i + half, mask=inside & (i + half < V), other=0.0)), 0.0)",
+     "the one-launch bi_exp_sum adds exp(0) = 1 for the padding element at index V",
+     ["tests/test_triton_bi_exp_sum.py"]),
     # ------------------------------------------------------------------ Triton (triton_kernels/)
     ("K13", "triton_kernels/fused_add_rms_norm.py",
      "        s += tl.load(res_ptr + base + cols, mask=inside, other=0.0).to(tl.float32)\n", "",
