@@ -146,8 +146,9 @@ __attribute__((target("avx2,fma,f16c"))) static void tile_avx2(const float* x, c
 #endif
 
 // AVX2 tiles (avx2_tile_cols, fixed_order_dot.h: at most 12 accumulators beside the x and weight
-// vectors): up to 3 x rows by 4 / 3 / 2 weight rows, a call's rows in near-equal groups. SmolLM2's 7 projections of a layer on a 2-core AMD EPYC
-// (AVX2), one process alternating the tilings, medians of 15, ms at 2 / 4 / 8 / 12 / 16 / 20 rows:
+// vectors): up to 3 x rows by 4 / 3 / 2 weight rows, a call's rows in near-equal groups.
+// SmolLM2's 7 projections of a layer on a 2-core AMD EPYC (AVX2), one process alternating the
+// tilings, medians of 15, ms at 2 / 4 / 8 / 12 / 16 / 20 rows:
 // 2 x rows by 4 weight rows always (16 accumulators: spilled; the tiling until 2026-11-29)
 // float32 0.37 / 0.55 / 0.93 / 1.64 / 2.04 / 2.43, bf16 0.37 / 0.82 / 1.23 / 1.53 / 2.42 / 2.85;
 // these tiles 0.35 / 0.57 / 0.78 / 1.44 / 1.96 / 2.31 and 0.34 / 0.73 / 1.03 / 1.28 / 2.06 / 2.34;

@@ -14,7 +14,8 @@ from .launch import interpreting
 
 NAMESPACE = "swiftkern_triton"
 
-_STATE = process_state("swiftkern._triton_state", impls=set(), fakes=set())  # {(op, dispatch key)}
+# impls: {(op, dispatch key)}; fakes: {op}
+_STATE = process_state("swiftkern._triton_state", impls=set(), fakes=set())
 
 
 def dispatch_keys() -> tuple[str, ...]:

@@ -49,7 +49,7 @@ BACKWARDS = {"rms_norm": (_rms_norm_backward, _rms_norm_setup),
 
 def register_autograd(namespace: str) -> None:
     """Give ``torch.ops.<namespace>``'s rms_norm and silu_mul their backward (once per process)."""
-    done = _STATE.__dict__.setdefault("autograd", set())
+    done = _STATE.autograd
     for op, (backward, setup) in BACKWARDS.items():
         qual = f"{namespace}::{op}"
         if qual in done or not hasattr(getattr(torch.ops, namespace), op):

@@ -55,7 +55,8 @@ except ImportError as e:
 
 # What this module registered, kept for the whole process so that a reload or a second import
 # neither registers twice nor mistakes its own reference kernels for compiled ones.
-_STATE = process_state("swiftkern._ops_state", reference_kernels=set(), fakes=set())  # {(op, dispatch key)}
+# reference_kernels: {(op, dispatch key)}; fakes: {op}; autograd: {"namespace::op"} (ops/autograd.py)
+_STATE = process_state("swiftkern._ops_state", reference_kernels=set(), fakes=set(), autograd=set())
 
 
 def _register(name: str, ref_fn, fake_fn) -> dict:
