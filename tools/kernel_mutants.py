@@ -170,6 +170,25 @@ KERNEL_MUTANTS = [
      "hi = tl.where(i + half <= V, _bi_exp(tl.load(x + i + half, mask=inside & (i + half < V), other=0.0)), 0.0)",
      "the one-launch bi_exp_sum adds exp(0) = 1 for the padding element at index V",
      ["tests/test_triton_bi_exp_sum.py"]),
+    # the op-by-op decoder stack (bf16 / fp16, and float32 where the row path does not apply), the
+    # argmax key (the CUDA greedy_accept's vocabulary split), the matmuls' shared set-up
+    ("K50", "csrc/decoder_stack_cpu.cpp",
+     "at::Tensor out = s.invariant ? verify_attention_invariant_cpu(q, k_cache, v_cache, cache_lens, s.scale)",
+     "at::Tensor out = false ? verify_attention_invariant_cpu(q, k_cache, v_cache, cache_lens, s.scale)",
+     "the op-by-op stack's invariant set runs the batch-variant attention (a bf16 verify pass's bits "
+     "then differ from the decode steps')",
+     ["tests/test_decoder_stack.py", "tests/test_exact_self_spec.py", "tests/test_deterministic.py"]),
+    ("K51", "csrc/decoder_stack_cpu.cpp", ".view({B, T, s.num_kv_heads, D}), w.w[kKNorm])",
+     ".view({B, T, s.num_kv_heads, D}), w.w[kQNorm])",
+     "the op-by-op stack normalizes Qwen3's keys with the query norm's weight",
+     ["tests/test_decoder_stack.py"]),
+    ("K52", "csrc/argmax_key.h", "  if (v == 0.0f) v = 0.0f;  // -0.0 -> +0.0\n", "",
+     "the argmax key orders -0.0 below +0.0 (torch.argmax takes them as equal: the first wins)",
+     ["tests/test_argmax_key.py", "tests/test_cuda_ops.py"]),
+    ("K53", "csrc/linear_call.h", "    if (K != 0) return false;\n    y.zero_();\n",
+     "    if (K != 0) return false;\n",
+     "skinny_linear and packed_linear with K = 0 return their uninitialized output instead of zeros",
+     ["tests/test_skinny_linear.py", "tests/test_packed_weights.py", "tests/test_cpp_ops.py"]),
     # ------------------------------------------------------------------ Triton (triton_kernels/)
     ("K13", "triton_kernels/fused_add_rms_norm.py",
      "        s += tl.load(res_ptr + base + cols, mask=inside, other=0.0).to(tl.float32)\n", "",
