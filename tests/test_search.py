@@ -206,7 +206,11 @@ def test_offline_search_stores_a_measured_set(tmp_path, monkeypatch):
     assert str(stored["layer_set"]) == record["layer_set"] and stored["speedup"] == record["speedup"]
 
 
-def test_matchness_with_a_pruned_head_scores_the_drafts_top1():
+@pytest.mark.parametrize("context_end", [None, 11])
+def test_matchness_with_a_pruned_head_scores_the_drafts_top1(context_end):
+    """The draft's top-1 under a pruned head is a token id (the head's row mapped back), compared
+    with the targets. The head holds 3 frequent ids and the context's tokens (all of them, or the
+    first 11: then the window's last targets are outside it), so its rows are not the token ids."""
     from swiftkern.draft_head import DraftHead
 
     sm = SkipModel.from_hf(tiny_model("llama", num_hidden_layers=5))
@@ -214,7 +218,8 @@ def test_matchness_with_a_pruned_head_scores_the_drafts_top1():
     cache = sm.new_cache(1, 40)
     sm.forward(torch.tensor([ctx[:-1]]), cache)
     cands = [LayerSet.parse(s, 5) for s in ("attn:1,2|mlp:3", "none")]
-    head = DraftHead(sm.lm_head, None, num_frequent=20, context_ids=ctx[:4])  # most targets are outside
+    head = DraftHead(sm.lm_head, None, num_frequent=3, context_ids=ctx[:context_end])
+    assert not torch.equal(head.ids, torch.arange(len(head.ids)))
     got = matchness(sm, cache, [0], [ctx], cands, 10, head)
     # reference: full logits restricted to the subset, argmax mapped back to token ids
     scratch = sm.new_cache(2, 40)
@@ -224,6 +229,9 @@ def test_matchness_with_a_pruned_head_scores_the_drafts_top1():
     top1 = head.ids[logits.argmax(-1)]
     want = (top1 == torch.tensor(ctx[start + 1:])).double().mean(-1).tolist()
     assert got == pytest.approx(want, abs=1e-12)
+    # skipping nothing: the full model's tokens, wherever the head holds them
+    held = sum(t in set(head.ids.tolist()) for t in ctx[start + 1:]) / 10
+    assert got[1] == pytest.approx(held, abs=1e-12) and held > 0.5
 
 
 @pytest.mark.parametrize("draft_seconds,enabled", [(10.0, False), (0.0, True)])
