@@ -4,7 +4,8 @@ RoPE table, the portable verifier, the deterministic fast path and invariant_tok
 default model's loading (the GGUF dequantizers, the fast reader's strings, the packing twin's exactness),
 and (M57 on) top-p and top-k, the padded prefill, the layer-kernel binding, HF patching and the HF
 backend's padding, the acceptance estimates and the drafter and replay policies, the GP's acquisition
-and the layer-set search's matchness and skip count."""
+and the layer-set search's matchness and skip count; (M75 on) streaming text, the measured step costs,
+the cache's rows for arrivals, the search's restarts, lookup's vote and the device check."""
 
 # (id, file, snippet, replacement, the bug it plants, the tests that should catch it)
 MORE_MUTANTS = [
@@ -181,6 +182,50 @@ MORE_MUTANTS = [
      "return min(max(0, 2 * (num_layers - 2)), int(ratio * 2 * num_layers))",
      "the skip count rounded down instead of to the nearest",
      ["tests/test_search.py"]),
+    # streaming text, the measured step costs, the cache's rows, the search's restarts, lookup's vote, devices
+    ("M75", "swiftkern/streaming.py", "        if not text.endswith(_INCOMPLETE):\n", "        if True:\n",
+     "TextStream writes a piece that ends inside a character (the replacement character, then the "
+     "character again once complete)",
+     ["tests/test_streaming.py"]),
+    ("M76", "swiftkern/forward_costs.py", "                floor = max(floor, c)\n", "                floor = c\n",
+     "the measured pass costs may fall with width (a wider pass measured cheaper taken at face value)",
+     ["tests/test_drafter_policy.py", "tests/test_lookup_replay.py"]),
+    ("M77", "swiftkern/forward_costs.py",
+     "self._cooling = (wide, spent + self._clip(seconds, plain) - plain, left - 1)",
+     "self._cooling = (wide, spent, left - 1)",
+     "a wide pass is not charged for the plain steps it slows after it",
+     ["tests/test_drafter_policy.py", "tests/test_lookup_replay.py"]),
+    ("M78", "swiftkern/forward_costs.py",
+     "return max(c0 + (c1 - c0) * (T - t0) / (t1 - t0), c0 * T / t0)",
+     "return c0 + (c1 - c0) * (T - t0) / (t1 - t0)",
+     "a pass narrower than any timed one may cost less a token than the narrowest (even nothing)",
+     ["tests/test_drafter_policy.py", "tests/test_lookup_replay.py"]),
+    ("M79", "swiftkern/forward_costs.py", "        if stamp != self._table_stamp:\n",
+     "        if self._table_stamp is None:\n",
+     "the table of verify costs is never recomputed after a new timing (the policy reads stale costs)",
+     ["tests/test_drafter_policy.py", "tests/test_lookup_replay.py"]),
+    ("M80", "swiftkern/kv_cache.py", "        self.lengths[first:] = 0\n", "",
+     "rows given to arriving requests keep the device lengths of the rows that left them",
+     ["tests/test_kv_cache.py", "tests/test_arrivals.py", "tests/test_cuda_graphs.py"]),
+    ("M81", "swiftkern/kv_cache.py", "                new[:, :keep] = old[:, :keep]\n",
+     "                new[:, :keep - 1] = old[:, :keep - 1]\n",
+     "growing the cache for arrivals loses the last kept row's keys and values",
+     ["tests/test_kv_cache.py", "tests/test_arrivals.py"]),
+    ("M82", "swiftkern/tuner.py",
+     "s.best_score = float(\"-inf\") if s.best is None else 0.0  # re-scored on the next window",
+     "s.best_score = s.best_score  # re-scored on the next window",
+     "a restarted search keeps its best set's old score, so no new candidate can replace it",
+     ["tests/test_search.py"]),
+    ("M83", "swiftkern/lookup_index.py",
+     "chosen = next(end for end in ends if votes[at(end + 1)] == top)  # the latest of the most voted",
+     "chosen = next(end for end in reversed(ends) if votes[at(end + 1)] == top)  # the latest of the most voted",
+     "the lookup index drafts from the earliest of the most voted matches, not the latest",
+     ["tests/test_lookup_index.py", "tests/test_lookup.py"]),
+    ("M84", "swiftkern/loading.py",
+     "    elif dev.type != \"cpu\":\n        raise SwiftkernError(f\"device {device!r}: swiftkern runs on 'cpu' or 'cuda'\")\n",
+     "",
+     "a device that is neither cpu nor cuda (meta, mps) is taken, not refused with what to use",
+     ["tests/test_input_contract.py", "tests/test_cli.py", "tests/test_generator_options.py"]),
 ]
 
 
