@@ -136,6 +136,10 @@ EQUIVALENT = {
            "do not depend on the batch or the chunk (the invariant kernel's contract); attention's bits are "
            "not claimed equal across instruction sets (each sums its scores in its own order), and the "
            "reordered sum is far inside the tolerance against the definition",
+    "K50": "on a CPU without AVX-512 only: there the regular attention's one difference from the invariant one, "
+           "its multi-query lane path, is not compiled in (AVX-512 only), so both give the same bits (checked "
+           "at T = 8, 40-2000 keys, float32 and bf16); on an AVX-512 CPU the change is real, and whether a "
+           "test catches it there has not been run",
 }
 
 
