@@ -5,7 +5,8 @@ default model's loading (the GGUF dequantizers, the fast reader's strings, the p
 and (M57 on) top-p and top-k, the padded prefill, the layer-kernel binding, HF patching and the HF
 backend's padding, the acceptance estimates and the drafter and replay policies, the GP's acquisition
 and the layer-set search's matchness and skip count; (M75 on) streaming text, the measured step costs,
-the cache's rows for arrivals, the search's restarts, lookup's vote and the device check."""
+the cache's rows for arrivals, the search's restarts, lookup's vote and the device check; (M85 on) the layer-skipped draft, per-row layer sets, and the
+call's stop rules and position check."""
 
 # (id, file, snippet, replacement, the bug it plants, the tests that should catch it)
 MORE_MUTANTS = [
@@ -226,6 +227,41 @@ MORE_MUTANTS = [
      "",
      "a device that is neither cpu nor cuda (meta, mps) is taken, not refused with what to use",
      ["tests/test_input_contract.py", "tests/test_cli.py", "tests/test_generator_options.py"]),
+    # the layer-skipped draft, per-row layer sets, the call's stop rules and position check
+    ("M85", "swiftkern/layer_skip_draft.py",
+     "probs.append(head.to_full(q, 0.0) if head is not None else q)",
+     "probs.append(head.to_full(q, 0.0) if head is not None else logits.float().softmax(-1))",
+     "a sampled layer-skip draft records q without temperature, top-k and top-p, though it drew from them "
+     "(rejection sampling then corrects toward the wrong distribution)",
+     ["tests/test_self_spec.py", "tests/test_draft_head.py", "tests/test_exact_self_spec.py"]),
+    ("M86", "swiftkern/layer_skip_draft.py",
+     "direction = self.step if accepted / drafted < self.target_acceptance else -self.step",
+     "direction = -self.step if accepted / drafted < self.target_acceptance else self.step",
+     "adaptive eps moves away from its target acceptance (lowered when too few drafts are accepted)",
+     ["tests/test_self_spec.py"]),
+    ("M87", "swiftkern/layer_skip_draft.py", "            if num_draft[b] >= budget[b]:\n",
+     "            if num_draft[b] > budget[b]:\n",
+     "a row drafts one token past its budget (k_max, max_new_tokens, the pass width)",
+     ["tests/test_self_spec.py", "tests/test_drafter_policy.py", "tests/test_exact_self_spec.py"]),
+    ("M88", "swiftkern/model.py", "keep = torch.tensor([0.0 if s else 1.0 for s in column]",
+     "keep = torch.tensor([1.0 if s else 0.0 for s in column]",
+     "with one layer set per row, a row keeps the sub-layers it should skip and skips the rest",
+     ["tests/test_search.py", "tests/test_model.py"]),
+    ("M89", "swiftkern/call_inputs.py",
+     "return frozenset(stops + token_ids(\"eos_token_id\", eos_token_id, V))",
+     "return frozenset(token_ids(\"eos_token_id\", eos_token_id, V))",
+     "stop_token_ids are dropped when eos_token_id is given too",
+     ["tests/test_generate.py", "tests/test_call_inputs.py", "tests/test_input_contract.py",
+      "tests/test_hf_integration.py", "tests/test_cli.py"]),
+    ("M90", "swiftkern/call_inputs.py", "if limit is not None and longest + max_new_tokens > limit:",
+     "if limit is not None and longest + max_new_tokens > limit + 1:",
+     "a prompt and its new tokens one past the model's positions are taken, not refused",
+     ["tests/test_generate.py", "tests/test_call_inputs.py", "tests/test_input_contract.py"]),
+    ("M91", "swiftkern/call_inputs.py", "return lambda r, tokens: any(s in tokenizer.decode(tokens) for s in stop)",
+     "return lambda r, tokens: all(s in tokenizer.decode(tokens) for s in stop)",
+     "a list of stop strings stops a row only once every one of them is in its text",
+     ["tests/test_generate.py", "tests/test_call_inputs.py", "tests/test_input_contract.py",
+      "tests/test_hf_integration.py", "tests/test_cli.py"]),
 ]
 
 
