@@ -6,7 +6,7 @@ and (M57 on) top-p and top-k, the padded prefill, the layer-kernel binding, HF p
 backend's padding, the acceptance estimates and the drafter and replay policies, the GP's acquisition
 and the layer-set search's matchness and skip count; (M75 on) streaming text, the measured step costs,
 the cache's rows for arrivals, the search's restarts, lookup's vote and the device check; (M85 on) the layer-skipped draft, per-row layer sets, and the
-call's stop rules and position check."""
+call's stop rules and position check; (M92 on) the ops' input checks."""
 
 # (id, file, snippet, replacement, the bug it plants, the tests that should catch it)
 MORE_MUTANTS = [
@@ -262,6 +262,30 @@ MORE_MUTANTS = [
      "a list of stop strings stops a row only once every one of them is in its text",
      ["tests/test_generate.py", "tests/test_call_inputs.py", "tests/test_input_contract.py",
       "tests/test_hf_integration.py", "tests/test_cli.py"]),
+    # the ops' input checks: what keeps a bad call from reading or writing outside its tensors
+    ("M92", "swiftkern/ops/checks.py", "    if lo < 0 or hi > K:\n", "    if lo < 0 or hi > K + 1:\n",
+     "num_draft = K + 1 is taken (the kernels then read a draft past the K given)",
+     ["tests/test_greedy_accept.py", "tests/test_rejection_sample.py", "tests/test_input_contract.py"]),
+    ("M93", "swiftkern/ops/checks.py", "    if mn < lo or mx > hi:\n", "    if mn < lo:\n",
+     "range checks miss values above the range (positions past the cache, lengths past S)",
+     ["tests/test_input_contract.py", "tests/test_cpp_ops.py", "tests/test_reference_ops.py",
+      "tests/test_op_views.py", "tests/test_cpp_verify_attention.py"]),
+    ("M94", "swiftkern/ops/layer.py", "if not 0 <= uniform_start <= S - T:", "if not 0 <= uniform_start <= S:",
+     "rope_kv_append takes a uniform start whose T tokens run past the cache",
+     ["tests/test_input_contract.py", "tests/test_cpp_ops.py", "tests/test_reference_ops.py",
+      "tests/test_op_views.py", "tests/test_cpp_verify_attention.py"]),
+    ("M95", "swiftkern/ops/layer.py", "if not T <= max_len <= S:", "if not max_len <= S:",
+     "verify_attention takes a max_len shorter than its T new tokens",
+     ["tests/test_input_contract.py", "tests/test_cpp_ops.py", "tests/test_reference_ops.py",
+      "tests/test_op_views.py", "tests/test_cpp_verify_attention.py"]),
+    ("M96", "swiftkern/ops/layer.py", "    if D % 2:\n        raise", "    if False:\n        raise",
+     "rope_kv_append takes an odd head_dim (rotate-half needs two equal halves)",
+     ["tests/test_input_contract.py", "tests/test_cpp_ops.py", "tests/test_reference_ops.py",
+      "tests/test_op_views.py", "tests/test_cpp_verify_attention.py"]),
+    ("M97", "swiftkern/ops/layer.py", "if Hkv == 0 or Hq % Hkv:", "if Hkv == 0:",
+     "verify_attention takes query heads that are not a multiple of the kv heads",
+     ["tests/test_input_contract.py", "tests/test_cpp_ops.py", "tests/test_reference_ops.py",
+      "tests/test_op_views.py", "tests/test_cpp_verify_attention.py"]),
 ]
 
 
