@@ -1,12 +1,12 @@
 """More planted bugs in the Python source, for tools/mutation_sweep.py: the CUDA-graph runner's keys and
 writes, layer-set parsing, packed-weight refresh, the runner's forward bookkeeping, the invariant ops and
 RoPE table, the portable verifier, the deterministic fast path and invariant_token_logprobs, and the
-default model's loading (the GGUF dequantizers, the fast reader's strings, the packing twin's exactness),
-and (M57 on) top-p and top-k, the padded prefill, the layer-kernel binding, HF patching and the HF
-backend's padding, the acceptance estimates and the drafter and replay policies, the GP's acquisition
-and the layer-set search's matchness and skip count; (M75 on) streaming text, the measured step costs,
-the cache's rows for arrivals, the search's restarts, lookup's vote and the device check; (M85 on) the layer-skipped draft, per-row layer sets, and the
-call's stop rules and position check; (M92 on) the ops' input checks."""
+default model's loading (the GGUF dequantizers, the fast reader's strings, the packing twin's exactness).
+From M57 on: top-p and top-k, the padded prefill, the layer-kernel binding, HF patching and the HF
+backend's padding, the acceptance estimates and the drafter and replay policies, the GP's acquisition,
+the layer-set search's matchness, skip count and restarts, streaming text, the measured step costs, the
+cache's rows for arrivals, lookup's vote, the device check, the layer-skipped draft, per-row layer sets,
+the call's stop rules and position check, and the ops' input checks."""
 
 # (id, file, snippet, replacement, the bug it plants, the tests that should catch it)
 MORE_MUTANTS = [
