@@ -144,6 +144,8 @@ def test_bad_input_is_refused():
         ops.verify_attention(q, k, v, cache_lens - 2, 0.125)
     with pytest.raises(SwiftkernError, match="max_len 9"):
         ops.verify_attention(q, k, v, cache_lens, 0.125, max_len=9)
+    with pytest.raises(SwiftkernError, match=r"max_len 1 must be in \[T = 2, S = 8\]"):  # fewer keys than T
+        ops.verify_attention(q, k, v, cache_lens, 0.125, max_len=1)
     for op in (ops.verify_attention, ops.verify_attention_invariant):  # a ValueError from float() before
         with pytest.raises(SwiftkernError, match="scale must be a number"):
             op(q, k, v, cache_lens, "0.125")
