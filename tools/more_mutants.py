@@ -6,7 +6,7 @@ From M57 on: top-p and top-k, the padded prefill, the layer-kernel binding, HF p
 backend's padding, the acceptance estimates and the drafter and replay policies, the GP's acquisition,
 the layer-set search's matchness, skip count and restarts, streaming text, the measured step costs, the
 cache's rows for arrivals, lookup's vote, the device check, the layer-skipped draft, per-row layer sets,
-the call's stop rules and position check, and the ops' input checks."""
+the call's stop rules and position check, and the ops' input checks (M92-M105)."""
 
 # (id, file, snippet, replacement, the bug it plants, the tests that should catch it)
 MORE_MUTANTS = [
@@ -286,6 +286,39 @@ MORE_MUTANTS = [
      "verify_attention takes query heads that are not a multiple of the kv heads",
      ["tests/test_triton_rope_kv_append.py", "tests/test_triton_verify_attention.py",
       "tests/test_invariant_kernels.py", "tests/test_input_contract.py", "tests/test_cpp_ops.py"]),
+    # the other ops' public checks (a broadcast the reference would take silently, a read or write
+    # past a tensor in the kernels)
+    ("M98", "swiftkern/ops/layer.py", "    if residual is not None and residual.shape != x.shape:\n",
+     "    if False:\n",
+     "fused_add_rms_norm takes a residual of another shape (the reference broadcasts it)",
+     ["tests/test_triton_norms.py", "tests/test_cpp_ops.py", "tests/test_reference_ops.py"]),
+    ("M99", "swiftkern/ops/layer.py", "if not isinstance(eps, (int, float)) or not eps >= 0:",
+     "if not isinstance(eps, (int, float)):",
+     "the norms take a negative or NaN eps",
+     ["tests/test_triton_norms.py", "tests/test_cpp_ops.py", "tests/test_reference_ops.py"]),
+    ("M100", "swiftkern/ops/layer.py", "    if gate.shape != up.shape:\n", "    if False:\n",
+     "silu_mul takes gate and up of different shapes (the reference broadcasts them)",
+     ["tests/test_triton_silu_mul.py", "tests/test_cpp_ops.py", "tests/test_reference_ops.py"]),
+    ("M101", "swiftkern/ops/layer.py", "        if bool((dst_start + counts > S).any()):\n",
+     "        if False:\n",
+     "kv_compact takes a row whose kept entries would be written past the cache",
+     ["tests/test_triton_kv_compact.py", "tests/test_cpp_ops.py", "tests/test_reference_ops.py"]),
+    ("M102", "swiftkern/ops/layer.py",
+     "if bool((used & ((src_positions < 0) | (src_positions >= S))).any()):",
+     "if bool((used & (src_positions < 0)).any()):",
+     "kv_compact takes a used source position past the cache",
+     ["tests/test_triton_kv_compact.py", "tests/test_cpp_ops.py", "tests/test_reference_ops.py"]),
+    ("M103", "swiftkern/ops/acceptance.py", "            if lo < 0 or hi >= V:\n", "            if lo < 0:\n",
+     "rejection_sample takes a used draft token past the vocabulary",
+     ["tests/test_rejection_sample.py", "tests/test_triton_acceptance.py"]),
+    ("M104", "swiftkern/ops/acceptance.py",
+     "\"u_accept\": (B, K),\n            \"u_sample\": (B, K + 1)}", "\"u_accept\": (B, K)}",
+     "rejection_sample takes u_sample of any shape (the kernels read u_sample[b, num_accepted] past a short one)",
+     ["tests/test_rejection_sample.py", "tests/test_triton_acceptance.py"]),
+    ("M105", "swiftkern/ops/acceptance.py", "    if tuple(target_logits.shape[:2]) != (B, K + 1):\n",
+     "    if target_logits.shape[0] != B:\n",
+     "greedy_accept takes target logits without the bonus position ([B, K, V]: read past them)",
+     ["tests/test_greedy_accept.py", "tests/test_triton_acceptance.py"]),
 ]
 
 
