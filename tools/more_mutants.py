@@ -6,7 +6,8 @@ From M57 on: top-p and top-k, the padded prefill, the layer-kernel binding, HF p
 backend's padding, the acceptance estimates and the drafter and replay policies, the GP's acquisition,
 the layer-set search's matchness, skip count and restarts, streaming text, the measured step costs, the
 cache's rows for arrivals, lookup's vote, the device check, the layer-skipped draft, per-row layer sets,
-the call's stop rules and position check, and the ops' input checks (M92-M105)."""
+the call's stop rules and position check, the ops' input checks (M92-M105), prompt ids and stored
+layer sets."""
 
 # the bad-input tests of the ops' public wrappers: in the op files, the Triton ones' included
 ATTENTION_CHECK_TESTS = ["tests/test_triton_rope_kv_append.py", "tests/test_triton_verify_attention.py",
@@ -321,6 +322,19 @@ MORE_MUTANTS = [
      "    if target_logits.shape[0] != B:\n",
      "greedy_accept takes target logits without the bonus position ([B, K, V]: read past them)",
      ["tests/test_greedy_accept.py", "tests/test_triton_acceptance.py"]),
+    # prompts and stored layer sets
+    ("M106", "swiftkern/prompt_ids.py", "bad = [t for t in ids if not 0 <= t < vocab_size]",
+     "bad = [t for t in ids if not 0 <= t <= vocab_size]",
+     "a prompt token id equal to the vocabulary size is taken (the embedding lookup then fails, or reads past)",
+     ["tests/test_input_contract.py", "tests/test_generate.py", "tests/test_cli.py"]),
+    ("M107", "swiftkern/prompt_ids.py",
+     "            if isinstance(ids, dict) or hasattr(ids, \"input_ids\"):\n                ids = ids[\"input_ids\"]\n",
+     "",
+     "a chat template's BatchEncoding (transformers 5) is read as a list of its keys, not its token ids",
+     ["tests/test_cli.py", "tests/test_generate.py", "tests/test_input_contract.py"]),
+    ("M108", "swiftkern/layer_set_store.py", "    if record.get(\"fingerprint\") != mine:\n", "    if False:\n",
+     "a stored layer set of another model is applied to this one",
+     ["tests/test_search.py", "tests/test_cli.py"]),
 ]
 
 
