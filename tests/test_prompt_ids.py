@@ -1,0 +1,48 @@
+"""Prompts into token ids (swiftkern.prompt_ids): a real HF tokenizer's chat template, and the
+vocabulary's edges, against what the tokenizer itself gives and the closed range [0, V)."""
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from conftest import tiny_model
+from swiftkern import Generator, SwiftkernError
+from swiftkern.prompt_ids import encode_prompts
+
+VOCAB = {"[UNK]": 0, "</s>": 1, "user": 2, "hi": 3, "there": 4, "assistant": 5}
+TEMPLATE = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+            "{% if add_generation_prompt %}assistant{% endif %}")
+
+
+def word_tokenizer() -> PreTrainedTokenizerFast:
+    """A transformers fast tokenizer built here (nothing downloaded): one id a word, a chat template."""
+    words = Tokenizer(models.WordLevel(VOCAB, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]", eos_token="</s>")
+    tok.chat_template = TEMPLATE
+    return tok
+
+
+def test_a_chat_prompt_is_the_templates_token_ids():
+    """transformers 5 returns a BatchEncoding from apply_chat_template(tokenize=True): the ids
+    are its input_ids, the same as tokenizing the rendered template."""
+    tok = word_tokenizer()
+    messages = [{"role": "user", "content": "hi there"}]
+    rendered = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    want = tok(rendered)["input_ids"]
+    assert want == [2, 3, 4, 5]
+    assert encode_prompts("hi there", tok, len(VOCAB), chat=True) == [want]
+    assert encode_prompts(["hi there", "there"], tok, len(VOCAB), chat=False) == [[3, 4], [4]]
+
+
+@pytest.mark.parametrize("ids, refused", [([0, 300], False), ([300], False), ([301], True), ([-1], True),
+                                          ([5, 301, 7], True)])
+def test_token_ids_must_lie_in_the_vocabulary(ids, refused):
+    """tiny_model's vocabulary is 301 ids: 0..300 are taken, 301 and -1 refused before any forward."""
+    gen = Generator(tiny_model("llama"))
+    assert gen.model.vocab_size == 301
+    if not refused:
+        assert len(gen.generate([ids], max_new_tokens=1).tokens[0]) == 1
+        return
+    with pytest.raises(SwiftkernError, match=r"outside \[0, 301\)"):
+        gen.generate([ids], max_new_tokens=1)
