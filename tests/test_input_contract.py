@@ -124,6 +124,44 @@ def test_any_generator_input_runs_or_is_refused_with_a_swiftkern_error(llama, da
     assert len(out.tokens) == len(prompts)
 
 
+# Every bad value once, in a setting where it is the only thing wrong (the drawn test above
+# reaches each one only by chance: a given value of ``prompts`` in ~1 of 3 runs).
+GREEDY = dict(do_sample=False)  # the layer set search and adaptive eps are for greedy calls
+SETTING_OF = {  # (Generator arguments of a mode that reads the value, the call's changes)
+    **dict.fromkeys(("k_max", "eps", "draft_vocab", "adaptive_eps", "layer_set"),
+                    (dict(mode="self-spec", drafter="layer-skip", layer_set="attn:1|mlp:2"), GREEDY)),
+    **dict.fromkeys(("skip_ratio", "search_options"),
+                    (dict(mode="self-spec", drafter="layer-skip", layer_set="auto"), GREEDY)),
+    **dict.fromkeys(("window", "verify_batch", "replay", "verifier_kernels", "deterministic"),
+                    (dict(mode="deterministic", replay="always"), {})),
+}
+GOOD_CALL = dict(max_new_tokens=2, do_sample=True, temperature=0.8, top_k=0, top_p=1.0, seed=0)
+CALL_ARGS = GENERATE_ARGS + ("do_sample", "prompts", "arrive_at", "streamer", "deterministic")
+
+
+@pytest.mark.parametrize("name, value", [(name, value) for name in sorted(BAD) for value in BAD[name]],
+                         ids=lambda v: repr(v)[:24])
+def test_each_bad_value_alone_is_refused_with_a_swiftkern_error(llama, name, value):
+    init, changes = SETTING_OF.get(name, ({}, {}))
+    init, call, prompts = dict(init), {**GOOD_CALL, **changes}, [[5, 6, 7], [8, 9]]
+    if name == "prompts":
+        prompts = value
+    elif name in CALL_ARGS:
+        call[name] = value
+    else:
+        init[name] = value
+    with pytest.raises(SwiftkernError):
+        Generator(llama, **init).generate(prompts, **call)
+
+
+@pytest.mark.parametrize("init, changes", [({}, {})] + list({repr(v): v for v in SETTING_OF.values()}.values()),
+                         ids=repr)
+def test_the_settings_of_the_bad_values_run(llama, init, changes):
+    """The control of the test above: each setting with no bad value in it runs."""
+    out = Generator(llama, **init).generate([[5, 6, 7], [8, 9]], **{**GOOD_CALL, **changes})
+    assert len(out.tokens) == 2 and all(len(t) == 2 for t in out.tokens)
+
+
 HF_OPTIONS = dict(
     max_new_tokens=[1, 4, 0, -1, 2.5], max_length=[12, 3, 600], do_sample=[True, False, "yes"],
     temperature=[0.7, 0.0, -1.0, "x"], top_k=[0, 5, -1, 2.5], top_p=[0.9, 1.0, 0.0, 1.5],
