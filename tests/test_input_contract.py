@@ -195,3 +195,27 @@ def test_any_hf_generate_input_runs_or_is_refused_with_a_swiftkern_error(llama, 
         return
     sequences = out.sequences if hasattr(out, "sequences") else out
     assert sequences.shape[0] == n
+
+
+@pytest.mark.parametrize("name, value", [(name, value) for name in sorted(HF_OPTIONS) for value in HF_OPTIONS[name]],
+                         ids=lambda v: repr(v)[:24])
+def test_each_hf_option_alone_runs_or_is_refused(llama, name, value):
+    """Each value of HF_OPTIONS once, alone (the drawn test above combines up to five, by chance):
+    it runs, or is refused with a SwiftkernError, or by HF before swiftkern is reached. What the
+    backend cannot honour (beams, scores, a repetition penalty, a minimum length) never runs."""
+    cannot = [("num_beams", 2), ("output_scores", True), ("repetition_penalty", 1.2), ("min_new_tokens", 2)]
+    ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    kwargs = {name: value}
+    if name != "max_length":
+        kwargs.setdefault("max_new_tokens", 3)
+    try:
+        out = llama.generate(ids, attention_mask=torch.ones_like(ids), custom_generate=swift_generate, **kwargs)
+    except SwiftkernError:
+        return
+    except Exception as e:  # noqa: BLE001
+        assert not _swiftkern_frames(e), f"{type(e).__name__} from swiftkern for generate(..., {kwargs})"
+        return
+    assert (name, value) not in cannot, f"generate(..., {kwargs}) ran"
+    sequences = out.sequences if hasattr(out, "sequences") else out
+    assert sequences.shape[0] == 2
+
