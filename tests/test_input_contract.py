@@ -174,6 +174,22 @@ HF_OPTIONS = dict(
 )
 
 
+def _hf_rows_or_refused(llama, ids, kwargs) -> int | None:
+    """HF ``generate`` through the backend -> the rows it returned, or None where it was refused
+    with a SwiftkernError or by HF itself; any other exception from inside swiftkern fails."""
+    if "max_length" not in kwargs:
+        kwargs.setdefault("max_new_tokens", 3)
+    try:
+        out = llama.generate(ids, attention_mask=torch.ones_like(ids), custom_generate=swift_generate, **kwargs)
+    except SwiftkernError:
+        return None
+    except Exception as e:  # noqa: BLE001 (the point: no other kind may come out of swiftkern)
+        if _swiftkern_frames(e):
+            raise AssertionError(f"{type(e).__name__} from swiftkern for generate(..., {kwargs})") from e
+        return None
+    return (out.sequences if hasattr(out, "sequences") else out).shape[0]
+
+
 @SETTINGS
 @given(data=st.data())
 def test_any_hf_generate_input_runs_or_is_refused_with_a_swiftkern_error(llama, data):
@@ -183,18 +199,8 @@ def test_any_hf_generate_input_runs_or_is_refused_with_a_swiftkern_error(llama, 
     ids = torch.tensor([draw(st.lists(st.integers(3, V - 1), min_size=T, max_size=T)) for _ in range(n)])
     names = draw(st.lists(st.sampled_from(sorted(HF_OPTIONS)), max_size=5, unique=True))
     kwargs = {name: draw(st.sampled_from(HF_OPTIONS[name])) for name in names}
-    if "max_length" not in kwargs:
-        kwargs.setdefault("max_new_tokens", 3)
-    try:
-        out = llama.generate(ids, attention_mask=torch.ones_like(ids), custom_generate=swift_generate, **kwargs)
-    except SwiftkernError:
-        return
-    except Exception as e:  # noqa: BLE001
-        if _swiftkern_frames(e):
-            raise AssertionError(f"{type(e).__name__} from swiftkern for generate(..., {kwargs})") from e
-        return
-    sequences = out.sequences if hasattr(out, "sequences") else out
-    assert sequences.shape[0] == n
+    rows = _hf_rows_or_refused(llama, ids, kwargs)
+    assert rows is None or rows == n
 
 
 @pytest.mark.parametrize("name, value", [(name, value) for name in sorted(HF_OPTIONS) for value in HF_OPTIONS[name]],
@@ -204,18 +210,5 @@ def test_each_hf_option_alone_runs_or_is_refused(llama, name, value):
     it runs, or is refused with a SwiftkernError, or by HF before swiftkern is reached. What the
     backend cannot honour (beams, scores, a repetition penalty, a minimum length) never runs."""
     cannot = [("num_beams", 2), ("output_scores", True), ("repetition_penalty", 1.2), ("min_new_tokens", 2)]
-    ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
-    kwargs = {name: value}
-    if name != "max_length":
-        kwargs.setdefault("max_new_tokens", 3)
-    try:
-        out = llama.generate(ids, attention_mask=torch.ones_like(ids), custom_generate=swift_generate, **kwargs)
-    except SwiftkernError:
-        return
-    except Exception as e:  # noqa: BLE001
-        assert not _swiftkern_frames(e), f"{type(e).__name__} from swiftkern for generate(..., {kwargs})"
-        return
-    assert (name, value) not in cannot, f"generate(..., {kwargs}) ran"
-    sequences = out.sequences if hasattr(out, "sequences") else out
-    assert sequences.shape[0] == 2
-
+    rows = _hf_rows_or_refused(llama, torch.tensor([[5, 6, 7], [8, 9, 10]]), {name: value})
+    assert rows is None or ((name, value) not in cannot and rows == 2), f"{name}={value!r} ran"
