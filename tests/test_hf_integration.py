@@ -336,6 +336,12 @@ def test_a_changed_model_gets_a_new_generator_and_copies_carry_none(llama):
     other = tiny_model("llama", seed=12)
     hf.load_state_dict(other.state_dict(), assign=True)
     assert torch.equal(_hf(hf, ids, custom_generate=swift_generate, **kw), _hf(other, ids, **kw))
+    third, before = tiny_model("llama", seed=13), list(transient(hf)["generators"].values())
+    with torch.no_grad():  # the same Parameter objects, new storage: what a Generator derived is stale
+        for mine, theirs in zip(hf.parameters(), third.parameters()):
+            mine.data = theirs.data.clone()
+    assert torch.equal(_hf(hf, ids, custom_generate=swift_generate, **kw), _hf(third, ids, **kw))
+    assert not any(g is old for g in transient(hf)["generators"].values() for old in before)
     copy.deepcopy(hf)
     torch.save(hf, io.BytesIO())
     assert transient(copy.deepcopy(hf)) == {}
