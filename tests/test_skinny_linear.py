@@ -166,6 +166,21 @@ def test_more_than_skinny_max_rows_uses_matmul_and_matches(lead, monkeypatch):
     check_close(ops.linear(x, w, None), x, w, None)
 
 
+@needs_cpp
+@pytest.mark.parametrize("lead", [(ops.SKINNY_MAX_ROWS,), (2, ops.SKINNY_MAX_ROWS // 2)])
+def test_up_to_skinny_max_rows_takes_the_cpp_kernel(lead, monkeypatch):
+    """At the limit itself ops.linear is still the fixed-order kernel: each row the bits it has alone."""
+    from swiftkern.ops import projections
+
+    monkeypatch.setattr(projections, "mkl_lags_here", lambda: False)
+    x, w, b = make(lead, 576, 577, True, 2)
+    assert ops.skinny_fits(x, w)
+    y = ops.linear(x, w, b).reshape(-1, 577)
+    rows = x.reshape(-1, 576)
+    assert torch.equal(y, OP(rows, w, b))
+    assert all(torch.equal(y[i], ops.linear(rows[i:i + 1], w, b)[0]) for i in (0, len(rows) - 1))
+
+
 def test_empty_reduction_axis():
     x, w, b = make((3,), 0, 5, True, 0)
     assert torch.equal(ops.linear(x, w, b), b.expand(3, 5))
