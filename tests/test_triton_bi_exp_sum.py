@@ -80,6 +80,18 @@ def test_ops_wrapper_takes_the_kernel_under_backend_triton(monkeypatch):
         assert torch.equal(ops.bi_exp_sum(x), want) and len(calls) == 1
 
 
+@pytest.mark.parametrize("name", ["triton", "reference"])
+def test_ops_max_exp_sum_off_the_cpp_kernel_is_the_references(name):
+    """Without the C++ kernel ops.bi_max_exp_sum is three calls (max, shift, bi_exp_sum): the
+    definition's bits, the shift included (logits past 88 would overflow an unshifted sum)."""
+    x = (torch.randn(3, 1000, generator=torch.Generator().manual_seed(2)) * 8.0).to(DEVICE)
+    x[1, 7] = 120.0
+    want_top, want_sum = reference.bi_max_exp_sum(x)
+    with backend(name):
+        top, total = ops.bi_max_exp_sum(x)
+    assert torch.equal(top, want_top) and torch.equal(total, want_sum), (total - want_sum).abs().max()
+
+
 def test_bad_input_is_refused_with_the_reason():
     with pytest.raises(SwiftkernError, match="bi_exp_sum: x must be float32"):
         triton_op("bi_exp_sum")(torch.zeros(2, 8, dtype=torch.bfloat16, device=DEVICE))
