@@ -85,7 +85,7 @@ def search_layer_set(model, tokenizer, prompts: list[str], skip_ratio="auto", bu
 
 def measure_speedup(model, tokenizer, ids, layer_set, max_new_tokens, repeats=1) -> dict:
     """Greedy self-spec (layer-skip drafter with this set) vs ar on the same prompts, one at a
-    time, interleaved; -> speedup (median time ratio), acceptance_rate, mean_accepted."""
+    time, interleaved; -> speedup (ar's total decode time over self-spec's), acceptance_rate, mean_accepted."""
     ar = Generator(model, tokenizer)
     spec = Generator(model, tokenizer, mode="self-spec", drafter="layer-skip", layer_set=layer_set)
     t_ar, t_spec, accepted, drafted, verifies = 0.0, 0.0, 0, 0, 0
