@@ -371,6 +371,15 @@ def test_isa_bindings_refuse_unknown_and_unsupported_instruction_sets():
 
 
 @needs_cpp
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_ops_bi_exp_reads_half_precision_as_float32(dtype):
+    """ops.bi_exp takes any float dtype and returns float32 (the kernel reads float32 alone)."""
+    x = (torch.randn(3, 37, generator=torch.Generator().manual_seed(5)) * 20).to(dtype)
+    got = ops.bi_exp(x)
+    assert got.dtype == torch.float32 and torch.equal(got, reference.bi_exp(x.float()))
+
+
+@needs_cpp
 def test_bi_exp_opcheck_and_bad_input():
     torch.library.opcheck(torch.ops.swiftkern.bi_exp, (torch.randn(3, 37),))
     with pytest.raises(RuntimeError, match="float32"):
