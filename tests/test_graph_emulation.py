@@ -128,6 +128,24 @@ def test_emulated_graph_refuses_a_replay_after_memory_it_read_was_freed():
         graph.replay(fn)
 
 
+def test_a_replay_lets_go_of_the_capturing_body():
+    """A graph keeps none of the capturing call's Python: a table that only the capture's body
+    held is freed once a replay runs the current call's body, and a later replay, which would
+    read the capture's address, is refused as a read of freed memory (the verifier's table in
+    f0bf2ed). A stand-in that kept the body alive would hide that."""
+    def body_over(table):
+        def fn():
+            return table * 2
+        return fn
+
+    graph, first = EmulatedGraph(), body_over(torch.arange(4.0))  # the capture's table: held by its body alone
+    graph.capture(first)
+    graph.replay(first)  # the capturing call's replay
+    del first  # that call is over
+    with pytest.raises(SwiftkernError, match="used memory from outside the graph that has been freed since"):
+        graph.replay(body_over(torch.arange(4.0) + 2))
+
+
 def test_launch_log_names_tensors_made_inside_by_their_launch():
     """Two runs of one body allocate their temporaries anew (other addresses, after a third
     tensor took the first's): the logs are equal all the same, and differ where a host value does."""
