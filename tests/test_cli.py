@@ -170,9 +170,9 @@ class _Reached(Exception):
     pass
 
 
-def test_generate_options_reach_the_generator(monkeypatch):
-    """Every `generate` option, each at a value other than its default, arrives at
-    swiftkern.Generator / Generator.generate under its own name (a spy Generator stops the run)."""
+def _spy_generator(monkeypatch) -> dict:
+    """A spy Generator and load_model: -> the dict they fill with what reached them (the spy's
+    generate stops the run by raising _Reached)."""
     import swiftkern.generate
     import swiftkern.loading
 
@@ -192,6 +192,13 @@ def test_generate_options_reach_the_generator(monkeypatch):
         return "m", "t"
 
     monkeypatch.setattr(swiftkern.loading, "load_model", load_model)
+    return seen
+
+
+def test_generate_options_reach_the_generator(monkeypatch):
+    """Every `generate` option, each at a value other than its default, arrives at
+    swiftkern.Generator / Generator.generate under its own name (a spy Generator stops the run)."""
+    seen = _spy_generator(monkeypatch)
     with pytest.raises(_Reached):
         cli.main(["generate", "--prompt", "hi there", "--mode", "deterministic", "--drafter", "self-spec",
                   "--layer-set", "attn:1|mlp:2", "--k-max", "7", "--eps", "0.55", "--adaptive-eps",
@@ -206,6 +213,68 @@ def test_generate_options_reach_the_generator(monkeypatch):
     assert seen["load"] == dict(model="smollm2", device=None, dtype="bfloat16", pack_weights=False)
     assert seen["generate"] == dict(prompts=["hi there"], max_new_tokens=17, do_sample=True, temperature=0.7,
                                     top_k=13, top_p=0.85, seed=21, chat=True, streamer=None, arrive_at=None)
+
+
+@pytest.mark.parametrize("mode,layer_set", [("ar", None), ("self-spec", "auto")])
+def test_generate_defaults_are_greedy_and_self_spec_searches(mode, layer_set, monkeypatch):
+    """With no options: greedy (the sampling flags at their neutral values), packed weights where
+    they run, and in self-spec the layer set searched while generating."""
+    seen = _spy_generator(monkeypatch)
+    with pytest.raises(_Reached):
+        cli.main(["generate", "--prompt", "hi", "--mode", mode])
+    assert seen["init"] == dict(mode=mode, layer_set=layer_set, k_max=25, eps=0.8, adaptive_eps=False,
+                                drafter="auto", draft_vocab=8192, window=32, verify_batch=4, skip_ratio="auto",
+                                replay="auto", cuda_graphs=False, verifier_kernels="auto")
+    assert seen["load"] == dict(model="smollm2", device=None, dtype=None, pack_weights=None)
+    assert seen["generate"] == dict(prompts=["hi"], max_new_tokens=64, do_sample=False, temperature=1.0, top_k=0,
+                                    top_p=1.0, seed=0, chat=False, streamer=None, arrive_at=None)
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["generate", "--prompt", "hi", "--top-k", "-1"], "--top-k must be >= 0, got -1"),
+    (["generate", "--prompt", "hi", "--top-p", "0"], "must be in (0.0, 1.0], got 0.0"),
+    (["generate", "--prompt", "hi", "--eps", "1.01"], "must be in [0.0, 1.0], got 1.01"),
+    (["generate", "--prompt", "hi", "--temperature", "-0.5"], "must be in [0.0, 100.0], got -0.5"),
+    (["generate", "--prompt", "hi", "--mode", "self-spec", "--skip-ratio", "0"], "skip ratio must be in (0, 1), got 0.0"),
+    (["search", "--prompt", "hi", "--skip-ratio", "1"], "skip ratio must be in (0, 1), got 1.0"),
+    (["search", "--prompt", "hi", "--budget", "0"], "must be in (0.0, 1000000.0], got 0.0"),
+    (["generate", "--prompt-file", "TWO", "--stream"], "--stream prints one prompt's text"),
+])
+def test_values_at_the_edges_are_refused_before_loading(args, msg, tmp_path, monkeypatch, capsys):
+    """The bounds themselves: where an interval is open, its end is refused (in process: no model loads)."""
+    import swiftkern.loading
+
+    monkeypatch.setattr(swiftkern.loading, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
+    two = tmp_path / "two.jsonl"
+    two.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    try:
+        code = cli.main([str(two) if a == "TWO" else a for a in args])
+    except SystemExit as e:  # argparse's exit for a bad flag value
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and msg in err, err
+
+
+def test_search_options_reach_the_search(monkeypatch, capsys):
+    """search's flags arrive at search_layer_set; --no-save stores nothing, its absence stores."""
+    import swiftkern.loading
+    import swiftkern.offline_search
+
+    calls = []
+
+    def search(model, tokenizer, prompts, **kw):
+        calls.append(dict(kw, prompts=prompts))
+        return dict(layer_set="mlp:1", skip_ratio=0.3, matchness=0.5, acceptance_rate=0.5, drafted=4, speedup=1.1)
+
+    monkeypatch.setattr(swiftkern.loading, "load_model", lambda *a, **k: ("m", "t"))
+    monkeypatch.setattr(swiftkern.offline_search, "search_layer_set", search)
+    assert cli.main(["search", "--prompt", "a", "--prompt", "b", "--skip-ratio", "0.3", "--budget", "9",
+                     "--max-new-tokens", "5", "--no-save", "--json"]) == 0
+    assert cli.main(["search", "--prompt", "a"]) == 0
+    saves = [(c.pop("save"), c.pop("log") is not print) for c in calls]
+    assert saves == [(False, True), (True, False)]  # --json: the ratios' lines not printed
+    assert calls == [dict(prompts=["a", "b"], skip_ratio=0.3, budget_s=9.0, max_new_tokens=5),
+                     dict(prompts=["a"], skip_ratio="auto", budget_s=120.0, max_new_tokens=64)]
 
 
 class _CharTokenizer:
@@ -263,3 +332,20 @@ def test_any_generate_command_prints_or_exits_2_with_one_line(data, tmp_path_fac
     assert "Traceback" not in err and code in (0, 2), (argv, code, err)
     if code == 2:
         assert len(err.strip().splitlines()) == 1 and err.startswith("swiftkern: error: "), (argv, err)
+
+
+def test_json_lines_carry_each_prompts_own_stats(tmp_path, monkeypatch, capsys):
+    """--json: a line's stats are the call's with that prompt's own counts over them."""
+    import json
+
+    import swiftkern.loading
+
+    model = SkipModel.from_hf(tiny_model("llama"))
+    monkeypatch.setattr(swiftkern.loading, "load_model", lambda *a, **k: (model, _CharTokenizer()))
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "hello there"}\n{"prompt": "abc"}\n')
+    assert cli.main(["generate", "--prompt-file", str(path), "--json", "--max-new-tokens", "4"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["prompt"] for r in rows] == ["hello there", "abc"]
+    assert [r["stats"]["prompt_tokens"] for r in rows] == [11, 3]  # _CharTokenizer: a token a character
+    assert all(r["stats"]["new_tokens"] == len(r["tokens"]) and r["stats"]["batch"] == 2 for r in rows)
