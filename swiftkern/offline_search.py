@@ -42,8 +42,10 @@ def search_layer_set(model, tokenizer, prompts: list[str], skip_ratio="auto", bu
     ids = gen.encode(prompts)
     outs = gen.generate(ids, max_new_tokens=max_new_tokens, eos_token_id=[]).tokens
     contexts = [p + o for p, o in zip(ids, outs)]
+    # matchness scores the last max_new_tokens positions and reads the full model's KV before them
+    before = [c[:max(1, len(c) - 1 - min(max_new_tokens, len(c) - 1))] for c in contexts]
     cache = model.new_cache(len(contexts), max(len(c) for c in contexts))
-    prefill(model, cache, [c[:-1] for c in contexts])  # the full model's KV of every context
+    prefill(model, cache, before)
     rows = list(range(len(contexts)))
     head = None  # score the top-1 the draft proposes: over the same pruned head as drafting
     if DEFAULT_DRAFT_VOCAB < model.vocab_size:

@@ -527,6 +527,64 @@ def test_offline_search_keeps_the_best_scored_set_of_each_ratio_and_the_fastest_
     assert str(layer_set_store.load(sm)["layer_set"]) == record["layer_set"]
 
 
+def test_offline_search_splits_its_budget_over_the_ratios(tmp_path, monkeypatch):
+    """skip_ratio "auto": each of the four ratios gets a quarter of budget_s (a clock that moves
+    1/64 s a scoring forward, whose scores never reach the target: a budget of 12/64 s is three
+    forwards a ratio)."""
+    import types
+
+    import swiftkern.offline_search as offline
+
+    monkeypatch.setenv("SWIFTKERN_CACHE_DIR", str(tmp_path))
+    clock, forwards = [0.0], []
+
+    def timed(*args):
+        clock[0] += 1 / 64
+        forwards.append(len(args[4]))
+        return [0.25] * len(args[4])
+
+    monkeypatch.setattr(offline, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(offline, "matchness", timed)
+    monkeypatch.setattr(offline, "measure_speedup", lambda *a: dict(speedup=1.0, acceptance_rate=0.5, drafted=8,
+                                                                   mean_accepted=1.0))
+    sm = SkipModel.from_hf(tiny_model("llama", num_hidden_layers=8))
+    record = offline.search_layer_set(sm, None, PROMPTS[:2], skip_ratio="auto", budget_s=12 / 64, max_new_tokens=12,
+                                      save=False, log=lambda *a: None)
+    assert [(row["stop"], row["scored"]) for row in record["table"]] == [("budget", 12)] * 4
+    assert forwards == [4] * 12
+
+
+def test_measure_speedup_sums_the_runs_it_interleaves(monkeypatch):
+    """measure_speedup against its closed form over canned runs: the speedup is ar's total decode
+    time over self-spec's, the acceptance rate accepted over drafted tokens, mean_accepted accepted
+    tokens a verify pass; outputs that differ from ar's are a bug, raised."""
+    import types
+
+    import swiftkern.offline_search as offline
+
+    runs = {"ar": iter([(1.0, 0, 0, 0), (3.0, 0, 0, 0), (2.0, 0, 0, 0), (2.0, 0, 0, 0)]),
+            "self-spec": iter([(0.5, 6, 10, 3), (1.5, 2, 4, 2), (1.0, 0, 0, 5), (1.0, 4, 6, 2)])}
+
+    class Canned:
+        def __init__(self, model, tokenizer, mode="ar", **kw):
+            self.mode = mode
+
+        def generate(self, prompts, **kw):
+            decode_s, accepted, drafted, verifies = next(runs[self.mode])
+            stats = dict(decode_s=decode_s, accepted=accepted, drafted=drafted, row_verifies=verifies)
+            return types.SimpleNamespace(tokens=[[7, 8]], stats=stats)
+
+    monkeypatch.setattr(offline, "Generator", Canned)
+    got = offline.measure_speedup("m", "t", [[1], [2]], "mlp:1", 4, repeats=2)
+    assert got == dict(speedup=round(8.0 / 4.0, 4), acceptance_rate=round(12 / 20, 4), drafted=20,
+                       mean_accepted=round(12 / 12, 4))
+    stats = dict(decode_s=1.0, accepted=0, drafted=0, row_verifies=0)
+    monkeypatch.setattr(Canned, "generate", lambda self, prompts, **kw: types.SimpleNamespace(
+        tokens=[[7, 8] if self.mode == "ar" else [7, 9]], stats=stats))
+    with pytest.raises(AssertionError, match="self-spec output differs from ar"):
+        offline.measure_speedup("m", "t", [[1]], "mlp:1", 4)
+
+
 @pytest.mark.parametrize("options, msg", [
     ("window=8", "search_options must be a dict"),
     (dict(patience=5), "search_options has no option 'patience'; it takes window"),

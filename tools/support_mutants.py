@@ -137,9 +137,9 @@ SUPPORT_MUTANTS = [
      '"acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0',
      '"acceptance_rate": round(accepted / verifies, 4) if verifies else 0.0',
      "the stored acceptance rate is accepted tokens per verify pass", ["tests/test_search.py"]),
-    ("M147", "swiftkern/offline_search.py", "    prefill(model, cache, [c[:-1] for c in contexts])",
-     "    prefill(model, cache, [c[:-2] for c in contexts])",
-     "the search's cache misses the last two tokens of each context", ["tests/test_search.py"]),
+    ("M147", "swiftkern/offline_search.py", "    before = [c[:max(1, len(c) - 1 - min(",
+     "    before = [c[:max(1, len(c) - 2 - min(",
+     "the search's cache misses the position before the scored window", ["tests/test_search.py"]),
     # the command line
     ("M148", "swiftkern/cli.py", "    if value < 1:\n        raise argparse.ArgumentTypeError(f\"must be >= 1",
      "    if value < 0:\n        raise argparse.ArgumentTypeError(f\"must be >= 1", "a count of 0 passes", CLI_TESTS),
