@@ -96,7 +96,7 @@ SUPPORT_MUTANTS = [
      INVARIANT_TESTS + ["tests/test_input_contract.py"]),
     ("M133", "swiftkern/ops/invariant.py", "    x = x.to(torch.float32)\n    if cpu_kernel(op, x.device.type):\n        return torch.ops.swiftkern.bi_exp(x)",
      "    if cpu_kernel(op, x.device.type):\n        return torch.ops.swiftkern.bi_exp(x)",
-     "bi_exp keeps a bf16 / fp16 input's dtype", INVARIANT_TESTS + ["tests/test_input_contract.py"]),
+     "bi_exp keeps a bf16 / fp16 input's dtype", INVARIANT_TESTS + ["tests/test_cpp_ops.py"]),
     # loading GGUF files once
     ("M134", "swiftkern/gguf_once.py", "    return os.path.realpath(os.fspath(path)), mode", "    return os.path.realpath(os.fspath(path))",
      "a reader opened read-only is handed out for a read-write open of the same file",
