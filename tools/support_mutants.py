@@ -2,7 +2,8 @@
 caller's HF model (transient.py), the Triton ops' registration, ``swiftkern info``, what differs between
 transformers versions (integrations/compat.py), the projections' kernel choice and input checks, the
 invariant ops' entry points, loading GGUF files once, the CUDA-graph stand-ins, the offline search and the
-command line (M109 on)."""
+command line (M109 on); prompt files, the scalar argument checks, top-p's cut, the device-read clock, the
+backends' choice, the op registry, the launch log and the patched ops' backward formulas (M160 on)."""
 
 HF_TESTS = ["tests/test_hf_integration.py", "tests/test_patching.py"]
 GRAPH_TESTS = ["tests/test_graph_emulation.py", "tests/test_cuda_graphs.py", "tests/test_host_reads.py"]
@@ -166,6 +167,85 @@ SUPPORT_MUTANTS = [
     ("M159", "swiftkern/cli.py", '        print(f"swiftkern: error: {e}", file=sys.stderr)\n        return 2',
      '        print(f"swiftkern: error: {e}", file=sys.stderr)\n        return 1',
      "bad input exits with status 1, not argparse's 2", CLI_TESTS),
+    # prompt files and scalar arguments
+    ("M160", "swiftkern/prompt_file.py", "            options = [k for k in REQUEST_OPTIONS if k in obj]\n",
+     "            options = []\n", "a prompt file's per-line seed or temperature is ignored, not refused", CLI_TESTS),
+    ("M161", "swiftkern/prompt_file.py", "if not isinstance(step, int) or isinstance(step, bool) or step < 0:",
+     "if not isinstance(step, int) or step < 0:", 'a line\'s "arrive_at": true is read as step 1',
+     CLI_TESTS + ["tests/test_arrivals.py"]),
+    ("M162", "swiftkern/prompt_file.py", "    return prompts, arrive_at if any(arrive_at) else None",
+     "    return prompts, arrive_at", "a file with no arrive_at gives a list of zeros, not None",
+     CLI_TESTS + ["tests/test_arrivals.py"]),
+    ("M163", "swiftkern/prompt_file.py", '            text = obj.get("prompt", obj.get("text")) if isinstance(obj, dict) else None',
+     '            text = obj.get("prompt") if isinstance(obj, dict) else None',
+     'a line of {"text": ...} is refused', CLI_TESTS),
+    ("M164", "swiftkern/arg_checks.py", "    return isinstance(value, numbers.Integral) and not isinstance(value, bool)",
+     "    return isinstance(value, numbers.Integral)", "True passes as the integer 1",
+     ["tests/test_call_inputs.py", "tests/test_input_contract.py", "tests/test_generator_options.py"]),
+    ("M165", "swiftkern/arg_checks.py", "    if not isinstance(value, (bool, numpy.bool_)):",
+     "    if not isinstance(value, (bool, numpy.bool_, int)):", "a flag given 0 or 1 passes as its truth value",
+     ["tests/test_call_inputs.py", "tests/test_input_contract.py", "tests/test_generator_options.py"]),
+    ("M166", "swiftkern/arg_checks.py", "    return [whole(f\"{name} entry\", t, 0, vocab_size - 1) for t in items]",
+     "    return [whole(f\"{name} entry\", t, 0, vocab_size) for t in items]",
+     "a stop token id equal to the vocabulary size passes",
+     ["tests/test_call_inputs.py", "tests/test_input_contract.py", "tests/test_generator_options.py"]),
+    ("M167", "swiftkern/arg_checks.py", "    if not isinstance(value, numbers.Real) or isinstance(value, bool):",
+     "    if not isinstance(value, numbers.Real):", "True passes as the number 1.0",
+     ["tests/test_call_inputs.py", "tests/test_input_contract.py", "tests/test_generator_options.py"]),
+    # top-p's cut, the device read clock
+    ("M168", "swiftkern/ops/top_p_cut.py", "    if not 0.0 < top_p <= 1.0:", "    if not 0.0 <= top_p <= 1.0:",
+     "top_p_cut takes top_p = 0", ["tests/test_top_p.py"]),
+    ("M169", "swiftkern/ops/top_p_cut.py",
+     "    if sorted_values.dim() != 2 or sorted_values.shape != probs.shape or sorted_values.shape[1] < 1:",
+     "    if sorted_values.dim() != 2 or sorted_values.shape[1] < 1:",
+     "top_p_cut takes probs of another shape than the sorted values", ["tests/test_top_p.py"]),
+    ("M170", "swiftkern/device_reads.py", "    CLOCK.reads += 1\n", "",
+     "the stats count no device reads", ["tests/test_host_reads.py"]),
+    # the backends' choice
+    ("M171", "swiftkern/ops/backends.py", "    _BACKEND = name\n    _RESOLVED.clear()", "    _BACKEND = name",
+     "set_backend keeps the choices made under the old backend", ["tests/test_triton_backend.py",
+                                                                 "tests/test_cpp_ops.py", "tests/test_bi_matmul.py"]),
+    ("M172", "swiftkern/ops/backends.py",
+     '        elif device_type == "cuda" and op in triton_ops("cuda"):\n            backend = "triton"',
+     '        elif op in triton_ops(device_type):\n            backend = "triton"',
+     "auto takes a Triton kernel on the CPU under the interpreter (where the reference should run)",
+     ["tests/test_triton_backend.py", "tests/test_cpp_ops.py"]),
+    ("M173", "swiftkern/ops/backends.py", "    return device_type == \"cpu\" and registry.COMPILED[op][\"cpu\"] == \"cpp\" "
+     "and current_backend() in (\"auto\", \"cpp\")",
+     "    return device_type == \"cpu\" and registry.COMPILED[op][\"cpu\"] == \"cpp\"",
+     "SWIFTKERN_BACKEND=reference still runs the C++ kernels", ["tests/test_triton_backend.py", "tests/test_cpp_ops.py",
+                                                                "tests/test_cli.py", "tests/test_skinny_linear.py"]),
+    ("M174", "swiftkern/ops/backends.py", "        if device_type != \"cpu\":\n            return f\"cpp is the CPU backend",
+     "        if False:\n            return f\"cpp is the CPU backend",
+     "SWIFTKERN_BACKEND=cpp is not refused for CUDA tensors", ["tests/test_triton_backend.py", "tests/test_cpp_ops.py"]),
+    ("M175", "swiftkern/ops/backends.py", "    elif backend != \"reference\":\n        why = _unavailable(op, device_type, backend)",
+     "    elif backend not in (\"reference\", \"triton\"):\n        why = _unavailable(op, device_type, backend)",
+     "SWIFTKERN_BACKEND=triton without the interpreter is not refused on the CPU (it fails later)",
+     ["tests/test_triton_backend.py", "tests/test_cpp_ops.py"]),
+    ("M176", "swiftkern/ops/registry.py", "        if not mine and torch._C._dispatch_has_kernel_for_dispatch_key(qual, key):",
+     "        if torch._C._dispatch_has_kernel_for_dispatch_key(qual, key):",
+     "a reload takes the registry's own reference kernels for compiled ones", ["tests/test_triton_backend.py",
+                                                                              "tests/test_cpp_ops.py"]),
+    # the launch log behind the CUDA-graph stand-ins
+    ("M177", "swiftkern/launch_log.py", "            return (\"float\", repr(x))  # exact: repr round-trips",
+     "            return (\"float\", round(x, 3))", "a float argument is compared to 3 decimals (an eps of 1e-6 vs 1e-5 "
+     "looks the same)", GRAPH_TESTS),
+    ("M178", "swiftkern/launch_log.py", "            return (\"tensor\", where, tuple(x.shape), x.stride(), x.storage_offset(), str(x.dtype))",
+     "            return (\"tensor\", where, tuple(x.shape), x.stride(), str(x.dtype))",
+     "a tensor argument's storage offset is not compared (a view one row further looks the same)", GRAPH_TESTS),
+    ("M179", "swiftkern/launch_log.py", "    if len(captured) != len(now):\n", "    if False:\n",
+     "a replay that launches fewer kernels than its capture is not refused", GRAPH_TESTS),
+    ("M180", "swiftkern/launch_log.py", "        if ref.expired() and not addresses & keyed:",
+     "        if ref.expired() and not keyed:",
+     "any key at all lets a freed table pass, not only one whose address the key holds", GRAPH_TESTS),
+    ("M181", "swiftkern/launch_log.py", "            if self.as_capture:\n                self._undo()", "            pass",
+     "a recorded capture leaves its writes behind (a capture launches nothing)", GRAPH_TESTS),
+    # the backward formulas of the patched ops
+    ("M182", "swiftkern/ops/autograd.py", "    return (gy * u * s * (1 + g * (1 - s))).to(gate.dtype), (gy * g * s).to(up.dtype)",
+     "    return (gy * u * s).to(gate.dtype), (gy * g * s).to(up.dtype)",
+     "silu_mul's gate gradient drops silu's derivative past the sigmoid", ["tests/test_patching.py"]),
+    ("M183", "swiftkern/ops/autograd.py", "    gx = r * (gn - n * (gn * n).mean(-1, keepdim=True))", "    gx = r * gn",
+     "rms_norm's input gradient drops the norm's own dependence on x", ["tests/test_patching.py"]),
 ]
 
 
