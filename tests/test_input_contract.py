@@ -30,11 +30,11 @@ GOOD = dict(
     chat=[False], search_options=[None],
 )
 BAD = dict(
-    k_max=[0, -1, 1.5, True, "3", None], eps=[-0.1, 1.5, NAN, "0.5", None], draft_vocab=[0, -1, 2.5, "x", True],
+    k_max=[0, -1, 1.5, True, "3", None], eps=[-0.1, 1.5, NAN, "0.5", None, True], draft_vocab=[0, -1, 2.5, "x", True],
     window=[0, 1.5, None, True], verify_batch=[0, 2.5, None], skip_ratio=[0.0, 1.0, NAN, "x", None],
     replay=["sometimes", None], verifier_kernels=["z", None], adaptive_eps=["yes", None, 1], cuda_graphs=[True, "yes"],
-    max_new_tokens=[0, -1, 1.5, True, None, "4"], temperature=[0.0, -1.0, NAN, None, "1"], top_k=[-1, 2.5, None],
-    top_p=[0.0, 1.5, NAN, None], seed=[2**64, -(2**63) - 1, 1.5, "s", None, [1] * 7],
+    max_new_tokens=[0, -1, 1.5, True, None, "4"], temperature=[0.0, -1.0, NAN, None, "1", True], top_k=[-1, 2.5, None],
+    top_p=[0.0, 1.5, NAN, None, True], seed=[2**64, -(2**63) - 1, 1.5, "s", None, [1] * 7],
     eos_token_id=[V, -1, 2.0, [2, V], "2"], stop_token_ids=[[V + 1], [-3], [1.0], V, "x"],
     chat=["yes", None, 1], do_sample=["yes", None, 1],
     layer_set=["attn:9", "mlp:a", "attn:1|attn:2", "foo", "attn:-1", "attn:0,1,2,3|mlp:0,1,2,3", 3, ["attn:1"]],
