@@ -54,6 +54,8 @@ def test_a_generation_option_in_a_prompt_file_is_refused_not_ignored(tmp_path):
         prompt_file.read_prompt_records(str(f))
     f.write_text('{"prompt": "ok", "kind": "x", "arrive_at": 1}\n{"text": "b"}\n')
     assert prompt_file.read_prompt_records(str(f)) == (["ok", "b"], [1, 0])
+    f.write_text('{"prompt": "ok"}\n\n{"text": "b", "arrive_at": 0}\n')  # no arrivals: None, as for --prompt
+    assert prompt_file.read_prompt_records(str(f)) == (["ok", "b"], None)
 
 
 def test_help_explains_itself():
