@@ -79,6 +79,22 @@ def test_auto_and_forced_choices():
         assert info["ops"]["packed_linear"]["cuda"].startswith("unavailable: there is no Triton kernel")
 
 
+def test_auto_on_the_cpu_without_a_cpp_kernel_is_the_reference(monkeypatch):
+    """Under TRITON_INTERPRET=1 (these tests without a GPU) the Triton kernels are registered for
+    CPU tensors too, but auto on the CPU takes the C++ kernel or else the reference: the
+    interpreter runs only when backend triton is forced."""
+    from swiftkern.triton_kernels import interpreting
+
+    cuda = ops.registry.COMPILED["rms_norm"]["cuda"]
+    monkeypatch.setitem(ops.registry.COMPILED, "rms_norm", {"cpu": "reference", "cuda": cuda})
+    with backend("auto"):  # a fresh choice
+        assert ("rms_norm" in ops.backends.triton_ops("cpu")) is interpreting()
+        assert ops.backend_for("rms_norm", "cpu") == "reference"
+    if interpreting():
+        with backend("triton"):
+            assert ops.backend_for("rms_norm", "cpu") == "triton"
+
+
 def test_forcing_a_backend_that_cannot_run_raises():
     x, w = torch.randn(2, 8), torch.ones(8)
     with backend("cuda"):
