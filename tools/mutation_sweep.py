@@ -137,6 +137,9 @@ EQUIVALENT = {
            "do not depend on the batch or the chunk (the invariant kernel's contract); attention's bits are "
            "not claimed equal across instruction sets (each sums its scores in its own order), and the "
            "reordered sum is far inside the tolerance against the definition",
+    "M178": "a tensor from outside is named by its data_ptr(), which includes the storage offset (the address a "
+            "graph bakes in), and a view of a tensor made inside is itself made by a logged launch (slice, select, "
+            "as_strided) whose host arguments hold the offset: the offset field repeats what the signature has",
     "K50": "on a CPU without AVX-512 only: there the regular attention's one difference from the invariant one, "
            "its multi-query lane path, is not compiled in (AVX-512 only), so both give the same bits (checked "
            "at T = 8, 40-2000 keys, float32 and bf16); on an AVX-512 CPU the change is real, and whether a "
