@@ -3,7 +3,7 @@ caller's HF model (transient.py), the Triton ops' registration, ``swiftkern info
 transformers versions (integrations/compat.py), the projections' kernel choice and input checks, the
 invariant ops' entry points, loading GGUF files once, the CUDA-graph stand-ins, the offline search and the
 command line (M109 on); prompt files, the scalar argument checks, top-p's cut, the device-read clock, the
-backends' choice, the op registry, the launch log and the patched ops' backward formulas (M160 on)."""
+backends' choice, the op registry, the launch log and the patched ops' backward formulas (M160 on); the Triton launch plans (M184 on)."""
 
 HF_TESTS = ["tests/test_hf_integration.py", "tests/test_patching.py"]
 GRAPH_TESTS = ["tests/test_graph_emulation.py", "tests/test_cuda_graphs.py", "tests/test_host_reads.py"]
@@ -12,6 +12,7 @@ PROJECTION_TESTS = ["tests/test_skinny_linear.py", "tests/test_packed_weights.py
 INVARIANT_TESTS = ["tests/test_invariant_kernels.py", "tests/test_bi_matmul.py", "tests/test_triton_bi_exp_sum.py",
                    "tests/test_triton_verifier.py", "tests/test_deterministic.py"]
 CLI_TESTS = ["tests/test_cli.py"]
+LAUNCH_TESTS = ["tests/test_triton_acceptance.py", "tests/test_triton_verify_attention.py", "tests/test_triton_gpu_plans.py"]
 
 # (id, file, snippet, replacement, the bug it plants, the tests that should catch it)
 SUPPORT_MUTANTS = [
@@ -246,6 +247,24 @@ SUPPORT_MUTANTS = [
      "silu_mul's gate gradient drops silu's derivative past the sigmoid", ["tests/test_patching.py"]),
     ("M183", "swiftkern/ops/autograd.py", "    gx = r * (gn - n * (gn * n).mean(-1, keepdim=True))", "    gx = r * gn",
      "rms_norm's input gradient drops the norm's own dependence on x", ["tests/test_patching.py"]),
+    # the Triton launch plans (triton_kernels/launch.py), run under the interpreter
+    ("M184", "triton_kernels/launch.py", "    return VocabPlan(block, chunk, cdiv(vocab, chunk), 4)",
+     "    return VocabPlan(block, chunk, splits, 4)",
+     "a vocabulary reduction keeps splits past the vocabulary's end (programs over no tokens)", LAUNCH_TESTS),
+    ("M185", "triton_kernels/launch.py", "    chunk = cdiv(blocks, splits) * block\n",
+     "    chunk = blocks // splits * block\n",
+     "a vocabulary split's chunk rounded down: the last tokens fall outside every split", LAUNCH_TESTS),
+    ("M186", "triton_kernels/launch.py", "    splits = cdiv(max(max_keys, 1), chunk)\n", "",
+     "attention keeps key splits past the longest row's keys", LAUNCH_TESTS),
+    ("M187", "triton_kernels/launch.py", "    if invariant:\n        splits = 1\n    elif splits is None:",
+     "    if splits is None:", "the invariant attention splits its keys by the grid's size (a batch-dependent "
+     "combine order)", LAUNCH_TESTS + ["tests/test_invariant_triton.py"]),
+    ("M188", "triton_kernels/launch.py",
+     "    block_m = INVARIANT_BLOCK_M if invariant else max(16, min(64, next_pow2(rows)))",
+     "    block_m = max(16, min(64, next_pow2(rows)))",
+     "the invariant attention's query tile follows the number of query rows", LAUNCH_TESTS + ["tests/test_invariant_triton.py"]),
+    ("M189", "triton_kernels/launch.py", "    require(block <= MAX_ROW_BLOCK, op,", "    require(True, op,",
+     "a norm row wider than one Triton program holds is not refused", LAUNCH_TESTS + ["tests/test_triton_norms.py"]),
 ]
 
 
