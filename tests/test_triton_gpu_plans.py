@@ -123,3 +123,18 @@ def test_the_invariant_attention_plan_is_one_plan_whatever_the_shapes(sms, head_
                 (1, 7, 64), (1, 8), (1, 3, 7), (1, 2, 33, 100), (1, 100, 4096, 32768), (False, True)):
             assert plan(batch, kv_heads, group, q_len, keys, head_dim, fp32=fp32) == first
     assert first[0] == launch.INVARIANT_BLOCK_M and first[3] == 1
+
+
+@pytest.mark.parametrize("sms", [None, 108, 132])
+def test_every_split_of_a_plan_holds_keys_or_tokens(sms):
+    """A split past the end launches programs that reduce nothing: each plan's splits cover the
+    keys (the vocabulary) and its last split starts inside them, chunks whole key blocks."""
+    cpu = torch.device("cpu")
+    with launch.gpu_launch_plans(sms) if sms else contextlib.nullcontext():
+        for batch, kv_heads, group, q_len, keys, forced in itertools.product(
+                (1, 7), (1, 8), (1, 7), (1, 33), (1, 63, 64, 100, 4096, 4097), (None, 3, 1000)):
+            p = launch.attention_plan(batch, kv_heads, group, q_len, keys, 64, device=cpu, splits=forced)
+            assert p.chunk % p.block_n == 0 and (p.splits - 1) * p.chunk < keys <= p.splits * p.chunk, p
+        for rows, vocab, forced in itertools.product((1, 3, 64), (1, 100, 1024, 49152, 128256), (None, 7, 10**6)):
+            p = launch.vocab_plan(rows, vocab, cpu, splits=forced)
+            assert p.chunk % p.block == 0 and (p.splits - 1) * p.chunk < vocab <= p.splits * p.chunk, p

@@ -91,3 +91,6 @@ def test_bad_input_is_refused():
         ops.rms_norm(x.long(), w.long(), 1e-5)
     with pytest.raises(SwiftkernError, match="weight dtype"):
         triton_op("rms_norm")(x, w.half(), 1e-5)
+    wide, wide_w = inputs((1, 65537), torch.float32, 5)[0::2]  # one past launch.MAX_ROW_BLOCK
+    with pytest.raises(SwiftkernError, match="wider than the 65536 one Triton program holds"):
+        triton_op("rms_norm")(wide, wide_w, 1e-5)
