@@ -15,7 +15,7 @@ import time
 from . import layer_set_store
 from .draft_head import DEFAULT_DRAFT_VOCAB, DraftHead
 from .generate import Generator, prefill
-from .search import LayerSetSearch, SearchConfig, matchness
+from .search import LayerSetSearch, SearchConfig, matchness, window_start
 from .tuner import AUTO_RATIOS
 
 
@@ -42,9 +42,9 @@ def search_layer_set(model, tokenizer, prompts: list[str], skip_ratio="auto", bu
     ids = gen.encode(prompts)
     outs = gen.generate(ids, max_new_tokens=max_new_tokens, eos_token_id=[]).tokens
     contexts = [p + o for p, o in zip(ids, outs)]
-    # matchness scores the last max_new_tokens positions and reads the full model's KV before them
-    before = [c[:max(1, len(c) - 1 - min(max_new_tokens, len(c) - 1))] for c in contexts]
-    cache = model.new_cache(len(contexts), max(len(c) for c in contexts))
+    # matchness scores the last max_new_tokens positions, reading the full model's KV before them
+    before = [c[:max(1, window_start(c, max_new_tokens))] for c in contexts]
+    cache = model.new_cache(len(before), max(len(b) for b in before))
     prefill(model, cache, before)
     rows = list(range(len(contexts)))
     head = None  # score the top-1 the draft proposes: over the same pruned head as drafting

@@ -28,6 +28,12 @@ from .layer_set import LayerSet
 from .model import SkipModel
 
 
+def window_start(context: list[int], window: int) -> int:
+    """The first input position of ``matchness``'s window over ``context``: the full model's KV
+    of the positions before it is what matchness reads from the cache."""
+    return len(context) - 1 - min(window, len(context) - 1)
+
+
 def matchness(model: SkipModel, cache: KVCache, rows: list[int], contexts: list[list[int]],
               candidates: list[LayerSet], window: int = 32, head=None) -> list[float]:
     """Matchness of each candidate on the last ``window`` positions of each row's context.
@@ -43,10 +49,10 @@ def matchness(model: SkipModel, cache: KVCache, rows: list[int], contexts: list[
         raise SwiftkernError("matchness needs candidates and one context per row")
     spans = []
     for r, ctx in zip(rows, contexts):
-        n = min(window, len(ctx) - 1)
+        start = window_start(ctx, window)
+        n = len(ctx) - 1 - start
         if n < 1:
             raise SwiftkernError("matchness needs a context of at least 2 tokens")
-        start = len(ctx) - 1 - n  # first input position of the window
         if cache.host_lengths[r] < start:
             raise SwiftkernError(f"matchness: row {r} has KV for {cache.host_lengths[r]} positions, needs {start}")
         spans.append((r, ctx, start, n))

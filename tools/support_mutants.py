@@ -139,8 +139,8 @@ SUPPORT_MUTANTS = [
      '"acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0',
      '"acceptance_rate": round(accepted / verifies, 4) if verifies else 0.0',
      "the stored acceptance rate is accepted tokens per verify pass", ["tests/test_search.py"]),
-    ("M147", "swiftkern/offline_search.py", "    before = [c[:max(1, len(c) - 1 - min(",
-     "    before = [c[:max(1, len(c) - 2 - min(",
+    ("M147", "swiftkern/offline_search.py", "    before = [c[:max(1, window_start(c, max_new_tokens))] for c in contexts]",
+     "    before = [c[:max(1, window_start(c, max_new_tokens) - 1)] for c in contexts]",
      "the search's cache misses the position before the scored window", ["tests/test_search.py"]),
     # the command line
     ("M148", "swiftkern/cli.py", "    if value < 1:\n        raise argparse.ArgumentTypeError(f\"must be >= 1",
