@@ -12,6 +12,8 @@ PROJECTION_TESTS = ["tests/test_skinny_linear.py", "tests/test_packed_weights.py
 INVARIANT_TESTS = ["tests/test_invariant_kernels.py", "tests/test_bi_matmul.py", "tests/test_triton_bi_exp_sum.py",
                    "tests/test_triton_verifier.py", "tests/test_deterministic.py"]
 CLI_TESTS = ["tests/test_cli.py"]
+ARG_TESTS = ["tests/test_call_inputs.py", "tests/test_input_contract.py", "tests/test_generator_options.py"]
+BACKEND_TESTS = ["tests/test_triton_backend.py", "tests/test_cpp_ops.py"]
 LAUNCH_TESTS = ["tests/test_triton_acceptance.py", "tests/test_triton_verify_attention.py", "tests/test_triton_gpu_plans.py"]
 
 # (id, file, snippet, replacement, the bug it plants, the tests that should catch it)
@@ -182,17 +184,17 @@ SUPPORT_MUTANTS = [
      'a line of {"text": ...} is refused', CLI_TESTS),
     ("M164", "swiftkern/arg_checks.py", "    return isinstance(value, numbers.Integral) and not isinstance(value, bool)",
      "    return isinstance(value, numbers.Integral)", "True passes as the integer 1",
-     ["tests/test_call_inputs.py", "tests/test_input_contract.py", "tests/test_generator_options.py"]),
+     ARG_TESTS),
     ("M165", "swiftkern/arg_checks.py", "    if not isinstance(value, (bool, numpy.bool_)):",
      "    if not isinstance(value, (bool, numpy.bool_, int)):", "a flag given 0 or 1 passes as its truth value",
-     ["tests/test_call_inputs.py", "tests/test_input_contract.py", "tests/test_generator_options.py"]),
+     ARG_TESTS),
     ("M166", "swiftkern/arg_checks.py", "    return [whole(f\"{name} entry\", t, 0, vocab_size - 1) for t in items]",
      "    return [whole(f\"{name} entry\", t, 0, vocab_size) for t in items]",
      "a stop token id equal to the vocabulary size passes",
-     ["tests/test_call_inputs.py", "tests/test_input_contract.py", "tests/test_generator_options.py"]),
+     ARG_TESTS),
     ("M167", "swiftkern/arg_checks.py", "    if not isinstance(value, numbers.Real) or isinstance(value, bool):",
      "    if not isinstance(value, numbers.Real):", "True passes as the number 1.0",
-     ["tests/test_call_inputs.py", "tests/test_input_contract.py", "tests/test_generator_options.py"]),
+     ARG_TESTS),
     # top-p's cut, the device read clock
     ("M168", "swiftkern/ops/top_p_cut.py", "    if not 0.0 < top_p <= 1.0:", "    if not 0.0 <= top_p <= 1.0:",
      "top_p_cut takes top_p = 0", ["tests/test_top_p.py"]),
@@ -204,29 +206,27 @@ SUPPORT_MUTANTS = [
      "the stats count no device reads", ["tests/test_host_reads.py"]),
     # the backends' choice
     ("M171", "swiftkern/ops/backends.py", "    _BACKEND = name\n    _RESOLVED.clear()", "    _BACKEND = name",
-     "set_backend keeps the choices made under the old backend", ["tests/test_triton_backend.py",
-                                                                 "tests/test_cpp_ops.py", "tests/test_bi_matmul.py"]),
+     "set_backend keeps the choices made under the old backend", BACKEND_TESTS + ["tests/test_bi_matmul.py"]),
     ("M172", "swiftkern/ops/backends.py",
      '        elif device_type == "cuda" and op in triton_ops("cuda"):\n            backend = "triton"',
      '        elif op in triton_ops(device_type):\n            backend = "triton"',
      "auto takes a Triton kernel on the CPU under the interpreter (where the reference should run)",
-     ["tests/test_triton_backend.py", "tests/test_cpp_ops.py"]),
+     BACKEND_TESTS),
     ("M173", "swiftkern/ops/backends.py", "    return device_type == \"cpu\" and registry.COMPILED[op][\"cpu\"] == \"cpp\" "
      "and current_backend() in (\"auto\", \"cpp\")",
      "    return device_type == \"cpu\" and registry.COMPILED[op][\"cpu\"] == \"cpp\"",
-     "SWIFTKERN_BACKEND=reference still runs the C++ kernels", ["tests/test_triton_backend.py", "tests/test_cpp_ops.py",
-                                                                "tests/test_cli.py", "tests/test_skinny_linear.py"]),
+     "SWIFTKERN_BACKEND=reference still runs the C++ kernels", (BACKEND_TESTS
+                                                                + ["tests/test_cli.py", "tests/test_skinny_linear.py"])),
     ("M174", "swiftkern/ops/backends.py", "        if device_type != \"cpu\":\n            return f\"cpp is the CPU backend",
      "        if False:\n            return f\"cpp is the CPU backend",
-     "SWIFTKERN_BACKEND=cpp is not refused for CUDA tensors", ["tests/test_triton_backend.py", "tests/test_cpp_ops.py"]),
+     "SWIFTKERN_BACKEND=cpp is not refused for CUDA tensors", BACKEND_TESTS),
     ("M175", "swiftkern/ops/backends.py", "    elif backend != \"reference\":\n        why = _unavailable(op, device_type, backend)",
      "    elif backend not in (\"reference\", \"triton\"):\n        why = _unavailable(op, device_type, backend)",
      "SWIFTKERN_BACKEND=triton without the interpreter is not refused on the CPU (it fails later)",
-     ["tests/test_triton_backend.py", "tests/test_cpp_ops.py"]),
+     BACKEND_TESTS),
     ("M176", "swiftkern/ops/registry.py", "        if not mine and torch._C._dispatch_has_kernel_for_dispatch_key(qual, key):",
      "        if torch._C._dispatch_has_kernel_for_dispatch_key(qual, key):",
-     "a reload takes the registry's own reference kernels for compiled ones", ["tests/test_triton_backend.py",
-                                                                              "tests/test_cpp_ops.py"]),
+     "a reload takes the registry's own reference kernels for compiled ones", BACKEND_TESTS),
     # the launch log behind the CUDA-graph stand-ins
     ("M177", "swiftkern/launch_log.py", "            return (\"float\", repr(x))  # exact: repr round-trips",
      "            return (\"float\", round(x, 3))", "a float argument is compared to 3 decimals (an eps of 1e-6 vs 1e-5 "
