@@ -232,6 +232,14 @@ def test_generate_defaults_are_greedy_and_self_spec_searches(mode, layer_set, mo
                                     top_p=1.0, seed=0, chat=False, streamer=None, arrive_at=None)
 
 
+def _exit_code(argv) -> int:
+    """cli.main(argv) in process -> its exit status, argparse's own exit for a bad flag value too."""
+    try:
+        return cli.main(argv)
+    except SystemExit as e:
+        return e.code
+
+
 @pytest.mark.parametrize("args,msg", [
     (["generate", "--prompt", "hi", "--top-k", "-1"], "--top-k must be >= 0, got -1"),
     (["generate", "--prompt", "hi", "--top-p", "0"], "must be in (0.0, 1.0], got 0.0"),
@@ -249,10 +257,7 @@ def test_values_at_the_edges_are_refused_before_loading(args, msg, tmp_path, mon
     monkeypatch.setattr(swiftkern.loading, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
     two = tmp_path / "two.jsonl"
     two.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
-    try:
-        code = cli.main([str(two) if a == "TWO" else a for a in args])
-    except SystemExit as e:  # argparse's exit for a bad flag value
-        code = e.code
+    code = _exit_code([str(two) if a == "TWO" else a for a in args])
     err = capsys.readouterr().err
     assert code == 2 and msg in err, err
 
@@ -326,10 +331,7 @@ def test_any_generate_command_prints_or_exits_2_with_one_line(data, tmp_path_fac
         argv += [flag, draw(st.sampled_from(_GENERATE_FLAGS[flag]))]
     argv += draw(st.lists(st.sampled_from(["--chat", "--json", "--stream", "--adaptive-eps", "--cuda-graphs"]),
                           max_size=3, unique=True))
-    try:
-        code = cli.main(argv)
-    except SystemExit as e:  # argparse's own exit for a bad flag value
-        code = e.code
+    code = _exit_code(argv)
     err = capsys.readouterr().err
     assert "Traceback" not in err and code in (0, 2), (argv, code, err)
     if code == 2:
