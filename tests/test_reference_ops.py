@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
@@ -32,7 +33,7 @@ def test_verify_attention_matches_naive(B, hkv, group, T, D, data):
     lens = torch.tensor([data.draw(st.integers(T, S)) for _ in range(B)])
     q = torch.randn(B, hkv * group, T, D)
     k, v = torch.randn(B, hkv, S, D), torch.randn(B, hkv, S, D)
-    scale = 1 / math.sqrt(D)
+    scale = data.draw(st.sampled_from([1 / math.sqrt(D), 0.3, 1.7]))  # the caller's, not SDPA's default
     expect = naive_attention(q, k, v, lens, scale)
     torch.testing.assert_close(ref.verify_attention(q, k, v, lens, scale), expect, rtol=1e-4, atol=1e-5)
     max_len = int(lens.max())
@@ -102,3 +103,38 @@ def test_rms_norm_and_fused_add():
     torch.testing.assert_close(normed, expect)
     torch.testing.assert_close(res, x + r)
     torch.testing.assert_close(ref.silu_mul(x, r), x * torch.sigmoid(x) * r)
+    small = x * 1e-3  # mean square ~1e-6: eps = 1e-5 moves the result by a factor ~3
+    torch.testing.assert_close(ref.rms_norm(small, w, 1e-5),
+                               w * small / torch.sqrt((small ** 2).mean(-1, keepdim=True) + 1e-5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rms_norm_is_hfs_bit_for_bit(dtype):
+    """The twin is transformers' LlamaRMSNorm operation for operation, in each dtype: bf16 and
+    fp16 round where HF rounds (the normalized row to the input dtype, then the weight's product)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    hf = LlamaRMSNorm(96, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        hf.weight.copy_(torch.randn(96) * 2)
+    x = (torch.randn(7, 96) * 3).to(dtype)
+    with torch.no_grad():
+        torch.testing.assert_close(ref.rms_norm(x, hf.weight, 1e-5), hf(x), rtol=0, atol=0)
+
+
+def test_kv_compact_closed_form():
+    """Each cache entry holds its own position, so after the move entry dst_start + i of row b
+    must hold src_positions[b, i]; sources out of order and overlapping their destinations,
+    a row with count 0 untouched, entries past a row's run untouched."""
+    L, B, H, S, D = 2, 3, 2, 12, 3
+    pos = torch.arange(S, dtype=torch.float32).view(1, 1, 1, S, 1).expand(L, B, H, S, D)
+    k, v = pos.clone(), -pos.clone()
+    src = torch.tensor([[5, 2, 9, 0], [3, 4, 5, 6], [1, 1, 1, 1]])
+    dst = torch.tensor([1, 4, 0])
+    counts = torch.tensor([4, 2, 0], dtype=torch.int32)
+    ref.kv_compact(k, v, src, dst, counts)
+    want = pos[:, :, :, :, 0].clone()  # [L, B, H, S]
+    want[:, 0, :, 1:5] = torch.tensor([5.0, 2, 9, 0])
+    want[:, 1, :, 4:6] = torch.tensor([3.0, 4])
+    assert torch.equal(k[..., 0], want) and torch.equal(k, k[..., :1].expand_as(k))
+    assert torch.equal(v, -k)

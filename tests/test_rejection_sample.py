@@ -43,6 +43,13 @@ def test_exact_tiny_cases(impl):
     # a one-hot (greedy) draft: accept iff u < p(x); the residual is p with x removed
     out, acc = impl(draft, None, p, nd, t([[0.39, 0.41]]), t([[0.0, 0.99, 0.0]]))
     assert out.tolist() == [[1, 1, -1]] and acc.tolist() == [1]  # p[1] minus token 2: cdf [.3, .6, .6]
+    # a draw is the smallest i with cumsum > u * sum: a token of weight 0 is never drawn, even at
+    # u = 0, and a u that lands on a cdf step takes the next token: cdf [0, 0.5, 1.0]
+    p0 = p.clone()
+    p0[0, 0] = t([0.0, 0.5, 0.5])
+    for u, want in ((0.0, 1), (0.5, 2), (0.49, 1)):
+        out, _ = impl(draft, q, p0, t([0], torch.int32), t([[0.0, 0.0]]), t([[u, 0.0, 0.0]]))
+        assert out.tolist() == [[want, -1, -1]], u
 
 
 @settings(max_examples=40, deadline=None)

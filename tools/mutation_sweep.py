@@ -138,6 +138,9 @@ EQUIVALENT = {
            "do not depend on the batch or the chunk (the invariant kernel's contract); attention's bits are "
            "not claimed equal across instruction sets (each sums its scores in its own order), and the "
            "reordered sum is far inside the tolerance against the definition",
+    "M210": "the reference's lanes are still summed in an order fixed by K alone, so a row stays independent of M "
+            "and of the other rows (its contract, tested); no kernel claims the reference's bits (the C++ kernel "
+            "fuses each multiply-add, the Triton plans tile K), so which tree sums the 16 lanes is not observable",
     "M178": "a tensor from outside is named by its data_ptr(), which includes the storage offset (the address a "
             "graph bakes in), and a view of a tensor made inside is itself made by a logged launch (slice, select, "
             "as_strided) whose host arguments hold the offset: the offset field repeats what the signature has",
