@@ -101,6 +101,33 @@ def _wide_row_kernel(x_ptr, out_ptr, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, tl.cumsum(x * x, axis=0) / tl.sum(x, axis=0))
 
 
+@triton.jit
+def _tall_dot_kernel(a_ptr, b_ptr, out_ptr, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr):
+    rm, rk, rn = tl.arange(0, M), tl.arange(0, K), tl.arange(0, N)
+    a = tl.load(a_ptr + rm[:, None] * K + rk[None, :])
+    b = tl.load(b_ptr + rk[:, None] * N + rn[None, :])
+    tl.store(out_ptr + rm[:, None] * N + rn[None, :], tl.dot(a, b))
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, BLOCK: tl.constexpr):
+    """Named as a kernel of WIDE_LOAD_KERNELS, it reads every other element: no 16-byte load."""
+    offs = tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, tl.load(x_ptr + 2 * offs))
+
+
+@triton.jit
+def _sized_copy_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
+
+
+@triton.jit(do_not_specialize=["n"])
+def _sized_copy_fixed_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
+
+
 def test_the_interpreter_runs_a_kernel_the_compiler_refuses():
     """The gap compile_check closes: the interpreter sums fine where the compiler stops."""
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -126,8 +153,19 @@ cases = [
     ("wide-row", lambda x: t._wide_row_kernel[(1,)](x, x, BLOCK=16384, num_warps=1), (m(16384),)),  # 65536 took 45 s to compile
     ("fine", lambda x: t._copy_kernel[(4, 2)](x, x, BLOCK=128), (m(1024),)),
 ]
-launches, failures = cc.check([cc.TARGETS[90]], verbose=False, case_list=cases)
-print(json.dumps(failures))
+copy = lambda kernel, n: (lambda x: kernel[(1,)](x, x, n, BLOCK=128), (m(128),))
+cases += [  # a verifier op specialized on a size compiles to two binaries; one marked do_not_specialize does not
+    ("verifier smollm2 float32 copy n=128", *copy(t._sized_copy_kernel, 128)),
+    ("verifier smollm2 float32 copy n=100", *copy(t._sized_copy_kernel, 100)),
+    ("verifier smollm2 float32 fixed n=128", *copy(t._sized_copy_fixed_kernel, 128)),
+    ("verifier smollm2 float32 fixed n=100", *copy(t._sized_copy_fixed_kernel, 100)),
+    ("narrow smollm2 float32", lambda x: t._silu_mul_kernel[(1,)](x, x, BLOCK=1024), (m(2048),)),
+]
+tall = [("tall-dot", lambda a, b: t._tall_dot_kernel[(1,)](a, b, a, M=256, K=128, N=128, num_stages=1),
+         (m(256, 128), m(128, 128)))]  # fp32 operands, 192 KiB: over sm_80's 163 KiB, under sm_90a's 227 KiB
+launches, failures = cc.check([cc.TARGETS[90]], verbose=False, case_list=cases + tall)
+_, failures_80 = cc.check([cc.TARGETS[80]], verbose=False, case_list=tall)
+print(json.dumps(failures + failures_80))
 """
 
 
@@ -135,9 +173,17 @@ def test_compile_check_fails_each_kernel_a_gpu_cannot_run_with_its_reason():
     run = run_outside_interpreter("-c", CASES_SCRIPT.format(here=HERE))
     assert run.returncode == 0, run.stderr[-4000:]
     failures = json.loads(run.stdout.strip().splitlines()[-1])
-    by_case = {label: [f for f in failures if f.startswith(f"sm_90a {label}:")]
-               for label in ("loop-type", "big-dot", "grid", "wide-row", "fine")}
-    assert sum(map(len, by_case.values())) == len(failures) and by_case["fine"] == [], failures
+    labels = ("loop-type", "big-dot", "grid", "wide-row", "fine", "tall-dot", "narrow smollm2 float32",
+              "verifier smollm2 float32 copy", "verifier smollm2 float32 fixed")
+    by_case = {label: [f for f in failures if f.startswith((f"sm_90a {label}:", f"sm_90a {label} "))]
+               for label in labels}
+    tall_80 = [f for f in failures if f.startswith("sm_80 tall-dot:")]
+    assert sum(map(len, by_case.values())) + len(tall_80) == len(failures), failures
+    assert by_case["fine"] == by_case["verifier smollm2 float32 fixed"] == [], failures
+    assert not any("shared memory" in f for f in by_case["tall-dot"]), failures  # (it may spill there)
+    assert any("196608 bytes of shared memory, more than the 166912" in f for f in tall_80), failures
+    assert any("_silu_mul_kernel has no 16-byte global load" in f for f in by_case["narrow smollm2 float32"]), failures
+    assert any("_sized_copy_kernel compiles to 2 binaries" in f for f in by_case["verifier smollm2 float32 copy"]), failures
     assert any("Loop-carried variable total" in f for f in by_case["loop-type"]), failures
     assert any("524288 bytes of shared memory, more than the 232448" in f for f in by_case["big-dot"]), failures
     assert any("axis 1 = 70000 > 65535" in f for f in by_case["grid"]), failures

@@ -128,8 +128,9 @@ from kernel_mutants import KERNEL_MUTANTS  # noqa: E402
 from more_mutants import MORE_MUTANTS  # noqa: E402
 from support_mutants import SUPPORT_MUTANTS  # noqa: E402
 from reference_mutants import REFERENCE_MUTANTS  # noqa: E402
+from compile_check_mutants import COMPILE_CHECK_MUTANTS  # noqa: E402
 
-MUTANTS += MORE_MUTANTS + SUPPORT_MUTANTS + REFERENCE_MUTANTS + KERNEL_MUTANTS
+MUTANTS += MORE_MUTANTS + SUPPORT_MUTANTS + REFERENCE_MUTANTS + COMPILE_CHECK_MUTANTS + KERNEL_MUTANTS
 
 EQUIVALENT = {
     "M04": "every acceptance and residual key moves by one position in every step alike, so no key is used "

@@ -1,0 +1,36 @@
+"""Planted bugs in the GPU compile check that runs without a GPU (triton_kernels/compile_check.py), for
+tools/mutation_sweep.py: each one lets a kernel a GPU cannot run, or runs slowly or batch-dependently,
+pass the check (M219 on). The check's tests hand it kernels that break each rule on purpose."""
+
+COMPILE_TESTS = ["tests/test_triton_compile.py"]
+C = "triton_kernels/compile_check.py"
+
+# (id, file, snippet, replacement, the bug it plants, the tests that should catch it)
+COMPILE_CHECK_MUTANTS = [
+    ("M219", C, "int(found.group(2)) + int(found.group(3))", "int(found.group(2))",
+     "a kernel whose spills show only as local memory (no stack frame) is read as spilling nothing", COMPILE_TESTS),
+    ("M220", C, "                if meta.shared > target.max_shared:",
+     "                if meta.shared > TARGETS[90].max_shared:",
+     "every target's shared memory checked against the H100's limit (an A100 allows less)", COMPILE_TESTS),
+    ("M221", C, "MAX_GRID = (2 ** 31 - 1, 65535, 65535)", "MAX_GRID = (2 ** 31 - 1,) * 3",
+     "a grid's axes 1 and 2 allowed 2^31 - 1 programs", COMPILE_TESTS),
+    ("M222", C, r'WIDE_LOAD = re.compile(r"ld\.global(\.\w+)*\.(v4\.(b32|u32|f32)|v2\.(b64|u64|f64))")',
+     r'WIDE_LOAD = re.compile(r"ld\.global(\.\w+)*\.(v[24]\.(b32|u32|f32)|v2\.(b64|u64|f64))")',
+     "an 8-byte load passes for a 16-byte one", COMPILE_TESTS),
+    ("M223", C, "for (target, kernel, model, dtype, op), hashes in sorted(binaries.items()) if len(hashes) > 1]",
+     "for (target, kernel, model, dtype, op), hashes in sorted(binaries.items()) if len(hashes) > 2]",
+     "a verifier op compiled to two binaries across its shapes passes", COMPILE_TESTS),
+    ("M224", C, "                if spills > SPILL_LIMIT:", "                if spills > 8 * SPILL_LIMIT:",
+     "hundreds of bytes of spilled registers pass", COMPILE_TESTS),
+    ("M225", C, "        with gpu_launch_plans(target.sms):", "        with gpu_launch_plans(8):",
+     "the launch plans of an 8-SM GPU compiled, not the target's (its key and vocabulary splits)", COMPILE_TESTS),
+]
+
+
+if __name__ == "__main__":  # every snippet must occur exactly once in its file
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for mid, path, old, *_ in COMPILE_CHECK_MUTANTS:
+        with open(os.path.join(root, path)) as f:
+            print(mid, path, f.read().count(old))
