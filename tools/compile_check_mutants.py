@@ -26,11 +26,3 @@ COMPILE_CHECK_MUTANTS = [
      "the launch plans of an 8-SM GPU compiled, not the target's (its key and vocabulary splits)", COMPILE_TESTS),
 ]
 
-
-if __name__ == "__main__":  # every snippet must occur exactly once in its file
-    import os
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for mid, path, old, *_ in COMPILE_CHECK_MUTANTS:
-        with open(os.path.join(root, path)) as f:
-            print(mid, path, f.read().count(old))

@@ -338,11 +338,3 @@ MORE_MUTANTS = [
      ["tests/test_search.py", "tests/test_cli.py"]),
 ]
 
-
-if __name__ == "__main__":  # every snippet must occur exactly once in its file
-    import os
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for mid, path, old, *_ in MORE_MUTANTS:
-        with open(os.path.join(root, path)) as f:
-            print(mid, path, f.read().count(old))

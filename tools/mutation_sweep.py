@@ -4,6 +4,7 @@ tests catch it.
     .venv/bin/python tools/mutation_sweep.py            # every mutant below
     .venv/bin/python tools/mutation_sweep.py M10,M23    # some of them
     .venv/bin/python tools/mutation_sweep.py --tests tests/test_self_spec.py M10
+    .venv/bin/python tools/mutation_sweep.py --check      # does every mutant still apply? (no runs)
 
 Each mutant replaces one exact snippet of a file (it must occur once) in a git worktree of HEAD,
 runs the tests on it (``-x``, two xdist workers, no slow tests) and prints KILLED (a test failed)
@@ -198,12 +199,36 @@ def run(mutant, worktree: str, tests: list[str] | None, env: dict) -> str:
     return f"{mid} {verdict} {time.time() - start:.0f}s {what}{note} {failed if failed else ''}".rstrip()
 
 
+def stale(root: str = ROOT) -> list[str]:
+    """What keeps a mutant from running in the checkout at ``root``: a snippet that does not
+    occur exactly once in its file, a test file that is not there, an id used twice."""
+    problems, seen = [], set()
+    for mutant in MUTANTS:
+        mid, path, old = mutant[:3]
+        if mid in seen:
+            problems.append(f"{mid}: the id is used twice")
+        seen.add(mid)
+        file = os.path.join(root, path)
+        count = open(file).read().count(old) if os.path.exists(file) else 0
+        if count != 1:
+            problems.append(f"{mid}: the snippet occurs {count} times in {path}")
+        problems += [f"{mid}: no test file {t}" for t in (mutant[5] if len(mutant) > 5 else TESTS)
+                     if not os.path.exists(os.path.join(root, t))]
+    return problems
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("ids", nargs="?", default="", help="comma-separated mutant ids (default: all)")
     parser.add_argument("--tests", default=None, help="comma-separated test files to run on each mutant "
                                                       "(default: the mutant's own, else the loop and op tests)")
+    parser.add_argument("--check", action="store_true",
+                        help="run nothing: list the mutants that cannot run here (exit 1 if any)")
     args = parser.parse_args()
+    if args.check:
+        problems = stale()
+        print("\n".join(problems) or f"all {len(MUTANTS)} mutants apply to this checkout")
+        return 1 if problems else 0
     wanted = set(filter(None, args.ids.split(",")))
     unknown = wanted - {m[0] for m in MUTANTS}
     if unknown:

@@ -107,11 +107,3 @@ REFERENCE_MUTANTS = [
      "top_p_cut may remove the last (largest) token too", ["tests/test_top_p.py"]),
 ]
 
-
-if __name__ == "__main__":  # every snippet must occur exactly once in its file
-    import os
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for mid, path, old, *_ in REFERENCE_MUTANTS:
-        with open(os.path.join(root, path)) as f:
-            print(mid, path, f.read().count(old))

@@ -267,11 +267,3 @@ SUPPORT_MUTANTS = [
      "a norm row wider than one Triton program holds is not refused", LAUNCH_TESTS + ["tests/test_triton_norms.py"]),
 ]
 
-
-if __name__ == "__main__":  # every snippet must occur exactly once in its file
-    import os
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for mid, path, old, *_ in SUPPORT_MUTANTS:
-        with open(os.path.join(root, path)) as f:
-            print(mid, path, f.read().count(old))
