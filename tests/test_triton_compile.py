@@ -111,9 +111,10 @@ def _tall_dot_kernel(a_ptr, b_ptr, out_ptr, M: tl.constexpr, K: tl.constexpr, N:
 
 @triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, BLOCK: tl.constexpr):
-    """Named as a kernel of WIDE_LOAD_KERNELS, it reads every other element: no 16-byte load."""
+    """Named as a kernel of WIDE_LOAD_KERNELS; launched with two elements a thread, its loads
+    are 8-byte vectors (ld.global.v2.b32), not the 16 bytes the check asks for."""
     offs = tl.arange(0, BLOCK)
-    tl.store(out_ptr + offs, tl.load(x_ptr + 2 * offs))
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs))
 
 
 @triton.jit
@@ -159,7 +160,7 @@ cases += [  # a verifier op specialized on a size compiles to two binaries; one 
     ("verifier smollm2 float32 copy n=100", *copy(t._sized_copy_kernel, 100)),
     ("verifier smollm2 float32 fixed n=128", *copy(t._sized_copy_fixed_kernel, 128)),
     ("verifier smollm2 float32 fixed n=100", *copy(t._sized_copy_fixed_kernel, 100)),
-    ("narrow smollm2 float32", lambda x: t._silu_mul_kernel[(1,)](x, x, BLOCK=1024), (m(2048),)),
+    ("narrow smollm2 float32", lambda x: t._silu_mul_kernel[(1,)](x, x, BLOCK=256, num_warps=4), (m(256),)),
 ]
 tall = [("tall-dot", lambda a, b: t._tall_dot_kernel[(1,)](a, b, a, M=256, K=128, N=128, num_stages=1),
          (m(256, 128), m(128, 128)))]  # fp32 operands, 192 KiB: over sm_80's 163 KiB, under sm_90a's 227 KiB
@@ -180,7 +181,10 @@ def test_compile_check_fails_each_kernel_a_gpu_cannot_run_with_its_reason():
     tall_80 = [f for f in failures if f.startswith("sm_80 tall-dot:")]
     assert sum(map(len, by_case.values())) + len(tall_80) == len(failures), failures
     assert by_case["fine"] == by_case["verifier smollm2 float32 fixed"] == [], failures
-    assert not any("shared memory" in f for f in by_case["tall-dot"]), failures  # (it may spill there)
+    # on sm_90a it fits its shared memory but spills a few hundred bytes (172 with triton 3.6), the
+    # size a plan that nearly fits spills: over SPILL_LIMIT, caught as the thousands of wide-row are
+    assert not any("shared memory" in f for f in by_case["tall-dot"]), failures
+    assert any("_tall_dot_kernel spills" in f for f in by_case["tall-dot"]), failures
     assert any("196608 bytes of shared memory, more than the 166912" in f for f in tall_80), failures
     assert any("_silu_mul_kernel has no 16-byte global load" in f for f in by_case["narrow smollm2 float32"]), failures
     assert any("_sized_copy_kernel compiles to 2 binaries" in f for f in by_case["verifier smollm2 float32 copy"]), failures

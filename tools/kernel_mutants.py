@@ -189,6 +189,33 @@ KERNEL_MUTANTS = [
      "    if (K != 0) return false;\n",
      "skinny_linear and packed_linear with K = 0 return their uninitialized output instead of zeros",
      ["tests/test_skinny_linear.py", "tests/test_packed_weights.py", "tests/test_cpp_ops.py"]),
+    # the shared headers: the fixed-order lane sum, the exact exp, the argument checks (K54 on)
+    ("K54", "csrc/fixed_order_dot.h",
+     "  const __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));                             // + 2\n"
+     "  return _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));                     // + 1",
+     "  const __m128 h2 = _mm_add_ps(h4, _mm_shuffle_ps(h4, h4, _MM_SHUFFLE(2, 3, 0, 1)));\n"
+     "  return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehl_ps(h2, h2)));",
+     "the AVX2 lane sum adds neighbouring lanes first ((l0 + l1) + (l2 + l3)): the right sum in another order "
+     "than reduce_lanes', so the AVX2 tiles' bits differ from the portable ones",
+     ["tests/test_skinny_linear.py", "tests/test_packed_weights.py", "tests/test_exact_self_spec.py"]),
+    ("K55", "csrc/cpu_exp.h", "_mm256_max_ps(_mm256_set1_ps(kLow), v));", "_mm256_max_ps(v, _mm256_set1_ps(kLow)));",
+     "the AVX2 exp clamps NaN to -87 (max returns its second operand on NaN): exp(NaN) = 0, not NaN",
+     ["tests/test_cpp_ops.py", "tests/test_deterministic.py", "tests/test_invariant_kernels.py"]),
+    ("K56", "csrc/cpu_exp.h", "  return x < kLow ? 0.0f : p * scale;", "  return x <= kLow ? 0.0f : p * scale;",
+     "the scalar exp (the SIMD loops' tails) flushes exp(-87) to 0, the reference only below -87",
+     ["tests/test_cpp_ops.py", "tests/test_deterministic.py", "tests/test_invariant_kernels.py"]),
+    ("K57", "csrc/cpu_exp.h",
+     "_mm256_round_ps(_mm256_mul_ps(t, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)",
+     "_mm256_round_ps(_mm256_mul_ps(t, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC)",
+     "the AVX2 exp truncates n = x log2 e toward 0 (|r| up to ln 2: other bits than the reference's)",
+     ["tests/test_cpp_ops.py", "tests/test_deterministic.py", "tests/test_invariant_kernels.py"]),
+    ("K58", "csrc/op_checks.h", "  TORCH_CHECK(D % 2 == 0, \"rope_kv_append: the head size D",
+     "  TORCH_CHECK(true || D % 2 == 0, \"rope_kv_append: the head size D",
+     "rope_kv_append takes an odd head size (rotate-half splits it unevenly)",
+     ["tests/test_cpp_ops.py", "tests/test_input_contract.py", "tests/test_reference_ops.py"]),
+    ("K59", "csrc/op_checks.h", "  TORCH_CHECK(counts.scalar_type() == at::kInt, \"kv_compact",
+     "  TORCH_CHECK(counts.scalar_type() == at::kInt || counts.scalar_type() == at::kLong, \"kv_compact",
+     "kv_compact takes int64 counts and reads them as int32", ["tests/test_cpp_ops.py", "tests/test_input_contract.py"]),
     # ------------------------------------------------------------------ Triton (triton_kernels/)
     ("K13", "triton_kernels/fused_add_rms_norm.py",
      "        s += tl.load(res_ptr + base + cols, mask=inside, other=0.0).to(tl.float32)\n", "",

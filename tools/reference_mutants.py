@@ -48,7 +48,7 @@ REFERENCE_MUTANTS = [
     ("M199", R, "            kept = cache[:, b].index_select(2, src)  # [L, H, n, D], a copy",
      "            kept = cache[:, b, :, int(src[0]):int(src[0]) + n].clone()",
      "kv_compact takes a row's kept entries as one run from the first (sources assumed contiguous)",
-     ["tests/test_cpp_ops.py", "tests/test_triton_kv_compact.py"]),
+     ["tests/test_reference_ops.py", "tests/test_cpp_ops.py", "tests/test_triton_kv_compact.py"]),
     # attention
     ("M200", R, "torch.arange(1, num_new + 1, device=cache_lens.device)",
      "torch.arange(0, num_new, device=cache_lens.device)",
