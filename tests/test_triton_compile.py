@@ -192,3 +192,29 @@ def test_compile_check_fails_each_kernel_a_gpu_cannot_run_with_its_reason():
     assert any("524288 bytes of shared memory, more than the 232448" in f for f in by_case["big-dot"]), failures
     assert any("axis 1 = 70000 > 65535" in f for f in by_case["grid"]), failures
     assert any("_wide_row_kernel spills" in f for f in by_case["wide-row"]), failures
+
+
+def test_spills_are_read_wherever_cuobjdump_shows_a_frame(monkeypatch):
+    """A stack frame or local memory (cuobjdump's STACK, LOCAL) sends the check to ptxas for the
+    spill stores; neither means no spill. Canned tool output: no kernel written here puts its
+    spills in local memory without a stack frame, so the LOCAL case is only reachable this way."""
+    from types import SimpleNamespace
+
+    from swiftkern.triton_kernels import compile_check as cc
+
+    frame, real_run = {}, subprocess.run
+
+    def fake_run(argv, **kwargs):
+        if not ("-res-usage" in argv or "-v" in argv):  # Triton asking its tools' versions
+            return real_run(argv, **kwargs)
+        if "-res-usage" in argv:
+            usage = f"Function k:\n REG:40 STACK:{frame['stack']} SHARED:0 LOCAL:{frame['local']} TEXTURE:0"
+            return subprocess.CompletedProcess(argv, 0, stdout=usage, stderr="")
+        log = "ptxas info    : Used 40 registers, 16 bytes stack frame, 24 bytes spill stores, 24 bytes spill loads"
+        return subprocess.CompletedProcess(argv, 0, stdout="", stderr=log)
+
+    monkeypatch.setattr(cc.subprocess, "run", fake_run)
+    compiled = SimpleNamespace(asm={"cubin": b"\0", "ptx": "// a kernel's PTX"})
+    for stack, local, spills in ((0, 0, 0), (16, 0, 24), (0, 16, 24)):
+        frame.update(stack=stack, local=local)
+        assert cc._resource_usage(compiled, cc.TARGETS[90]) == (40, spills), (stack, local)
