@@ -138,3 +138,49 @@ def test_every_split_of_a_plan_holds_keys_or_tokens(sms):
         for rows, vocab, forced in itertools.product((1, 3, 64), (1, 100, 1024, 49152, 128256), (None, 7, 10**6)):
             p = launch.vocab_plan(rows, vocab, cpu, splits=forced)
             assert p.chunk % p.block == 0 and (p.splits - 1) * p.chunk < vocab <= p.splits * p.chunk, p
+
+
+def _attention_binaries(plan: launch.AttentionPlan, fp32: bool) -> set:
+    """What decides verify_attention's compiled kernels: the main kernel's tile, warps and
+    whether it splits the keys; the combine's width, where it runs."""
+    main = ("main", plan.block_m, plan.block_n, plan.block_d, plan.splits > 1, fp32, plan.num_warps, plan.num_stages)
+    return {main} | ({("combine", plan.block_s, plan.block_d, plan.combine_warps)} if plan.splits > 1 else set())
+
+
+def _cache_lengths(T: int) -> list[int]:
+    """Key counts from T to 32768: m * 2^k and m * 2^k + 1 for m = 1, 3, 5, 7."""
+    return sorted({T} | {x for k in range(16) for m in (1, 3, 5, 7) for x in (m << k, (m << k) + 1) if T <= x <= 32768})
+
+
+@pytest.mark.parametrize("sms", [108, 132])
+def test_compile_cases_compile_every_attention_binary_a_gpu_run_can_pick(sms):
+    """compile_check compiles ``compile_cases.cases()``: each verify_attention binary the plans pick
+    for batches of 1-32, 1-33 new tokens and caches of up to 32768 keys (sampled at m * 2^k and
+    m * 2^k + 1 keys, m = 1, 3, 5, 7) must be among those the cases' launches get, on an A100's
+    and an H100's SM counts. (Found missing before: the unsplit tiles of a short cache, the 32- and
+    64-row tiles, and most of the combine's widths.)"""
+    from swiftkern.triton_kernels.compile_cases import MODELS, cases
+
+    meta = torch.device("meta")
+    launches = [(label, args) for label, _, args in cases() if label.startswith("verify_attention ")]
+    with launch.gpu_launch_plans(sms):
+        for model, c in MODELS.items():
+            group = c["Hq"] // c["Hkv"]
+            for dtype in ("float32", "bfloat16"):
+                fp32 = dtype == "float32"
+                compiled = set()
+                for label, args in launches:
+                    if label.split()[1:3] == [model, dtype]:
+                        B, _, T, _ = args[0].shape
+                        compiled |= _attention_binaries(launch.attention_plan(
+                            B, c["Hkv"], group, T, args[1].shape[2], c["D"], meta, args[5] if len(args) > 5 else None,
+                            fp32=fp32), fp32)
+                picked = {}
+                for B in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32):
+                    for T in range(1, 34):
+                        for S in _cache_lengths(T):
+                            for binary in _attention_binaries(launch.attention_plan(
+                                    B, c["Hkv"], group, T, S, c["D"], meta, fp32=fp32), fp32):
+                                picked.setdefault(binary, (B, T, S))
+                missing = {b: shape for b, shape in picked.items() if b not in compiled}
+                assert not missing, f"{model} {dtype}: no case compiles {missing} (first picked at B, T, S)"

@@ -1,6 +1,6 @@
 """Planted bugs in the GPU compile check that runs without a GPU (triton_kernels/compile_check.py), for
 tools/mutation_sweep.py: each one lets a kernel a GPU cannot run, or runs slowly or batch-dependently,
-pass the check (M219 on). The check's tests hand it kernels that break each rule on purpose."""
+pass the check (M219 on); and one in the cases it compiles (M226). The check's tests hand it kernels that break each rule on purpose."""
 
 COMPILE_TESTS = ["tests/test_triton_compile.py"]
 C = "triton_kernels/compile_check.py"
@@ -24,5 +24,9 @@ COMPILE_CHECK_MUTANTS = [
      "hundreds of bytes of spilled registers pass", COMPILE_TESTS),
     ("M225", C, "        with gpu_launch_plans(target.sms):", "        with gpu_launch_plans(8):",
      "the launch plans of an 8-SM GPU compiled, not the target's (its key and vocabulary splits)", COMPILE_TESTS),
+    ("M226", "triton_kernels/compile_cases.py",
+     '            yield from _attention_plan_cases(k["verify_attention"], tag, Hq, Hkv, D, dt)\n', "",
+     "the cases compile only the attention plans of long caches: a short cache's unsplit tiles and most combine "
+     "widths are first compiled on a GPU, unchecked", ["tests/test_triton_gpu_plans.py"]),
 ]
 

@@ -64,6 +64,7 @@ def cases():
                     yield f"kv_compact {tag} B={B} M={M}", k["kv_compact"], (
                         _m(L, B, Hkv, 4096, D, dtype=dt), _m(L, B, Hkv, 4096, D, dtype=dt),
                         _m(B, M, dtype=i64), _m(B, dtype=i64), _m(B, dtype=i32))
+            yield from _attention_plan_cases(k["verify_attention"], tag, Hq, Hkv, D, dt)
             for rows in (1, 33 * 8):  # one decode token; a replay of 8 windows of 33
                 for n_out, n_in in ((Hq * D, H), (I, H), (H, I), (V, H)):
                     # the model multiplies by a [N, K] weight's transposed view
@@ -86,6 +87,31 @@ def cases():
                 yield f"rejection_sample {model} B={B} K={K} draft_probs={has_q}", k["rejection_sample"], (
                     _m(B, K, dtype=i64), _m(B, K, V) if has_q else None, _m(B, K + 1, V), _m(B, dtype=i32),
                     _m(B, K), _m(B, K + 1))
+
+
+MAX_SMS = 132  # the most SMs of the GPUs compile_check targets (an H100's): the most key splits a plan wants
+
+
+def _attention_plan_cases(launcher, tag: str, Hq: int, Hkv: int, D: int, dt: torch.dtype):
+    """verify_attention at one shape for each binary its plans can pick that the grid of
+    BATCHES x NEW_TOKENS x CACHE_KEYS may miss (those caches are long enough to split every
+    batch-1 row's keys): each query tile (16, 32 and 64 rows: the query heads of a kv head x the
+    new tokens) without a key split (a short cache) and with one, and each width of the split
+    combine (a power of two from 2 up to the most splits ``attention_plan`` wants, 2 x SMs
+    over the kv heads; forced through ``num_splits`` on a 32768-key cache)."""
+    group = Hq // Hkv
+    for rows in (16, 32, 64):
+        T = max(1, -(-(rows // 2 + 1) // group)) if rows > 16 else 1  # rows // 2 < group * T <= rows
+        for S in (T, 4096):
+            yield f"verify_attention {tag} tile B=1 T={T} S={S}", launcher, (
+                _heads(1, T, Hq, D, dt), _m(1, Hkv, S, D, dtype=dt), _m(1, Hkv, S, D, dtype=dt),
+                _m(1, dtype=torch.int64), D ** -0.5)
+    splits = 2
+    while splits < 2 * -(-(2 * MAX_SMS) // Hkv):
+        yield f"verify_attention {tag} combine B=1 T=1 S=32768 splits={splits}", launcher, (
+            _heads(1, 1, Hq, D, dt), _m(1, Hkv, 32768, D, dtype=dt), _m(1, Hkv, 32768, D, dtype=dt),
+            _m(1, dtype=torch.int64), D ** -0.5, splits)
+        splits *= 2
 
 
 def _odd_norm_views(rows: int, H: int, dt: torch.dtype) -> dict:
