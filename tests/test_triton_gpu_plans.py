@@ -184,3 +184,42 @@ def test_compile_cases_compile_every_attention_binary_a_gpu_run_can_pick(sms):
                                 picked.setdefault(binary, (B, T, S))
                 missing = {b: shape for b, shape in picked.items() if b not in compiled}
                 assert not missing, f"{model} {dtype}: no case compiles {missing} (first picked at B, T, S)"
+
+
+def _acceptance_tiles(op: str, B: int, K: int, V: int, splits: int | None) -> set:
+    """The values of the acceptance kernels' compile-time tiles at one launch: the vocabulary
+    block and warps, the drafts' and tokens' row tiles, the combine's width."""
+    rows = B * (K + 1) if op == "greedy_accept" else B
+    plan = launch.vocab_plan(rows, V, torch.device("meta"), splits)
+    tiles = {("block", plan.block, plan.num_warps), ("tokens", launch.next_pow2(K + 1)),
+             ("combine", max(2, launch.next_pow2(plan.splits)))}
+    return tiles | ({("drafts", max(2, launch.next_pow2(K)), launch.next_pow2(K + 1))} if op != "greedy_accept" else set())
+
+
+@pytest.mark.parametrize("sms", [108, 132])
+def test_compile_cases_compile_every_acceptance_tile_a_gpu_run_can_pick(sms):
+    """Each value of greedy_accept's and rejection_sample's compile-time tiles that batches of
+    1-32 rows with 0-63 drafts pick (the vocabulary block, the token and draft row tiles, the
+    split combine's width) is among those ``compile_cases.cases()`` launch, per model."""
+    from swiftkern.triton_kernels.compile_cases import MODELS, cases
+
+    launches = [(label.split()[0], args) for label, _, args in cases()
+                if label.startswith(("greedy_accept ", "rejection_sample "))]
+    with launch.gpu_launch_plans(sms):
+        for model, c in MODELS.items():
+            V = c["V"]
+            for op in ("greedy_accept", "rejection_sample"):
+                compiled = set()
+                for name, args in launches:
+                    logits = args[1] if name == "greedy_accept" else args[2]
+                    if name == op and logits.shape[2] == V:
+                        B, K = args[0].shape
+                        forced = args[-1] if (name == "greedy_accept" and len(args) == 4) or len(args) == 7 else None
+                        compiled |= _acceptance_tiles(op, B, K, V, forced)
+                picked = {}
+                for B in range(1, 33):
+                    for K in range(64):
+                        for tile in _acceptance_tiles(op, B, K, V, None):
+                            picked.setdefault(tile, (B, K))
+                missing = {t: shape for t, shape in picked.items() if t not in compiled}
+                assert not missing, f"{model} {op}: no case compiles {missing} (first picked at B, K)"

@@ -87,6 +87,7 @@ def cases():
                 yield f"rejection_sample {model} B={B} K={K} draft_probs={has_q}", k["rejection_sample"], (
                     _m(B, K, dtype=i64), _m(B, K, V) if has_q else None, _m(B, K + 1, V), _m(B, dtype=i32),
                     _m(B, K), _m(B, K + 1))
+        yield from _acceptance_plan_cases(k, model, V)
 
 
 MAX_SMS = 132  # the most SMs of the GPUs compile_check targets (an H100's): the most key splits a plan wants
@@ -112,6 +113,34 @@ def _attention_plan_cases(launcher, tag: str, Hq: int, Hkv: int, D: int, dt: tor
             _heads(1, 1, Hq, D, dt), _m(1, Hkv, 32768, D, dtype=dt), _m(1, Hkv, 32768, D, dtype=dt),
             _m(1, dtype=torch.int64), D ** -0.5, splits)
         splits *= 2
+
+
+# verify passes of K drafts: K = 2^n - 1 and 2^n give each pair of rejection_sample's tiles
+# (next_pow2(K), next_pow2(K + 1)) and each of greedy_accept's, up to 64 drafts
+DRAFT_COUNTS = (0, 1, 2, 3, 4, 7, 8, 15, 16, 31, 32, 63)
+
+
+def _acceptance_plan_cases(k: dict, model: str, V: int):
+    """greedy_accept and rejection_sample at one shape for each binary their plans pick beyond
+    the (B, K) grid of ``cases``: each row tile of the drafts and of K + 1 tokens
+    (``DRAFT_COUNTS``; k_max is the caller's, SWIFT's default 25) and, at K = 7, each width of
+    the split combine, a power of two from 2 up to the most vocabulary splits ``vocab_plan``
+    makes (a quarter of the vocabulary's blocks), forced through ``num_splits``. Each value of
+    each tile is compiled, not each combination of the tiles with the combine's width."""
+    i64, i32 = torch.int64, torch.int32
+    blocks = -(-V // 1024)  # vocab_plan's blocks on a GPU
+    widths = [None] + [2 ** e for e in range(1, max(1, blocks // 4).bit_length() + 1)]
+    for K in DRAFT_COUNTS:
+        for splits in widths if K == 7 else (None,):
+            for has_q in (None, False, True):  # greedy_accept, then rejection_sample with and without q
+                label = f"{model} B=1 K={K} splits={splits}"
+                if has_q is None:
+                    yield f"greedy_accept {label}", k["greedy_accept"], (
+                        _m(1, K, dtype=i64), _m(1, K + 1, V, dtype=torch.bfloat16), _m(1, dtype=i32), splits)
+                else:
+                    yield f"rejection_sample {label} draft_probs={has_q}", k["rejection_sample"], (
+                        _m(1, K, dtype=i64), _m(1, K, V) if has_q else None, _m(1, K + 1, V), _m(1, dtype=i32),
+                        _m(1, K), _m(1, K + 1), splits)
 
 
 def _odd_norm_views(rows: int, H: int, dt: torch.dtype) -> dict:
