@@ -65,6 +65,11 @@ def cases():
                         _m(L, B, Hkv, 4096, D, dtype=dt), _m(L, B, Hkv, 4096, D, dtype=dt),
                         _m(B, M, dtype=i64), _m(B, dtype=i64), _m(B, dtype=i32))
             yield from _attention_plan_cases(k["verify_attention"], tag, Hq, Hkv, D, dt)
+            if dt == torch.float32:  # the regular path's projections of 2-32 rows (ops.projections.CUDA_SKINNY_ROWS)
+                for rows in (2, 9, 32):
+                    for n_out, n_in in ((Hq * D, H), (Hkv * D, H), (I, H), (H, I), (V, H)):
+                        yield f"skinny_linear {tag} M={rows} N={n_out} K={n_in}", k["skinny_linear"], (
+                            _m(rows, n_in, dtype=dt), _m(n_out, n_in, dtype=dt), None)
             for rows in (1, 33 * 8):  # one decode token; a replay of 8 windows of 33
                 for n_out, n_in in ((Hq * D, H), (I, H), (H, I), (V, H)):
                     # the model multiplies by a [N, K] weight's transposed view
