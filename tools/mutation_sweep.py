@@ -209,7 +209,10 @@ def stale(root: str = ROOT) -> list[str]:
             problems.append(f"{mid}: the id is used twice")
         seen.add(mid)
         file = os.path.join(root, path)
-        count = open(file).read().count(old) if os.path.exists(file) else 0
+        count = 0
+        if os.path.exists(file):
+            with open(file) as f:
+                count = f.read().count(old)
         if count != 1:
             problems.append(f"{mid}: the snippet occurs {count} times in {path}")
         problems += [f"{mid}: no test file {t}" for t in (mutant[5] if len(mutant) > 5 else TESTS)

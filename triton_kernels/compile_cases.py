@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from .launch import cdiv, gpu_launch_plans, next_pow2, vocab_plan
+
 META = torch.device("meta")
 
 
@@ -113,7 +115,7 @@ def _attention_plan_cases(launcher, tag: str, Hq: int, Hkv: int, D: int, dt: tor
                 _heads(1, T, Hq, D, dt), _m(1, Hkv, S, D, dtype=dt), _m(1, Hkv, S, D, dtype=dt),
                 _m(1, dtype=torch.int64), D ** -0.5)
     splits = 2
-    while splits < 2 * -(-(2 * MAX_SMS) // Hkv):
+    while splits < 2 * cdiv(2 * MAX_SMS, Hkv):
         yield f"verify_attention {tag} combine B=1 T=1 S=32768 splits={splits}", launcher, (
             _heads(1, 1, Hq, D, dt), _m(1, Hkv, 32768, D, dtype=dt), _m(1, Hkv, 32768, D, dtype=dt),
             _m(1, dtype=torch.int64), D ** -0.5, splits)
@@ -130,11 +132,13 @@ def _acceptance_plan_cases(k: dict, model: str, V: int):
     the (B, K) grid of ``cases``: each row tile of the drafts and of K + 1 tokens
     (``DRAFT_COUNTS``; k_max is the caller's, SWIFT's default 25) and, at K = 7, each width of
     the split combine, a power of two from 2 up to the most vocabulary splits ``vocab_plan``
-    makes (a quarter of the vocabulary's blocks), forced through ``num_splits``. Each value of
-    each tile is compiled, not each combination of the tiles with the combine's width."""
+    makes (a quarter of the vocabulary's blocks: its plan for one row on the most SMs), forced
+    through ``num_splits``. Each value of each tile is compiled, not each combination of the
+    tiles with the combine's width."""
     i64, i32 = torch.int64, torch.int32
-    blocks = -(-V // 1024)  # vocab_plan's blocks on a GPU
-    widths = [None] + [2 ** e for e in range(1, max(1, blocks // 4).bit_length() + 1)]
+    with gpu_launch_plans(MAX_SMS):
+        most = vocab_plan(1, V, META).splits
+    widths = [None] + [2 ** e for e in range(1, max(2, next_pow2(most)).bit_length())]
     for K in DRAFT_COUNTS:
         for splits in widths if K == 7 else (None,):
             for has_q in (None, False, True):  # greedy_accept, then rejection_sample with and without q
