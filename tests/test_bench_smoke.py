@@ -197,8 +197,8 @@ def test_vocab_split_sweep_providers_force_the_split_they_name(monkeypatch):
             (bench_rejection_sample, rejection_module, (draft, probs[:, :K], probs, num_draft, u_acc, u_smp),
              reference.rejection_sample(draft, probs[:, :K], probs, num_draft, u_acc, u_smp))):
         seen = []
-        real = module.vocab_plan
-        monkeypatch.setattr(module, "vocab_plan", lambda *a, **k: seen.append(k.get("splits") or a[3]) or real(*a, **k))
+        real = module.acceptance_plan
+        monkeypatch.setattr(module, "acceptance_plan", lambda *a, **k: seen.append(k.get("splits") or a[4]) or real(*a, **k))
         sweep = vocab_split_sweep(bench.ROUTINE, "cuda", bench.ROWS_AND_VOCAB)
         assert sorted(sweep) == sorted(f"triton-pps{n}" for n in SPLIT_SWEEP)
         for n in SPLIT_SWEEP:

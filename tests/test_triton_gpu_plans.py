@@ -47,6 +47,19 @@ def test_the_plans_are_a_gpus_inside_and_the_interpreters_outside():
     assert launch.GPU_PLANS["sms"] is None
 
 
+def test_the_acceptance_tiles_closed_form():
+    """acceptance_plan: powers of two over the K drafts (at least 2), the K + 1 tokens and the
+    vocabulary splits (at least 2), over vocab_plan's split of the rows' reductions."""
+    cpu = torch.device("cpu")
+    with launch.gpu_launch_plans(H100_SMS):
+        nine = launch.acceptance_plan(9, 8, 49152, cpu)  # 12 splits, as vocab_plan's closed form above
+        one = launch.acceptance_plan(1, 0, 301, cpu)  # one 512-wide block: one split
+        odd = launch.acceptance_plan(3, 5, 49152, cpu, splits=5)
+    assert (nine.vocab.splits, nine.block_k, nine.block_k1, nine.block_s) == (12, 8, 16, 16)
+    assert (one.vocab.splits, one.block_k, one.block_k1, one.block_s) == (1, 2, 1, 2)
+    assert (odd.vocab.splits, odd.block_k, odd.block_k1, odd.block_s) == (5, 8, 8, 8)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 # (decode over 2304 keys: 18 key splits, more than 16 for the combine; verification; MQA)
 @pytest.mark.parametrize("heads,T,lens,S", [((9, 3), 1, [2200, 1], 2304), ((9, 3), 9, [9, 520], 704),
@@ -187,20 +200,24 @@ def test_compile_cases_compile_every_attention_binary_a_gpu_run_can_pick(sms):
 
 
 def _acceptance_tiles(op: str, B: int, K: int, V: int, splits: int | None) -> set:
-    """The values of the acceptance kernels' compile-time tiles at one launch: the vocabulary
-    block and warps, the drafts' and tokens' row tiles, the combine's width."""
+    """The acceptance kernels' compile-time tiles at one launch: the vocabulary block and warps;
+    greedy_accept's combine tile [K + 1 tokens, splits] as one pair (a 2-D tile: each pair is
+    its own register budget); rejection_sample's drafts' and tokens' tiles as one pair and its
+    combine's width alone (vectors of their own)."""
     rows = B * (K + 1) if op == "greedy_accept" else B
-    plan = launch.vocab_plan(rows, V, torch.device("meta"), splits)
-    tiles = {("block", plan.block, plan.num_warps), ("tokens", launch.next_pow2(K + 1)),
-             ("combine", max(2, launch.next_pow2(plan.splits)))}
-    return tiles | ({("drafts", max(2, launch.next_pow2(K)), launch.next_pow2(K + 1))} if op != "greedy_accept" else set())
+    plan = launch.acceptance_plan(rows, K, V, torch.device("meta"), splits)
+    tiles = {("block", plan.vocab.block, plan.vocab.num_warps)}
+    if op == "greedy_accept":
+        return tiles | {("tokens x combine", plan.block_k1, plan.block_s)}
+    return tiles | {("drafts, tokens", plan.block_k, plan.block_k1), ("combine", plan.block_s)}
 
 
 @pytest.mark.parametrize("sms", [108, 132])
 def test_compile_cases_compile_every_acceptance_tile_a_gpu_run_can_pick(sms):
-    """Each value of greedy_accept's and rejection_sample's compile-time tiles that batches of
-    1-32 rows with 0-63 drafts pick (the vocabulary block, the token and draft row tiles, the
-    split combine's width) is among those ``compile_cases.cases()`` launch, per model."""
+    """Each of greedy_accept's and rejection_sample's compile-time tiles that batches of 1-32
+    rows with 0-63 drafts pick (``_acceptance_tiles``: the vocabulary block; greedy_accept's
+    tokens x combine pairs; rejection_sample's drafts and tokens pairs and combine widths) is
+    among those ``compile_cases.cases()`` launch, per model."""
     from swiftkern.triton_kernels.compile_cases import MODELS, cases
 
     launches = [(label.split()[0], args) for label, _, args in cases()

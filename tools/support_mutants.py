@@ -265,5 +265,10 @@ SUPPORT_MUTANTS = [
      "the invariant attention's query tile follows the number of query rows", LAUNCH_TESTS + ["tests/test_invariant_triton.py"]),
     ("M189", "triton_kernels/launch.py", "    require(block <= MAX_ROW_BLOCK, op,", "    require(True, op,",
      "a norm row wider than one Triton program holds is not refused", LAUNCH_TESTS + ["tests/test_triton_norms.py"]),
+    ("M229", "triton_kernels/launch.py", "max(2, next_pow2(plan.splits)))", "next_pow2(plan.splits))",
+     "the acceptance combine one split wide where the vocabulary is one split", LAUNCH_TESTS),
+    ("M230", "triton_kernels/launch.py", "next_pow2(drafts + 1), max(2", "next_pow2(drafts), max(2",
+     "the acceptance tile of K + 1 tokens sized for K (the last token unwritten where K is a power of two)",
+     LAUNCH_TESTS),
 ]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .launch import cdiv, gpu_launch_plans, next_pow2, vocab_plan
+from .launch import acceptance_plan, cdiv, gpu_launch_plans
 
 META = torch.device("meta")
 
@@ -127,29 +127,36 @@ def _attention_plan_cases(launcher, tag: str, Hq: int, Hkv: int, D: int, dt: tor
 DRAFT_COUNTS = (0, 1, 2, 3, 4, 7, 8, 15, 16, 31, 32, 63)
 
 
-def _acceptance_plan_cases(k: dict, model: str, V: int):
-    """greedy_accept and rejection_sample at one shape for each binary their plans pick beyond
-    the (B, K) grid of ``cases``: each row tile of the drafts and of K + 1 tokens
-    (``DRAFT_COUNTS``; k_max is the caller's, SWIFT's default 25) and, at K = 7, each width of
-    the split combine, a power of two from 2 up to the most vocabulary splits ``vocab_plan``
-    makes (a quarter of the vocabulary's blocks: its plan for one row on the most SMs), forced
-    through ``num_splits``. Each value of each tile is compiled, not each combination of the
-    tiles with the combine's width."""
-    i64, i32 = torch.int64, torch.int32
+def _combine_widths(rows: int, K: int, V: int) -> list[int]:
+    """The split combine's widths a launch of ``rows`` reductions or more can pick: each power
+    of two from 2 up to the one ``acceptance_plan`` picks for ``rows`` on the most SMs (fewer
+    rows never split less, and the split is at most a quarter of the vocabulary's blocks)."""
     with gpu_launch_plans(MAX_SMS):
-        most = vocab_plan(1, V, META).splits
-    widths = [None] + [2 ** e for e in range(1, max(2, next_pow2(most)).bit_length())]
+        widest = acceptance_plan(rows, K, V, META).block_s
+    return [2 ** e for e in range(1, widest.bit_length())]
+
+
+def _acceptance_plan_cases(k: dict, model: str, V: int):
+    """greedy_accept and rejection_sample at one shape for each binary their plans can pick beyond
+    the (B, K) grid of ``cases``, forced through ``num_splits``; K runs over ``DRAFT_COUNTS``
+    (k_max is the caller's, SWIFT's default 25).
+    - greedy_accept: each tile of K + 1 tokens with each width of the split combine that K
+      drafts can meet (``_combine_widths`` at one row: its rows are B * (K + 1)). Its combine
+      holds a [K + 1, splits] tile, so each combination is its own register budget.
+    - rejection_sample: each pair of its drafts' and tokens' tiles at the widest combine (each
+      tile is a vector of its own, so the widest is the most registers a pair takes), and at
+      K = 7 every width."""
+    i64, i32 = torch.int64, torch.int32
     for K in DRAFT_COUNTS:
-        for splits in widths if K == 7 else (None,):
-            for has_q in (None, False, True):  # greedy_accept, then rejection_sample with and without q
-                label = f"{model} B=1 K={K} splits={splits}"
-                if has_q is None:
-                    yield f"greedy_accept {label}", k["greedy_accept"], (
-                        _m(1, K, dtype=i64), _m(1, K + 1, V, dtype=torch.bfloat16), _m(1, dtype=i32), splits)
-                else:
-                    yield f"rejection_sample {label} draft_probs={has_q}", k["rejection_sample"], (
-                        _m(1, K, dtype=i64), _m(1, K, V) if has_q else None, _m(1, K + 1, V), _m(1, dtype=i32),
-                        _m(1, K), _m(1, K + 1), splits)
+        for splits in _combine_widths(K + 1, K, V):
+            yield f"greedy_accept {model} B=1 K={K} splits={splits}", k["greedy_accept"], (
+                _m(1, K, dtype=i64), _m(1, K + 1, V, dtype=torch.bfloat16), _m(1, dtype=i32), splits)
+        widths = _combine_widths(1, K, V)
+        for splits in widths if K == 7 else widths[-1:]:
+            for has_q in (False, True):
+                yield f"rejection_sample {model} B=1 K={K} splits={splits} draft_probs={has_q}", k["rejection_sample"], (
+                    _m(1, K, dtype=i64), _m(1, K, V) if has_q else None, _m(1, K + 1, V), _m(1, dtype=i32),
+                    _m(1, K), _m(1, K + 1), splits)
 
 
 def _odd_norm_views(rows: int, H: int, dt: torch.dtype) -> dict:

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import check_device, empty, next_pow2, require, vocab_plan
+from .launch import acceptance_plan, check_device, empty, require
 
 _NONE = tl.constexpr(2**31 - 1)  # "no index yet"; larger than any vocabulary index
 
@@ -118,7 +118,8 @@ def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor, num_d
     num_acc = empty((B,), torch.int32, device)
     if B == 0:
         return out, num_acc
-    plan = vocab_plan(B * (K + 1), V, device, num_splits)
+    tiles = acceptance_plan(B * (K + 1), K, V, device, num_splits)
+    plan = tiles.vocab
     part_val = empty((B * (K + 1), plan.splits), torch.float32, device)
     part_idx = empty((B * (K + 1), plan.splits), torch.int32, device)
     _argmax_kernel[(B * (K + 1), plan.splits)](
@@ -126,7 +127,7 @@ def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor, num_d
         K + 1, V, plan.chunk, plan.splits, BLOCK=plan.block, num_warps=plan.num_warps)
     _accept_kernel[(B,)](
         part_val, part_idx, draft_tokens, draft_tokens.stride(0), num_draft, out, out.stride(0), num_acc,
-        K, plan.splits, BLOCK_K1=next_pow2(K + 1), BLOCK_S=max(2, next_pow2(plan.splits)), num_warps=1)
+        K, plan.splits, BLOCK_K1=tiles.block_k1, BLOCK_S=tiles.block_s, num_warps=1)
     return out, num_acc
 
 

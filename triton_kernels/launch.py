@@ -190,6 +190,24 @@ def vocab_plan(rows: int, vocab: int, device: torch.device, splits: int | None =
 
 
 @dataclass(frozen=True)
+class AcceptancePlan:
+    """greedy_accept and rejection_sample: the vocabulary reductions' plan, then the tiles of
+    the one program a row that accepts the drafts (and draws the last token) from their results."""
+    vocab: VocabPlan
+    block_k: int  # the K drafts (rejection_sample), at least 2
+    block_k1: int  # the K + 1 verified tokens
+    block_s: int  # the vocabulary splits the combine holds, at least 2
+
+
+def acceptance_plan(rows: int, drafts: int, vocab: int, device: torch.device,
+                    splits: int | None = None) -> AcceptancePlan:
+    """``rows`` vocabulary reductions (greedy_accept: one a token, B * (K + 1); rejection_sample:
+    one a row, B) of ``vocab`` entries, ``drafts`` = K a row; ``splits`` forces the split (tests)."""
+    plan = vocab_plan(rows, vocab, device, splits)
+    return AcceptancePlan(plan, max(2, next_pow2(drafts)), next_pow2(drafts + 1), max(2, next_pow2(plan.splits)))
+
+
+@dataclass(frozen=True)
 class AttentionPlan:
     """verify_attention: programs over (row x kv head, query block, key split), then one
     combine program per query row when there are several splits."""

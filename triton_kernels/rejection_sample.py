@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import check_device, empty, next_pow2, require, vocab_plan
+from .launch import acceptance_plan, check_device, empty, require
 
 _NONE = tl.constexpr(2**31 - 1)
 
@@ -176,7 +176,8 @@ def rejection_sample(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | Non
     num_acc = empty((B,), torch.int32, device)
     if B == 0:
         return out, num_acc
-    plan = vocab_plan(B, V, device, num_splits)
+    tiles = acceptance_plan(B, K, V, device, num_splits)
+    plan = tiles.vocab
     res_sum = empty((B, plan.splits), torch.float64, device)
     p_sum = empty((B, plan.splits), torch.float64, device)
     has_q = draft_probs is not None
@@ -184,14 +185,13 @@ def rejection_sample(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | Non
     common = (draft_tokens, draft_tokens.stride(0), q, q.stride(0), q.stride(1),
               target_probs, target_probs.stride(0), target_probs.stride(1), num_draft,
               u_accept, u_accept.stride(0))
-    block_k = max(2, next_pow2(K))
     _chunk_sums_kernel[(B, plan.splits)](
         *common, res_sum, p_sum, K, V, plan.chunk, plan.splits,
-        HAS_Q=has_q, BLOCK_K=block_k, BLOCK=plan.block, num_warps=plan.num_warps)
+        HAS_Q=has_q, BLOCK_K=tiles.block_k, BLOCK=plan.block, num_warps=plan.num_warps)
     _draw_kernel[(B,)](
         *common, u_sample, u_sample.stride(0), res_sum, p_sum, out, out.stride(0), num_acc,
-        K, V, plan.chunk, plan.splits, HAS_Q=has_q, BLOCK_K=block_k, BLOCK_K1=next_pow2(K + 1),
-        BLOCK_S=max(2, next_pow2(plan.splits)), BLOCK=plan.block, num_warps=plan.num_warps)
+        K, V, plan.chunk, plan.splits, HAS_Q=has_q, BLOCK_K=tiles.block_k, BLOCK_K1=tiles.block_k1,
+        BLOCK_S=tiles.block_s, BLOCK=plan.block, num_warps=plan.num_warps)
     return out, num_acc
 
 
