@@ -240,3 +240,26 @@ def test_compile_cases_compile_every_acceptance_tile_a_gpu_run_can_pick(sms):
                             picked.setdefault(tile, (B, K))
                 missing = {t: shape for t, shape in picked.items() if t not in compiled}
                 assert not missing, f"{model} {op}: no case compiles {missing} (first picked at B, K)"
+
+
+def test_compile_cases_compile_every_kv_compact_tile_its_plan_can_pick():
+    """Each (entries, head-dim slice, warps) tile compact_plan picks for 1 to MAX_COMPACT_ENTRIES
+    entries a row, at each model's head dim, is among those ``compile_cases.cases()`` launch in
+    float32 and bfloat16; and the warps keep a thread at COMPACT_TILE_PER_THREAD elements or 4 warps."""
+    from swiftkern.triton_kernels.compile_cases import MODELS, cases
+
+    def tile(M, D):
+        p = launch.compact_plan("kv_compact", M, D)
+        assert p.num_warps == 4 or p.block_m * p.block_d == 32 * p.num_warps * launch.COMPACT_TILE_PER_THREAD
+        return p.block_m, p.block_d, p.num_warps
+
+    compiled = {}
+    for label, _, args in cases():
+        if label.startswith("kv_compact "):
+            D, dtype = args[0].shape[-1], args[0].dtype
+            compiled.setdefault((D, dtype), set()).add(tile(args[2].shape[1], D))
+    for model, c in MODELS.items():
+        picked = {tile(M, c["D"]) for M in range(1, launch.MAX_COMPACT_ENTRIES + 1)}
+        for dtype in (torch.float32, torch.bfloat16):
+            missing = picked - compiled.get((c["D"], dtype), set())
+            assert not missing, f"{model} {dtype}: no case compiles kv_compact's (entries, slice, warps) {sorted(missing)}"

@@ -92,3 +92,24 @@ def test_bad_input_is_refused():
         ops.kv_compact(k[0], v[0], src, dst, counts)
     with pytest.raises(SwiftkernError, match="int64"):
         ops.kv_compact(k, v, src.int(), dst, counts)
+
+
+def test_the_most_entries_one_program_moves_match_reference_and_one_more_is_refused():
+    """compact_plan's limit: MAX_COMPACT_ENTRIES entries a row (two head-dim elements a program
+    at that tile, 32 warps) move as the reference moves them; one more is refused with what to do."""
+    from swiftkern.triton_kernels.launch import MAX_COMPACT_ENTRIES, MAX_COMPACT_TILE, compact_plan
+
+    M, D = MAX_COMPACT_ENTRIES, 3
+    plan = compact_plan("kv_compact", M, D)
+    assert (plan.block_m, plan.block_d, plan.d_blocks) == (M, MAX_COMPACT_TILE // M, 2)
+    k, v = cache(1, 2, 1, M + 5, D, torch.float32, 7)
+    g = torch.Generator().manual_seed(7)
+    src = torch.stack([torch.randperm(M + 5, generator=g)[:M] for _ in range(2)]).to(DEVICE)
+    dst, counts = torch.tensor([5, 0], device=DEVICE), torch.tensor([M, M - 3], dtype=torch.int32, device=DEVICE)
+    want_k, want_v = k.clone(), v.clone()
+    reference.kv_compact(want_k, want_v, src, dst, counts)
+    triton_op("kv_compact")(k, v, src, dst, counts)
+    assert torch.equal(k, want_k) and torch.equal(v, want_v)
+    more = torch.zeros(2, M + 1, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(SwiftkernError, match=f"{M + 1} entries per row is more than the {M}.*several calls"):
+        triton_op("kv_compact")(k, v, more, dst, counts)

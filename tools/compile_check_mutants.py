@@ -1,6 +1,6 @@
 """Planted bugs in the GPU compile check that runs without a GPU (triton_kernels/compile_check.py), for
 tools/mutation_sweep.py: each one lets a kernel a GPU cannot run, or runs slowly or batch-dependently,
-pass the check (M219 on); and in the cases it compiles (M226-M228). The check's tests hand it kernels that break each rule on purpose."""
+pass the check (M219 on); and in the cases it compiles (M226-M228, M231). The check's tests hand it kernels that break each rule on purpose."""
 
 COMPILE_TESTS = ["tests/test_triton_compile.py"]
 C = "triton_kernels/compile_check.py"
@@ -35,5 +35,9 @@ COMPILE_CHECK_MUTANTS = [
      "        for splits in _combine_widths(K + 1, K, V)[-1:]:\n",
      "greedy_accept's combine compiled at each token tile's widest split only: its [K + 1, splits] tiles with "
      "fewer splits (more rows) are first compiled on a GPU, unchecked", ["tests/test_triton_gpu_plans.py"]),
+    ("M231", "triton_kernels/compile_cases.py",
+     '                yield from _compact_plan_cases(k["kv_compact"], tag, Hkv, D, dt)\n', "                pass\n",
+     "kv_compact compiled at 16 and 64 entries only: its tiles of more entries (which spilled kilobytes) are first "
+     "compiled on a GPU, unchecked", ["tests/test_triton_gpu_plans.py"]),
 ]
 

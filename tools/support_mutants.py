@@ -270,5 +270,11 @@ SUPPORT_MUTANTS = [
     ("M230", "triton_kernels/launch.py", "next_pow2(drafts + 1), max(2", "next_pow2(drafts), max(2",
      "the acceptance tile of K + 1 tokens sized for K (the last token unwritten where K is a power of two)",
      LAUNCH_TESTS),
+    ("M232", "triton_kernels/launch.py", "    num_warps = max(4, block_m * block_d // (32 * COMPACT_TILE_PER_THREAD))\n",
+     "    num_warps = 4\n", "kv_compact's widest tiles on 4 warps (128 elements a thread: kilobytes spilled)",
+     ["tests/test_triton_gpu_plans.py", "tests/test_triton_kv_compact.py"]),
+    ("M233", "triton_kernels/launch.py", "MAX_COMPACT_ENTRIES = 8192 ", "MAX_COMPACT_ENTRIES = 16384 ",
+     "kv_compact takes 16384 entries a row (one head-dim element a program, spilling)",
+     ["tests/test_triton_kv_compact.py"]),
 ]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .launch import acceptance_plan, cdiv, gpu_launch_plans
+from .launch import MAX_COMPACT_ENTRIES, acceptance_plan, cdiv, gpu_launch_plans
 
 META = torch.device("meta")
 
@@ -67,6 +67,8 @@ def cases():
                         _m(L, B, Hkv, 4096, D, dtype=dt), _m(L, B, Hkv, 4096, D, dtype=dt),
                         _m(B, M, dtype=i64), _m(B, dtype=i64), _m(B, dtype=i32))
             yield from _attention_plan_cases(k["verify_attention"], tag, Hq, Hkv, D, dt)
+            if dt != torch.float16:  # its registers are bf16's
+                yield from _compact_plan_cases(k["kv_compact"], tag, Hkv, D, dt)
             if dt == torch.float32:  # the regular path's projections of 2-32 rows (ops.projections.CUDA_SKINNY_ROWS)
                 for rows in (2, 9, 32):
                     for n_out, n_in in ((Hq * D, H), (Hkv * D, H), (I, H), (H, I), (V, H)):
@@ -120,6 +122,21 @@ def _attention_plan_cases(launcher, tag: str, Hq: int, Hkv: int, D: int, dt: tor
             _heads(1, 1, Hq, D, dt), _m(1, Hkv, 32768, D, dtype=dt), _m(1, Hkv, 32768, D, dtype=dt),
             _m(1, dtype=torch.int64), D ** -0.5, splits)
         splits *= 2
+
+
+def _compact_plan_cases(launcher, tag: str, Hkv: int, D: int, dt: torch.dtype):
+    """kv_compact at each tile ``compact_plan`` picks for the model's head dim: entries a row
+    from 1 to ``MAX_COMPACT_ENTRIES`` in powers of two (the op takes a caller's count), the
+    head-dim slice narrowing past ``MAX_COMPACT_TILE`` elements. Labelled ``kv_compact plan``,
+    not with the model's name first: few entries, or many in a narrow slice, cannot load 16
+    bytes a thread, and those are not shapes the runner meets (compile_check's 16-byte rule)."""
+    S = MAX_COMPACT_ENTRIES
+    M = 1
+    while M <= MAX_COMPACT_ENTRIES:
+        yield f"kv_compact plan {tag} B=1 M={M}", launcher, (
+            _m(2, 1, Hkv, S, D, dtype=dt), _m(2, 1, Hkv, S, D, dtype=dt), _m(1, M, dtype=torch.int64),
+            _m(1, dtype=torch.int64), _m(1, dtype=torch.int32))
+        M *= 2
 
 
 # verify passes of K drafts: K = 2^n - 1 and 2^n give each pair of rejection_sample's tiles

@@ -24,7 +24,8 @@ cache), down to a cubin for the target, and not launched. A launch fails the che
   batch invariance must not rest on a specialization;
 - a memory-bound kernel of ``WIDE_LOAD_KERNELS`` issues no 16-byte global load at a real
   model's shape (a lost vectorization: an unaligned or unspecialized size, a plan with too many
-  threads per row);
+  threads per row); a case labelled ``<op> <model> ...`` is at one, ``kv_compact plan ...`` (its
+  plan's tiles at a caller's entry counts) is not;
 - it spills more than ``SPILL_LIMIT`` bytes of registers per thread to local memory (read by
   the ``cuobjdump`` and ``ptxas`` Triton ships): a plan that spills is a slow plan, and the fix
   is in ``launch.py``'s plans. A few bytes are the register allocator's noise, not a plan that

@@ -1,7 +1,8 @@
 """Move each row's kept KV-cache entries into one contiguous run, in place, in one launch.
 
 One program per (layer, row, head, slice of the head dimension) loads all kept entries of its
-slice (at most ``launch.MAX_COMPACT_TILE`` elements) before it stores any, and no two programs
+slice (at most ``launch.MAX_COMPACT_ENTRIES`` entries, ``launch.MAX_COMPACT_TILE`` elements) before it
+stores any, and no two programs
 touch the same elements, so sources and destinations may overlap as in the reference.
 """
 
@@ -69,7 +70,7 @@ def kv_compact(k_cache: torch.Tensor, v_cache: torch.Tensor, src_positions: torc
     plan = compact_plan(op, M, D)
     _kv_compact_kernel[(L * B * H, plan.d_blocks)](
         k_cache, v_cache, *k_cache.stride(), src_positions, *src_positions.stride(), dst_start, dst_start.stride(0),
-        counts, counts.stride(0), B, H, D, BLOCK_M=plan.block_m, BLOCK_D=plan.block_d, num_warps=4)
+        counts, counts.stride(0), B, H, D, BLOCK_M=plan.block_m, BLOCK_D=plan.block_d, num_warps=plan.num_warps)
 
 
 def kv_compact_fake(k_cache, v_cache, src_positions, dst_start, counts):

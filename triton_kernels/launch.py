@@ -272,16 +272,21 @@ class CompactPlan:
     block_m: int
     block_d: int
     d_blocks: int
+    num_warps: int
 
 
 MAX_COMPACT_TILE = 16384  # entries x head-dim elements one kv_compact program holds at once
+MAX_COMPACT_ENTRIES = 8192  # entries of a row one program moves (16384 spilled: one head-dim element a program)
+COMPACT_TILE_PER_THREAD = 64  # tile elements a thread holds, keys and values each (at 128: 4 KB spilled a thread)
 
 
 def compact_plan(op: str, max_entries: int, head_dim: int) -> CompactPlan:
     """One program holds all kept entries of one (layer, row, head) for a slice of the head
-    dimension, so it reads every source before it writes any destination."""
+    dimension, so it reads every source before it writes any destination; its warps grow with
+    the tile so that a thread holds at most ``COMPACT_TILE_PER_THREAD`` elements of each."""
     block_m = next_pow2(max_entries)
-    require(block_m <= MAX_COMPACT_TILE, op, f"{max_entries} entries per row is more than the "
-            f"{MAX_COMPACT_TILE} one program can move at once; compact in several calls")
+    require(block_m <= MAX_COMPACT_ENTRIES, op, f"{max_entries} entries per row is more than the "
+            f"{MAX_COMPACT_ENTRIES} one program can move at once; compact in several calls")
     block_d = max(1, min(next_pow2(head_dim), MAX_COMPACT_TILE // block_m))
-    return CompactPlan(block_m, block_d, cdiv(head_dim, block_d))
+    num_warps = max(4, block_m * block_d // (32 * COMPACT_TILE_PER_THREAD))
+    return CompactPlan(block_m, block_d, cdiv(head_dim, block_d), num_warps)
