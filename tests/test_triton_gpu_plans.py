@@ -245,12 +245,14 @@ def test_compile_cases_compile_every_acceptance_tile_a_gpu_run_can_pick(sms):
 def test_compile_cases_compile_every_kv_compact_tile_its_plan_can_pick():
     """Each (entries, head-dim slice, warps) tile compact_plan picks for 1 to MAX_COMPACT_ENTRIES
     entries a row, at each model's head dim, is among those ``compile_cases.cases()`` launch in
-    float32 and bfloat16; and the warps keep a thread at COMPACT_TILE_PER_THREAD elements or 4 warps."""
+    float32 and bfloat16; and the warps hold a thread to COMPACT_TILE_PER_THREAD elements of each
+    tile (4 warps at least, no more than that needs)."""
     from swiftkern.triton_kernels.compile_cases import MODELS, cases
 
     def tile(M, D):
         p = launch.compact_plan("kv_compact", M, D)
-        assert p.num_warps == 4 or p.block_m * p.block_d == 32 * p.num_warps * launch.COMPACT_TILE_PER_THREAD
+        per_thread = p.block_m * p.block_d / (32 * p.num_warps)  # of the keys' tile, and of the values'
+        assert per_thread <= launch.COMPACT_TILE_PER_THREAD and (p.num_warps == 4 or per_thread == launch.COMPACT_TILE_PER_THREAD)
         return p.block_m, p.block_d, p.num_warps
 
     compiled = {}
