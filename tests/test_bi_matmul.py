@@ -176,7 +176,7 @@ from swiftkern.triton_kernels.compile_check import recording, TARGETS
 from swiftkern.triton_kernels.bi_matmul import CANDIDATES, launch
 plan = [p for p in CANDIDATES if p.last_adds][0]
 got = []
-with recording(TARGETS[90], lambda fn, grid, compiled: got.append((fn.__name__, compiled))):
+with recording(TARGETS[90], lambda fn, grid, compiled, kwargs: got.append((fn.__name__, compiled))):
     launch(torch.empty(8, 576, device="meta"), torch.empty(576, 576, device="meta"), plan)
 names = [name for name, _ in got]
 ptx = got[0][1].asm["ptx"]

@@ -119,7 +119,7 @@ import re, torch
 from swiftkern.triton_kernels.compile_check import recording, TARGETS
 from swiftkern.triton_kernels.bi_exp_sum import bi_exp_sum
 got = []
-with recording(TARGETS[90], lambda fn, grid, compiled: got.append(compiled)):
+with recording(TARGETS[90], lambda fn, grid, compiled, kwargs: got.append(compiled)):
     bi_exp_sum(torch.empty(1, 49152, device="meta"))
 ptx = got[0].asm["ptx"]
 print(len(re.findall(r"fma", ptx)), len(re.findall(r"mul\\.rn\\.f32", ptx)), len(re.findall(r"bar\\.sync", ptx)))

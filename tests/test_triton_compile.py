@@ -2,7 +2,8 @@
 GPU: ``swiftkern.triton_kernels.compile_check``, run as its own process (this one runs Triton in
 interpreter mode, whose kernels cannot be compiled). Plus the check's own power: kernels the
 interpreter runs fine but a GPU cannot (a loop-carried type change, too much shared memory, a
-grid past CUDA's limits, spilled registers) each fail it with their reason."""
+grid past CUDA's limits, spilled registers), and a launch that leaves multiply-add fusion to
+Triton's default, each fail it with their reason."""
 
 import importlib
 import json
@@ -147,22 +148,24 @@ import test_triton_compile as t
 from swiftkern.triton_kernels import compile_check as cc
 
 m = lambda *shape: torch.empty(shape, device="meta")
+F = dict(enable_fp_fusion=True)  # every launch but fusion-default's names its choice
 cases = [
-    ("loop-type", lambda x: t._loop_type_kernel[(1,)](x, x, x.numel(), BLOCK=64), (m(300),)),
-    ("big-dot", lambda a: t._big_dot_kernel[(1,)](a, a, BLOCK=256, num_stages=1), (m(256, 256),)),
-    ("grid", lambda x: t._copy_kernel[(1, 70000)](x, x, BLOCK=128), (m(128),)),
-    ("wide-row", lambda x: t._wide_row_kernel[(1,)](x, x, BLOCK=16384, num_warps=1), (m(16384),)),  # 65536 took 45 s to compile
-    ("fine", lambda x: t._copy_kernel[(4, 2)](x, x, BLOCK=128), (m(1024),)),
+    ("loop-type", lambda x: t._loop_type_kernel[(1,)](x, x, x.numel(), BLOCK=64, **F), (m(300),)),
+    ("big-dot", lambda a: t._big_dot_kernel[(1,)](a, a, BLOCK=256, num_stages=1, **F), (m(256, 256),)),
+    ("grid", lambda x: t._copy_kernel[(1, 70000)](x, x, BLOCK=128, **F), (m(128),)),
+    ("wide-row", lambda x: t._wide_row_kernel[(1,)](x, x, BLOCK=16384, num_warps=1, **F), (m(16384),)),  # 65536 took 45 s to compile
+    ("fine", lambda x: t._copy_kernel[(4, 2)](x, x, BLOCK=128, **F), (m(1024),)),
+    ("fusion-default", lambda x: t._copy_kernel[(4, 2)](x, x, BLOCK=128), (m(1024),)),
 ]
-copy = lambda kernel, n: (lambda x: kernel[(1,)](x, x, n, BLOCK=128), (m(128),))
+copy = lambda kernel, n: (lambda x: kernel[(1,)](x, x, n, BLOCK=128, **F), (m(128),))
 cases += [  # a verifier op specialized on a size compiles to two binaries; one marked do_not_specialize does not
     ("verifier smollm2 float32 copy n=128", *copy(t._sized_copy_kernel, 128)),
     ("verifier smollm2 float32 copy n=100", *copy(t._sized_copy_kernel, 100)),
     ("verifier smollm2 float32 fixed n=128", *copy(t._sized_copy_fixed_kernel, 128)),
     ("verifier smollm2 float32 fixed n=100", *copy(t._sized_copy_fixed_kernel, 100)),
-    ("narrow smollm2 float32", lambda x: t._silu_mul_kernel[(1,)](x, x, BLOCK=256, num_warps=4), (m(256),)),
+    ("narrow smollm2 float32", lambda x: t._silu_mul_kernel[(1,)](x, x, BLOCK=256, num_warps=4, **F), (m(256),)),
 ]
-tall = [("tall-dot", lambda a, b: t._tall_dot_kernel[(1,)](a, b, a, M=256, K=128, N=128, num_stages=1),
+tall = [("tall-dot", lambda a, b: t._tall_dot_kernel[(1,)](a, b, a, M=256, K=128, N=128, num_stages=1, **F),
          (m(256, 128), m(128, 128)))]  # fp32 operands, 192 KiB: over sm_80's 163 KiB, under sm_90a's 227 KiB
 launches, failures = cc.check([cc.TARGETS[90]], verbose=False, case_list=cases + tall)
 _, failures_80 = cc.check([cc.TARGETS[80]], verbose=False, case_list=tall)
@@ -174,7 +177,7 @@ def test_compile_check_fails_each_kernel_a_gpu_cannot_run_with_its_reason():
     run = run_outside_interpreter("-c", CASES_SCRIPT.format(here=HERE))
     assert run.returncode == 0, run.stderr[-4000:]
     failures = json.loads(run.stdout.strip().splitlines()[-1])
-    labels = ("loop-type", "big-dot", "grid", "wide-row", "fine", "tall-dot", "narrow smollm2 float32",
+    labels = ("loop-type", "big-dot", "grid", "wide-row", "fine", "fusion-default", "tall-dot", "narrow smollm2 float32",
               "verifier smollm2 float32 copy", "verifier smollm2 float32 fixed")
     by_case = {label: [f for f in failures if f.startswith((f"sm_90a {label}:", f"sm_90a {label} "))]
                for label in labels}
@@ -192,6 +195,8 @@ def test_compile_check_fails_each_kernel_a_gpu_cannot_run_with_its_reason():
     assert any("524288 bytes of shared memory, more than the 232448" in f for f in by_case["big-dot"]), failures
     assert any("axis 1 = 70000 > 65535" in f for f in by_case["grid"]), failures
     assert any("_wide_row_kernel spills" in f for f in by_case["wide-row"]), failures
+    assert len(by_case["fusion-default"]) == 1 and "_copy_kernel leaves multiply-add fusion to Triton's default" in (
+        by_case["fusion-default"][0]), failures
 
 
 def test_spills_are_read_wherever_cuobjdump_shows_a_frame(monkeypatch):

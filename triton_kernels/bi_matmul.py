@@ -39,7 +39,7 @@ import triton.language as tl
 from swiftkern.errors import SwiftkernError
 
 from .interpreter_dot import interpreter_dot
-from .launch import cdiv, check_device, check_float, empty, interpreting, require
+from .launch import FP_FUSION, cdiv, check_device, check_float, empty, interpreting, require
 from .registry import register
 from .silu_mul import silu_times
 
@@ -354,9 +354,11 @@ def launch(a: torch.Tensor, b: torch.Tensor | list[torch.Tensor], plan: Plan | N
                                 BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
                                 UPCAST=a.dtype == torch.float32, PRECISION=plan.precision,
                                 INTERPRET=interpreting(), SPLIT=chunks > 1, SWIGLU=up is not None,
-                                LAST_ADDS=last_adds, num_warps=plan.warps, num_stages=plan.stages)
+                                LAST_ADDS=last_adds, num_warps=plan.warps, num_stages=plan.stages,
+                                enable_fp_fusion=FP_FUSION)
         if chunks > 1 and not last_adds:
-            _sum_chunks_kernel[(stride // SUM_BLOCK,)](out, c, M * N, stride, CHUNKS=chunks, BLOCK=SUM_BLOCK)
+            _sum_chunks_kernel[(stride // SUM_BLOCK,)](out, c, M * N, stride, CHUNKS=chunks, BLOCK=SUM_BLOCK,
+                                                      enable_fp_fusion=FP_FUSION)
     return c
 
 

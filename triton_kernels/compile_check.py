@@ -26,6 +26,9 @@ cache), down to a cubin for the target, and not launched. A launch fails the che
   model's shape (a lost vectorization: an unaligned or unspecialized size, a plan with too many
   threads per row); a case labelled ``<op> <model> ...`` is at one, ``kv_compact plan ...`` (its
   plan's tiles at a caller's entry counts) is not;
+- it leaves multiply-add fusion to Triton's default (on through 3.9, announced to turn off in
+  3.10): each launch names ``enable_fp_fusion``, so the kernels' bits do not move with the Triton
+  installed;
 - it spills more than ``SPILL_LIMIT`` bytes of registers per thread to local memory (read by
   the ``cuobjdump`` and ``ptxas`` Triton ships): a plan that spills is a slow plan, and the fix
   is in ``launch.py``'s plans. A few bytes are the register allocator's noise, not a plan that
@@ -122,7 +125,8 @@ class _CompileOnlyDriver:
 def recording(target: Target, on_launch):
     """Inside this block the launchers accept meta tensors and plan for ``target``; each
     ``kernel[grid](...)`` compiles for ``target`` (through Triton's own JIT path, warm-up mode:
-    nothing is launched) and calls ``on_launch(jit_function, grid, compiled_kernel)``."""
+    nothing is launched) and calls ``on_launch(jit_function, grid, compiled_kernel, launch_kwargs)``
+    (the launch's keyword arguments: constexprs and options such as num_warps)."""
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
 
@@ -133,7 +137,7 @@ def recording(target: Target, on_launch):
 
     def compile_only(self, *args, grid, warmup, **kwargs):
         compiled = real_run(self, *args, grid=grid, warmup=True, **kwargs)
-        on_launch(self, tuple(grid), compiled)
+        on_launch(self, tuple(grid), compiled, kwargs)
         return compiled
 
     saved_driver = driver._active
@@ -205,7 +209,7 @@ def check(targets: list[Target], verbose: bool = True, case_list=None) -> tuple[
     for target in targets:
         current = {"case": None}
 
-        def on_launch(fn, grid, compiled, target=target):
+        def on_launch(fn, grid, compiled, kwargs, target=target):
             meta = compiled.metadata
             key = (fn.__name__, target.name, compiled.hash)
             if key not in launches:
@@ -225,6 +229,9 @@ def check(targets: list[Target], verbose: bool = True, case_list=None) -> tuple[
                     and not launches[key].wide_loads):
                 failures.append(f"{target.name} {current['case']}: {fn.__name__} has no 16-byte global load "
                                 "(a memory-bound kernel at a real model's shape; see its PTX)")
+            if "enable_fp_fusion" not in kwargs:
+                failures.append(f"{target.name} {current['case']}: {fn.__name__} leaves multiply-add fusion to "
+                                "Triton's default (announced to change in 3.10); pass enable_fp_fusion=launch.FP_FUSION")
             launches[key].cases.append(current["case"])
             launches[key].grids.append(list(grid))
             if current["case"].startswith(VERIFIER_PREFIX):  # "verifier <model> <dtype> <op> ...shape"
@@ -272,7 +279,8 @@ def main(argv=None) -> int:
         prog="python -m swiftkern.triton_kernels.compile_check",
         description="Compile every swiftkern Triton kernel, in the launch plans the model runner uses on a "
                     "GPU, for GPU targets (no GPU needed): fails on a compile error, shared memory over the "
-                    "target's per-block limit, a grid past CUDA's limits, spilled registers, a memory-bound "
+                    "target's per-block limit, a grid past CUDA's limits, spilled registers, a launch that leaves "
+                    "multiply-add fusion to Triton's default, a memory-bound "
                     "kernel without 16-byte loads, or a verifier op compiled to more than one binary.")
     parser.add_argument("--arch", type=int, action="append", choices=sorted(TARGETS),
                         help="compute capability to compile for (repeat; default: 80 and 90)")

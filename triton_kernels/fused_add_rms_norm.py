@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import check_device, check_float, empty, require, row_plan
+from .launch import FP_FUSION, check_device, check_float, empty, require, row_plan
 
 
 @triton.jit
@@ -78,7 +78,8 @@ def _launch(x, residual, weight, eps, out, new_residual):
         return
     _fused_add_rms_norm_kernel[(x2.shape[0],)](
         x2, res2, weight, out2, new2, H, float(eps),
-        HAS_RESIDUAL=residual is not None, BLOCK=plan.block, num_warps=plan.num_warps)
+        HAS_RESIDUAL=residual is not None, BLOCK=plan.block, num_warps=plan.num_warps,
+        enable_fp_fusion=FP_FUSION)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

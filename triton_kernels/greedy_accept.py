@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import acceptance_plan, check_device, empty, require
+from .launch import FP_FUSION, acceptance_plan, check_device, empty, require
 
 _NONE = tl.constexpr(2**31 - 1)  # "no index yet"; larger than any vocabulary index
 
@@ -124,10 +124,10 @@ def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor, num_d
     part_idx = empty((B * (K + 1), plan.splits), torch.int32, device)
     _argmax_kernel[(B * (K + 1), plan.splits)](
         target_logits, target_logits.stride(0), target_logits.stride(1), part_val, part_idx,
-        K + 1, V, plan.chunk, plan.splits, BLOCK=plan.block, num_warps=plan.num_warps)
+        K + 1, V, plan.chunk, plan.splits, BLOCK=plan.block, num_warps=plan.num_warps, enable_fp_fusion=FP_FUSION)
     _accept_kernel[(B,)](
         part_val, part_idx, draft_tokens, draft_tokens.stride(0), num_draft, out, out.stride(0), num_acc,
-        K, plan.splits, BLOCK_K1=tiles.block_k1, BLOCK_S=tiles.block_s, num_warps=1)
+        K, plan.splits, BLOCK_K1=tiles.block_k1, BLOCK_S=tiles.block_s, num_warps=1, enable_fp_fusion=FP_FUSION)
     return out, num_acc
 
 

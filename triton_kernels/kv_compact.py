@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import check_device, compact_plan, require
+from .launch import FP_FUSION, check_device, compact_plan, require
 
 
 @triton.jit
@@ -70,7 +70,8 @@ def kv_compact(k_cache: torch.Tensor, v_cache: torch.Tensor, src_positions: torc
     plan = compact_plan(op, M, D)
     _kv_compact_kernel[(L * B * H, plan.d_blocks)](
         k_cache, v_cache, *k_cache.stride(), src_positions, *src_positions.stride(), dst_start, dst_start.stride(0),
-        counts, counts.stride(0), B, H, D, BLOCK_M=plan.block_m, BLOCK_D=plan.block_d, num_warps=plan.num_warps)
+        counts, counts.stride(0), B, H, D, BLOCK_M=plan.block_m, BLOCK_D=plan.block_d, num_warps=plan.num_warps,
+        enable_fp_fusion=FP_FUSION)
 
 
 def kv_compact_fake(k_cache, v_cache, src_positions, dst_start, counts):

@@ -19,6 +19,10 @@ import triton
 from swiftkern.errors import SwiftkernError
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Multiply-add fusion of every launch, chosen here rather than left to Triton's default (on through
+# 3.9, announced to turn off in 3.10, which would change the kernels' bits and speed with the
+# Triton installed). bi_exp_sum turns it off: its reference rounds a * b + c twice.
+FP_FUSION = True
 MAX_ROW_BLOCK = 65536  # widest row one program of a row kernel holds (norm, vocabulary block)
 
 

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import acceptance_plan, check_device, empty, require
+from .launch import FP_FUSION, acceptance_plan, check_device, empty, require
 
 _NONE = tl.constexpr(2**31 - 1)
 
@@ -187,11 +187,11 @@ def rejection_sample(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | Non
               u_accept, u_accept.stride(0))
     _chunk_sums_kernel[(B, plan.splits)](
         *common, res_sum, p_sum, K, V, plan.chunk, plan.splits,
-        HAS_Q=has_q, BLOCK_K=tiles.block_k, BLOCK=plan.block, num_warps=plan.num_warps)
+        HAS_Q=has_q, BLOCK_K=tiles.block_k, BLOCK=plan.block, num_warps=plan.num_warps, enable_fp_fusion=FP_FUSION)
     _draw_kernel[(B,)](
         *common, u_sample, u_sample.stride(0), res_sum, p_sum, out, out.stride(0), num_acc,
         K, V, plan.chunk, plan.splits, HAS_Q=has_q, BLOCK_K=tiles.block_k, BLOCK_K1=tiles.block_k1,
-        BLOCK_S=tiles.block_s, BLOCK=plan.block, num_warps=plan.num_warps)
+        BLOCK_S=tiles.block_s, BLOCK=plan.block, num_warps=plan.num_warps, enable_fp_fusion=FP_FUSION)
     return out, num_acc
 
 

@@ -14,7 +14,7 @@ import triton.language as tl
 
 from swiftkern.ops.checks import check_same_dtype
 
-from .launch import check_device, check_float, empty_like, next_pow2, require
+from .launch import FP_FUSION, check_device, check_float, empty_like, next_pow2, require
 
 
 @triton.jit
@@ -117,7 +117,8 @@ def rope_kv_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
         k_cache, *k_cache.stride(), v_cache, *v_cache.stride(),
         positions, *positions.stride(), q_out, *q_out.stride(),
         T, Hq, Hkv, S, D // 2,
-        BLOCK_HQ=next_pow2(Hq), BLOCK_HKV=next_pow2(Hkv), BLOCK_HALF=next_pow2(D // 2), num_warps=4)
+        BLOCK_HQ=next_pow2(Hq), BLOCK_HKV=next_pow2(Hkv), BLOCK_HALF=next_pow2(D // 2), num_warps=4,
+        enable_fp_fusion=FP_FUSION)
     return q_out
 
 

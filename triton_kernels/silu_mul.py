@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import check_device, check_float, elementwise_plan, empty, empty_like, require
+from .launch import FP_FUSION, check_device, check_float, elementwise_plan, empty, empty_like, require
 
 
 @triton.jit
@@ -81,7 +81,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         plan = elementwise_plan(I if rows_in_place else n)
         grid = (n // I, plan.grid) if rows_in_place else (plan.grid,)
         _silu_mul_kernel[grid](gate, up, out, n, I, stride if rows_in_place else 0, BLOCK=plan.block,
-                               ROWS=rows_in_place, num_warps=plan.num_warps)
+                               ROWS=rows_in_place, num_warps=plan.num_warps, enable_fp_fusion=FP_FUSION)
     return out
 
 

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .interpreter_dot import interpreter_dot
-from .launch import attention_plan, check_device, check_float, empty, interpreting, require
+from .launch import FP_FUSION, attention_plan, check_device, check_float, empty, interpreting, require
 
 
 @triton.jit(do_not_specialize=["T"])  # one binary for every T: the invariant verifier relies on it
@@ -169,11 +169,12 @@ def verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         float(scale) * math.log2(math.e), T, group, Hkv, Hq, D, plan.chunk, plan.splits,
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d, SPLIT=split, FP32_DOT=fp32_dot,
         INTERPRET=interpreting(),
-        num_warps=plan.num_warps, num_stages=plan.num_stages)
+        num_warps=plan.num_warps, num_stages=plan.num_stages, enable_fp_fusion=FP_FUSION)
     if split:
         _combine_kernel[(B * Hq * T,)](
             mid_o, mid_lse, out, *out.stride(), Hq, T, D, plan.splits,
-            BLOCK_S=plan.block_s, BLOCK_D=plan.block_d, num_warps=plan.combine_warps)
+            BLOCK_S=plan.block_s, BLOCK_D=plan.block_d, num_warps=plan.combine_warps,
+            enable_fp_fusion=FP_FUSION)
     return out
 
 
