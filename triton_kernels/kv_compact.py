@@ -1,9 +1,9 @@
 """Move each row's kept KV-cache entries into one contiguous run, in place, in one launch.
 
 One program per (layer, row, head, slice of the head dimension) loads all kept entries of its
-slice (at most ``launch.MAX_COMPACT_ENTRIES`` entries, ``launch.MAX_COMPACT_TILE`` elements) before it
-stores any, and no two programs
-touch the same elements, so sources and destinations may overlap as in the reference.
+slice (at most ``launch.MAX_COMPACT_ENTRIES`` entries, ``launch.MAX_COMPACT_TILE`` elements)
+before it stores any, and no two programs touch the same elements, so sources and destinations
+may overlap as in the reference.
 """
 
 from __future__ import annotations

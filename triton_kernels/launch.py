@@ -290,7 +290,8 @@ def compact_plan(op: str, max_entries: int, head_dim: int) -> CompactPlan:
     the tile so that a thread holds at most ``COMPACT_TILE_PER_THREAD`` elements of each."""
     block_m = next_pow2(max_entries)
     require(block_m <= MAX_COMPACT_ENTRIES, op, f"{max_entries} entries per row is more than the "
-            f"{MAX_COMPACT_ENTRIES} one program can move at once; compact in several calls")
+            f"{MAX_COMPACT_ENTRIES} one program can move at once; compact in several calls, or use the cuda "
+            "backend (SWIFTKERN_BACKEND=cuda), which moves any count")
     block_d = max(1, min(next_pow2(head_dim), MAX_COMPACT_TILE // block_m))
     num_warps = max(4, block_m * block_d // (32 * COMPACT_TILE_PER_THREAD))
     return CompactPlan(block_m, block_d, cdiv(head_dim, block_d), num_warps)
