@@ -31,6 +31,8 @@
 #                                          determinism with CUDA graphs (ar, deterministic, self-spec+det-invariant) under
 #                                          PLANS and under the last_adds twins of PLANS' plans (the same bits, 4 launches a
 #                                          layer fewer; 120 + 120 s; the tests skipped after autotests on a warm machine)
+#   bash bench/gpu_session.sh plans        kv_compact's and the acceptance kernels' native tests: the plans changed on
+#                                          2026-11-30 without a GPU (kv_compact's warps past 8192-element tiles; 90 s)
 #   bash bench/gpu_session.sh lookup       self-spec lookup decoding of 8 x 4096-token prompts (a small random Llama)
 #                                          with the context index on and off (lookup_index's decode group; 120 s)
 #   bash bench/gpu_session.sh det          determinism with CUDA graphs: the replay with the portable verifier set
@@ -267,6 +269,10 @@ stage_detbf16() {
   bench_cut 90 --routine determinism --max-new-tokens 64 --reps 2 --cuda-graphs --dtype bfloat16 \
     --providers ar,deterministic,det-replay > "$OUT/determinism-bf16.log" 2>&1
   echo "determinism bf16 graphs: exit $?"; tail -12 "$OUT/determinism-bf16.log"
+}
+
+stage_plans() {
+  pytest_gpu plans 90 -n 4 tests/test_triton_kv_compact.py tests/test_triton_acceptance.py
 }
 
 stage_lookup() {
