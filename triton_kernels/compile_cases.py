@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .launch import MAX_COMPACT_ENTRIES, acceptance_plan, cdiv, gpu_launch_plans
+from .launch import MAX_COMPACT_ENTRIES, acceptance_plan, attention_plan, gpu_launch_plans
 
 META = torch.device("meta")
 
@@ -102,13 +102,18 @@ def cases():
 MAX_SMS = 132  # the most SMs of the GPUs compile_check targets (an H100's): the most key splits a plan wants
 
 
+def _widths_up_to(widest: int) -> list[int]:
+    """The powers of two from 2 up to ``widest`` (a power of two)."""
+    return [2 ** e for e in range(1, widest.bit_length())]
+
+
 def _attention_plan_cases(launcher, tag: str, Hq: int, Hkv: int, D: int, dt: torch.dtype):
     """verify_attention at one shape for each binary its plans can pick that the grid of
     BATCHES x NEW_TOKENS x CACHE_KEYS may miss (those caches are long enough to split every
     batch-1 row's keys): each query tile (16, 32 and 64 rows: the query heads of a kv head x the
     new tokens) without a key split (a short cache) and with one, and each width of the split
-    combine (a power of two from 2 up to the most splits ``attention_plan`` wants, 2 x SMs
-    over the kv heads; forced through ``num_splits`` on a 32768-key cache)."""
+    combine (a power of two from 2 up to the most splits ``attention_plan`` wants for one row on
+    the most SMs, its cache uncapped; forced through ``num_splits`` on a 32768-key cache)."""
     group = Hq // Hkv
     for rows in (16, 32, 64):
         T = max(1, -(-(rows // 2 + 1) // group)) if rows > 16 else 1  # rows // 2 < group * T <= rows
@@ -116,12 +121,12 @@ def _attention_plan_cases(launcher, tag: str, Hq: int, Hkv: int, D: int, dt: tor
             yield f"verify_attention {tag} tile B=1 T={T} S={S}", launcher, (
                 _heads(1, T, Hq, D, dt), _m(1, Hkv, S, D, dtype=dt), _m(1, Hkv, S, D, dtype=dt),
                 _m(1, dtype=torch.int64), D ** -0.5)
-    splits = 2
-    while splits < 2 * cdiv(2 * MAX_SMS, Hkv):
+    with gpu_launch_plans(MAX_SMS):
+        widest = attention_plan(1, Hkv, group, 1, 1 << 20, D, META).block_s
+    for splits in _widths_up_to(widest):
         yield f"verify_attention {tag} combine B=1 T=1 S=32768 splits={splits}", launcher, (
             _heads(1, 1, Hq, D, dt), _m(1, Hkv, 32768, D, dtype=dt), _m(1, Hkv, 32768, D, dtype=dt),
             _m(1, dtype=torch.int64), D ** -0.5, splits)
-        splits *= 2
 
 
 def _compact_plan_cases(launcher, tag: str, Hkv: int, D: int, dt: torch.dtype):
@@ -131,12 +136,10 @@ def _compact_plan_cases(launcher, tag: str, Hkv: int, D: int, dt: torch.dtype):
     not with the model's name first: few entries, or many in a narrow slice, cannot load 16
     bytes a thread, and those are not shapes the runner meets (compile_check's 16-byte rule)."""
     S = MAX_COMPACT_ENTRIES
-    M = 1
-    while M <= MAX_COMPACT_ENTRIES:
+    for M in [1] + _widths_up_to(MAX_COMPACT_ENTRIES):
         yield f"kv_compact plan {tag} B=1 M={M}", launcher, (
             _m(2, 1, Hkv, S, D, dtype=dt), _m(2, 1, Hkv, S, D, dtype=dt), _m(1, M, dtype=torch.int64),
             _m(1, dtype=torch.int64), _m(1, dtype=torch.int32))
-        M *= 2
 
 
 # verify passes of K drafts: K = 2^n - 1 and 2^n give each pair of rejection_sample's tiles
@@ -150,7 +153,7 @@ def _combine_widths(rows: int, K: int, V: int) -> list[int]:
     rows never split less, and the split is at most a quarter of the vocabulary's blocks)."""
     with gpu_launch_plans(MAX_SMS):
         widest = acceptance_plan(rows, K, V, META).block_s
-    return [2 ** e for e in range(1, widest.bit_length())]
+    return _widths_up_to(widest)
 
 
 def _acceptance_plan_cases(k: dict, model: str, V: int):
