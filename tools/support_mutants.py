@@ -276,5 +276,14 @@ SUPPORT_MUTANTS = [
     ("M233", "triton_kernels/launch.py", "MAX_COMPACT_ENTRIES = 8192 ", "MAX_COMPACT_ENTRIES = 16384 ",
      "kv_compact takes 16384 entries a row (one head-dim element a program, spilling)",
      ["tests/test_triton_kv_compact.py"]),
+    # what a source distribution and a wheel carry (MANIFEST.in, setup.py's packages)
+    ("M235", "MANIFEST.in", "graft csrc\n", "",
+     "the sdist without csrc's headers and .cu files (an install from it compiles nothing)",
+     ["tests/test_packaging.py"]),
+    ("M236", "MANIFEST.in", "prune tests\n", "",
+     "the sdist with the test files but not conftest.py (collection fails there)", ["tests/test_packaging.py"]),
+    ("M237", "setup.py", '"swiftkern.ops", ', "",
+     "a package folder missing from setup.py's list (the wheel installs without swiftkern.ops)",
+     ["tests/test_packaging.py"]),
 ]
 

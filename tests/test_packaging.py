@@ -1,0 +1,102 @@
+"""What `pip install` gets from a source distribution and a wheel: every file the extension build
+compiles or includes, every module of the packages.
+
+The sdist is built the way pip and `python -m build` build it (setuptools.build_meta) from a copy
+of the checkout, so the test writes nothing into the tree. Before MANIFEST.in the sdist had no
+csrc/*.h, *.cuh or *.cu: an install from it failed to compile every file, fell back to pure Python
+and exited 0. The wheel is built without the extension (SWIFTKERN_BUILD_EXT=0): what it must hold
+is every module, which setup.py's explicit `packages` list would silently miss for a new folder."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+KERNEL_SOURCES = (".h", ".cuh", ".cu", ".cpp")
+LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+PACKAGES = {"swiftkern": ROOT / "swiftkern", "swiftkern/triton_kernels": ROOT / "triton_kernels"}
+COPIED = ["setup.py", "pyproject.toml", "MANIFEST.in", "README.md", "Makefile", "csrc", "swiftkern",
+          "triton_kernels", "tests"]
+
+
+def _build(tmp_path: Path, hook: str, env_extra: dict) -> Path:
+    """Runs setuptools.build_meta.<hook>(out) in a copy of the checkout; -> the archive built."""
+    src, out = tmp_path / "src", tmp_path / "out"
+    src.mkdir()
+    out.mkdir()
+    ignore = shutil.ignore_patterns("__pycache__", "*.so", "*.pyc", "*.egg-info", "build")
+    for name in COPIED:
+        path = ROOT / name
+        if not path.exists():  # MANIFEST.in removed: the archive is built without it
+            continue
+        if path.is_dir():
+            shutil.copytree(path, src / name, ignore=ignore)
+        else:
+            shutil.copy2(path, src / name)
+    code = f"from setuptools import build_meta; print(build_meta.{hook}({str(out)!r}))"
+    run = subprocess.run([sys.executable, "-c", code], cwd=src, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, **env_extra})
+    assert run.returncode == 0, f"{hook} failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    return out / run.stdout.strip().splitlines()[-1]
+
+
+def _package_modules() -> set[str]:
+    """Each .py of the packages as its path inside an installed swiftkern."""
+    return {f"{prefix}/{p.relative_to(folder).as_posix()}"
+            for prefix, folder in PACKAGES.items() for p in folder.rglob("*.py") if "__pycache__" not in p.parts}
+
+
+@pytest.fixture(scope="module")
+def sdist_files(tmp_path_factory) -> dict[str, bytes]:
+    archive = _build(tmp_path_factory.mktemp("sdist"), "build_sdist", {})
+    with tarfile.open(archive) as tar:
+        top = tar.getnames()[0].split("/")[0]
+        return {m.name[len(top) + 1:]: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
+
+
+def test_sdist_has_every_kernel_source_and_header(sdist_files):
+    checkout = {p.relative_to(ROOT).as_posix() for p in (ROOT / "csrc").rglob("*") if p.suffix in KERNEL_SOURCES}
+    assert checkout, "no csrc files found in the checkout"
+    missing = sorted(checkout - set(sdist_files))
+    assert not missing, f"the sdist lacks {missing}: add them to MANIFEST.in"
+
+
+def test_sdist_kernel_includes_resolve_inside_it(sdist_files):
+    unresolved = []
+    for name, data in sdist_files.items():
+        if not (name.startswith("csrc/") and name.endswith(KERNEL_SOURCES)):
+            continue
+        for header in LOCAL_INCLUDE.findall(data.decode()):
+            path = os.path.normpath(os.path.join(os.path.dirname(name), header))
+            if path not in sdist_files:
+                unresolved.append(f"{name}: {header}")
+    assert not unresolved, f"includes the sdist cannot compile: {unresolved}"
+
+
+def test_sdist_has_every_module_and_the_build_files(sdist_files):
+    wanted = {"setup.py", "pyproject.toml", "README.md"}
+    wanted |= {m.replace("swiftkern/triton_kernels/", "triton_kernels/", 1) for m in _package_modules()}
+    missing = sorted(wanted - set(sdist_files))
+    assert not missing, f"the sdist lacks {missing}"
+    # all of the test suite or none of it: it runs from a checkout (bench/, tools/, docs/)
+    assert not [n for n in sdist_files if n.startswith("tests/")], "the sdist carries part of tests/"
+
+
+def test_wheel_installs_every_module(tmp_path):
+    wheel = _build(tmp_path, "build_wheel", {"SWIFTKERN_BUILD_EXT": "0"})
+    with zipfile.ZipFile(wheel) as zf:
+        names = set(zf.namelist())
+    missing = sorted(_package_modules() - names)
+    assert not missing, f"the wheel lacks {missing}: a package folder missing from setup.py's packages?"
+    entry = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+    with zipfile.ZipFile(wheel) as zf:
+        assert "swiftkern = swiftkern.cli:main" in zf.read(entry).decode()
