@@ -8,7 +8,9 @@ Install with ``pip install --no-build-isolation -e .`` so the build sees the ins
       TORCH_CUDA_ARCH_LIST defaults to "8.0;9.0a" when no GPU is visible (else torch builds for
       the visible GPU);
   (b) any other torch -> CppExtension swiftkern._C from csrc/*.cpp (CPU kernels, -O3, OpenMP);
-  (c) torch not importable -> pure Python (ops use swiftkern/reference.py).
+  (c) torch not importable -> pure Python (ops use swiftkern/reference.py); but where the
+      interpreter has a torch that pip's build isolation hides (a plain `pip install .`), an
+      error that says to add --no-build-isolation, not an install without kernels.
 
 ``python setup.py --print-host-flags`` prints the host compile flags and builds nothing.
 SWIFTKERN_BUILD_EXT=0 forces (c); =1 turns a failed extension build into an error (by default
@@ -131,6 +133,22 @@ def remove_stale_extension() -> None:
             note(f"removed the stale extension {os.path.relpath(path, ROOT)}")
 
 
+def torch_behind_isolation() -> str | None:
+    """The version of a torch this interpreter imports outside the build's environment, or None.
+
+    pip builds in an isolated environment (PYTHONPATH to its own packages and a sitecustomize that
+    drops the interpreter's site-packages), where an installed torch cannot be imported; `python -E`
+    ignores that environment and sees the interpreter's own packages."""
+    try:
+        run = subprocess.run([sys.executable, "-E", "-c", "import torch; print(torch.__version__)"],
+                             capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if run.returncode != 0:
+        return None
+    return run.stdout.strip() or None
+
+
 def make_extension():
     """-> (list of extensions, cmdclass dict); prints which path was taken and why."""
     if KNOB == "0":
@@ -143,6 +161,13 @@ def make_extension():
         from torch.utils import cpp_extension as ce
     except ImportError as e:
         hint = "install torch first, then `pip install --no-build-isolation -e .`"
+        hidden = torch_behind_isolation()
+        if hidden:  # a plain `pip install .` with torch installed: refuse rather than build no kernels
+            sys.exit(f"swiftkern setup: torch {hidden} is installed in this Python ({sys.executable}) but "
+                     "this build cannot import it: pip's build isolation hides the installed packages, and "
+                     "swiftkern would install without its kernels. Install with `pip install "
+                     "--no-build-isolation ...` (the same arguments), or set SWIFTKERN_BUILD_EXT=0 for a "
+                     "pure-Python install.")
         if STRICT:
             sys.exit(f"swiftkern setup: SWIFTKERN_BUILD_EXT=1 but torch is not importable ({e}); {hint}")
         note(f"path (c) pure Python: torch is not importable ({e}), so no swiftkern._C is built and "

@@ -28,10 +28,10 @@ COPIED = ["setup.py", "pyproject.toml", "MANIFEST.in", "README.md", "Makefile", 
           "triton_kernels", "tests"]
 
 
-def _build(tmp_path: Path, hook: str, env_extra: dict) -> Path:
-    """Runs setuptools.build_meta.<hook>(out) in a copy of the checkout; -> the archive built."""
+def _run_hook(tmp_path: Path, hook: str, env_extra: dict) -> tuple[subprocess.CompletedProcess, Path]:
+    """Runs setuptools.build_meta.<hook>(out) in a copy of the checkout; -> (the run, out)."""
     src, out = tmp_path / "src", tmp_path / "out"
-    src.mkdir()
+    src.mkdir(parents=True)
     out.mkdir()
     ignore = shutil.ignore_patterns("__pycache__", "*.so", "*.pyc", "*.egg-info", "build")
     for name in COPIED:
@@ -45,6 +45,12 @@ def _build(tmp_path: Path, hook: str, env_extra: dict) -> Path:
     code = f"from setuptools import build_meta; print(build_meta.{hook}({str(out)!r}))"
     run = subprocess.run([sys.executable, "-c", code], cwd=src, capture_output=True, text=True, timeout=600,
                          env={**os.environ, **env_extra})
+    return run, out
+
+
+def _build(tmp_path: Path, hook: str, env_extra: dict) -> Path:
+    """-> the archive setuptools.build_meta.<hook> builds from a copy of the checkout."""
+    run, out = _run_hook(tmp_path, hook, env_extra)
     assert run.returncode == 0, f"{hook} failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
     return out / run.stdout.strip().splitlines()[-1]
 
@@ -100,3 +106,19 @@ def test_wheel_installs_every_module(tmp_path):
     entry = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     with zipfile.ZipFile(wheel) as zf:
         assert "swiftkern = swiftkern.cli:main" in zf.read(entry).decode()
+
+
+def test_a_build_that_cannot_see_the_installed_torch_refuses(tmp_path):
+    """A plain `pip install .` builds where pip's isolation hides the installed torch: the build used
+    to install pure Python (exit 0, the reason shown only with -v); it now fails and names the fix.
+    The isolation is played by a torch package first on PYTHONPATH that fails to import."""
+    stub = tmp_path / "isolation" / "torch"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text('raise ImportError("hidden, as pip\'s build isolation hides it")\n')
+    hidden = {"PYTHONPATH": str(stub.parent)}
+    run, _ = _run_hook(tmp_path / "plain", "build_wheel", hidden)
+    assert run.returncode != 0, "the build went on without the installed torch"
+    assert "--no-build-isolation" in run.stderr and "SWIFTKERN_BUILD_EXT=0" in run.stderr, run.stderr[-2000:]
+    # asked for explicitly, a pure-Python build still goes through
+    run, _ = _run_hook(tmp_path / "pure", "build_wheel", {**hidden, "SWIFTKERN_BUILD_EXT": "0"})
+    assert run.returncode == 0, run.stderr[-2000:]

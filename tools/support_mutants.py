@@ -285,5 +285,8 @@ SUPPORT_MUTANTS = [
     ("M237", "setup.py", '"swiftkern.ops", ', "",
      "a package folder missing from setup.py's list (the wheel installs without swiftkern.ops)",
      ["tests/test_packaging.py"]),
+    ("M238", "setup.py", "        if hidden:", "        if False:",
+     "a plain `pip install .` (torch hidden by build isolation) installs pure Python with exit 0 again",
+     ["tests/test_packaging.py"]),
 ]
 
