@@ -104,8 +104,13 @@ def test_wheel_installs_every_module(tmp_path):
     missing = sorted(_package_modules() - names)
     assert not missing, f"the wheel lacks {missing}: a package folder missing from setup.py's packages?"
     entry = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+    metadata = next(n for n in names if n.endswith(".dist-info/METADATA"))
     with zipfile.ZipFile(wheel) as zf:
         assert "swiftkern = swiftkern.cli:main" in zf.read(entry).decode()
+        requires = [line for line in zf.read(metadata).decode().splitlines() if line.startswith("Requires-Dist:")]
+    # triton has wheels for Linux only; swiftkern runs without it, so elsewhere it must not be required
+    triton = [r for r in requires if r.split()[1].startswith("triton")]
+    assert len(triton) == 1 and 'platform_system == "Linux"' in triton[0], requires
 
 
 def test_a_build_that_cannot_see_the_installed_torch_refuses(tmp_path):
