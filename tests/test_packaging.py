@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+import swiftkern
+
 ROOT = Path(__file__).resolve().parent.parent
 KERNEL_SOURCES = (".h", ".cuh", ".cu", ".cpp")
 LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
@@ -108,6 +110,9 @@ def test_wheel_installs_every_module(tmp_path):
     with zipfile.ZipFile(wheel) as zf:
         assert "swiftkern = swiftkern.cli:main" in zf.read(entry).decode()
         requires = [line for line in zf.read(metadata).decode().splitlines() if line.startswith("Requires-Dist:")]
+        version = next(line.split()[1] for line in zf.read(metadata).decode().splitlines()
+                       if line.startswith("Version:"))
+    assert version == swiftkern.__version__, "the wheel's version is not swiftkern.__version__"
     # triton has wheels for Linux only; swiftkern runs without it, so elsewhere it must not be required
     triton = [r for r in requires if r.split()[1].startswith("triton")]
     assert len(triton) == 1 and 'platform_system == "Linux"' in triton[0], requires
