@@ -5,7 +5,9 @@ The sdist is built the way pip and `python -m build` build it (setuptools.build_
 of the checkout, so the test writes nothing into the tree. Before MANIFEST.in the sdist had no
 csrc/*.h, *.cuh or *.cu: an install from it failed to compile every file, fell back to pure Python
 and exited 0. The wheel is built without the extension (SWIFTKERN_BUILD_EXT=0): what it must hold
-is every module, which setup.py's explicit `packages` list would silently miss for a new folder."""
+is every module, which setup.py's explicit `packages` list would silently miss for a new folder,
+and its metadata (version, console script, triton on Linux only). Last, a build that cannot import
+the torch its Python has (pip's build isolation) must stop and say so rather than build nothing."""
 
 from __future__ import annotations
 
@@ -109,9 +111,9 @@ def test_wheel_installs_every_module(tmp_path):
     metadata = next(n for n in names if n.endswith(".dist-info/METADATA"))
     with zipfile.ZipFile(wheel) as zf:
         assert "swiftkern = swiftkern.cli:main" in zf.read(entry).decode()
-        requires = [line for line in zf.read(metadata).decode().splitlines() if line.startswith("Requires-Dist:")]
-        version = next(line.split()[1] for line in zf.read(metadata).decode().splitlines()
-                       if line.startswith("Version:"))
+        fields = zf.read(metadata).decode().splitlines()
+    requires = [line for line in fields if line.startswith("Requires-Dist:")]
+    version = next(line.split()[1] for line in fields if line.startswith("Version:"))
     assert version == swiftkern.__version__, "the wheel's version is not swiftkern.__version__"
     # triton has wheels for Linux only; swiftkern runs without it, so elsewhere it must not be required
     triton = [r for r in requires if r.split()[1].startswith("triton")]
