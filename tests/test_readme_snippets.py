@@ -65,3 +65,29 @@ def test_hf_backend_example_runs():
                  "texts": ["The capital of France is", "def quicksort(arr):"]}
     run(block, namespace)
     assert namespace["out"].shape[0] == 2
+
+
+def test_every_readme_command_line_parses():
+    """Each `swiftkern ...` line of the README's command block is accepted by the CLI's parser (a
+    renamed or removed flag fails here; running them all would load the model ~20 times)."""
+    import shlex
+
+    from swiftkern.cli import build_parser
+
+    lines, fence = [], None  # fence: the open block's language ("" for a plain one), None outside
+    with open(README) as f:
+        for line in f.read().splitlines():
+            if line.startswith("```"):
+                fence = line[3:].strip() if fence is None else None
+            elif fence in ("", "bash") and line.startswith("swiftkern "):
+                lines.append(line.split("#", 1)[0].strip())
+    commands = [shlex.split(line)[1:] for line in lines]
+    assert len(commands) >= 15, lines
+    parser = build_parser()
+    for argv in commands:
+        if argv[0] == "bench":  # handed to the bench driver whole (python -m bench), checked there
+            from bench.__main__ import parser as bench_parser
+
+            bench_parser().parse_args(argv[1:])
+            continue
+        parser.parse_args(argv)
