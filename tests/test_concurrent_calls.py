@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import threading
 
-import torch
-
 from conftest import tiny_model
 from swiftkern import Generator, SkipModel
 from swiftkern.cuda_graphs import GraphRunner
@@ -46,7 +44,6 @@ def test_calls_from_several_threads_equal_the_calls_alone():
             problems.append(f"{configs[i]}: {e!r}")
 
     threads = [threading.Thread(target=run, args=(i % len(gens),)) for i in range(2 * len(gens))]
-    torch.manual_seed(0)
     for t in threads:
         t.start()
     for t in threads:

@@ -54,16 +54,17 @@ def test_using_it_example_runs():
     assert "'mode': 'ar'" in printed and "tensor([" in printed, printed  # the stats dict, the logprobs
 
 
-def test_hf_backend_example_runs():
-    import swiftkern
-
+def test_hf_backend_example_runs(smollm2):
     block = next(b for b in python_blocks() if "custom_generate=swift_generate" in b)
     block = block.replace("max_new_tokens=64", "max_new_tokens=8")
-    skip_model, tokenizer = swiftkern.load_model("smollm2")
-    tokenizer.padding_side = "left"
+    skip_model, tokenizer = smollm2  # the session's model: the README's block loads none itself
     namespace = {"model": skip_model.hf_model, "tokenizer": tokenizer,
                  "texts": ["The capital of France is", "def quicksort(arr):"]}
-    run(block, namespace)
+    side, tokenizer.padding_side = tokenizer.padding_side, "left"  # the block's "# left padding"
+    try:
+        run(block, namespace)
+    finally:
+        tokenizer.padding_side = side
     assert namespace["out"].shape[0] == 2
 
 
