@@ -8,12 +8,14 @@ Install with ``pip install --no-build-isolation -e .`` so the build sees the ins
       TORCH_CUDA_ARCH_LIST defaults to "8.0;9.0a" when no GPU is visible (else torch builds for
       the visible GPU);
   (b) any other torch -> CppExtension swiftkern._C from csrc/*.cpp (CPU kernels, -O3, OpenMP);
-  (c) torch not importable -> pure Python (ops use swiftkern/reference.py); but where the
-      interpreter has a torch that pip's build isolation hides (a plain `pip install .`), an
-      error that says to add --no-build-isolation, not an install without kernels.
+  (c) SWIFTKERN_BUILD_EXT=0 -> pure Python (ops use swiftkern/reference.py).
+  A build that cannot import torch stops at build_ext (an sdist or the metadata still build) with
+  what to do: install torch first, or build without isolation where the torch is installed but
+  hidden (pip and uv: --no-build-isolation; python -m build: --no-isolation). swiftkern cannot run
+  without torch, so such a build could only install a package without its kernels.
 
 ``python setup.py --print-host-flags`` prints the host compile flags and builds nothing.
-SWIFTKERN_BUILD_EXT=0 forces (c); =1 turns a failed extension build into an error (by default
+SWIFTKERN_BUILD_EXT=0 asks for (c); =1 turns a failed extension build into an error (by default
 a failed build falls back to pure Python with a note). MAX_JOBS limits parallel compile jobs.
 The chosen path is printed to stderr (``pip install -v`` shows it).
 """
@@ -149,6 +151,36 @@ def torch_behind_isolation() -> str | None:
     return run.stdout.strip() or None
 
 
+def no_torch_message(error: ImportError) -> str:
+    """What a build that cannot import torch says: why it stops, and the fix."""
+    pure = "or set SWIFTKERN_BUILD_EXT=0 to install pure Python (no kernels) on purpose"
+    hidden = torch_behind_isolation()
+    if hidden:  # a plain `pip install .`: pip's isolation keeps the interpreter, hides its packages
+        return (f"swiftkern setup: torch {hidden} is installed in this Python ({sys.executable}) but "
+                "this build cannot import it: pip's build isolation hides the installed packages, and "
+                "swiftkern would install without its kernels. Install with `pip install "
+                f"--no-build-isolation ...` (the same arguments), {pure}.")
+    return (f"swiftkern setup: this build cannot import torch ({error}; Python {sys.executable}). swiftkern "
+            "runs on torch and compiles its kernels against the torch you choose (CPU or CUDA), so "
+            "torch is not one of its requirements: install it first (e.g. `pip install torch`), then "
+            "`pip install --no-build-isolation ...`. If torch is installed, the build ran in an "
+            "isolated environment that hides it: build without isolation (pip and uv: "
+            f"--no-build-isolation; python -m build: --no-isolation), {pure}.")
+
+
+def refused_build(error: ImportError):
+    """-> (a placeholder extension, a build_ext that stops with ``no_torch_message``): the refusal
+    waits for the build, so an sdist and the metadata (which never compile) build without torch."""
+    from setuptools import Extension
+    from setuptools.command.build_ext import build_ext
+
+    class RefusedBuildExt(build_ext):
+        def run(self):
+            sys.exit(no_torch_message(error))
+
+    return [Extension("swiftkern._C", sources=[])], {"build_ext": RefusedBuildExt}
+
+
 def make_extension():
     """-> (list of extensions, cmdclass dict); prints which path was taken and why."""
     if KNOB == "0":
@@ -160,20 +192,7 @@ def make_extension():
         import torch
         from torch.utils import cpp_extension as ce
     except ImportError as e:
-        hint = "install torch first, then `pip install --no-build-isolation -e .`"
-        hidden = torch_behind_isolation()
-        if hidden:  # a plain `pip install .` with torch installed: refuse rather than build no kernels
-            sys.exit(f"swiftkern setup: torch {hidden} is installed in this Python ({sys.executable}) but "
-                     "this build cannot import it: pip's build isolation hides the installed packages, and "
-                     "swiftkern would install without its kernels. Install with `pip install "
-                     "--no-build-isolation ...` (the same arguments), or set SWIFTKERN_BUILD_EXT=0 for a "
-                     "pure-Python install.")
-        if STRICT:
-            sys.exit(f"swiftkern setup: SWIFTKERN_BUILD_EXT=1 but torch is not importable ({e}); {hint}")
-        note(f"path (c) pure Python: torch is not importable ({e}), so no swiftkern._C is built and "
-             f"the ops use swiftkern/reference.py; to build the kernels {hint}", loud=True)
-        remove_stale_extension()
-        return [], {}
+        return refused_build(e)
 
     cflags, lflags = host_flags()
     lflags = lflags + loaded_libstdcxx()

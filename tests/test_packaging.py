@@ -7,7 +7,8 @@ csrc/*.h, *.cuh or *.cu: an install from it failed to compile every file, fell b
 and exited 0. The wheel is built without the extension (SWIFTKERN_BUILD_EXT=0): what it must hold
 is every module, which setup.py's explicit `packages` list would silently miss for a new folder,
 and its metadata (version, console script, triton on Linux only). Last, a build that cannot import
-the torch its Python has (pip's build isolation) must stop and say so rather than build nothing."""
+torch (pip's build isolation hiding the installed one, or a fresh build environment as `python -m
+build` and uv make) must stop and say so rather than install a package without its kernels."""
 
 from __future__ import annotations
 
@@ -32,8 +33,10 @@ COPIED = ["setup.py", "pyproject.toml", "MANIFEST.in", "README.md", "Makefile", 
           "triton_kernels", "tests"]
 
 
-def _run_hook(tmp_path: Path, hook: str, env_extra: dict) -> tuple[subprocess.CompletedProcess, Path]:
-    """Runs setuptools.build_meta.<hook>(out) in a copy of the checkout; -> (the run, out)."""
+def _run_hook(tmp_path: Path, hook: str, env_extra: dict,
+              python: str = sys.executable) -> tuple[subprocess.CompletedProcess, Path]:
+    """Runs setuptools.build_meta.<hook>(out) with ``python`` in a copy of the checkout;
+    -> (the run, out)."""
     src, out = tmp_path / "src", tmp_path / "out"
     src.mkdir(parents=True)
     out.mkdir()
@@ -47,7 +50,7 @@ def _run_hook(tmp_path: Path, hook: str, env_extra: dict) -> tuple[subprocess.Co
         else:
             shutil.copy2(path, src / name)
     code = f"from setuptools import build_meta; print(build_meta.{hook}({str(out)!r}))"
-    run = subprocess.run([sys.executable, "-c", code], cwd=src, capture_output=True, text=True, timeout=600,
+    run = subprocess.run([python, "-c", code], cwd=src, capture_output=True, text=True, timeout=600,
                          env={**os.environ, **env_extra})
     return run, out
 
@@ -134,3 +137,39 @@ def test_a_build_that_cannot_see_the_installed_torch_refuses(tmp_path):
     # asked for explicitly, a pure-Python build still goes through
     run, _ = _run_hook(tmp_path / "pure", "build_wheel", {**hidden, "SWIFTKERN_BUILD_EXT": "0"})
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+def _build_environment(root: Path) -> str:
+    """A fresh virtual environment holding setuptools and wheel and nothing else, as `python -m
+    build` and uv make to build in; -> its python."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True, timeout=120)
+    python = root / "bin" / "python"
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    import _distutils_hack
+    import setuptools
+    import wheel
+
+    folders = [Path(m.__file__).parent for m in (setuptools, _distutils_hack, wheel)]
+    # the metadata too: setuptools finds its commands (egg_info, bdist_wheel) through its entry points
+    folders += [p for m in ("setuptools", "wheel") for p in folders[0].parent.glob(f"{m}-*.dist-info")]
+    for folder in folders:
+        (Path(site) / folder.name).symlink_to(folder)
+    return str(python)
+
+
+def test_a_build_in_a_fresh_environment_without_torch_refuses(tmp_path):
+    """`python -m build` and uv build in a new environment with only the build requirements: no torch
+    to find anywhere. The build used to install pure Python with exit 0; it now stops at the
+    compile and names the fixes. An sdist, which compiles nothing, still builds there."""
+    python = _build_environment(tmp_path / "env")
+    probe = subprocess.run([python, "-E", "-c", "import torch"], capture_output=True, text=True)
+    assert probe.returncode != 0, "the fresh build environment imports torch"
+    run, _ = _run_hook(tmp_path / "wheel", "build_wheel", {}, python)
+    assert run.returncode != 0, "the build went on without torch"
+    for fix in ("--no-build-isolation", "--no-isolation", "SWIFTKERN_BUILD_EXT=0", "install it first"):
+        assert fix in run.stderr, f"the refusal does not name {fix!r}:\n{run.stderr[-2000:]}"
+    run, out = _run_hook(tmp_path / "sdist", "build_sdist", {}, python)
+    assert run.returncode == 0 and list(out.glob("*.tar.gz")), run.stderr[-2000:]
+    run, out = _run_hook(tmp_path / "pure", "build_wheel", {"SWIFTKERN_BUILD_EXT": "0"}, python)
+    assert run.returncode == 0 and list(out.glob("*.whl")), run.stderr[-2000:]

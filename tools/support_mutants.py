@@ -285,12 +285,15 @@ SUPPORT_MUTANTS = [
     ("M237", "setup.py", '"swiftkern.ops", ', "",
      "a package folder missing from setup.py's list (the wheel installs without swiftkern.ops)",
      ["tests/test_packaging.py"]),
-    ("M238", "setup.py", "        if hidden:", "        if False:",
+    ("M238", "setup.py", "    if hidden:", "    if False:",
      "a plain `pip install .` (torch hidden by build isolation) installs pure Python with exit 0 again",
      ["tests/test_packaging.py"]),
     ("M239", "swiftkern/generate.py", "        with self.model.lock, self._call_cache(",
      "        with contextlib.nullcontext(), self._call_cache(",
      "generate calls from several threads run at once (a graph runner's one cache shared by them)",
      ["tests/test_concurrent_calls.py"]),
+    ("M240", "setup.py", "            sys.exit(no_torch_message(error))", "            return",
+     "a build without torch (`python -m build`, uv: a fresh build environment) installs pure Python with exit 0 again",
+     ["tests/test_packaging.py"]),
 ]
 
