@@ -134,6 +134,9 @@ def test_a_build_that_cannot_see_the_installed_torch_refuses(tmp_path):
     run, _ = _run_hook(tmp_path / "plain", "build_wheel", hidden)
     assert run.returncode != 0, "the build went on without the installed torch"
     assert "--no-build-isolation" in run.stderr and "SWIFTKERN_BUILD_EXT=0" in run.stderr, run.stderr[-2000:]
+    import torch  # the refusal names the torch it found hidden, not only the general fixes
+
+    assert f"torch {torch.__version__} is installed in this Python" in run.stderr, run.stderr[-2000:]
     # asked for explicitly, a pure-Python build still goes through
     run, _ = _run_hook(tmp_path / "pure", "build_wheel", {**hidden, "SWIFTKERN_BUILD_EXT": "0"})
     assert run.returncode == 0, run.stderr[-2000:]
