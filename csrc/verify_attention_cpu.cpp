@@ -50,10 +50,12 @@ namespace swiftkern {
 namespace cpu {
 namespace {
 
-constexpr int64_t kMinLaneQueries = 8;  // fewer queries per kv head: one query at a time is faster
 constexpr int64_t kTokenBlock = 8;     // new tokens a one-query-path task takes at most (they share key blocks)
 constexpr int64_t kKeyBlock = 64;       // keys per block walked by all of a task's queries (32 KiB at D 128)
+#if defined(__x86_64__)  // the AVX-512 lane path's (attend_lanes)
+constexpr int64_t kMinLaneQueries = 8;  // fewer queries per kv head: one query at a time is faster
 constexpr int64_t kSharedKvBytes = int64_t(1) << 19;  // a head's keys + values past this: read once per task
+#endif
 
 
 // Scores of one query against keys [0, L): s[j] = scale * q . k_j, 16-lane fp32 partial sums.
@@ -81,6 +83,7 @@ void accumulate_values_portable(const float* p, int64_t p_s, int64_t nq, const E
     }
 }
 
+#if defined(__x86_64__)  // the vector bodies (AVX2, AVX-512) and the tail they share
 // The softmax's keys [j, L) past a vector body: exp(s - mx) in place, each added to lane[j % 16]
 // (j - 16 * (L / 16) = j % 16: the tail adds to lanes 0, 1, ...); then the 16 lanes summed in
 // order -> the weights' total
@@ -95,7 +98,6 @@ float finish_softmax(float* s, int64_t j, int64_t L, float mx, float* lane) {
   return total;
 }
 
-#if defined(__x86_64__)
 // q . k_j over D in 16-lane chunks: one fixed chain of FMAs (masked tail), reduced in a fixed order
 template <class E>
 __attribute__((target("avx512f"))) inline float dot_avx512(const E* q, const E* kj, int64_t D) {
@@ -555,10 +557,10 @@ void attend_lanes(const AttnShape& sh, const float* q, const float* k, const flo
 template <class E>
 void attend(const AttnShape& sh, const E* q, const E* k, const E* v, const int64_t* lens, E* out, Isa isa,
             bool invariant) {
-  const bool avx512 = isa == Isa::kAvx512;
   static const ExpFn exp_fn = pick_exp();
   const int64_t group = sh.Hq / sh.Hkv;
 #if defined(__x86_64__)
+  const bool avx512 = isa == Isa::kAvx512;
   if constexpr (std::is_same_v<E, float>) {
     if (avx512 && !invariant && group * sh.T >= kMinLaneQueries) return attend_lanes(sh, q, k, v, lens, out);
   }
