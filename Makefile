@@ -6,8 +6,8 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.swiftkern-setup
 RUNTIME_DEPS := triton transformers gguf accelerate numpy ninja pybind11 pytest pytest-xdist hypothesis setuptools wheel
-# 1: a failed build of the C++/CUDA extension stops `make setup` with the compiler's error
-# (auto: it falls back to pure Python, slow, with a note that pip -q hides)
+# 1 (setup.py's default too): a failed build of the C++/CUDA extension stops `make setup` with the
+# compiler's error (auto: it falls back to pure Python, slow, with a note that pip -q hides)
 BUILD_EXT ?= 1
 # make test's pytest processes (pytest-xdist); 0 runs the suite in this one process
 TEST_WORKERS ?= 2

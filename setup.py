@@ -15,8 +15,9 @@ Install with ``pip install --no-build-isolation -e .`` so the build sees the ins
   without torch, so such a build could only install a package without its kernels.
 
 ``python setup.py --print-host-flags`` prints the host compile flags and builds nothing.
-SWIFTKERN_BUILD_EXT=0 asks for (c); =1 turns a failed extension build into an error (by default
-a failed build falls back to pure Python with a note). MAX_JOBS limits parallel compile jobs.
+SWIFTKERN_BUILD_EXT=0 asks for (c); a failed extension build is an error (=1, the default: pip
+shows no build output unless it fails, so a fallback would go unseen), and =auto makes it fall
+back to pure Python with a note instead. MAX_JOBS limits parallel compile jobs.
 The chosen path is printed to stderr (``pip install -v`` shows it).
 """
 
@@ -29,8 +30,8 @@ import sys
 from setuptools import setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-KNOB = os.environ.get("SWIFTKERN_BUILD_EXT", "auto").strip().lower()
-if KNOB not in ("0", "1", "auto", ""):
+KNOB = os.environ.get("SWIFTKERN_BUILD_EXT", "1").strip().lower() or "1"
+if KNOB not in ("0", "1", "auto"):
     sys.exit(f"swiftkern setup: SWIFTKERN_BUILD_EXT must be 0, 1 or auto, got {KNOB!r}")
 STRICT = KNOB == "1"
 
@@ -230,17 +231,23 @@ def make_extension():
         ext = ce.CppExtension("swiftkern._C", srcs, extra_compile_args={"cxx": flags}, extra_link_args=lflags)
 
     class OptionalBuildExt(ce.BuildExtension):
-        """torch's BuildExtension (ninja, MAX_JOBS) that falls back to pure Python on failure."""
+        """torch's BuildExtension (ninja, MAX_JOBS): a failure stops the build with what to do, or
+        with SWIFTKERN_BUILD_EXT=auto falls back to pure Python."""
 
         def run(self):
             try:
                 super().run()
             except (Exception, SystemExit) as e:  # compiler errors arrive as several types
                 if STRICT:
+                    note(f"building swiftkern._C FAILED ({type(e).__name__}: {e}); the compiler's "
+                         "error is above. Fix it (a C++ compiler that builds torch extensions, with OpenMP; for CUDA, the toolkit "
+                         "of torch's CUDA version), or set SWIFTKERN_BUILD_EXT=auto to fall back to "
+                         "pure Python (no kernels; ops use swiftkern/reference.py), or =0 to build "
+                         "none.", loud=True)
                     raise
                 note(f"building swiftkern._C FAILED ({type(e).__name__}: {e}); continuing as pure "
-                     "Python (ops use swiftkern/reference.py). Set SWIFTKERN_BUILD_EXT=1 to make "
-                     "this an error.", loud=True)
+                     "Python (ops use swiftkern/reference.py), as SWIFTKERN_BUILD_EXT=auto asks.",
+                     loud=True)
                 remove_stale_extension()
 
         def get_outputs(self):  # editable installs must not expect a .so that was not built

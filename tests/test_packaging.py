@@ -8,7 +8,8 @@ and exited 0. The wheel is built without the extension (SWIFTKERN_BUILD_EXT=0): 
 is every module, which setup.py's explicit `packages` list would silently miss for a new folder,
 and its metadata (version, console script, triton on Linux only). Last, a build that cannot import
 torch (pip's build isolation hiding the installed one, or a fresh build environment as `python -m
-build` and uv make) must stop and say so rather than install a package without its kernels."""
+build` and uv make) must stop and say so rather than install a package without its kernels, and so
+must a compile that fails."""
 
 from __future__ import annotations
 
@@ -176,3 +177,19 @@ def test_a_build_in_a_fresh_environment_without_torch_refuses(tmp_path):
     assert run.returncode == 0 and list(out.glob("*.tar.gz")), run.stderr[-2000:]
     run, out = _run_hook(tmp_path / "pure", "build_wheel", {"SWIFTKERN_BUILD_EXT": "0"}, python)
     assert run.returncode == 0 and list(out.glob("*.whl")), run.stderr[-2000:]
+
+
+def test_a_failed_compile_stops_the_build_unless_a_fallback_is_asked_for(tmp_path):
+    """pip shows a build's output only when it fails, so a compile that failed and fell back to pure
+    Python (the default until now) installed a package without kernels with no word. A compiler
+    that fails (here /bin/false) now fails the build with what to do; SWIFTKERN_BUILD_EXT=auto
+    still asks for the fallback, and gets a wheel without the extension."""
+    broken = {"CXX": "/bin/false", "CC": "/bin/false"}
+    run, out = _run_hook(tmp_path / "default", "build_wheel", broken)
+    assert run.returncode != 0 and not list(out.glob("*.whl")), "a failed compile went on as pure Python"
+    assert "building swiftkern._C FAILED" in run.stderr and "SWIFTKERN_BUILD_EXT=auto" in run.stderr, \
+        run.stderr[-2000:]
+    wheel = _build(tmp_path / "auto", "build_wheel", {**broken, "SWIFTKERN_BUILD_EXT": "auto"})
+    with zipfile.ZipFile(wheel) as zf:
+        assert not [n for n in zf.namelist() if n.startswith("swiftkern/_C")], "the fallback built an extension"
+        assert "swiftkern/reference.py" in zf.namelist()

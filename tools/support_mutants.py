@@ -295,5 +295,8 @@ SUPPORT_MUTANTS = [
     ("M240", "setup.py", "            sys.exit(no_torch_message(error))", "            return",
      "a build without torch (`python -m build`, uv: a fresh build environment) installs pure Python with exit 0 again",
      ["tests/test_packaging.py"]),
+    ("M241", "setup.py", 'KNOB = os.environ.get("SWIFTKERN_BUILD_EXT", "1")', 'KNOB = os.environ.get("SWIFTKERN_BUILD_EXT", "auto")',
+     "a failed compile falls back to pure Python by default again (pip shows no build output: unseen)",
+     ["tests/test_packaging.py"]),
 ]
 
