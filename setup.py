@@ -240,10 +240,10 @@ def make_extension():
             except (Exception, SystemExit) as e:  # compiler errors arrive as several types
                 if STRICT:
                     note(f"building swiftkern._C FAILED ({type(e).__name__}: {e}); the compiler's "
-                         "error is above. Fix it (a C++ compiler that builds torch extensions, with OpenMP; for CUDA, the toolkit "
-                         "of torch's CUDA version), or set SWIFTKERN_BUILD_EXT=auto to fall back to "
-                         "pure Python (no kernels; ops use swiftkern/reference.py), or =0 to build "
-                         "none.", loud=True)
+                         "error is above. Fix it (a C++ compiler that builds torch extensions, with "
+                         "OpenMP; for CUDA, the toolkit of torch's CUDA version), or set "
+                         "SWIFTKERN_BUILD_EXT=auto to fall back to pure Python (no kernels; ops use "
+                         "swiftkern/reference.py), or =0 to build none.", loud=True)
                     raise
                 note(f"building swiftkern._C FAILED ({type(e).__name__}: {e}); continuing as pure "
                      "Python (ops use swiftkern/reference.py), as SWIFTKERN_BUILD_EXT=auto asks.",

@@ -51,8 +51,10 @@ def _run_hook(tmp_path: Path, hook: str, env_extra: dict,
         else:
             shutil.copy2(path, src / name)
     code = f"from setuptools import build_meta; print(build_meta.{hook}({str(out)!r}))"
+    # the build's knob only as a test sets it: one exported by the developer would change the path
+    inherited = {k: v for k, v in os.environ.items() if k != "SWIFTKERN_BUILD_EXT"}
     run = subprocess.run([python, "-c", code], cwd=src, capture_output=True, text=True, timeout=600,
-                         env={**os.environ, **env_extra})
+                         env={**inherited, **env_extra})
     return run, out
 
 
