@@ -14,7 +14,8 @@ Install with ``pip install --no-build-isolation -e .`` so the build sees the ins
   hidden (pip and uv: --no-build-isolation; python -m build: --no-isolation). swiftkern cannot run
   without torch, so such a build could only install a package without its kernels.
 
-``python setup.py --print-host-flags`` prints the host compile flags and builds nothing.
+``python setup.py --print-host-flags [PLATFORM]`` prints the host compile flags (for this platform,
+or another by its sys.platform name: linux, darwin, win32) and builds nothing.
 SWIFTKERN_BUILD_EXT=0 asks for (c); a failed extension build is an error (=1, the default: pip
 shows no build output unless it fails, so a fallback would go unseen), and =auto makes it fall
 back to pure Python with a note instead. MAX_JOBS limits parallel compile jobs.
@@ -49,14 +50,15 @@ def sources(*patterns: str) -> list[str]:
     return sorted(os.path.relpath(p, ROOT) for p in found)
 
 
-def host_flags() -> tuple[list[str], list[str]]:
-    """(compile, link) flags for the host compiler: -O3 and OpenMP where it is supported."""
-    if sys.platform == "win32":
+def host_flags(platform: str = sys.platform) -> tuple[list[str], list[str]]:
+    """(compile, link) flags for the host compiler of ``platform`` (sys.platform's names): -O3 and
+    OpenMP where it is supported."""
+    if platform == "win32":
         return ["/O2", "/openmp"], []
     # -fno-trapping-math lets the compiler if-convert (vectorize) the fp16 -> fp32 loads;
     # -ffp-contract=off keeps a * b + c two roundings, as torch computes it (the kernels that
     # want a fused multiply-add call std::fma), so fp32 kernels can match the reference bit for bit
-    if sys.platform == "darwin":  # Apple clang has no -fopenmp; the kernels then run serially
+    if platform == "darwin":  # Apple clang has no -fopenmp; the kernels then run serially
         return ["-O3", "-fno-trapping-math", "-ffp-contract=off", "-fopenmp-simd"], []
     return ["-O3", "-fno-trapping-math", "-ffp-contract=off", "-fopenmp"], ["-fopenmp"]
 
@@ -256,9 +258,9 @@ def make_extension():
     return [ext], {"build_ext": OptionalBuildExt}
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["--print-host-flags"]:
+if __name__ == "__main__" and sys.argv[1:2] == ["--print-host-flags"] and len(sys.argv) <= 3:
     # for tools/check_torch_headers.sh: the host compile flags the extension is built with
-    print(" ".join(host_flags()[0]))
+    print(" ".join(host_flags(*sys.argv[2:])[0]))
     sys.exit(0)
 
 ext_modules, cmdclass = make_extension()

@@ -30,14 +30,14 @@ mkdir "$work/omp" && { [ -z "$omp" ] || cp "$omp" "$work/omp/"; }
 echo "zig $("$zigpy" -m ziglang version), torch $("$py" -c 'import torch; print(torch.__version__)') headers"
 status=0
 for target in "${targets[@]}"; do
-  # setup.py's host flags for the platform (host_flags: Apple clang has no -fopenmp)
-  case $target in
-    *macos*) flags=(-fno-trapping-math -ffp-contract=off -fopenmp-simd) ;;
-    *) flags=(-fno-trapping-math -ffp-contract=off -fopenmp -isystem "$work/omp") ;;
-  esac
+  # setup.py's host flags for the target's platform (host_flags: Apple clang has no -fopenmp), at -O1
+  case $target in *macos*) platform=darwin ;; *) platform=linux ;; esac
+  read -ra flags < <(python3 "$root/setup.py" --print-host-flags "$platform")
+  [ ${#flags[@]} -gt 0 ] || { echo "setup.py --print-host-flags $platform printed nothing"; exit 2; }
+  flags=("${flags[@]/#-O3/-O1}" -isystem "$work/omp")
   failed=0
   for src in "$root"/csrc/*.cpp; do
-    if ! "$zigpy" -m ziglang c++ -target "$target" -c -std=c++20 -fPIC -Wall -O1 "${flags[@]}" \
+    if ! "$zigpy" -m ziglang c++ -target "$target" -c -std=c++20 -fPIC -Wall "${flags[@]}" \
         -I"$tinc" -I"$tinc/torch/csrc/api/include" -I"$pyinc" '-DSWIFTKERN_CXX_FLAGS="check"' \
         -DTORCH_API_INCLUDE_EXTENSION_H -DTORCH_EXTENSION_NAME=_C "$src" -o "$work/out.o" 2> "$work/err" \
         || grep -q "warning:" "$work/err"; then
