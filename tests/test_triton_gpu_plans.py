@@ -244,16 +244,17 @@ def test_compile_cases_compile_every_acceptance_tile_a_gpu_run_can_pick(sms):
 
 def test_compile_cases_compile_every_kv_compact_tile_its_plan_can_pick():
     """Each (entries, head-dim slice, warps) tile compact_plan picks for 1 to MAX_COMPACT_ENTRIES
-    entries a row, at each model's head dim, is among those ``compile_cases.cases()`` launch in
-    float32 and bfloat16; and the warps hold a thread to COMPACT_TILE_PER_THREAD elements of each
-    tile (4 warps at least, no more than that needs)."""
+    entries a row, and the staged path's past it, at each model's head dim, is among those
+    ``compile_cases.cases()`` launch in float32 and bfloat16; and the warps hold a thread to
+    COMPACT_TILE_PER_THREAD elements of each tile (4 warps at least, no more than that needs)."""
     from swiftkern.triton_kernels.compile_cases import MODELS, cases
 
     def tile(M, D):
-        p = launch.compact_plan("kv_compact", M, D)
+        staged = M > launch.MAX_COMPACT_ENTRIES
+        p = launch.staged_compact_plan(M, D) if staged else launch.compact_plan("kv_compact", M, D)
         per_thread = p.block_m * p.block_d / (32 * p.num_warps)  # of the keys' tile, and of the values'
         assert per_thread <= launch.COMPACT_TILE_PER_THREAD and (p.num_warps == 4 or per_thread == launch.COMPACT_TILE_PER_THREAD)
-        return p.block_m, p.block_d, p.num_warps
+        return p.block_m, p.block_d, p.num_warps, staged
 
     compiled = {}
     for label, _, args in cases():
@@ -261,7 +262,7 @@ def test_compile_cases_compile_every_kv_compact_tile_its_plan_can_pick():
             D, dtype = args[0].shape[-1], args[0].dtype
             compiled.setdefault((D, dtype), set()).add(tile(args[2].shape[1], D))
     for model, c in MODELS.items():
-        picked = {tile(M, c["D"]) for M in range(1, launch.MAX_COMPACT_ENTRIES + 1)}
+        picked = {tile(M, c["D"]) for M in range(1, launch.MAX_COMPACT_ENTRIES + 2)}
         for dtype in (torch.float32, torch.bfloat16):
             missing = picked - compiled.get((c["D"], dtype), set())
             assert not missing, f"{model} {dtype}: no case compiles kv_compact's (entries, slice, warps) {sorted(missing)}"

@@ -94,22 +94,57 @@ def test_bad_input_is_refused():
         ops.kv_compact(k, v, src.int(), dst, counts)
 
 
-def test_the_most_entries_one_program_moves_match_reference_and_one_more_is_refused():
-    """compact_plan's limit: MAX_COMPACT_ENTRIES entries a row (two head-dim elements a program
-    at that tile, 32 warps) move as the reference moves them; one more is refused with what to do."""
-    from swiftkern.triton_kernels.launch import MAX_COMPACT_ENTRIES, MAX_COMPACT_TILE, compact_plan
-
-    M, D = MAX_COMPACT_ENTRIES, 3
-    plan = compact_plan("kv_compact", M, D)
-    assert (plan.block_m, plan.block_d, plan.d_blocks) == (M, MAX_COMPACT_TILE // M, 2)
-    k, v = cache(1, 2, 1, M + 5, D, torch.float32, 7)
-    g = torch.Generator().manual_seed(7)
-    src = torch.stack([torch.randperm(M + 5, generator=g)[:M] for _ in range(2)]).to(DEVICE)
-    dst, counts = torch.tensor([5, 0], device=DEVICE), torch.tensor([M, M - 3], dtype=torch.int32, device=DEVICE)
+def move_and_compare(M, D, dst, counts, seed):
+    """Row b keeps counts[b] of a random permutation of its M + 5 positions (overlapping the
+    destination) and moves them to dst[b]: the Triton op must leave the reference's caches."""
+    k, v = cache(1, len(dst), 1, M + 5, D, torch.float32, seed)
+    g = torch.Generator().manual_seed(seed)
+    src = torch.stack([torch.randperm(M + 5, generator=g)[:M] for _ in dst]).to(DEVICE)
+    dst, counts = torch.tensor(dst, device=DEVICE), torch.tensor(counts, dtype=torch.int32, device=DEVICE)
     want_k, want_v = k.clone(), v.clone()
     reference.kv_compact(want_k, want_v, src, dst, counts)
     triton_op("kv_compact")(k, v, src, dst, counts)
     assert torch.equal(k, want_k) and torch.equal(v, want_v)
-    more = torch.zeros(2, M + 1, dtype=torch.int64, device=DEVICE)
-    with pytest.raises(SwiftkernError, match=f"{M + 1} entries per row is more than the {M}.*several calls"):
-        triton_op("kv_compact")(k, v, more, dst, counts)
+
+
+def test_the_most_entries_one_program_moves_match_reference():
+    """compact_plan's limit: MAX_COMPACT_ENTRIES entries a row (two head-dim elements a program
+    at that tile, 32 warps) move as the reference moves them, in one launch."""
+    from swiftkern.triton_kernels.launch import MAX_COMPACT_ENTRIES, MAX_COMPACT_TILE, compact_plan
+
+    M, D = MAX_COMPACT_ENTRIES, 3
+    plan = compact_plan("kv_compact", M, D)
+    assert (plan.block_m, plan.block_d, plan.d_blocks, plan.m_blocks) == (M, MAX_COMPACT_TILE // M, 2, 1)
+    with pytest.raises(SwiftkernError, match=f"{M + 1} entries per row is more than the {M}.*staged_compact_plan"):
+        compact_plan("kv_compact", M + 1, D)
+    move_and_compare(M, D, [5, 0], [M, M - 3], 7)
+
+
+@pytest.mark.parametrize("extra, D", [(1, 3), (70, 130)])
+def test_more_entries_than_one_program_holds_move_through_the_workspace(extra, D):
+    """Past MAX_COMPACT_ENTRIES: the staged path's two launches (out to a workspace, then into
+    place) as the reference, with tiles cut in the entries (a partial last one) and, at D = 130,
+    in the head dimension; a row moving fewer entries than M, and one moving none."""
+    from swiftkern.triton_kernels import kv_compact as module
+    from swiftkern.triton_kernels.launch import MAX_COMPACT_ENTRIES, STAGED_COMPACT_ENTRIES, staged_compact_plan
+
+    M = MAX_COMPACT_ENTRIES + extra
+    plan = staged_compact_plan(M, D)
+    assert plan.m_blocks == -(-M // STAGED_COMPACT_ENTRIES) and plan.d_blocks == (2 if D > 128 else 1)
+    launches = []
+    real = module._kv_compact_staged_kernel
+
+    class Counting:  # the two launches, in order: out, then in
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append((tuple(grid), kwargs["TO_WORKSPACE"]))
+                return real[grid](*args, **kwargs)
+            return launch
+
+    module._kv_compact_staged_kernel = Counting()
+    try:
+        move_and_compare(M, D, [5, 0, 2], [M, M - 40, 0], 11)
+    finally:
+        module._kv_compact_staged_kernel = real
+    grid = (3, plan.d_blocks, plan.m_blocks)
+    assert launches == [(grid, True), (grid, False)]

@@ -12,7 +12,7 @@ COMPILE_CHECK_MUTANTS = [
     ("M220", C, "                if meta.shared > target.max_shared:",
      "                if meta.shared > TARGETS[90].max_shared:",
      "every target's shared memory checked against the H100's limit (an A100 allows less)", COMPILE_TESTS),
-    ("M221", C, "MAX_GRID = (2 ** 31 - 1, 65535, 65535)", "MAX_GRID = (2 ** 31 - 1,) * 3",
+    ("M221", C, "MAX_GRID = (2 ** 31 - 1, MAX_GRID_Y_Z, MAX_GRID_Y_Z)", "MAX_GRID = (2 ** 31 - 1,) * 3",
      "a grid's axes 1 and 2 allowed 2^31 - 1 programs", COMPILE_TESTS),
     ("M222", C, r'WIDE_LOAD = re.compile(r"ld\.global(\.\w+)*\.(v4\.(b32|u32|f32)|v2\.(b64|u64|f64))")',
      r'WIDE_LOAD = re.compile(r"ld\.global(\.\w+)*\.(v[24]\.(b32|u32|f32)|v2\.(b64|u64|f64))")',

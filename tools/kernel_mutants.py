@@ -233,8 +233,8 @@ KERNEL_MUTANTS = [
      "the Triton verify_attention's causal limit hides each query's own key (a row of length T: the "
      "first query sees nothing)",
      ["tests/test_triton_verify_attention.py"]),
-    ("K17", "triton_kernels/kv_compact.py", "ok = (i[:, None] < n) & (d[None, :] < D)",
-     "ok = (i[:, None] < n) & (d[None, :] < D - 1)",
+    ("K17", "triton_kernels/kv_compact.py", "ok = (i[:, None] < n) & (d[None, :] < D)\n    src = tl.load",
+     "ok = (i[:, None] < n) & (d[None, :] < D - 1)\n    src = tl.load",
      "the Triton kv_compact's mask leaves the last element of the head dimension unmoved",
      ["tests/test_triton_kv_compact.py"]),
     ("K18", "triton_kernels/bi_matmul.py", "a_mask = (offs_m[:, None] < M) & (ks[None, :] < K)",

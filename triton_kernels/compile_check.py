@@ -55,7 +55,7 @@ from itertools import chain
 import torch
 
 from .compile_cases import MODELS, VERIFIER_PREFIX, VERIFIER_SHAPES, cases, verifier_cases
-from .launch import gpu_launch_plans, interpreting
+from .launch import MAX_GRID_Y_Z, gpu_launch_plans, interpreting
 
 @dataclass(frozen=True)
 class Target:
@@ -73,7 +73,7 @@ TARGETS = {
     80: Target(80, 108, 166912),  # A100: 163 KiB
     90: Target(90, 132, 232448),  # H100 / H200: 227 KiB
 }
-MAX_GRID = (2 ** 31 - 1, 65535, 65535)
+MAX_GRID = (2 ** 31 - 1, MAX_GRID_Y_Z, MAX_GRID_Y_Z)
 SPILL_LIMIT = 32  # bytes of spill stores per thread a compiled kernel may have
 # memory-bound kernels that must load 16 bytes per access at the real models' shapes (the tiny
 # test model's rows are too short for it); rope_kv_append moves 8 bytes at head dim 64 in 16 bits
