@@ -32,7 +32,8 @@
 #                                          PLANS and under the last_adds twins of PLANS' plans (the same bits, 4 launches a
 #                                          layer fewer; 120 + 120 s; the tests skipped after autotests on a warm machine)
 #   bash bench/gpu_session.sh plans        kv_compact's and the acceptance kernels' native tests: the plans changed on
-#                                          2026-11-30 without a GPU (kv_compact's warps past 8192-element tiles; 90 s)
+#                                          2026-11-30 without a GPU (kv_compact's warps past 8192-element tiles, its
+#                                          staged path past 8192 entries a row; 90 s)
 #   bash bench/gpu_session.sh lookup       self-spec lookup decoding of 8 x 4096-token prompts (a small random Llama)
 #                                          with the context index on and off (lookup_index's decode group; 120 s)
 #   bash bench/gpu_session.sh det          determinism with CUDA graphs: the replay with the portable verifier set
