@@ -148,3 +148,15 @@ def test_more_entries_than_one_program_holds_move_through_the_workspace(extra, D
         module._kv_compact_staged_kernel = real
     grid = (3, plan.d_blocks, plan.m_blocks)
     assert launches == [(grid, True), (grid, False)]
+
+
+def test_more_entries_than_the_staged_grid_holds_are_refused():
+    """The staged path's grid has at most 65535 tiles of entries (CUDA's limit on axes 1 and 2):
+    one entry more is refused, before anything is allocated, with what to do."""
+    from swiftkern.triton_kernels.launch import MAX_GRID_Y_Z, STAGED_COMPACT_ENTRIES
+
+    M = MAX_GRID_Y_Z * STAGED_COMPACT_ENTRIES + 1
+    k, v = cache(1, 1, 1, 4, 2, torch.float32, 3)
+    src, dst = torch.zeros(1, M, dtype=torch.int64, device=DEVICE), torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(SwiftkernError, match=f"{M} entries per row is more than the {M - 1}.*several calls"):
+        triton_op("kv_compact")(k, v, src, dst, torch.zeros(1, dtype=torch.int32, device=DEVICE))
