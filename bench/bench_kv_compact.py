@@ -5,7 +5,8 @@
 
 The whole KVCache [L, B, H, S, D] of SmolLM2 (30 layers, 3 kv heads, D 64) and of Llama-3-8B
 (32 layers, 8 kv heads, D 128); each row keeps up to M = 9 scattered entries (K + 1 of a
-verification) and moves them to its own start position. Bytes per call: every kept entry read
+verification) and moves them to its own start position; on a GPU also one row of 32768 positions
+keeping up to 12288 (past the 8192 entries one Triton program moves: its two-launch staged path). Bytes per call: every kept entry read
 and written once, in both caches. --refcheck compares the caches (the op returns nothing).
 """
 
@@ -29,18 +30,20 @@ def cases(args) -> list[Case]:
     dtype = default_dtype(args)
     M = 9
     if args.smoke:
-        grid = [("smollm2", 2, 64)]
+        grid = [("smollm2", 2, 64, M)]
     elif args.device.startswith("cuda"):
-        grid = [(m, b, 2048) for m in MODELS for b in (1, 8, 32)]  # llama3-8b B=32: 4.3 GB a cache
+        grid = [(m, b, 2048, M) for m in MODELS for b in (1, 8, 32)]  # llama3-8b B=32: 4.3 GB a cache
+        # a long context's compaction, past the 8192 entries one Triton program moves (its staged path)
+        grid += [(m, 1, 32768, 12288) for m in MODELS]
     else:
-        grid = [("smollm2", 1, 512), ("smollm2", 8, 512), ("llama3-8b", 8, 256)]
+        grid = [("smollm2", 1, 512, M), ("smollm2", 8, 512, M), ("llama3-8b", 8, 256, M)]
     out = []
-    for model, B, S in grid:
+    for model, B, S, M in grid:
         L, H, D = MODELS[model]
         g = torch.Generator().manual_seed(B * S)
         counts = torch.randint(1, M + 1, (B,), generator=g, dtype=torch.int32)
 
-        def make(L=L, H=H, D=D, B=B, S=S, counts=counts):
+        def make(L=L, H=H, D=D, B=B, S=S, M=M, counts=counts):
             dev = args.device
             gd = torch.Generator(device=dev).manual_seed(B * S + 1)  # drawn where they live: GBs on a GPU
             k = torch.randn(L, B, H, S, D, generator=gd, device=dev, dtype=dtype)
