@@ -6,8 +6,9 @@
 The whole KVCache [L, B, H, S, D] of SmolLM2 (30 layers, 3 kv heads, D 64) and of Llama-3-8B
 (32 layers, 8 kv heads, D 128); each row keeps up to M = 9 scattered entries (K + 1 of a
 verification) and moves them to its own start position; on a GPU also one row of 32768 positions
-keeping up to 12288 (past the 8192 entries one Triton program moves: its two-launch staged path). Bytes per call: every kept entry read
-and written once, in both caches. --refcheck compares the caches (the op returns nothing).
+keeping up to 12288 (past the 8192 entries one Triton program moves: its two-launch staged path).
+Bytes per call: every kept entry read and written once, in both caches. --refcheck compares the
+caches (the op returns nothing).
 """
 
 from __future__ import annotations

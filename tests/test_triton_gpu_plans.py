@@ -250,11 +250,10 @@ def test_compile_cases_compile_every_kv_compact_tile_its_plan_can_pick():
     from swiftkern.triton_kernels.compile_cases import MODELS, cases
 
     def tile(M, D):
-        staged = M > launch.MAX_COMPACT_ENTRIES
-        p = launch.staged_compact_plan(M, D) if staged else launch.compact_plan("kv_compact", M, D)
+        p = launch.compact_plan("kv_compact", M, D)
         per_thread = p.block_m * p.block_d / (32 * p.num_warps)  # of the keys' tile, and of the values'
         assert per_thread <= launch.COMPACT_TILE_PER_THREAD and (p.num_warps == 4 or per_thread == launch.COMPACT_TILE_PER_THREAD)
-        return p.block_m, p.block_d, p.num_warps, staged
+        return p.block_m, p.block_d, p.num_warps, p.staged
 
     compiled = {}
     for label, _, args in cases():

@@ -115,8 +115,7 @@ def test_the_most_entries_one_program_moves_match_reference():
     M, D = MAX_COMPACT_ENTRIES, 3
     plan = compact_plan("kv_compact", M, D)
     assert (plan.block_m, plan.block_d, plan.d_blocks, plan.m_blocks) == (M, MAX_COMPACT_TILE // M, 2, 1)
-    with pytest.raises(SwiftkernError, match=f"{M + 1} entries per row is more than the {M}.*staged_compact_plan"):
-        compact_plan("kv_compact", M + 1, D)
+    assert not plan.staged and compact_plan("kv_compact", M + 1, D).staged
     move_and_compare(M, D, [5, 0], [M, M - 3], 7)
 
 
@@ -126,11 +125,11 @@ def test_more_entries_than_one_program_holds_move_through_the_workspace(extra, D
     place) as the reference, with tiles cut in the entries (a partial last one) and, at D = 130,
     in the head dimension; a row moving fewer entries than M, and one moving none."""
     from swiftkern.triton_kernels import kv_compact as module
-    from swiftkern.triton_kernels.launch import MAX_COMPACT_ENTRIES, STAGED_COMPACT_ENTRIES, staged_compact_plan
+    from swiftkern.triton_kernels.launch import MAX_COMPACT_ENTRIES, STAGED_COMPACT_ENTRIES, compact_plan
 
     M = MAX_COMPACT_ENTRIES + extra
-    plan = staged_compact_plan(M, D)
-    assert plan.m_blocks == -(-M // STAGED_COMPACT_ENTRIES) and plan.d_blocks == (2 if D > 128 else 1)
+    plan = compact_plan("kv_compact", M, D)
+    assert plan.staged and plan.m_blocks == -(-M // STAGED_COMPACT_ENTRIES) and plan.d_blocks == (2 if D > 128 else 1)
     launches = []
     real = module._kv_compact_staged_kernel
 

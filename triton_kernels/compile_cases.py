@@ -133,8 +133,9 @@ def _compact_plan_cases(launcher, tag: str, Hkv: int, D: int, dt: torch.dtype):
     """kv_compact at each tile ``compact_plan`` picks for the model's head dim: entries a row
     from 1 to ``MAX_COMPACT_ENTRIES`` in powers of two (the op takes a caller's count), the
     head-dim slice narrowing past ``MAX_COMPACT_TILE`` elements; and beyond, the staged path.
-    Labelled ``kv_compact plan``, not with the model's name first: few entries, or many in a narrow slice, cannot load 16
-    bytes a thread, and those are not shapes the runner meets (compile_check's 16-byte rule)."""
+    Labelled ``kv_compact plan``, not with the model's name first: few entries, or many in a
+    narrow slice, cannot load 16 bytes a thread, and those are not shapes the runner meets
+    (compile_check's 16-byte rule)."""
     S = 4 * MAX_COMPACT_ENTRIES
     # past MAX_COMPACT_ENTRIES: the staged path's two launches (one binary each, whatever M)
     for M in [1] + _widths_up_to(MAX_COMPACT_ENTRIES) + [MAX_COMPACT_ENTRIES + 1, S]:

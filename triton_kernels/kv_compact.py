@@ -4,7 +4,7 @@ Up to ``launch.MAX_COMPACT_ENTRIES`` entries a row, in one launch: one program p
 head, slice of the head dimension) loads all kept entries of its slice (at most
 ``launch.MAX_COMPACT_TILE`` elements) before it stores any, and no two programs touch the same
 elements, so sources and destinations may overlap as in the reference. More entries than that,
-in two launches through a workspace (``launch.staged_compact_plan``): the first copies every
+in two launches through a workspace (``launch.compact_plan``'s staged plans): the first copies every
 kept entry out, the second copies them into place, so any overlap is safe again.
 """
 
@@ -14,8 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import (FP_FUSION, MAX_COMPACT_ENTRIES, MAX_GRID_Y_Z, check_device, compact_plan, require,
-                     staged_compact_plan)
+from .launch import FP_FUSION, check_device, compact_plan, require
 
 
 @triton.jit
@@ -102,23 +101,20 @@ def kv_compact(k_cache: torch.Tensor, v_cache: torch.Tensor, src_positions: torc
     M = src_positions.shape[1]
     if L * B * H * D == 0 or M == 0:
         return
-    if M > MAX_COMPACT_ENTRIES:
-        _kv_compact_staged(k_cache, v_cache, src_positions, dst_start, counts)
-        return
     plan = compact_plan(op, M, D)
+    if plan.staged:
+        _kv_compact_staged(plan, k_cache, v_cache, src_positions, dst_start, counts)
+        return
     _kv_compact_kernel[(L * B * H, plan.d_blocks)](
         k_cache, v_cache, *k_cache.stride(), src_positions, *src_positions.stride(), dst_start, dst_start.stride(0),
         counts, counts.stride(0), B, H, D, BLOCK_M=plan.block_m, BLOCK_D=plan.block_d, num_warps=plan.num_warps,
         enable_fp_fusion=FP_FUSION)
 
 
-def _kv_compact_staged(k_cache, v_cache, src_positions, dst_start, counts) -> None:
+def _kv_compact_staged(plan, k_cache, v_cache, src_positions, dst_start, counts) -> None:
     """kv_compact past MAX_COMPACT_ENTRIES entries a row: out to a workspace, then into place."""
     L, B, H, S, D = k_cache.shape
     M = src_positions.shape[1]
-    plan = staged_compact_plan(M, D)
-    require(plan.m_blocks <= MAX_GRID_Y_Z, "kv_compact", f"{M} entries per row is more than the "
-            f"{MAX_GRID_Y_Z * plan.block_m} the staged path moves in one call; compact in several calls")
     work_k, work_v = torch.empty((2, L * B * H, M, D), dtype=k_cache.dtype, device=k_cache.device)  # [L*B*H, M, D]
     for to_workspace in (True, False):  # stream order: every entry is out before any lands
         _kv_compact_staged_kernel[(L * B * H, plan.d_blocks, plan.m_blocks)](

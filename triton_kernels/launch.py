@@ -277,41 +277,41 @@ class CompactPlan:
     block_d: int
     d_blocks: int
     num_warps: int
-    m_blocks: int = 1  # > 1: staged through a workspace in two launches (``staged_compact_plan``)
+    m_blocks: int = 1  # tiles of entries a row: past 1, staged through a workspace in two launches
+
+    @property
+    def staged(self) -> bool:
+        return self.m_blocks > 1
 
 
 MAX_COMPACT_TILE = 16384  # entries x head-dim elements one kv_compact program holds at once
 MAX_COMPACT_ENTRIES = 8192  # entries of a row one program moves (16384 spilled: one head-dim element a program)
 COMPACT_TILE_PER_THREAD = 64  # tile elements a thread holds, keys and values each (at 128: 4 KB spilled a thread)
-
-
-def compact_plan(op: str, max_entries: int, head_dim: int) -> CompactPlan:
-    """One program holds all kept entries of one (layer, row, head) for a slice of the head
-    dimension, so it reads every source before it writes any destination; its warps grow with
-    the tile so that a thread holds at most ``COMPACT_TILE_PER_THREAD`` elements of each."""
-    block_m = next_pow2(max_entries)
-    require(block_m <= MAX_COMPACT_ENTRIES, op, f"{max_entries} entries per row is more than the "
-            f"{MAX_COMPACT_ENTRIES} one program can move at once: take staged_compact_plan")
-    block_d = max(1, min(next_pow2(head_dim), MAX_COMPACT_TILE // block_m))
-    return CompactPlan(block_m, block_d, cdiv(head_dim, block_d), compact_warps(block_m, block_d))
-
-
-def compact_warps(block_m: int, block_d: int) -> int:
-    """Warps for a kv_compact tile: a thread holds at most COMPACT_TILE_PER_THREAD elements of it."""
-    return max(4, block_m * block_d // (32 * COMPACT_TILE_PER_THREAD))
-
-
 MAX_GRID_Y_Z = 65535  # CUDA's limit on a grid's axes 1 and 2
 STAGED_COMPACT_ENTRIES = 64  # entries of a row one program of the staged path copies
 STAGED_COMPACT_HEAD_DIM = 128  # head-dim elements one program of the staged path copies, at most
 
 
-def staged_compact_plan(max_entries: int, head_dim: int) -> CompactPlan:
-    """Past ``MAX_COMPACT_ENTRIES`` entries a row: every kept entry is copied into a workspace by
-    one launch and from it into place by a second, so no program needs to hold a whole row (as
-    the CUDA kernel's workspace path). Each program copies a tile of ``STAGED_COMPACT_ENTRIES``
-    entries by a slice of the head dimension."""
+def compact_plan(op: str, max_entries: int, head_dim: int) -> CompactPlan:
+    """Up to ``MAX_COMPACT_ENTRIES`` entries a row, one launch: one program holds all kept entries
+    of one (layer, row, head) for a slice of the head dimension, so it reads every source before
+    it writes any destination. Past that, staged (``plan.staged``): one launch copies every kept
+    entry into a workspace and a second from it into place, so no program holds a whole row (as
+    the CUDA kernel's workspace path), in tiles of ``STAGED_COMPACT_ENTRIES`` entries by a slice
+    of the head dimension. Either way the warps grow with the tile so that a thread holds at most
+    ``COMPACT_TILE_PER_THREAD`` elements of each."""
+    if next_pow2(max_entries) <= MAX_COMPACT_ENTRIES:
+        block_m = next_pow2(max_entries)
+        block_d = max(1, min(next_pow2(head_dim), MAX_COMPACT_TILE // block_m))
+        return CompactPlan(block_m, block_d, cdiv(head_dim, block_d), compact_warps(block_m, block_d))
     block_m = STAGED_COMPACT_ENTRIES
     block_d = min(next_pow2(head_dim), STAGED_COMPACT_HEAD_DIM)
-    return CompactPlan(block_m, block_d, cdiv(head_dim, block_d), compact_warps(block_m, block_d),
-                       cdiv(max_entries, block_m))
+    m_blocks = cdiv(max_entries, block_m)
+    require(m_blocks <= MAX_GRID_Y_Z, op, f"{max_entries} entries per row is more than the "
+            f"{MAX_GRID_Y_Z * block_m} one call moves; compact in several calls")
+    return CompactPlan(block_m, block_d, cdiv(head_dim, block_d), compact_warps(block_m, block_d), m_blocks)
+
+
+def compact_warps(block_m: int, block_d: int) -> int:
+    """Warps for a kv_compact tile: a thread holds at most COMPACT_TILE_PER_THREAD elements of it."""
+    return max(4, block_m * block_d // (32 * COMPACT_TILE_PER_THREAD))
