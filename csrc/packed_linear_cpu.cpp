@@ -440,34 +440,54 @@ static int packed_bits(int64_t block_bytes) {
   return block_bytes == kBlockBytes4 ? 4 : block_bytes == kBlockBytes8 ? 8 : 0;
 }
 
-// y [M, N] = x [M, K] @ w^T with isa's kernels, w packed with bits-bit codes (4 or 8), K > 0
-static void packed_linear_with_isa(Isa isa, const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t N,
-                                   int bits, float* yp) {
+// Weight tiles of a call (kPackedTileCols weight rows each) in a parallel region's tasks: ~K * 4 *
+// 8192 weights a task, as skinny_linear's
+static int64_t packed_grain(int64_t K) { return std::max<int64_t>(1, 32768 / (kPackedTileCols * K)); }
+
+// Outputs of weight tiles [t0, t1) of y [M, N] = x [M, K] @ w^T with isa's register or unpacking
+// tiles, w packed with bits-bit codes (4 or 8)
+static void packed_tile_range_with_isa(Isa isa, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
+                                       int bits, float* y, int64_t t0, int64_t t1) {
   const int64_t row_bytes = K / kBlock * (bits == 4 ? kBlockBytes4 : kBlockBytes8);
   static const PackedTiles tiles4 = PackedTiles::make<4>(pick_isa());
   static const PackedTiles tiles8 = PackedTiles::make<8>(pick_isa());
   const PackedTiles tiles = isa == pick_isa() ? (bits == 4 ? tiles4 : tiles8)
                             : bits == 4 ? PackedTiles::make<4>(isa) : PackedTiles::make<8>(isa);
   const auto range = bits == 4 ? packed_linear_range<4> : packed_linear_range<8>;
+  range(tiles, isa, x, w, row_bytes, y, M, K, N, t0 * kPackedTileCols, std::min(N, t1 * kPackedTileCols));
+}
+
+// y [M, N] = x [M, K] @ w^T with isa's kernels, w packed with bits-bit codes (4 or 8), K > 0
+static void packed_linear_with_isa(Isa isa, const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t N,
+                                   int bits, float* yp) {
 #if defined(__x86_64__)
   if (panels_take(isa, M, kPackedPanelAboveRows)) {
     // each panel of 16 weight rows packed lane-major straight from its codes
+    const int64_t row_bytes = K / kBlock * (bits == 4 ? kBlockBytes4 : kBlockBytes8);
     const auto pack = bits == 4 ? pack_packed_panel_avx2<4> : pack_packed_panel_avx2<8>;
     for_panels(xp, yp, M, K, N, [&](int64_t n, int nr, float* out) { pack(wp + n * row_bytes, row_bytes, nr, K, out); });
     return;
   }
 #endif
-  constexpr int nr = kPackedTileCols;
-  const int64_t tiles_n = (N + nr - 1) / nr;
-  const int64_t grain = std::max<int64_t>(1, 32768 / (nr * K));  // as skinny_linear: ~K * 4 * 8192 weights a task
-  at::parallel_for(0, tiles_n, grain, [&](int64_t t0, int64_t t1) {
-    range(tiles, isa, xp, wp, row_bytes, yp, M, K, N, t0 * nr, std::min(N, t1 * nr));
+  const int64_t tiles_n = (N + kPackedTileCols - 1) / kPackedTileCols;
+  at::parallel_for(0, tiles_n, packed_grain(K), [&](int64_t t0, int64_t t1) {
+    packed_tile_range_with_isa(isa, xp, M, K, wp, N, bits, yp, t0, t1);
   });
 }
 
 void packed_linear_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int64_t block_bytes,
                         float* y) {
   packed_linear_with_isa(pick_isa(), x, M, K, w, N, packed_bits(block_bytes), y);
+}
+
+TileSplit packed_linear_split(int64_t M, int64_t K, int64_t N) {
+  if (panels_take(pick_isa(), M, kPackedPanelAboveRows)) return {0, 0};
+  return {(N + kPackedTileCols - 1) / kPackedTileCols, packed_grain(K)};
+}
+
+void packed_linear_tiles(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int64_t block_bytes,
+                         float* y, int64_t t0, int64_t t1) {
+  packed_tile_range_with_isa(pick_isa(), x, M, K, w, N, packed_bits(block_bytes), y, t0, t1);
 }
 
 }  // namespace cpu

@@ -18,6 +18,20 @@ void packed_linear_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, 
 // y [M, N] = x [M, K] @ w [N, K]^T, every output skinny_linear's fixed-order sum
 void skinny_linear_rows(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y);
 
+// The two projections above as shares of a parallel region their caller runs (decoder_stack runs
+// a layer's q, k and v, or its gate and up, in one region: one fork and join, not one each).
+// *_split: y's weight tiles and the tiles a task should take (tiles 0: a call of M rows that runs
+// whole, the AVX2 lane panels); *_tiles: the outputs of tiles [t0, t1), the bits the whole call gives.
+struct TileSplit {
+  int64_t tiles, grain;
+};
+TileSplit packed_linear_split(int64_t M, int64_t K, int64_t N);
+void packed_linear_tiles(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int64_t block_bytes,
+                         float* y, int64_t t0, int64_t t1);
+TileSplit skinny_linear_split(int64_t M, int64_t K, int64_t N);
+void skinny_linear_tiles(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y, int64_t t0,
+                         int64_t t1);
+
 // N rows of H: normed = rms_norm(x + residual) * w and new_res = x + residual (residual null:
 // rms_norm(x) * w, new_res unused); rows of x and residual x_s / r_s apart, outputs H apart.
 // new_res may be residual itself (each element is read before it is written).

@@ -255,8 +255,11 @@ int64_t fixed_order_row_block(Isa isa, int64_t M, int64_t K) {
 
 }  // namespace cpu
 
+// Weight tiles (kTileCols weight rows each) of a task: ~128 KiB of float32 weight
+static int64_t skinny_grain(int64_t K) { return std::max<int64_t>(1, 32768 / (cpu::kTileCols * K)); }
+
 // y [M, N] = x [M, K] @ w [N, K]^T with the tiles of isa for weights of type W, in tasks of
-// whole weight tiles (~128 KiB of weight each)
+// whole weight tiles
 template <class W>
 static void fixed_order_matmul(cpu::Isa isa, const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N) {
 #if defined(__x86_64__)
@@ -269,8 +272,7 @@ static void fixed_order_matmul(cpu::Isa isa, const float* x, const W* w, float* 
   const cpu::TileTable<W>& table = cpu::table_for<W>(isa);
   constexpr int nr = cpu::kTileCols;
   const int64_t tiles = (N + nr - 1) / nr;
-  const int64_t grain = std::max<int64_t>(1, 32768 / (nr * K));
-  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, tiles, skinny_grain(K), [&](int64_t t0, int64_t t1) {
     cpu::fixed_order_linear(table, x, w, y, M, K, N, t0 * nr, std::min(N, t1 * nr));
   });
 }
@@ -278,6 +280,17 @@ static void fixed_order_matmul(cpu::Isa isa, const float* x, const W* w, float* 
 void cpu::skinny_linear_rows(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y) {
   static const Isa isa = pick_isa();
   fixed_order_matmul(isa, x, w, y, M, K, N);
+}
+
+cpu::TileSplit cpu::skinny_linear_split(int64_t M, int64_t K, int64_t N) {
+  if (panels_take(pick_isa(), M)) return {0, 0};
+  return {(N + kTileCols - 1) / kTileCols, skinny_grain(K)};
+}
+
+void cpu::skinny_linear_tiles(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y, int64_t t0,
+                              int64_t t1) {
+  static const Isa isa = pick_isa();
+  fixed_order_linear(table_for<float>(isa), x, w, y, M, K, N, t0 * kTileCols, std::min(N, t1 * kTileCols));
 }
 
 static at::Tensor skinny_linear_with(cpu::Isa isa, const at::Tensor& x, const at::Tensor& weight,

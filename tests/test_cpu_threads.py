@@ -8,7 +8,7 @@ parallel paths run."""
 import pytest
 import torch
 
-from conftest import bitwise_equal, tiny_model, torch_threads
+from conftest import bitwise_equal, gguf_like, tiny_model, torch_threads
 from swiftkern import SkipModel, ops
 
 pytestmark = [pytest.mark.usefixtures("uninitialized_is_poison"),
@@ -122,14 +122,19 @@ def test_cache_and_attention_kernels(dtype):
     assert_same_bits(at_threads(compact))
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["float32-weights", "packed-weights"])
 @pytest.mark.parametrize("invariant", [False, True], ids=["regular", "invariant"])
-def test_a_forward_through_the_cpp_stack(invariant):
+def test_a_forward_through_the_cpp_stack(invariant, packed):
     """A prefill and a decode step of a 2-layer model of SmolLM2's widths (so the kernels split
-    their work): the regular kernel set, its projections on the C++ kernels (torch's matmul past
+    their work, and a layer's q, k and v, or gate and up, share one parallel region's tasks):
+    the regular kernel set, its projections on the C++ kernels (torch's matmul past
     skinny_linear's 32 rows is not asked to be thread-invariant: 24 rows here), and the batch-
-    and length-invariant set."""
-    model = SkipModel.from_hf(tiny_model("qwen2", num_hidden_layers=2, hidden_size=576, intermediate_size=1536,
-                                         num_attention_heads=9, num_key_value_heads=3, vocab_size=4099))
+    and length-invariant set; float32 weights or their 4/8-bit codes (packed_linear)."""
+    hf = tiny_model("qwen2", num_hidden_layers=2, hidden_size=576, intermediate_size=1536,
+                    num_attention_heads=9, num_key_value_heads=3, vocab_size=4099)
+    model = SkipModel.from_hf(gguf_like(hf) if packed else hf, pack_weights=packed)
+    if packed:
+        assert model.packed.count == 2 * 7 + 1  # every projection and the LM head
     tokens = torch.randint(0, 4099, (2, 12), generator=torch.Generator().manual_seed(5))
 
     def forward():
