@@ -21,15 +21,20 @@ DTYPE_HELP = ("the model's dtype (default float32; a GGUF model is dequantized t
               "outputs equal ar's bit for bit there too)")
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (also bench/__main__.py's counts)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def _int_at_least(low: int):
+    """argparse type: an integer >= low."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    return parse
+
+
+positive_int = _int_at_least(1)  # argparse type: an integer >= 1 (also bench/__main__.py's counts)
 
 
 def _skip_ratio(text: str):
@@ -135,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="self-spec: move --eps toward a 0.9 acceptance rate as generation goes (Self-SD)")
     gen.add_argument("--temperature", type=_float_in(0.0, 100.0, False), default=0.0,
                      help="0 = greedy (default); >= 1e-5 samples from softmax(logits / T)")
-    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens when sampling (0 = all)")
+    gen.add_argument("--top-k", type=_int_at_least(0), default=0, help="keep the k most likely tokens when sampling (0 = all)")
     gen.add_argument("--top-p", type=_float_in(0.0, 1.0, True), default=1.0, help="nucleus sampling mass (default 1.0 = off)")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed; a token depends only on (seed, position)")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt: prompt, tokens, text, stats")
@@ -185,8 +190,6 @@ def cmd_generate(args) -> int:
     for i, p in enumerate(prompts):
         if not p.strip():
             raise SwiftkernError(f"prompt {i} is empty")
-    if args.top_k < 0:
-        raise SwiftkernError(f"--top-k must be >= 0, got {args.top_k}")
     if args.stream and (len(prompts) > 1 or args.json):
         raise SwiftkernError("--stream prints one prompt's text as it comes: give one prompt and no --json "
                              "(or drop --stream)")

@@ -241,7 +241,7 @@ def _exit_code(argv) -> int:
 
 
 @pytest.mark.parametrize("args,msg", [
-    (["generate", "--prompt", "hi", "--top-k", "-1"], "--top-k must be >= 0, got -1"),
+    (["generate", "--prompt", "hi", "--top-k", "-1"], "argument --top-k: must be >= 0, got -1"),
     (["generate", "--prompt", "hi", "--top-p", "0"], "must be in (0.0, 1.0], got 0.0"),
     (["generate", "--prompt", "hi", "--eps", "1.01"], "must be in [0.0, 1.0], got 1.01"),
     (["generate", "--prompt", "hi", "--temperature", "-0.5"], "must be in [0.0, 100.0], got -0.5"),
