@@ -140,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="self-spec: move --eps toward a 0.9 acceptance rate as generation goes (Self-SD)")
     gen.add_argument("--temperature", type=_float_in(0.0, 100.0, False), default=0.0,
                      help="0 = greedy (default); >= 1e-5 samples from softmax(logits / T)")
-    gen.add_argument("--top-k", type=_int_at_least(0), default=0, help="keep the k most likely tokens when sampling (0 = all)")
+    gen.add_argument("--top-k", type=_int_at_least(0), default=0,
+                     help="keep the k most likely tokens when sampling (0 = all)")
     gen.add_argument("--top-p", type=_float_in(0.0, 1.0, True), default=1.0, help="nucleus sampling mass (default 1.0 = off)")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed; a token depends only on (seed, position)")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt: prompt, tokens, text, stats")
