@@ -444,15 +444,21 @@ static int packed_bits(int64_t block_bytes) {
 // 8192 weights a task, as skinny_linear's
 static int64_t packed_grain(int64_t K) { return std::max<int64_t>(1, 32768 / (kPackedTileCols * K)); }
 
+// isa's register tiles for BITS-bit codes, made once (as skinny_linear's table_for)
+template <int BITS>
+static const PackedTiles& packed_tiles_for(Isa isa) {
+  static const PackedTiles avx512 = PackedTiles::make<BITS>(Isa::kAvx512),
+                           avx2 = PackedTiles::make<BITS>(Isa::kAvx2),
+                           portable = PackedTiles::make<BITS>(Isa::kPortable);
+  return isa == Isa::kAvx512 ? avx512 : isa == Isa::kAvx2 ? avx2 : portable;
+}
+
 // Outputs of weight tiles [t0, t1) of y [M, N] = x [M, K] @ w^T with isa's register or unpacking
 // tiles, w packed with bits-bit codes (4 or 8)
 static void packed_tile_range_with_isa(Isa isa, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
                                        int bits, float* y, int64_t t0, int64_t t1) {
   const int64_t row_bytes = K / kBlock * (bits == 4 ? kBlockBytes4 : kBlockBytes8);
-  static const PackedTiles tiles4 = PackedTiles::make<4>(pick_isa());
-  static const PackedTiles tiles8 = PackedTiles::make<8>(pick_isa());
-  const PackedTiles tiles = isa == pick_isa() ? (bits == 4 ? tiles4 : tiles8)
-                            : bits == 4 ? PackedTiles::make<4>(isa) : PackedTiles::make<8>(isa);
+  const PackedTiles& tiles = bits == 4 ? packed_tiles_for<4>(isa) : packed_tiles_for<8>(isa);
   const auto range = bits == 4 ? packed_linear_range<4> : packed_linear_range<8>;
   range(tiles, isa, x, w, row_bytes, y, M, K, N, t0 * kPackedTileCols, std::min(N, t1 * kPackedTileCols));
 }
