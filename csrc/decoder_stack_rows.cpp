@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "decoder_stack.h"
+#include "packed_layout.h"
 #include "row_kernels.h"
 
 namespace swiftkern {
@@ -103,7 +104,7 @@ std::optional<Projection> projection(const StackShape& s, const LayerWeights& lw
     case Kernel::kPacked: {
       const at::Tensor& pk = *lw.packed[weight];
       if (pk.scalar_type() != at::kByte || !pk.device().is_cpu() || pk.dim() != 3 || !pk.is_contiguous() ||
-          pk.size(0) != N || pk.size(1) * 32 != K || (pk.size(2) != 24 && pk.size(2) != 40))
+          pk.size(0) != N || pk.size(1) * 32 != K || (pk.size(2) != cpu::kBlockBytes4 && pk.size(2) != cpu::kBlockBytes8))
         return std::nullopt;
       p.packed = pk.data_ptr<uint8_t>();
       p.block_bytes = pk.size(2);

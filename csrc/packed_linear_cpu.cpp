@@ -3,8 +3,8 @@
 // A GGUF model dequantized to float32 (SmolLM2's Q4_1 layers and Q8_0 head) holds weights that
 // are exactly w = scale * code + offset per block of 32 inputs, with a float16 scale and offset
 // and a 4- or 8-bit code. swiftkern/packed_weights.py finds those codes (and checks that every
-// weight comes back bit for bit); this kernel streams them at 0.75 / 1.25 bytes per weight
-// instead of 4, rebuilds each weight with one fma (exact: scale * code has at most 19
+// weight comes back bit for bit); this kernel streams them at 0.75 / 1.06 bytes per weight
+// (the 8-bit block is Q8_0's own) instead of 4, rebuilds each weight with one fma (exact: scale * code has at most 19
 // significant bits, so the fma rounds once, where the dequantizer's multiply-then-add did; with
 // AVX-512 a 4-bit block makes its 16 possible weights so and permutes them by code, with AVX2
 // each code is widened and converted first) and
@@ -12,7 +12,7 @@
 // skinny_linear's on the float32 weight, bit for bit: a decode step reads a sixth of the bytes
 // and computes the same logits.
 //
-// Packed layout: csrc/packed_layout.h (24 bytes a 4-bit block, 40 an 8-bit one).
+// Packed layout: csrc/packed_layout.h (24 bytes a 4-bit block, 34 an 8-bit one).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -80,24 +80,17 @@ static_assert(kUnpackAboveRows <= kPackedTileRows, "the register path takes all 
 // against 67-79 / 67-82 / 84-98 / 132-156.
 constexpr int64_t kPackedPanelAboveRows = 16;
 
-static inline float load_f32(const uint8_t* p) {
-  float v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
 // weight k of a block (0 <= k < 32), as the dequantizer made it
 template <int BITS>
 static inline float block_weight(const uint8_t* block, int k) {
-  const float scale = load_f32(block), offset = load_f32(block + 4);
   float code;
   if constexpr (BITS == 4) {
-    const uint8_t byte = block[kHeaderBytes + (k % 16)];
+    const uint8_t byte = block[kCodesAt<BITS> + (k % 16)];
     code = static_cast<float>(k < 16 ? byte & 0xF : byte >> 4);
   } else {
-    code = static_cast<float>(static_cast<int8_t>(block[kHeaderBytes + k]));
+    code = static_cast<float>(static_cast<int8_t>(block[kCodesAt<BITS> + k]));
   }
-  return std::fma(scale, code, offset);
+  return std::fma(block_scale<BITS>(block), code, block_offset<BITS>(block));
 }
 
 // One tile: x rows [0, MR) (stride K) against packed weight rows [0, NR) (stride row_bytes)
@@ -105,7 +98,7 @@ template <int BITS, int MR, int NR>
 static void packed_tile_portable(const float* x, const uint8_t* w, int64_t row_bytes, float* y, int64_t K,
                                  int64_t N, const uint8_t* pf) {
   (void)pf;
-  constexpr int block_bytes = BITS == 4 ? kBlockBytes4 : kBlockBytes8;
+  constexpr int block_bytes = kBlockBytes<BITS>;
   float lane[MR][NR][kLanes] = {};
   for (int64_t k = 0; k < K; ++k) {
     const int l = static_cast<int>(k % kLanes);
@@ -133,13 +126,15 @@ __attribute__((target("avx512f"))) static inline void block_weights_avx512(const
   if constexpr (BITS == 4) {
     const __m512 table = block_table_avx512(block);
     // a permute reads the low 4 bits of each index: byte & 0xF needs no mask
-    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 8)));
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kCodesAt<BITS>)));
     lo = _mm512_permutexvar_ps(bytes, table);
     hi = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
-  } else {
-    const __m512 scale = _mm512_set1_ps(load_f32(block)), offset = _mm512_set1_ps(load_f32(block + 4));
-    const __m512i code_lo = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 8)));
-    const __m512i code_hi = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 24)));
+  } else {  // the float16 scale widened in every lane; the offset +0
+    const __m512 scale = _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(load_u16(block))));
+    const __m512 offset = _mm512_setzero_ps();
+    const uint8_t* codes = block + kCodesAt<BITS>;
+    const __m512i code_lo = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+    const __m512i code_hi = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16)));
     lo = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(code_lo), offset);
     hi = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(code_hi), offset);
   }
@@ -150,7 +145,7 @@ __attribute__((target("avx512f"))) static void packed_tile_avx512(const float* x
                                                                   int64_t row_bytes, float* y, int64_t K, int64_t N,
                                                                   const uint8_t* pf) {
   static_assert(whole_blocks_fit(MR, NR), "a tile the registers cannot hold");
-  constexpr int block_bytes = BITS == 4 ? kBlockBytes4 : kBlockBytes8;
+  constexpr int block_bytes = kBlockBytes<BITS>;
   __m512 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -184,7 +179,7 @@ __attribute__((target("avx512f"))) static void packed_tile_avx512(const float* x
 template <int BITS>
 __attribute__((target("avx512f"))) static void unpack_rows_avx512(const uint8_t* w, int64_t row_bytes, int rows,
                                                                   int64_t K, float* out, const uint8_t* pf) {
-  constexpr int block_bytes = BITS == 4 ? kBlockBytes4 : kBlockBytes8;
+  constexpr int block_bytes = kBlockBytes<BITS>;
   for (int j = 0; j < rows; ++j)
     for (int64_t b = 0; b < K / kBlock; ++b) {
       if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + j * row_bytes + b * block_bytes), _MM_HINT_T0);
@@ -197,15 +192,23 @@ __attribute__((target("avx512f"))) static void unpack_rows_avx512(const uint8_t*
 
 // Weight vector q of a block as the dequantizer made it: q = 0 inputs 0-7, 1 8-15 (lanes 0-7 and
 // 8-15 of the first step), 2 16-23, 3 24-31 (the second); rebuilt one at a time by the tile loop
+// A block's scale in every lane (the 8-bit block's float16 widened by F16C, which pick_isa's AVX2 requires)
+template <int BITS>
+__attribute__((target("avx2,f16c"))) static inline __m256 block_scale_avx2(const uint8_t* block) {
+  if constexpr (BITS == 4) return _mm256_set1_ps(load_f32(block));
+  return _mm256_cvtph_ps(_mm_set1_epi16(static_cast<short>(load_u16(block))));
+}
+
 template <int BITS>
 __attribute__((target("avx2,fma"))) static inline __m256 block_quarter_avx2(const uint8_t* block, __m256 scale,
                                                                           __m256 offset, int q) {
   __m256i codes;
   if constexpr (BITS == 4) {
-    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 8 + 8 * (q & 1))));
+    const __m256i bytes =
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + kCodesAt<BITS> + 8 * (q & 1))));
     codes = q < 2 ? _mm256_and_si256(bytes, _mm256_set1_epi32(0xF)) : _mm256_srli_epi32(bytes, 4);
   } else {
-    codes = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 8 + 8 * q)));
+    codes = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + kCodesAt<BITS> + 8 * q)));
   }
   return _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(codes), offset);
 }
@@ -213,9 +216,9 @@ __attribute__((target("avx2,fma"))) static inline __m256 block_quarter_avx2(cons
 // AVX2: an output's lanes 0-7 and 8-15 in two accumulators (acc[i][j][0], [1]); per block, inputs
 // 0-15 go to lanes 0-15 and then inputs 16-31, each lane in increasing k as fixed_order_dot.h says
 template <int BITS, int MR, int NR>
-__attribute__((target("avx2,fma"))) static void packed_tile_avx2(const float* x, const uint8_t* w, int64_t row_bytes,
+__attribute__((target("avx2,fma,f16c"))) static void packed_tile_avx2(const float* x, const uint8_t* w, int64_t row_bytes,
                                                                 float* y, int64_t K, int64_t N, const uint8_t* pf) {
-  constexpr int block_bytes = BITS == 4 ? kBlockBytes4 : kBlockBytes8;
+  constexpr int block_bytes = kBlockBytes<BITS>;
   __m256 acc[MR][NR][2];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j][0] = acc[i][j][1] = _mm256_setzero_ps();
@@ -227,7 +230,7 @@ __attribute__((target("avx2,fma"))) static void packed_tile_avx2(const float* x,
     }
     for (int j = 0; j < NR; ++j) {
       const uint8_t* block = w + j * row_bytes + b * block_bytes;
-      const __m256 scale = _mm256_set1_ps(load_f32(block)), offset = _mm256_set1_ps(load_f32(block + 4));
+      const __m256 scale = block_scale_avx2<BITS>(block), offset = _mm256_set1_ps(block_offset<BITS>(block));
       for (int q = 0; q < 4; ++q) {
         const __m256 wq = block_quarter_avx2<BITS>(block, scale, offset, q);
         for (int i = 0; i < MR; ++i)
@@ -279,9 +282,9 @@ __attribute__((target("avx2,fma"))) static inline void put_panel_codes(__m128i c
 // block the 16 rows' code bytes are transposed (lane l's code of every row in one vector), and
 // each weight is rebuilt as fma(scale, code, offset) eight rows at a time: the dequantizer's bits.
 template <int BITS>
-__attribute__((target("avx2,fma"))) static void pack_packed_panel_avx2(const uint8_t* w, int64_t row_bytes, int nr,
+__attribute__((target("avx2,fma,f16c"))) static void pack_packed_panel_avx2(const uint8_t* w, int64_t row_bytes, int nr,
                                                                       int64_t K, float* out) {
-  constexpr int block_bytes = BITS == 4 ? kBlockBytes4 : kBlockBytes8;
+  constexpr int block_bytes = kBlockBytes<BITS>;
   const int64_t J = K / kLanes;
   const __m256 zero = _mm256_setzero_ps();
   const __m256i step = _mm256_set1_epi32(static_cast<int>(row_bytes));
@@ -291,19 +294,28 @@ __attribute__((target("avx2,fma"))) static void pack_packed_panel_avx2(const uin
   const __m256 live0 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(n_rows, _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
   const __m256 live1 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(n_rows, _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15)));
   for (int64_t b = 0; b < K / kBlock; ++b) {
-    // the 16 rows scales and offsets, gathered 8 rows a vector (rows past nr: 0, so their weights are 0)
+    // the 16 rows scales and offsets, 8 rows a vector (rows past nr: 0, so their weights are 0):
+    // 4-bit, gathered; 8-bit, the float16 scales widened, the offsets +0
     const uint8_t* head = w + b * block_bytes;
-    const __m256 s0 = _mm256_mask_i32gather_ps(zero, reinterpret_cast<const float*>(head), rows0, live0, 1);
-    const __m256 s1 = _mm256_mask_i32gather_ps(zero, reinterpret_cast<const float*>(head), rows1, live1, 1);
-    const __m256 o0 = _mm256_mask_i32gather_ps(zero, reinterpret_cast<const float*>(head + 4), rows0, live0, 1);
-    const __m256 o1 = _mm256_mask_i32gather_ps(zero, reinterpret_cast<const float*>(head + 4), rows1, live1, 1);
+    __m256 s0 = zero, s1 = zero, o0 = zero, o1 = zero;
+    if constexpr (BITS == 4) {
+      s0 = _mm256_mask_i32gather_ps(zero, reinterpret_cast<const float*>(head), rows0, live0, 1);
+      s1 = _mm256_mask_i32gather_ps(zero, reinterpret_cast<const float*>(head), rows1, live1, 1);
+      o0 = _mm256_mask_i32gather_ps(zero, reinterpret_cast<const float*>(head + 4), rows0, live0, 1);
+      o1 = _mm256_mask_i32gather_ps(zero, reinterpret_cast<const float*>(head + 4), rows1, live1, 1);
+    } else {
+      alignas(16) uint16_t scales[kPanelCols] = {};
+      for (int c = 0; c < nr; ++c) scales[c] = load_u16(head + c * row_bytes);
+      s0 = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(scales)));
+      s1 = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(scales + 8)));
+    }
     // 4-bit: byte i holds inputs i (low nibble, step 2b) and i + 16 (step 2b + 1); 8-bit: bytes 0-15
     // are step 2b, bytes 16-31 step 2b + 1
     for (int half = 0; half < (BITS == 4 ? 1 : 2); ++half) {
       __m128i r[kPanelCols], t[kLanes];
       for (int c = 0; c < kPanelCols; ++c)
         r[c] = c < nr ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c * row_bytes + b * block_bytes +
-                                                                         kHeaderBytes + 16 * half))
+                                                                         kCodesAt<BITS> + 16 * half))
                       : _mm_setzero_si128();
       transpose_16x16_bytes(r, t);
       for (int l = 0; l < kLanes; ++l) {
@@ -379,7 +391,7 @@ int64_t fixed_order_row_block(Isa isa, int64_t M, int64_t K);
 template <int BITS>
 static void unpack_rows(Isa isa, const uint8_t* w, int64_t row_bytes, int rows, int64_t K, float* out,
                         const uint8_t* pf) {
-  constexpr int block_bytes = BITS == 4 ? kBlockBytes4 : kBlockBytes8;
+  constexpr int block_bytes = kBlockBytes<BITS>;
 #if defined(__x86_64__)
   if (isa == Isa::kAvx512) return unpack_rows_avx512<BITS>(w, row_bytes, rows, K, out, pf);
 #endif
@@ -503,7 +515,7 @@ static at::Tensor packed_linear_with(cpu::Isa isa, const at::Tensor& x, const at
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "packed_linear: tensors must be on the CPU");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "packed_linear: x must be float32, got ", x.scalar_type());
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && cpu::packed_bits(packed.size(2)) != 0,
-              "packed_linear: packed must be uint8 [N, K/32, 24 or 40] (swiftkern.packed_weights.pack), got ",
+              "packed_linear: packed must be uint8 [N, K/32, 24 or 34] (swiftkern.packed_weights.pack), got ",
               packed.scalar_type(), " ", packed.sizes());
   const int64_t N = packed.size(0), K = packed.size(1) * cpu::kBlock;
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "packed_linear: x [..., K] must match packed [N, K/32, bytes]: got ",
@@ -519,7 +531,7 @@ static at::Tensor packed_linear_with(cpu::Isa isa, const at::Tensor& x, const at
   return call.finish();
 }
 
-// x: float32 [..., K]; packed: uint8 [N, K/32, 24 | 40] (4- | 8-bit codes); bias: float32 [N] or
+// x: float32 [..., K]; packed: uint8 [N, K/32, 24 | 34] (4- | 8-bit codes); bias: float32 [N] or
 // None -> float32 [..., N], skinny_linear(x, the unpacked weight, bias) bit for bit
 at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
   return packed_linear_with(cpu::pick_isa(), x, packed, bias);

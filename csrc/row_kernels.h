@@ -11,7 +11,7 @@
 namespace swiftkern {
 namespace cpu {
 
-// y [M, N] = x [M, K] @ w^T, w packed uint8 [N, K/32, block_bytes] (24: 4-bit codes, 40: 8-bit)
+// y [M, N] = x [M, K] @ w^T, w packed uint8 [N, K/32, block_bytes] (24: 4-bit codes, 34: 8-bit; packed_layout.h)
 void packed_linear_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int64_t block_bytes,
                         float* y);
 

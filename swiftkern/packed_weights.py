@@ -9,8 +9,9 @@ bytes per weight and returns ``skinny_linear``'s result on the float32 weight, t
 Nothing about the model changes: a weight that does not come back exactly is not packed, and
 the runner keeps using its float32 copy.
 
-Layout, uint8 [N, K/32, 24 | 40]: per block of 32 inputs, float32 scale and offset (8 bytes),
-then the codes: 4-bit, 16 bytes, byte i = code[i] | code[i + 16] << 4; 8-bit, 32 signed bytes.
+Layout (csrc/packed_layout.h), uint8 [N, K/32, 24 | 34], per block of 32 inputs: 4-bit, the
+float32 scale and offset (8 bytes) then 16 bytes of codes, byte i = code[i] | code[i + 16] << 4;
+8-bit, GGUF Q8_0's own block: the float16 scale (2 bytes) then 32 signed codes, the offset +0.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from __future__ import annotations
 import torch
 
 BLOCK = 32
-HEADER = 8  # float32 scale, float32 offset
-BLOCK_BYTES = {4: HEADER + BLOCK // 2, 8: HEADER + BLOCK}
+HEADER = {4: 8, 8: 2}  # bytes before the codes: float32 scale and offset; float16 scale
+BLOCK_BYTES = {4: HEADER[4] + BLOCK // 2, 8: HEADER[8] + BLOCK}
 _CODES = {4: (0, 15), 8: (-128, 127)}
 _SCALE_STEPS = (0, 1, -1, 2, -2)  # float16 steps from the estimated scale that are tried, in order
 
@@ -55,19 +56,19 @@ def _find_codes(blocks: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Te
 
 
 def _layout(scale: torch.Tensor, offset: torch.Tensor, codes: torch.Tensor, bits: int) -> torch.Tensor:
-    N, B = codes.shape[:2]
-    header = torch.cat([scale, offset], -1).contiguous().view(torch.uint8)  # [N, B, 8]
     if bits == 4:
+        header = torch.cat([scale, offset], -1).contiguous().view(torch.uint8)  # [N, B, 8]
         c = codes.to(torch.uint8)
         body = c[..., :16] | (c[..., 16:] << 4)  # [N, B, 16]
-    else:
+    else:  # the scale is a float16 value (exact), the offset +0
+        header = scale.half().contiguous().view(torch.uint8)  # [N, B, 2]
         body = codes.to(torch.int8).view(torch.uint8)  # [N, B, 32]
     return torch.cat([header, body], -1).contiguous()
 
 
 def _pack_codes(weight: torch.Tensor, bits: int) -> torch.Tensor | None:
     """The torch twin of the C++ ``pack_codes`` (csrc/pack_codes_cpu.cpp), the same answer bit
-    for bit: weight float32 [N, K] (K % 32 == 0) -> packed uint8 [N, K/32, 24 | 40] with
+    for bit: weight float32 [N, K] (K % 32 == 0) -> packed uint8 [N, K/32, 24 | 34] with
     ``bits``-bit codes, or None (a weight that is not finite never packs)."""
     if not bool(torch.isfinite(weight).all()):
         return None
@@ -85,7 +86,7 @@ def _native_pack_codes():
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """weight: float32 [N, K] on the CPU -> packed uint8 [N, K/32, 24 | 40] holding the same
+    """weight: float32 [N, K] on the CPU -> packed uint8 [N, K/32, 24 | 34] holding the same
     values exactly (4-bit codes tried first, then 8-bit), or None when the weight is not such
     a quantized weight (K not a multiple of 32, a value not finite, or some block not exactly
     codes times a float16 scale plus a float16 offset)."""
@@ -105,20 +106,22 @@ def bits_of(packed: torch.Tensor) -> int:
     for bits, size in BLOCK_BYTES.items():
         if packed.shape[-1] == size:
             return bits
-    raise ValueError(f"not a packed weight: last dimension {packed.shape[-1]}, expected 24 or 40")
+    raise ValueError(f"not a packed weight: last dimension {packed.shape[-1]}, expected 24 or 34")
 
 
 def unpack(packed: torch.Tensor) -> torch.Tensor:
-    """packed uint8 [N, K/32, 24 | 40] -> the float32 weight [N, K] it holds (each weight
+    """packed uint8 [N, K/32, 24 | 34] -> the float32 weight [N, K] it holds (each weight
     scale * code + offset, one rounding)."""
     bits = bits_of(packed)
     N, B = packed.shape[:2]
-    header = packed[..., :HEADER].contiguous().view(torch.float32)  # [N, B, 2]
-    scale, offset = header[..., :1], header[..., 1:]
-    body = packed[..., HEADER:]
+    body = packed[..., HEADER[bits]:]
     if bits == 4:
+        header = packed[..., :HEADER[bits]].contiguous().view(torch.float32)  # [N, B, 2]
+        scale, offset = header[..., :1], header[..., 1:]
         codes = torch.cat([body & 0xF, body >> 4], -1).float()  # [N, B, 32]
     else:
+        scale = packed[..., :HEADER[bits]].contiguous().view(torch.float16).float()  # [N, B, 1]
+        offset = torch.zeros_like(scale)
         codes = body.contiguous().view(torch.int8).float()
     return (scale * codes + offset).reshape(N, B * BLOCK)
 

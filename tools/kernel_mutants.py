@@ -60,8 +60,8 @@ KERNEL_MUTANTS = [
     # ------------------------------------------------------------------ C++ AVX2 paths (an AVX2 CPU runs
     # them by default; tests that name an instruction set run them on an AVX-512 CPU too)
     ("K27", "csrc/packed_linear_cpu.cpp",
-     "codes = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 8 + 8 * q)));",
-     "codes = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 8 + 8 * (q & 1))));",
+     "codes = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + kCodesAt<BITS> + 8 * q)));",
+     "codes = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + kCodesAt<BITS> + 8 * (q & 1))));",
      "packed_linear's AVX2 tiles read an 8-bit block's codes 0-15 for inputs 16-31 too",
      ["tests/test_packed_weights.py"]),
     ("K28", "csrc/packed_linear_cpu.cpp",
@@ -71,8 +71,8 @@ KERNEL_MUTANTS = [
      "same products in another order, so not skinny_linear's fixed-order bits",
      ["tests/test_packed_weights.py"]),
     ("K29", "csrc/packed_linear_cpu.cpp",
-     "const __m256 o1 = _mm256_mask_i32gather_ps(zero, reinterpret_cast<const float*>(head + 4), rows1, live1, 1);",
-     "const __m256 o1 = _mm256_mask_i32gather_ps(zero, reinterpret_cast<const float*>(head + 4), rows0, live1, 1);",
+     "o1 = _mm256_mask_i32gather_ps(zero, reinterpret_cast<const float*>(head + 4), rows1, live1, 1);",
+     "o1 = _mm256_mask_i32gather_ps(zero, reinterpret_cast<const float*>(head + 4), rows0, live1, 1);",
      "packed_linear's AVX2 lane panels (more than 16 x rows) give a panel's weight rows 8-15 the "
      "offsets of rows 0-7",
      ["tests/test_packed_weights.py"]),
@@ -158,6 +158,23 @@ KERNEL_MUTANTS = [
     ("K62", "csrc/decoder_stack_rows.cpp", "  for (auto [p, y] : parts) p->add_bias(M, y);\n", "",
      "the row path's grouped projections drop their biases (Qwen2's q, k and v)",
      ["tests/test_decoder_stack.py", "tests/test_cpu_threads.py"]),
+    # ------------------------------------------------------------------ the 8-bit block as Q8_0's 34 bytes
+    ("K63", "csrc/packed_linear_cpu.cpp",
+     "const __m512 scale = _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(load_u16(block))));",
+     "const __m512 scale = _mm512_set1_ps(load_f32(block));",
+     "packed_linear's AVX-512 tiles read an 8-bit block's float16 scale and first two codes as a float32",
+     ["tests/test_packed_weights.py"]),
+    ("K64", "csrc/packed_linear_cpu.cpp",
+     "return _mm256_cvtph_ps(_mm_set1_epi16(static_cast<short>(load_u16(block))));",
+     "return _mm256_cvtph_ps(_mm_set1_epi16(static_cast<short>(load_u16(block + 1))));",
+     "packed_linear's AVX2 tiles take an 8-bit block's scale one byte late", ["tests/test_packed_weights.py"]),
+    ("K65", "csrc/packed_linear_cpu.cpp", "for (int c = 0; c < nr; ++c) scales[c] = load_u16(head + c * row_bytes);",
+     "for (int c = 0; c < nr; ++c) scales[c] = load_u16(head + c / 8 * 8 * row_bytes);",
+     "packed_linear's AVX2 lane panels give 8-bit weight rows 1-7 row 0's scale and 9-15 row 8's",
+     ["tests/test_packed_weights.py"]),
+    ("K66", "csrc/pack_codes_cpu.cpp", "    uint8_t* body = out + kCodesAt<8>;", "    uint8_t* body = out + kCodesAt<8> - 1;",
+     "the C++ pack_codes writes an 8-bit block's codes over its scale's high byte",
+     ["tests/test_pack_codes.py"]),
     # ------------------------------------------------------------------ the Triton kernels not yet run on a
     # GPU (bi_matmul's last_adds, bi_matmul_swiglu, bi_exp_sum in one launch): the interpreter's tests are
     # all that holds them
