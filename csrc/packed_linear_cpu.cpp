@@ -3,9 +3,9 @@
 // A GGUF model dequantized to float32 (SmolLM2's Q4_1 layers and Q8_0 head) holds weights that
 // are exactly w = scale * code + offset per block of 32 inputs, with a float16 scale and offset
 // and a 4- or 8-bit code. swiftkern/packed_weights.py finds those codes (and checks that every
-// weight comes back bit for bit); this kernel streams them at 0.75 / 1.06 bytes per weight
-// (the 8-bit block is Q8_0's own) instead of 4, rebuilds each weight with one fma (exact: scale * code has at most 19
-// significant bits, so the fma rounds once, where the dequantizer's multiply-then-add did; with
+// weight comes back bit for bit); this kernel streams them at 0.75 / 1.06 bytes per weight (the
+// 8-bit block is Q8_0's own) instead of 4, rebuilds each weight with one fma (exact: scale * code
+// has at most 19 significant bits, so the fma rounds once, where the dequantizer's multiply-then-add did; with
 // AVX-512 a 4-bit block makes its 16 possible weights so and permutes them by code, with AVX2
 // each code is widened and converted first) and
 // sums in skinny_linear's fixed order (fixed_order_dot.h). The output is therefore
@@ -126,7 +126,8 @@ __attribute__((target("avx512f"))) static inline void block_weights_avx512(const
   if constexpr (BITS == 4) {
     const __m512 table = block_table_avx512(block);
     // a permute reads the low 4 bits of each index: byte & 0xF needs no mask
-    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kCodesAt<BITS>)));
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kCodesAt<BITS>));
+    const __m512i bytes = _mm512_cvtepu8_epi32(packed);
     lo = _mm512_permutexvar_ps(bytes, table);
     hi = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
   } else {  // the float16 scale widened in every lane; the offset +0
@@ -190,8 +191,6 @@ __attribute__((target("avx512f"))) static void unpack_rows_avx512(const uint8_t*
     }
 }
 
-// Weight vector q of a block as the dequantizer made it: q = 0 inputs 0-7, 1 8-15 (lanes 0-7 and
-// 8-15 of the first step), 2 16-23, 3 24-31 (the second); rebuilt one at a time by the tile loop
 // A block's scale in every lane (the 8-bit block's float16 widened by F16C, which pick_isa's AVX2 requires)
 template <int BITS>
 __attribute__((target("avx2,f16c"))) static inline __m256 block_scale_avx2(const uint8_t* block) {
@@ -199,6 +198,8 @@ __attribute__((target("avx2,f16c"))) static inline __m256 block_scale_avx2(const
   return _mm256_cvtph_ps(_mm_set1_epi16(static_cast<short>(load_u16(block))));
 }
 
+// Weight vector q of a block as the dequantizer made it: q = 0 inputs 0-7, 1 8-15 (lanes 0-7 and
+// 8-15 of the first step), 2 16-23, 3 24-31 (the second); rebuilt one at a time by the tile loop
 template <int BITS>
 __attribute__((target("avx2,fma"))) static inline __m256 block_quarter_avx2(const uint8_t* block, __m256 scale,
                                                                           __m256 offset, int q) {
@@ -216,8 +217,9 @@ __attribute__((target("avx2,fma"))) static inline __m256 block_quarter_avx2(cons
 // AVX2: an output's lanes 0-7 and 8-15 in two accumulators (acc[i][j][0], [1]); per block, inputs
 // 0-15 go to lanes 0-15 and then inputs 16-31, each lane in increasing k as fixed_order_dot.h says
 template <int BITS, int MR, int NR>
-__attribute__((target("avx2,fma,f16c"))) static void packed_tile_avx2(const float* x, const uint8_t* w, int64_t row_bytes,
-                                                                float* y, int64_t K, int64_t N, const uint8_t* pf) {
+__attribute__((target("avx2,fma,f16c"))) static void packed_tile_avx2(const float* x, const uint8_t* w,
+                                                                     int64_t row_bytes, float* y, int64_t K, int64_t N,
+                                                                     const uint8_t* pf) {
   constexpr int block_bytes = kBlockBytes<BITS>;
   __m256 acc[MR][NR][2];
   for (int i = 0; i < MR; ++i)
