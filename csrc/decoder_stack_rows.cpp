@@ -103,8 +103,9 @@ std::optional<Projection> projection(const StackShape& s, const LayerWeights& lw
   switch (kernel_for(s, lw, weight, rows)) {
     case Kernel::kPacked: {
       const at::Tensor& pk = *lw.packed[weight];
+      const int64_t bytes = pk.size(2);
       if (pk.scalar_type() != at::kByte || !pk.device().is_cpu() || pk.dim() != 3 || !pk.is_contiguous() ||
-          pk.size(0) != N || pk.size(1) * 32 != K || (pk.size(2) != cpu::kBlockBytes4 && pk.size(2) != cpu::kBlockBytes8))
+          pk.size(0) != N || pk.size(1) * 32 != K || (bytes != cpu::kBlockBytes4 && bytes != cpu::kBlockBytes8))
         return std::nullopt;
       p.packed = pk.data_ptr<uint8_t>();
       p.block_bytes = pk.size(2);

@@ -174,8 +174,8 @@ bool pack_codes_kernel(const float* w, int64_t N, int64_t K, int bits, uint8_t* 
 }  // namespace cpu
 
 // weight: float32 [N, K] on the CPU, K a multiple of 32; bits 4 or 8 -> packed uint8
-// [N, K / 32, 24 | 34] (the layout of csrc/packed_layout.h and swiftkern/packed_weights.py), or nullopt when the weight
-// is not made of such codes.
+// [N, K / 32, 24 | 34] (the layout of csrc/packed_layout.h and swiftkern/packed_weights.py), or
+// nullopt when the weight is not made of such codes.
 std::optional<at::Tensor> pack_codes_cpu(const at::Tensor& weight, int64_t bits) {
   TORCH_CHECK(bits == 4 || bits == 8, "pack_codes: bits must be 4 or 8, got ", bits);
   TORCH_CHECK(weight.dim() == 2, "pack_codes: weight must be [N, K], got shape ", weight.sizes());

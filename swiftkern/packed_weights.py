@@ -4,7 +4,7 @@ A GGUF model loaded through transformers is dequantized to float32: SmolLM2's Q4
 ``w = scale * code + offset`` per block of 32 inputs (code 0..15, scale and offset float16), its
 Q8_0 head ``w = scale * code`` (code -128..127). Decoding on the CPU is bound by streaming those
 float32 weights (4 bytes each) from memory; ``pack`` finds the codes again and checks that every
-weight comes back bit for bit, and the C++ ``packed_linear`` reads 0.75 (4-bit) or 1.25 (8-bit)
+weight comes back bit for bit, and the C++ ``packed_linear`` reads 0.75 (4-bit) or 1.06 (8-bit)
 bytes per weight and returns ``skinny_linear``'s result on the float32 weight, the same bits.
 Nothing about the model changes: a weight that does not come back exactly is not packed, and
 the runner keeps using its float32 copy.
