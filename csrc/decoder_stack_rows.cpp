@@ -108,7 +108,7 @@ std::optional<Projection> projection(const StackShape& s, const LayerWeights& lw
           pk.size(0) != N || pk.size(1) * 32 != K || (bytes != cpu::kBlockBytes4 && bytes != cpu::kBlockBytes8))
         return std::nullopt;
       p.packed = pk.data_ptr<uint8_t>();
-      p.block_bytes = pk.size(2);
+      p.block_bytes = bytes;
       break;
     }
     case Kernel::kSkinny: p.w = w->data_ptr<float>(); break;

@@ -454,6 +454,11 @@ static int packed_bits(int64_t block_bytes) {
   return block_bytes == kBlockBytes4 ? 4 : block_bytes == kBlockBytes8 ? 8 : 0;
 }
 
+// Bytes of a packed weight row of K inputs with bits-bit codes (4 or 8)
+static int64_t packed_row_bytes(int64_t K, int bits) {
+  return K / kBlock * (bits == 4 ? kBlockBytes4 : kBlockBytes8);
+}
+
 // Weight tiles of a call (kPackedTileCols weight rows each) in a parallel region's tasks: ~K * 4 *
 // 8192 weights a task, as skinny_linear's
 static int64_t packed_grain(int64_t K) { return std::max<int64_t>(1, 32768 / (kPackedTileCols * K)); }
@@ -471,7 +476,7 @@ static const PackedTiles& packed_tiles_for(Isa isa) {
 // tiles, w packed with bits-bit codes (4 or 8)
 static void packed_tile_range_with_isa(Isa isa, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
                                        int bits, float* y, int64_t t0, int64_t t1) {
-  const int64_t row_bytes = K / kBlock * (bits == 4 ? kBlockBytes4 : kBlockBytes8);
+  const int64_t row_bytes = packed_row_bytes(K, bits);
   const PackedTiles& tiles = bits == 4 ? packed_tiles_for<4>(isa) : packed_tiles_for<8>(isa);
   const auto range = bits == 4 ? packed_linear_range<4> : packed_linear_range<8>;
   range(tiles, isa, x, w, row_bytes, y, M, K, N, t0 * kPackedTileCols, std::min(N, t1 * kPackedTileCols));
@@ -483,7 +488,7 @@ static void packed_linear_with_isa(Isa isa, const float* xp, int64_t M, int64_t 
 #if defined(__x86_64__)
   if (panels_take(isa, M, kPackedPanelAboveRows)) {
     // each panel of 16 weight rows packed lane-major straight from its codes
-    const int64_t row_bytes = K / kBlock * (bits == 4 ? kBlockBytes4 : kBlockBytes8);
+    const int64_t row_bytes = packed_row_bytes(K, bits);
     const auto pack = bits == 4 ? pack_packed_panel_avx2<4> : pack_packed_panel_avx2<8>;
     for_panels(xp, yp, M, K, N, [&](int64_t n, int nr, float* out) { pack(wp + n * row_bytes, row_bytes, nr, K, out); });
     return;
