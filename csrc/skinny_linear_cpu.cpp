@@ -62,7 +62,7 @@ constexpr int64_t kPrefetchTiles = 2;  // weight tiles prefetched ahead of the o
 // The weight tile ahead is asked into L2 (T1), not L1 (T0): SmolLM2's 210 projections at one row,
 // random float32 / bf16 weights from memory, AMD EPYC Zen 4, 2 threads, alternating processes:
 // float32 20.3-26.2 -> 14.6-16.2 ms (~20 -> ~27 GB/s; a plain sum reads 31 GB/s here), bf16
-// 14.6-16.3 -> 9.3-10.9 ms; faster in every pair at 1, 4 and 8 rows with the AVX2 tiles too. An
+// 14.6-16.3 -> 10.3-10.9 ms; faster in every pair at 1, 4 and 8 rows with the AVX2 tiles too. An
 // L1 prefetch holds one of the core's few L1 miss buffers until its line arrives; the L2 takes
 // many more requests in flight. (The packed tiles, bound by their instructions, gained nothing.)
 inline void prefetch_weight_line(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
