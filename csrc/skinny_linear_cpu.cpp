@@ -303,6 +303,20 @@ void cpu::skinny_linear_tiles(const float* x, int64_t M, int64_t K, const float*
   fixed_order_linear(table_for<float>(isa), x, w, y, M, K, N, t0 * kTileCols, std::min(N, t1 * kTileCols));
 }
 
+// skinny_linear_tiles on a weight of x's dtype's kind: float32, bfloat16 or float16 [N, K], contiguous
+// (decoder_stack's op-by-op path groups a layer's bf16 / fp16 projections with it)
+void skinny_linear_tiles_of(const float* x, int64_t M, int64_t K, const at::Tensor& w, float* y, int64_t t0,
+                            int64_t t1) {
+  static const cpu::Isa isa = cpu::pick_isa();
+  const int64_t N = w.size(0), n0 = t0 * cpu::kTileCols, n1 = std::min(N, t1 * cpu::kTileCols);
+  if (w.scalar_type() == at::kFloat)
+    cpu::fixed_order_linear(cpu::table_for<float>(isa), x, w.data_ptr<float>(), y, M, K, N, n0, n1);
+  else if (w.scalar_type() == at::kBFloat16)
+    cpu::fixed_order_linear(cpu::table_for<at::BFloat16>(isa), x, w.data_ptr<at::BFloat16>(), y, M, K, N, n0, n1);
+  else
+    cpu::fixed_order_linear(cpu::table_for<at::Half>(isa), x, w.data_ptr<at::Half>(), y, M, K, N, n0, n1);
+}
+
 static at::Tensor skinny_linear_with(cpu::Isa isa, const at::Tensor& x, const at::Tensor& weight,
                                      const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "skinny_linear_cpu: tensors must be on the CPU");
