@@ -79,12 +79,8 @@ void project_together(const std::array<std::pair<const Projection*, float*>, P>&
     first[i + 1] = first[i] + split.tiles;
     grain = std::max(grain, split.grain);
   }
-  at::parallel_for(0, first[P], grain, [&](int64_t t0, int64_t t1) {
-    for (size_t i = 0; i < P; ++i) {
-      const int64_t a = std::max(t0, first[i]), b = std::min(t1, first[i + 1]);
-      if (a < b) parts[i].first->tiles(x, M, parts[i].second, a - first[i], b - first[i]);
-    }
-  });
+  parallel_parts<P>(first, grain,
+                    [&](size_t i, int64_t t0, int64_t t1) { parts[i].first->tiles(x, M, parts[i].second, t0, t1); });
   for (auto [p, y] : parts) p->add_bias(M, y);
 }
 
