@@ -147,17 +147,26 @@ KERNEL_MUTANTS = [
      "cpu::add_rms_norm_rows(k, D, nullptr, D, plan.k_norm, k, nullptr, M * Hkv - 1, D, static_cast<float>(s.eps));",
      "the row path leaves the last key head of the last token without Qwen3's key norm",
      ["tests/test_decoder_stack.py"]),
-    # a layer's q, k and v (gate and up) in one parallel region (project_together)
-    ("K60", "csrc/decoder_stack_rows.cpp", "parts[i].first->tiles(x, M, parts[i].second, a - first[i], b - first[i]);",
-     "parts[i].first->tiles(x, M, parts[i].second, a, b);",
-     "the row path's grouped projections: k and v (up) take their tiles at the group's offsets, not their own",
+    # a layer's q, k and v (gate and up) in one parallel region (parallel_parts: project_together on
+    # raw float32 rows, project_group op by op in bf16 / fp16)
+    ("K60", "csrc/decoder_stack.h", "      if (a < b) tiles(i, a - first[i], b - first[i]);",
+     "      if (a < b) tiles(i, a, b);",
+     "the grouped projections: k and v (up) take their tiles at the group's offsets, not their own",
      ["tests/test_decoder_stack.py"]),
-    ("K61", "csrc/decoder_stack_rows.cpp", "      if (a < b) parts[i].first->tiles(", "      if (a < b && t0 <= first[i]) parts[i].first->tiles(",
-     "the row path's grouped projections: a task that starts inside a projection skips the rest of it "
+    ("K61", "csrc/decoder_stack.h", "      if (a < b) tiles(", "      if (a < b && t0 <= first[i]) tiles(",
+     "the grouped projections: a task that starts inside a projection skips the rest of it "
      "(only where the tiles are split over threads)", ["tests/test_cpu_threads.py"]),
     ("K62", "csrc/decoder_stack_rows.cpp", "  for (auto [p, y] : parts) p->add_bias(M, y);\n", "",
      "the row path's grouped projections drop their biases (Qwen2's q, k and v)",
      ["tests/test_decoder_stack.py", "tests/test_cpu_threads.py"]),
+    ("K67", "csrc/decoder_stack_cpu.cpp",
+     "calls[i] = linear_call(\"skinny_linear\", x, lw.w[parts[i].first]->size(0), lw.w[parts[i].second]);",
+     "calls[i] = linear_call(\"skinny_linear\", x, lw.w[parts[i].first]->size(0), std::nullopt);",
+     "the bf16 / fp16 grouped projections drop their biases (Qwen2's q, k and v)", ["tests/test_decoder_stack.py"]),
+    ("K68", "csrc/decoder_stack_cpu.cpp", "skinny_linear_tiles_of(xc.data_ptr<float>(), M, K, *lw.w[parts[i].first],",
+     "skinny_linear_tiles_of(xc.data_ptr<float>(), M, K, *lw.w[parts[0].first],",
+     "the bf16 / fp16 grouped projections read every part's tiles from the first part's weight "
+     "(k and v from q's, up from gate's)", ["tests/test_decoder_stack.py"]),
     # ------------------------------------------------------------------ the 8-bit block as Q8_0's 34 bytes
     ("K63", "csrc/packed_linear_cpu.cpp",
      "const __m512 scale = _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(load_u16(block))));",
