@@ -1,6 +1,6 @@
 // What the two ways of running decoder_stack share: a layer's weight slots, the call's shape,
 // and the rule that picks each projection's kernel (decoder_stack_cpu.cpp: op by op on tensors,
-// any dtype; decoder_stack_rows.cpp: float32 on raw rows in one buffer, where it applies).
+// any dtype; decoder_stack_rows.cpp: on raw rows in one buffer, float32 / bf16 / fp16, where it applies).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -60,9 +60,11 @@ void parallel_parts(const std::array<int64_t, P + 1>& first, int64_t grain, cons
   });
 }
 
-// decoder_stack's float32 path on raw rows (decoder_stack_rows.cpp): its (hidden, pending), or
-// nullopt where it does not apply (another dtype, a projection for torch's matmul, a layout or
-// value it does not take), and the op-by-op path runs (and says what is wrong, if anything is).
+// decoder_stack's path on raw rows (decoder_stack_rows.cpp; float32, bf16 or fp16): its (hidden,
+// pending), or nullopt where it does not apply (another dtype, a projection for torch's matmul, a
+// layout or value it does not take), and the op-by-op path runs (and says what is wrong, if
+// anything is). bf16 / fp16 on raw rows against op by op: a SmolLM2 one-token forward 6-11 %
+// faster (docs/speed.md).
 std::optional<std::tuple<at::Tensor, at::Tensor>> decoder_stack_rows(
     const StackShape& s, const at::Tensor& hidden, const std::vector<std::optional<at::Tensor>>& weights,
     const std::vector<int64_t>& skip, const std::vector<std::optional<at::Tensor>>& packed, const at::Tensor& k_cache,

@@ -9,17 +9,12 @@
 
 #include <ATen/ATen.h>
 
-#include <algorithm>
-#include <array>
 #include <optional>
 #include <tuple>
-#include <utility>
 #include <vector>
 
 #include "decoder_stack.h"
-#include "linear_call.h"
 #include "op_checks.h"
-#include "row_kernels.h"
 
 namespace swiftkern {
 
@@ -36,8 +31,6 @@ at::Tensor verify_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
                                 const at::Tensor& cache_lens, double scale);
 at::Tensor verify_attention_invariant_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                           const at::Tensor& cache_lens, double scale);
-void skinny_linear_tiles_of(const float* x, int64_t M, int64_t K, const at::Tensor& w, float* y, int64_t t0,
-                            int64_t t1);
 
 namespace {
 
@@ -49,47 +42,6 @@ at::Tensor project(const StackShape& s, const at::Tensor& x, const LayerWeights&
     case Kernel::kSkinny: return skinny_linear_cpu(x, *lw.w[weight], lw.w[bias]);
     default: return at::linear(x, *lw.w[weight], lw.w[bias]);
   }
-}
-
-// The projections of one x (a layer's q, k and v, or its gate and up), each what project() gives,
-// their weight tiles in one parallel region where every one takes skinny_linear: one fork and join
-// and one upcast of x, not one each (bf16 / fp16; float32 groups on raw rows, decoder_stack_rows.cpp).
-// SmolLM2 in bf16 / fp16 (`ar`, 64 tokens, AVX-512 AMD EPYC, 2 threads, alternating processes):
-// faster in 8 of 8 pairs, by 0-13 %, ~3-5 % typically (docs/speed.md).
-// Elsewhere (packed weights, torch's matmul, the AVX2 lane panels, a weight it does not take) each
-// goes through project().
-template <size_t P>
-std::array<at::Tensor, P> project_group(const StackShape& s, const at::Tensor& x, const LayerWeights& lw,
-                                        const std::array<std::pair<Field, Field>, P>& parts) {
-  const int64_t K = x.size(-1), M = x.numel() / std::max<int64_t>(K, 1);
-  std::array<int64_t, P + 1> first{};  // the parts' tiles laid end to end
-  int64_t grain = 1;
-  bool together = M > 0 && K > 0;
-  for (size_t i = 0; i < P && together; ++i) {
-    const at::Tensor* w = present(lw.w[parts[i].first]);
-    together = w && kernel_for(s, lw, parts[i].first, M) == Kernel::kSkinny && w->dim() == 2 &&
-               w->scalar_type() == x.scalar_type() && w->size(1) == K && w->size(0) > 0 && w->is_contiguous();
-    if (!together) break;
-    const cpu::TileSplit split = cpu::skinny_linear_split(M, K, w->size(0));
-    together = split.tiles > 0;
-    first[i + 1] = first[i] + split.tiles;
-    grain = std::max(grain, split.grain);
-  }
-  std::array<at::Tensor, P> out;
-  if (!together) {
-    for (size_t i = 0; i < P; ++i) out[i] = project(s, x, lw, parts[i].first, parts[i].second);
-    return out;
-  }
-  const at::Tensor xc = x.to(at::kFloat).contiguous();  // [M, K], exact
-  std::array<LinearCall, P> calls;
-  for (size_t i = 0; i < P; ++i)
-    calls[i] = linear_call("skinny_linear", x, lw.w[parts[i].first]->size(0), lw.w[parts[i].second]);
-  parallel_parts<P>(first, grain, [&](size_t i, int64_t t0, int64_t t1) {
-    skinny_linear_tiles_of(xc.data_ptr<float>(), M, K, *lw.w[parts[i].first], calls[i].y.template data_ptr<float>(),
-                           t0, t1);
-  });
-  for (size_t i = 0; i < P; ++i) out[i] = calls[i].finish();
-  return out;
 }
 
 // (rms_norm(hidden + pending), hidden + pending); pending undefined: nothing to add
@@ -109,10 +61,11 @@ at::Tensor attention(const StackShape& s, const LayerWeights& w, const at::Tenso
                      at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& cos, const at::Tensor& sin,
                      const at::Tensor& positions, const at::Tensor& cache_lens) {
   const int64_t B = s.B, T = s.T, D = s.head_dim;
-  auto [q_rows, k_rows, v_rows] = project_group<3>(s, x, w, {{{kQ, kQBias}, {kK, kKBias}, {kV, kVBias}}});
-  at::Tensor q = head_norm(s, q_rows.view({B, T, s.num_heads, D}), w.w[kQNorm]).transpose(1, 2);  // [B, Hq, T, D]
-  at::Tensor k = head_norm(s, k_rows.view({B, T, s.num_kv_heads, D}), w.w[kKNorm]).transpose(1, 2);  // [B, Hkv, T, D]
-  at::Tensor v = v_rows.view({B, T, s.num_kv_heads, D}).transpose(1, 2);
+  at::Tensor q = head_norm(s, project(s, x, w, kQ, kQBias).view({B, T, s.num_heads, D}), w.w[kQNorm])
+                     .transpose(1, 2);  // [B, Hq, T, D]
+  at::Tensor k = head_norm(s, project(s, x, w, kK, kKBias).view({B, T, s.num_kv_heads, D}), w.w[kKNorm])
+                     .transpose(1, 2);  // [B, Hkv, T, D]
+  at::Tensor v = project(s, x, w, kV, kVBias).view({B, T, s.num_kv_heads, D}).transpose(1, 2);
   q = rope_kv_append_cpu(q, k, v, cos, sin, k_cache, v_cache, positions);
   if (s.max_len < k_cache.size(2)) {  // the keys in use only (ops.keys_in_use)
     k_cache = k_cache.slice(2, 0, s.max_len);
@@ -125,8 +78,7 @@ at::Tensor attention(const StackShape& s, const LayerWeights& w, const at::Tenso
 }
 
 at::Tensor mlp(const StackShape& s, const LayerWeights& w, const at::Tensor& x) {
-  auto [gate, up] = project_group<2>(s, x, w, {{{kGate, kGateBias}, {kUp, kUpBias}}});
-  const at::Tensor act = silu_mul_cpu(gate, up);
+  const at::Tensor act = silu_mul_cpu(project(s, x, w, kGate, kGateBias), project(s, x, w, kUp, kUpBias));
   return project(s, act, w, kDown, kDownBias);
 }
 
@@ -140,7 +92,7 @@ at::Tensor mlp(const StackShape& s, const LayerWeights& w, const at::Tensor& x) 
 // (-1: the fixed-order kernel at any number of rows: the invariant set, bf16 / fp16); invariant: the
 // one-query attention path; packed: empty, or per weight slot the packed weight
 // (packed_weights.pack) or None; packed_max_rows: rows up to which a packed weight is read (-1: any);
-// rows: float32 on raw rows where it applies (decoder_stack_rows.cpp; false: op by op, the same bits).
+// rows: on raw rows where it applies (decoder_stack_rows.cpp: float32, bf16, fp16; false: op by op, the same bits).
 // -> (hidden, pending): the residual stream and the last kept
 // sub-layer's output not yet added to it (undefined when no sub-layer ran).
 std::tuple<at::Tensor, at::Tensor> decoder_stack_cpu(

@@ -1,13 +1,16 @@
-// decoder_stack's float32 path on raw rows: the op-by-op loop (decoder_stack_cpu.cpp) with the
-// same kernels in the same order on the same values, so the same bits, but its inputs checked
-// once a call and every intermediate in one buffer. Op by op, a SmolLM2 decode step made ~1500
-// ATen calls (an output allocated per op, views, checks): ~20 % of the main thread's time, while
-// the other thread waited for it.
+// decoder_stack's path on raw rows: the op-by-op loop (decoder_stack_cpu.cpp) with the same
+// kernels in the same order on the same values, so the same bits, but its inputs checked once a
+// call and every intermediate in one buffer. Op by op, a SmolLM2 decode step made ~1500 ATen calls
+// (an output allocated per op, views, checks): ~20 % of the main thread's time, while the other
+// thread waited for it.
 //
-// Buffers, M = B * T rows: h [M, H] the residual stream (updated in place by the norms), x [M, H]
-// the normed input of a sub-layer, q / k / v [B, T, heads * D] the projections, rq [B, Hq, T, D] the
-// rotated queries, attn [B, T, Hq * D], gate / up / act [M, I], out [M, H] the last kept
-// sub-layer's output (pending until the next norm adds it).
+// Buffers of the model's element type E (float, bfloat16, float16), M = B * T rows: h [M, H] the
+// residual stream (updated in place by the norms), x [M, H] the normed input of a sub-layer,
+// q / k / v [B, T, heads * D] the projections, rq [B, Hq, T, D] the rotated queries, attn [B, T,
+// Hq * D], gate / up / act [M, I], out [M, H] the last kept sub-layer's output (pending until the
+// next norm adds it). The projections run in fp32 as skinny_linear does: for bf16 / fp16 their
+// input upcast exactly into an fp32 scratch, their output + bias in fp32, then rounded once into
+// the E buffer (for float32 the buffers are the scratch).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -17,6 +20,7 @@
 #include <cstring>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -27,15 +31,16 @@
 namespace swiftkern {
 namespace {
 
-// A projection as this call runs it: packed codes or the float32 weight, and its bias
+// A projection as this call runs it: packed codes or the weight of E, and its bias; x and y fp32
+template <class E>
 struct Projection {
-  const float* w = nullptr;         // [N, K] float32; null: packed
-  const uint8_t* packed = nullptr;  // [N, K/32, block_bytes]
+  const E* w = nullptr;             // [N, K]; null: packed
+  const uint8_t* packed = nullptr;  // [N, K/32, block_bytes] (float32 models only)
   int64_t block_bytes = 0;
-  const float* bias = nullptr;  // [N] or null
+  const E* bias = nullptr;  // [N] or null
   int64_t N = 0, K = 0;
 
-  // y [M, N] = x [M, K] @ w^T + bias (the bias added as LinearCall::finish adds it)
+  // y [M, N] = x [M, K] @ w^T + bias (the bias added in fp32, as LinearCall::finish adds it)
   void operator()(const float* x, int64_t M, float* y) const {
     if (packed)
       cpu::packed_linear_rows(x, M, K, packed, N, block_bytes, y);
@@ -56,7 +61,7 @@ struct Projection {
   void add_bias(int64_t M, float* y) const {
     if (bias)
       for (int64_t m = 0; m < M; ++m)
-        for (int64_t n = 0; n < N; ++n) y[m * N + n] += bias[n];
+        for (int64_t n = 0; n < N; ++n) y[m * N + n] += static_cast<float>(bias[n]);
   }
 };
 
@@ -66,8 +71,8 @@ struct Projection {
 // (2 threads), alternating processes, grouped against one call each: `ar`'s 128 tokens 2.4-7.7 %
 // faster in 5 of 6 pairs; a one-token forward 5.0 against 5.2 ms, 4 tokens 8.4 against 8.6 ms, in
 // 5 of 5 pairs (docs/speed.md).
-template <size_t P>
-void project_together(const std::array<std::pair<const Projection*, float*>, P>& parts, const float* x, int64_t M) {
+template <class E, size_t P>
+void project_together(const std::array<std::pair<const Projection<E>*, float*>, P>& parts, const float* x, int64_t M) {
   std::array<int64_t, P + 1> first{};  // the parts' tiles laid end to end
   int64_t grain = 1;
   for (size_t i = 0; i < P; ++i) {
@@ -84,20 +89,52 @@ void project_together(const std::array<std::pair<const Projection*, float*>, P>&
   for (auto [p, y] : parts) p->add_bias(M, y);
 }
 
-bool is_f32(const at::Tensor& t, int64_t dim) {
-  return t.scalar_type() == at::kFloat && t.device().is_cpu() && t.dim() == dim && t.is_contiguous();
+// a contiguous CPU tensor of E with dim dims
+template <class E>
+bool is_e(const at::Tensor& t, int64_t dim) {
+  return t.scalar_type() == c10::CppTypeToScalarType<E>::value && t.device().is_cpu() && t.dim() == dim &&
+         t.is_contiguous();
+}
+
+// src [n] of E as fp32 (exact): src itself for float32, else its copy in scratch
+template <class E>
+const float* upcast(const E* src, int64_t n, float* scratch) {
+  if constexpr (std::is_same_v<E, float>) {
+    return src;
+  } else {
+    for (int64_t i = 0; i < n; ++i) scratch[i] = static_cast<float>(src[i]);
+    return scratch;
+  }
+}
+
+// Where a projection into dst (of E) writes its fp32 result: dst itself for float32, else scratch,
+// rounded into dst by round_into
+template <class E>
+float* fp32_out(E* dst, float* scratch) {
+  if constexpr (std::is_same_v<E, float>)
+    return dst;
+  else
+    return scratch;
+}
+
+template <class E>
+void round_into(const float* src, int64_t n, E* dst) {
+  if constexpr (!std::is_same_v<E, float>)
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<E>(src[i]);
 }
 
 // The projection of slot `weight` [N, K] (bias slot `bias`), or nullopt where this path does not take it
-std::optional<Projection> projection(const StackShape& s, const LayerWeights& lw, Field weight, Field bias,
-                                     int64_t rows, int64_t N, int64_t K) {
-  Projection p{};
+template <class E>
+std::optional<Projection<E>> projection(const StackShape& s, const LayerWeights& lw, Field weight, Field bias,
+                                        int64_t rows, int64_t N, int64_t K) {
+  Projection<E> p{};
   p.N = N;
   p.K = K;
   const at::Tensor* w = present(lw.w[weight]);
-  if (!w || !is_f32(*w, 2) || w->size(0) != N || w->size(1) != K) return std::nullopt;
+  if (!w || !is_e<E>(*w, 2) || w->size(0) != N || w->size(1) != K) return std::nullopt;
   switch (kernel_for(s, lw, weight, rows)) {
     case Kernel::kPacked: {
+      if (!std::is_same_v<E, float>) return std::nullopt;
       const at::Tensor& pk = *lw.packed[weight];
       const int64_t bytes = pk.size(2);
       if (pk.scalar_type() != at::kByte || !pk.device().is_cpu() || pk.dim() != 3 || !pk.is_contiguous() ||
@@ -107,44 +144,44 @@ std::optional<Projection> projection(const StackShape& s, const LayerWeights& lw
       p.block_bytes = bytes;
       break;
     }
-    case Kernel::kSkinny: p.w = w->data_ptr<float>(); break;
+    case Kernel::kSkinny: p.w = w->data_ptr<E>(); break;
     default: return std::nullopt;
   }
   if (const at::Tensor* b = present(lw.w[bias])) {
-    if (!is_f32(*b, 1) || b->size(0) != N) return std::nullopt;
-    p.bias = b->data_ptr<float>();
+    if (!is_e<E>(*b, 1) || b->size(0) != N) return std::nullopt;
+    p.bias = b->data_ptr<E>();
   }
   return p;
 }
 
 // A kept layer's kernels and norm weights (each part filled where its sub-layer runs)
+template <class E>
 struct LayerPlan {
-  const float *ln_attn = nullptr, *ln_mlp = nullptr;
-  const float *q_norm = nullptr, *k_norm = nullptr;  // [D] each, Qwen3's per-head norms; null: none
-  Projection q, k, v, o, gate, up, down;
+  const E *ln_attn = nullptr, *ln_mlp = nullptr;
+  const E *q_norm = nullptr, *k_norm = nullptr;  // [D] each, Qwen3's per-head norms; null: none
+  Projection<E> q, k, v, o, gate, up, down;
 };
 
-}  // namespace
-
-std::optional<std::tuple<at::Tensor, at::Tensor>> decoder_stack_rows(
+template <class E>
+std::optional<std::tuple<at::Tensor, at::Tensor>> stack_rows(
     const StackShape& s, const at::Tensor& hidden, const std::vector<std::optional<at::Tensor>>& weights,
     const std::vector<int64_t>& skip, const std::vector<std::optional<at::Tensor>>& packed, const at::Tensor& k_cache,
     const at::Tensor& v_cache, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
     const at::Tensor& cache_lens) {
+  constexpr at::ScalarType dtype = c10::CppTypeToScalarType<E>::value;
   const int64_t L = static_cast<int64_t>(skip.size());
   const int64_t B = s.B, T = s.T, M = B * T, D = s.head_dim, Hq = s.num_heads, Hkv = s.num_kv_heads;
-  if (hidden.scalar_type() != at::kFloat || M == 0 || Hq <= 0 || Hkv <= 0 || D <= 0 || Hq % Hkv || D % 2)
-    return std::nullopt;
+  if (M == 0 || Hq <= 0 || Hkv <= 0 || D <= 0 || Hq % Hkv || D % 2) return std::nullopt;
   const at::Tensor h_in = hidden.contiguous();
   const int64_t H = h_in.size(2);
   // the caches, the rotary tables and the positions as the op-by-op path reads them
-  if (k_cache.scalar_type() != at::kFloat || v_cache.scalar_type() != at::kFloat || k_cache.size(1) != B ||
+  if (k_cache.scalar_type() != dtype || v_cache.scalar_type() != dtype || k_cache.size(1) != B ||
       k_cache.size(2) != Hkv || k_cache.size(4) != D || k_cache.stride(4) != 1 || v_cache.stride(4) != 1 ||
       k_cache.strides() != v_cache.strides())
     return std::nullopt;
   const int64_t S = k_cache.size(3), keys = std::min(s.max_len, S);
   for (const at::Tensor* t : {&cos, &sin})
-    if (t->scalar_type() != at::kFloat || t->dim() != 3 || (t->size(0) != 1 && t->size(0) != B) ||
+    if (t->scalar_type() != dtype || t->dim() != 3 || (t->size(0) != 1 && t->size(0) != B) ||
         t->size(1) != T || t->size(2) != D || t->stride(2) != 1)
       return std::nullopt;
   if (positions.scalar_type() != at::kLong || positions.dim() != 2 || positions.size(0) != B ||
@@ -162,19 +199,19 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> decoder_stack_rows(
   }
   // every kept sub-layer's kernels
   int64_t I = 0;
-  std::vector<LayerPlan> plans(static_cast<size_t>(L));
+  std::vector<LayerPlan<E>> plans(static_cast<size_t>(L));
   for (int64_t i = 0; i < L; ++i) {
     const LayerWeights lw{weights.data() + i * kFields, packed.empty() ? nullptr : packed.data() + i * kFields};
-    LayerPlan& plan = plans[static_cast<size_t>(i)];
+    LayerPlan<E>& plan = plans[static_cast<size_t>(i)];
     for (auto [kept, norm, slot] : {std::tuple{!(skip[i] & 1), &plan.ln_attn, kLnAttn},
                                     std::tuple{!(skip[i] & 2), &plan.ln_mlp, kLnMlp}}) {
       if (!kept) continue;
       const at::Tensor* w = present(lw.w[slot]);
-      if (!w || !is_f32(*w, 1) || w->size(0) != H) return std::nullopt;
-      *norm = w->data_ptr<float>();
+      if (!w || !is_e<E>(*w, 1) || w->size(0) != H) return std::nullopt;
+      *norm = w->data_ptr<E>();
     }
-    auto take = [&](Projection& p, Field weight, Field bias, int64_t N, int64_t K) {
-      auto made = projection(s, lw, weight, bias, M, N, K);
+    auto take = [&](Projection<E>& p, Field weight, Field bias, int64_t N, int64_t K) {
+      auto made = projection<E>(s, lw, weight, bias, M, N, K);
       if (made) p = *made;
       return made.has_value();
     };
@@ -184,8 +221,8 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> decoder_stack_rows(
     if (plan.ln_attn)
       for (auto [slot, norm] : {std::pair{kQNorm, &plan.q_norm}, std::pair{kKNorm, &plan.k_norm}})
         if (const at::Tensor* w = present(lw.w[slot])) {
-          if (!is_f32(*w, 1) || w->size(0) != D) return std::nullopt;
-          *norm = w->data_ptr<float>();
+          if (!is_e<E>(*w, 1) || w->size(0) != D) return std::nullopt;
+          *norm = w->data_ptr<E>();
         }
     if (plan.ln_mlp) {
       const at::Tensor* gate = present(lw.w[kGate]);
@@ -196,55 +233,92 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> decoder_stack_rows(
         return std::nullopt;
     }
   }
-  // one buffer for every intermediate
+  // one buffer for every intermediate; for bf16 / fp16 an fp32 scratch for the projections' inputs
+  // (xf: the widest) and outputs (yf: q, k and v, or gate and up, side by side)
   const int64_t nq = M * Hq * D, nkv = M * Hkv * D;
   at::Tensor buffer = at::empty({M * (3 * H + 3 * Hq * D + 2 * Hkv * D + 3 * I)}, h_in.options());
-  float* h = buffer.data_ptr<float>();
-  float *x = h + M * H, *out = x + M * H, *q = out + M * H, *k = q + nq, *v = k + nkv, *rq = v + nkv;
-  float *attn = rq + nq, *gate = attn + nq, *up = gate + M * I, *act = up + M * I;
-  std::memcpy(h, h_in.data_ptr<float>(), M * H * sizeof(float));
+  const int64_t x_width = std::max({H, Hq * D, I}), y_width = std::max({Hq * D + 2 * Hkv * D, 2 * I, H});
+  std::vector<float> scratch(std::is_same_v<E, float> ? 0 : static_cast<size_t>(M * (x_width + y_width)));
+  float *xf = scratch.data(), *yf = xf + M * x_width;
+  E* h = buffer.data_ptr<E>();
+  E *x = h + M * H, *out = x + M * H, *q = out + M * H, *k = q + nq, *v = k + nkv, *rq = v + nkv;
+  E *attn = rq + nq, *gate = attn + nq, *up = gate + M * I, *act = up + M * I;
+  std::memcpy(h, h_in.data_ptr<E>(), M * H * sizeof(E));
   bool pending = false;  // out holds a sub-layer's output not yet added to h
-  auto add_norm = [&](const float* w) {  // x = rms_norm(h + out) * w, h += out (or x = rms_norm(h) * w)
+  auto add_norm = [&](const E* w) {  // x = rms_norm(h + out) * w, h += out (or x = rms_norm(h) * w)
     cpu::add_rms_norm_rows(pending ? out : h, H, pending ? h : nullptr, H, w, x, pending ? h : nullptr, M, H,
                            static_cast<float>(s.eps));
   };
   const cpu::HeadStrides q_rows{T * Hq * D, D, Hq * D}, kv_rows{T * Hkv * D, D, Hkv * D};
   const cpu::HeadStrides heads_first{Hq * T * D, T * D, D};
   const cpu::HeadStrides cache{k_cache.stride(1), k_cache.stride(2), k_cache.stride(3)};
-  cpu::RopeArgs rope{B, Hq, Hkv, T, D, q, k, v, q_rows, kv_rows, kv_rows, cos.data_ptr<float>(), sin.data_ptr<float>(),
+  cpu::RopeArgsOf<E> rope{B, Hq, Hkv, T, D, q, k, v, q_rows, kv_rows, kv_rows, cos.data_ptr<E>(), sin.data_ptr<E>(),
                      cos.size(0) == 1 ? 0 : cos.stride(0), cos.stride(1), sin.size(0) == 1 ? 0 : sin.stride(0),
                      sin.stride(1), nullptr, nullptr, rq, cache, cache, heads_first, pos, positions.stride(0),
                      positions.stride(1)};
   const cpu::AttnShape shape{B, Hq, T, D, Hkv, keys, heads_first.b, heads_first.h, heads_first.t,
                              cache.b, cache.h, cache.t, q_rows.b, q_rows.h, q_rows.t, static_cast<float>(s.scale)};
-  float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
+  E *kc = k_cache.data_ptr<E>(), *vc = v_cache.data_ptr<E>();
+  // a projection of x_in [M, K] (E) into y [M, N] (E): fp32 in and out as skinny_linear runs it
+  auto project = [&](const Projection<E>& p, const E* x_in, E* y) {
+    float* yp = fp32_out(y, yf);
+    p(upcast(x_in, M * p.K, xf), M, yp);
+    round_into(yp, M * p.N, y);
+  };
   for (int64_t i = 0; i < L; ++i) {
-    const LayerPlan& plan = plans[static_cast<size_t>(i)];
+    const LayerPlan<E>& plan = plans[static_cast<size_t>(i)];
     if (plan.ln_attn) {
       add_norm(plan.ln_attn);
-      project_together<3>({{{&plan.q, q}, {&plan.k, k}, {&plan.v, v}}}, x, M);
+      float *qf = fp32_out(q, yf), *kf = fp32_out(k, yf + nq), *vf = fp32_out(v, yf + nq + nkv);
+      project_together<E, 3>({{{&plan.q, qf}, {&plan.k, kf}, {&plan.v, vf}}}, upcast(x, M * H, xf), M);
+      round_into(qf, nq, q);
+      round_into(kf, nkv, k);
+      round_into(vf, nkv, v);
       if (plan.q_norm)  // in place, one row per token and head (each row read before it is written)
-        cpu::add_rms_norm_rows(q, D, nullptr, D, plan.q_norm, q, nullptr, M * Hq, D, static_cast<float>(s.eps));
+        cpu::add_rms_norm_rows<E>(q, D, nullptr, D, plan.q_norm, q, nullptr, M * Hq, D, static_cast<float>(s.eps));
       if (plan.k_norm)
-        cpu::add_rms_norm_rows(k, D, nullptr, D, plan.k_norm, k, nullptr, M * Hkv, D, static_cast<float>(s.eps));
+        cpu::add_rms_norm_rows<E>(k, D, nullptr, D, plan.k_norm, k, nullptr, M * Hkv, D, static_cast<float>(s.eps));
       rope.k_cache = kc + i * k_cache.stride(0);
       rope.v_cache = vc + i * v_cache.stride(0);
       cpu::rope_kv_append_rows(rope);
       cpu::attend_rows(shape, rq, rope.k_cache, rope.v_cache, lens, attn, s.invariant);
-      plan.o(attn, M, out);
+      project(plan.o, attn, out);
       pending = true;
     }
     if (plan.ln_mlp) {
       add_norm(plan.ln_mlp);
-      project_together<2>({{{&plan.gate, gate}, {&plan.up, up}}}, x, M);
+      float *gf = fp32_out(gate, yf), *uf = fp32_out(up, yf + M * I);
+      project_together<E, 2>({{{&plan.gate, gf}, {&plan.up, uf}}}, upcast(x, M * H, xf), M);
+      round_into(gf, M * I, gate);
+      round_into(uf, M * I, up);
       cpu::silu_mul_rows(gate, up, act, M * I);
-      plan.down(act, M, out);
+      project(plan.down, act, out);
       pending = true;
     }
   }
   at::Tensor hidden_out = buffer.narrow(0, 0, M * H).view({B, T, H});
   at::Tensor pending_out = pending ? buffer.narrow(0, 2 * M * H, M * H).view({B, T, H}) : at::Tensor();
   return std::make_tuple(hidden_out, pending_out);
+}
+
+}  // namespace
+
+std::optional<std::tuple<at::Tensor, at::Tensor>> decoder_stack_rows(
+    const StackShape& s, const at::Tensor& hidden, const std::vector<std::optional<at::Tensor>>& weights,
+    const std::vector<int64_t>& skip, const std::vector<std::optional<at::Tensor>>& packed, const at::Tensor& k_cache,
+    const at::Tensor& v_cache, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
+    const at::Tensor& cache_lens) {
+  switch (hidden.scalar_type()) {
+    case at::kFloat:
+      return stack_rows<float>(s, hidden, weights, skip, packed, k_cache, v_cache, cos, sin, positions, cache_lens);
+    case at::kBFloat16:
+      return stack_rows<c10::BFloat16>(s, hidden, weights, skip, packed, k_cache, v_cache, cos, sin, positions,
+                                       cache_lens);
+    case at::kHalf:
+      return stack_rows<c10::Half>(s, hidden, weights, skip, packed, k_cache, v_cache, cos, sin, positions,
+                                   cache_lens);
+    default: return std::nullopt;
+  }
 }
 
 }  // namespace swiftkern

@@ -65,10 +65,16 @@ void fused_add_rms_norm_rows(const T* x, int64_t x_s, const T* r, int64_t r_s, c
 
 }  // namespace
 
-void add_rms_norm_rows(const float* x, int64_t x_s, const float* residual, int64_t r_s, const float* w, float* normed,
-                       float* new_res, int64_t N, int64_t H, float eps) {
-  fused_add_rms_norm_rows<float>(x, x_s, residual, r_s, w, normed, new_res, N, H, eps);
+template <class T>
+void add_rms_norm_rows(const T* x, int64_t x_s, const T* residual, int64_t r_s, const T* w, T* normed, T* new_res,
+                       int64_t N, int64_t H, float eps) {
+  fused_add_rms_norm_rows<T>(x, x_s, residual, r_s, w, normed, new_res, N, H, eps);
 }
+#define INSTANTIATE(T)                                                                                            \
+  template void add_rms_norm_rows<T>(const T*, int64_t, const T*, int64_t, const T*, T*, T*, int64_t, int64_t, \
+                                     float);
+SWIFTKERN_FOR_FLOAT_TYPES(INSTANTIATE)
+#undef INSTANTIATE
 
 }  // namespace cpu
 

@@ -79,7 +79,13 @@ inline at::Tensor last_dim_contiguous(const at::Tensor& t) { return t.stride(-1)
 
 }  // namespace
 
-void rope_kv_append_rows(const RopeArgs& a) { rope_rows<float>(a); }
+template <class E>
+void rope_kv_append_rows(const RopeArgsOf<E>& a) {
+  rope_rows<E>(a);
+}
+#define INSTANTIATE(E) template void rope_kv_append_rows<E>(const RopeArgsOf<E>&);
+SWIFTKERN_FOR_FLOAT_TYPES(INSTANTIATE)
+#undef INSTANTIATE
 
 }  // namespace cpu
 

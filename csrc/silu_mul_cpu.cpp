@@ -73,10 +73,14 @@ void silu_mul_range(const T* g, const T* u, T* y, int64_t n, Isa isa) {
 
 }  // namespace
 
-void silu_mul_rows(const float* gate, const float* up, float* y, int64_t n) {
+template <class T>
+void silu_mul_rows(const T* gate, const T* up, T* y, int64_t n) {
   static const Isa isa = pick_isa();
-  at::parallel_for(0, n, 16384, [&](int64_t i0, int64_t i1) { silu_mul_range<float>(gate + i0, up + i0, y + i0, i1 - i0, isa); });
+  at::parallel_for(0, n, 16384, [&](int64_t i0, int64_t i1) { silu_mul_range<T>(gate + i0, up + i0, y + i0, i1 - i0, isa); });
 }
+#define INSTANTIATE(T) template void silu_mul_rows<T>(const T*, const T*, T*, int64_t);
+SWIFTKERN_FOR_FLOAT_TYPES(INSTANTIATE)
+#undef INSTANTIATE
 
 }  // namespace cpu
 

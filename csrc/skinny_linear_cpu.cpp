@@ -287,7 +287,8 @@ static void fixed_order_matmul(cpu::Isa isa, const float* x, const W* w, float* 
   });
 }
 
-void cpu::skinny_linear_rows(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y) {
+template <class W>
+void cpu::skinny_linear_rows(const float* x, int64_t M, int64_t K, const W* w, int64_t N, float* y) {
   static const Isa isa = pick_isa();
   fixed_order_matmul(isa, x, w, y, M, K, N);
 }
@@ -297,25 +298,21 @@ cpu::TileSplit cpu::skinny_linear_split(int64_t M, int64_t K, int64_t N) {
   return {(N + kTileCols - 1) / kTileCols, skinny_grain(K)};
 }
 
-void cpu::skinny_linear_tiles(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y, int64_t t0,
+template <class W>
+void cpu::skinny_linear_tiles(const float* x, int64_t M, int64_t K, const W* w, int64_t N, float* y, int64_t t0,
                               int64_t t1) {
   static const Isa isa = pick_isa();
-  fixed_order_linear(table_for<float>(isa), x, w, y, M, K, N, t0 * kTileCols, std::min(N, t1 * kTileCols));
+  fixed_order_linear(table_for<W>(isa), x, w, y, M, K, N, t0 * kTileCols, std::min(N, t1 * kTileCols));
 }
 
-// skinny_linear_tiles on a weight of x's dtype's kind: float32, bfloat16 or float16 [N, K], contiguous
-// (decoder_stack's op-by-op path groups a layer's bf16 / fp16 projections with it)
-void skinny_linear_tiles_of(const float* x, int64_t M, int64_t K, const at::Tensor& w, float* y, int64_t t0,
-                            int64_t t1) {
-  static const cpu::Isa isa = cpu::pick_isa();
-  const int64_t N = w.size(0), n0 = t0 * cpu::kTileCols, n1 = std::min(N, t1 * cpu::kTileCols);
-  if (w.scalar_type() == at::kFloat)
-    cpu::fixed_order_linear(cpu::table_for<float>(isa), x, w.data_ptr<float>(), y, M, K, N, n0, n1);
-  else if (w.scalar_type() == at::kBFloat16)
-    cpu::fixed_order_linear(cpu::table_for<at::BFloat16>(isa), x, w.data_ptr<at::BFloat16>(), y, M, K, N, n0, n1);
-  else
-    cpu::fixed_order_linear(cpu::table_for<at::Half>(isa), x, w.data_ptr<at::Half>(), y, M, K, N, n0, n1);
-}
+namespace cpu {
+#define INSTANTIATE(W)                                                                                  \
+  template void skinny_linear_rows<W>(const float*, int64_t, int64_t, const W*, int64_t, float*);    \
+  template void skinny_linear_tiles<W>(const float*, int64_t, int64_t, const W*, int64_t, float*, int64_t, \
+                                       int64_t);
+SWIFTKERN_FOR_FLOAT_TYPES(INSTANTIATE)
+#undef INSTANTIATE
+}  // namespace cpu
 
 static at::Tensor skinny_linear_with(cpu::Isa isa, const at::Tensor& x, const at::Tensor& weight,
                                      const std::optional<at::Tensor>& bias) {

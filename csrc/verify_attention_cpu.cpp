@@ -642,11 +642,15 @@ void attend(const AttnShape& sh, const E* q, const E* k, const E* v, const int64
 
 }  // namespace
 
-void attend_rows(const AttnShape& sh, const float* q, const float* k, const float* v, const int64_t* lens, float* out,
-                 bool invariant) {
+template <class E>
+void attend_rows(const AttnShape& sh, const E* q, const E* k, const E* v, const int64_t* lens, E* out, bool invariant) {
   static const Isa isa = pick_isa();
-  attend<float>(sh, q, k, v, lens, out, isa, invariant);
+  attend<E>(sh, q, k, v, lens, out, isa, invariant);
 }
+#define INSTANTIATE(E) \
+  template void attend_rows<E>(const AttnShape&, const E*, const E*, const E*, const int64_t*, E*, bool);
+SWIFTKERN_FOR_FLOAT_TYPES(INSTANTIATE)
+#undef INSTANTIATE
 
 }  // namespace cpu
 

@@ -155,7 +155,7 @@ def _stack_for(invariant: bool) -> Callable | None:
     [B, T], cache_lens [B], max_len, num_heads, num_kv_heads, head_dim, eps, scale, packed
     (empty, or the packed weight or None per weight slot: packed_weights.PackedSet.slots(), read
     up to ops.packed_max_rows() rows, at any number in the invariant set; the same bits), row_path
-    (float32 on raw rows where it applies, csrc/decoder_stack_rows.cpp; False: op by op, the same
+    (on raw rows where it applies, float32 / bf16 / fp16, csrc/decoder_stack_rows.cpp; False: op by op, the same
     bits)) -> (hidden, pending or None)."""
     run = getattr(ops.registry.extension, "decoder_stack", None)
     if run is None:

@@ -180,17 +180,21 @@ def _stack_rows(monkeypatch, rows: bool, shared: list):
 
 @needs_stack
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # qwen2: q/k/v biases; qwen3: q/k norms
-@pytest.mark.parametrize("packed", [False, True], ids=["float32-weights", "packed-weights"])
+@pytest.mark.parametrize("weights", ["float32", "packed", "bfloat16", "float16"])
 @pytest.mark.parametrize("invariant", [False, True])
-def test_float32_row_path_has_the_op_by_op_bits(arch, packed, invariant, monkeypatch):
-    """decoder_stack's float32 path on raw rows (csrc/decoder_stack_rows.cpp) against its op-by-op
-    path: logits and caches bit for bit, with float32 or packed weights, a prefill of 40 tokens, a
-    verify chunk of 5, decode steps with and without skipped sub-layers, three rows of unequal
-    lengths; and the row path ran (one buffer holds both outputs) wherever no projection went to
-    torch's matmul."""
+def test_row_path_has_the_op_by_op_bits(arch, weights, invariant, monkeypatch):
+    """decoder_stack's path on raw rows (csrc/decoder_stack_rows.cpp) against its op-by-op path:
+    logits and caches bit for bit, with float32, packed, bf16 or fp16 weights (bf16 / fp16: the
+    projections' fp32 scratch rounded once into the model's dtype, as each op rounds its output),
+    a prefill of 40 tokens, a verify chunk of 5, decode steps with and without skipped sub-layers,
+    three rows of unequal lengths; and the row path ran (one buffer holds both outputs) wherever
+    no projection went to torch's matmul."""
+    packed = weights == "packed"
     heads = dict(head_dim=32) if arch == "qwen3" else {}  # 6 x 32: GGUF quantizes rows of 32s
     hf = tiny_model(arch, num_hidden_layers=4, num_attention_heads=6, num_key_value_heads=2, hidden_size=96,
                     intermediate_size=160, **heads)
+    if weights in ("bfloat16", "float16"):
+        hf = hf.to(getattr(torch, weights))
     model = SkipModel.from_hf(gguf_like(hf) if packed else hf, pack_weights=False)
     if packed:
         model.packed = PackedSet(model._stack_weights + [model.lm_head])
@@ -209,6 +213,7 @@ def test_float32_row_path_has_the_op_by_op_bits(arch, packed, invariant, monkeyp
                 logits.append(model.forward(torch.randint(3, 301, (3, T), generator=g), cache, ls).clone())
         return logits, cache.k.clone(), cache.v.clone(), shared
     fast, slow = run(True), run(False)
+    assert fast[0][0].dtype == model.dtype
     for a, b in zip(fast[0], slow[0]):
         assert torch.equal(a, b)
     assert torch.equal(fast[1], slow[1]) and torch.equal(fast[2], slow[2])

@@ -138,17 +138,16 @@ KERNEL_MUTANTS = [
      "std::tuple{!(skip[i] & 2), &plan.ln_attn, kLnAttn}",
      "the row path reads a layer's attention skip bit from its MLP's: a layer-skipped draft runs the "
      "wrong sub-layers", ["tests/test_decoder_stack.py"]),
-    ("K43", "csrc/decoder_stack_rows.cpp", "plan.down(act, M, out);\n      pending = true;",
-     "plan.down(act, M, out);",
+    ("K43", "csrc/decoder_stack_rows.cpp", "project(plan.down, act, out);\n      pending = true;",
+     "project(plan.down, act, out);",
      "the row path forgets that an MLP's output is pending: the next norm does not add it",
      ["tests/test_decoder_stack.py"]),
     ("K44", "csrc/decoder_stack_rows.cpp",
-     "cpu::add_rms_norm_rows(k, D, nullptr, D, plan.k_norm, k, nullptr, M * Hkv, D, static_cast<float>(s.eps));",
-     "cpu::add_rms_norm_rows(k, D, nullptr, D, plan.k_norm, k, nullptr, M * Hkv - 1, D, static_cast<float>(s.eps));",
+     "cpu::add_rms_norm_rows<E>(k, D, nullptr, D, plan.k_norm, k, nullptr, M * Hkv, D, static_cast<float>(s.eps));",
+     "cpu::add_rms_norm_rows<E>(k, D, nullptr, D, plan.k_norm, k, nullptr, M * Hkv - 1, D, static_cast<float>(s.eps));",
      "the row path leaves the last key head of the last token without Qwen3's key norm",
      ["tests/test_decoder_stack.py"]),
-    # a layer's q, k and v (gate and up) in one parallel region (parallel_parts: project_together on
-    # raw float32 rows, project_group op by op in bf16 / fp16)
+    # a layer's q, k and v (gate and up) in one parallel region (parallel_parts, project_together)
     ("K60", "csrc/decoder_stack.h", "      if (a < b) tiles(i, a - first[i], b - first[i]);",
      "      if (a < b) tiles(i, a, b);",
      "the grouped projections: k and v (up) take their tiles at the group's offsets, not their own",
@@ -159,14 +158,12 @@ KERNEL_MUTANTS = [
     ("K62", "csrc/decoder_stack_rows.cpp", "  for (auto [p, y] : parts) p->add_bias(M, y);\n", "",
      "the row path's grouped projections drop their biases (Qwen2's q, k and v)",
      ["tests/test_decoder_stack.py", "tests/test_cpu_threads.py"]),
-    ("K67", "csrc/decoder_stack_cpu.cpp",
-     "calls[i] = linear_call(\"skinny_linear\", x, lw.w[parts[i].first]->size(0), lw.w[parts[i].second]);",
-     "calls[i] = linear_call(\"skinny_linear\", x, lw.w[parts[i].first]->size(0), std::nullopt);",
-     "the bf16 / fp16 grouped projections drop their biases (Qwen2's q, k and v)", ["tests/test_decoder_stack.py"]),
-    ("K68", "csrc/decoder_stack_cpu.cpp", "skinny_linear_tiles_of(xc.data_ptr<float>(), M, K, *lw.w[parts[i].first],",
-     "skinny_linear_tiles_of(xc.data_ptr<float>(), M, K, *lw.w[parts[0].first],",
-     "the bf16 / fp16 grouped projections read every part's tiles from the first part's weight "
-     "(k and v from q's, up from gate's)", ["tests/test_decoder_stack.py"]),
+    # ------------------------------------------------------------------ bf16 / fp16 on raw rows
+    ("K67", "csrc/decoder_stack_rows.cpp", "      round_into(vf, nkv, v);\n", "",
+     "the bf16 / fp16 row path never rounds v's fp32 scratch into its buffer: the cache gets stale values",
+     ["tests/test_decoder_stack.py"]),
+    ("K68", "csrc/decoder_stack_rows.cpp", "*kf = fp32_out(k, yf + nq),", "*kf = fp32_out(k, yf),",
+     "the bf16 / fp16 row path writes k's fp32 scratch over q's", ["tests/test_decoder_stack.py"]),
     # ------------------------------------------------------------------ the 8-bit block as Q8_0's 34 bytes
     ("K63", "csrc/packed_linear_cpu.cpp",
      "const __m512 scale = _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(load_u16(block))));",
