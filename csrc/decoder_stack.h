@@ -4,10 +4,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 
-#include <algorithm>
-#include <array>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -44,20 +41,6 @@ inline Kernel kernel_for(const StackShape& s, const LayerWeights& lw, Field weig
   if (lw.packed && present(lw.packed[weight]) && (s.packed_max_rows < 0 || rows <= s.packed_max_rows))
     return Kernel::kPacked;
   return s.skinny_max_rows < 0 || rows <= s.skinny_max_rows ? Kernel::kSkinny : Kernel::kTorch;
-}
-
-// The weight tiles of P projections of one x, laid end to end (part i: tiles [first[i], first[i + 1])),
-// in one parallel region: one fork and join for a layer's q, k and v (or gate and up), not one each,
-// and no thread idle at the end of the small k and v. tiles(i, t0, t1): part i's tiles [t0, t1), in
-// its own numbering (skinny_linear_split / packed_linear_split: the bits of one call each).
-template <size_t P, class Tiles>
-void parallel_parts(const std::array<int64_t, P + 1>& first, int64_t grain, const Tiles& tiles) {
-  at::parallel_for(0, first[P], grain, [&](int64_t t0, int64_t t1) {
-    for (size_t i = 0; i < P; ++i) {
-      const int64_t a = std::max(t0, first[i]), b = std::min(t1, first[i + 1]);
-      if (a < b) tiles(i, a - first[i], b - first[i]);
-    }
-  });
 }
 
 // decoder_stack's path on raw rows (decoder_stack_rows.cpp; float32, bf16 or fp16): its (hidden,

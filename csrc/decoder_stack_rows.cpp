@@ -84,8 +84,12 @@ void project_together(const std::array<std::pair<const Projection<E>*, float*>, 
     first[i + 1] = first[i] + split.tiles;
     grain = std::max(grain, split.grain);
   }
-  parallel_parts<P>(first, grain,
-                    [&](size_t i, int64_t t0, int64_t t1) { parts[i].first->tiles(x, M, parts[i].second, t0, t1); });
+  at::parallel_for(0, first[P], grain, [&](int64_t t0, int64_t t1) {
+    for (size_t i = 0; i < P; ++i) {
+      const int64_t a = std::max(t0, first[i]), b = std::min(t1, first[i + 1]);
+      if (a < b) parts[i].first->tiles(x, M, parts[i].second, a - first[i], b - first[i]);
+    }
+  });
   for (auto [p, y] : parts) p->add_bias(M, y);
 }
 

@@ -71,7 +71,6 @@ struct RopeArgsOf {
   const int64_t* positions;
   int64_t pos_b, pos_t;
 };
-using RopeArgs = RopeArgsOf<float>;
 template <class E>
 void rope_kv_append_rows(const RopeArgsOf<E>& a);
 

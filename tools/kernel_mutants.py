@@ -147,13 +147,13 @@ KERNEL_MUTANTS = [
      "cpu::add_rms_norm_rows<E>(k, D, nullptr, D, plan.k_norm, k, nullptr, M * Hkv - 1, D, static_cast<float>(s.eps));",
      "the row path leaves the last key head of the last token without Qwen3's key norm",
      ["tests/test_decoder_stack.py"]),
-    # a layer's q, k and v (gate and up) in one parallel region (parallel_parts, project_together)
-    ("K60", "csrc/decoder_stack.h", "      if (a < b) tiles(i, a - first[i], b - first[i]);",
-     "      if (a < b) tiles(i, a, b);",
-     "the grouped projections: k and v (up) take their tiles at the group's offsets, not their own",
+    # a layer's q, k and v (gate and up) in one parallel region (project_together)
+    ("K60", "csrc/decoder_stack_rows.cpp", "parts[i].first->tiles(x, M, parts[i].second, a - first[i], b - first[i]);",
+     "parts[i].first->tiles(x, M, parts[i].second, a, b);",
+     "the row path's grouped projections: k and v (up) take their tiles at the group's offsets, not their own",
      ["tests/test_decoder_stack.py"]),
-    ("K61", "csrc/decoder_stack.h", "      if (a < b) tiles(", "      if (a < b && t0 <= first[i]) tiles(",
-     "the grouped projections: a task that starts inside a projection skips the rest of it "
+    ("K61", "csrc/decoder_stack_rows.cpp", "      if (a < b) parts[i].first->tiles(", "      if (a < b && t0 <= first[i]) parts[i].first->tiles(",
+     "the row path's grouped projections: a task that starts inside a projection skips the rest of it "
      "(only where the tiles are split over threads)", ["tests/test_cpu_threads.py"]),
     ("K62", "csrc/decoder_stack_rows.cpp", "  for (auto [p, y] : parts) p->add_bias(M, y);\n", "",
      "the row path's grouped projections drop their biases (Qwen2's q, k and v)",
