@@ -26,6 +26,7 @@
 
 #include "decoder_stack.h"
 #include "packed_layout.h"
+#include "round_store.h"
 #include "row_kernels.h"
 
 namespace swiftkern {
@@ -106,7 +107,8 @@ const float* upcast(const E* src, int64_t n, float* scratch) {
   if constexpr (std::is_same_v<E, float>) {
     return src;
   } else {
-    for (int64_t i = 0; i < n; ++i) scratch[i] = static_cast<float>(src[i]);
+    static const cpu::Isa isa = cpu::pick_isa();
+    cpu::widen_rows(isa, src, n, scratch);
     return scratch;
   }
 }
@@ -123,8 +125,8 @@ float* fp32_out(E* dst, float* scratch) {
 
 template <class E>
 void round_into(const float* src, int64_t n, E* dst) {
-  if constexpr (!std::is_same_v<E, float>)
-    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<E>(src[i]);
+  static const cpu::Isa isa = cpu::pick_isa();
+  if constexpr (!std::is_same_v<E, float>) cpu::round_rows(isa, src, n, dst);
 }
 
 // The projection of slot `weight` [N, K] (bias slot `bias`), or nullopt where this path does not take it

@@ -17,7 +17,9 @@
 
 #include "cpu_exp.h"
 #include "cpu_isa.h"
+#include "exact_load.h"
 #include "op_checks.h"
+#include "round_store.h"
 #include "row_kernels.h"
 
 namespace swiftkern {
@@ -33,27 +35,31 @@ void silu_mul_scalar(const T* g, const T* u, T* y, int64_t n) {
 }
 
 #if defined(__x86_64__)
-__attribute__((target("avx512f"))) void silu_mul_avx512(const float* g, const float* u, float* y, int64_t n) {
+// bf16 / fp16 load exactly into fp32 (exact_load.h) and round at the store as the scalar loop
+// does (round_store.h): the same bits in the body and the tail
+template <class T>
+__attribute__((target("avx512f"))) void silu_mul_avx512(const T* g, const T* u, T* y, int64_t n) {
   const __m512 one = _mm512_set1_ps(1.0f);
   const __m512i sign = _mm512_set1_epi32(static_cast<int32_t>(0x80000000u));
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m512 gv = _mm512_loadu_ps(g + i);
+    const __m512 gv = load16(g + i);
     const __m512 neg = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(gv), sign));  // -g, exactly
     const __m512 e = bi_exp_avx512_vec(neg);
-    _mm512_storeu_ps(y + i, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)), _mm512_loadu_ps(u + i)));
+    store16(y + i, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)), load16(u + i)));
   }
   silu_mul_scalar(g + i, u + i, y + i, n - i);
 }
 
-__attribute__((target("avx2"))) void silu_mul_avx2(const float* g, const float* u, float* y, int64_t n) {
+template <class T>
+__attribute__((target("avx2,fma,f16c"))) void silu_mul_avx2(const T* g, const T* u, T* y, int64_t n) {
   const __m256 one = _mm256_set1_ps(1.0f);
   const __m256 sign = _mm256_set1_ps(-0.0f);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    const __m256 gv = _mm256_loadu_ps(g + i);
+    const __m256 gv = load8(g + i);
     const __m256 e = bi_exp_avx2_vec(_mm256_xor_ps(gv, sign));  // exp(-g), -g exactly
-    _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+    store8(y + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), load8(u + i)));
   }
   silu_mul_scalar(g + i, u + i, y + i, n - i);
 }
@@ -62,7 +68,7 @@ __attribute__((target("avx2"))) void silu_mul_avx2(const float* g, const float* 
 template <class T>
 void silu_mul_range(const T* g, const T* u, T* y, int64_t n, Isa isa) {
 #if defined(__x86_64__)
-  if constexpr (std::is_same_v<T, float>) {
+  if constexpr (!std::is_same_v<T, double>) {  // double: the dispatch macro's, refused by checks::silu_mul
     if (isa == Isa::kAvx512) return silu_mul_avx512(g, u, y, n);
     if (isa == Isa::kAvx2) return silu_mul_avx2(g, u, y, n);
   }
@@ -103,16 +109,19 @@ at::Tensor silu_mul_cpu(const at::Tensor& gate, const at::Tensor& up) {
   return y;
 }
 
-// silu_mul of float32 gate, up with a named instruction set ("avx512", "avx2", "portable"), one
-// thread, for the test that each gives bi_silu_mul's bits
+// silu_mul of gate, up (float32, bfloat16 or float16, one dtype) with a named instruction set
+// ("avx512", "avx2", "portable"), one thread, for the test that each gives bi_silu_mul's bits
 at::Tensor silu_mul_isa(const at::Tensor& gate, const at::Tensor& up, const std::string& isa) {
-  TORCH_CHECK(gate.device().is_cpu() && gate.scalar_type() == at::kFloat && up.scalar_type() == at::kFloat &&
-                  gate.sizes() == up.sizes(),
-              "silu_mul_isa: gate and up must be float32 CPU tensors of one shape");
+  TORCH_CHECK(gate.device().is_cpu() && checks::is_float_dtype(gate.scalar_type()) &&
+                  up.scalar_type() == gate.scalar_type() && gate.sizes() == up.sizes(),
+              "silu_mul_isa: gate and up must be CPU tensors of one shape and one float dtype");
   const cpu::Isa named = checks::named_isa("silu_mul_isa", isa);
   const at::Tensor g = gate.contiguous(), u = up.contiguous();
   at::Tensor y = at::empty(g.sizes(), g.options());
-  cpu::silu_mul_range<float>(g.data_ptr<float>(), u.data_ptr<float>(), y.data_ptr<float>(), g.numel(), named);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, g.scalar_type(), "silu_mul_isa", [&] {
+    cpu::silu_mul_range<scalar_t>(g.data_ptr<scalar_t>(), u.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), g.numel(),
+                                  named);
+  });
   return y;
 }
 

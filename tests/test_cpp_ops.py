@@ -549,20 +549,69 @@ def test_silu_mul_matches_reference(shape, dtype, scale, seed):
 
 
 @needs_cpp
-def test_silu_mul_is_bi_silu_mul_bit_for_bit_at_any_place():
-    """The kernel does batch_invariant.bi_silu_mul's operations (bi_exp, then single IEEE ops):
-    the same bits, in the SIMD body and the scalar tail, at any offset."""
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_is_bi_silu_mul_bit_for_bit_at_any_place(dtype):
+    """The kernel does batch_invariant.bi_silu_mul's operations (bi_exp, then single IEEE ops,
+    bf16 / fp16 loaded exactly and rounded once): the same bits, in the SIMD body and the scalar
+    tail, at any offset, with every instruction set."""
     from swiftkern.batch_invariant import bi_silu_mul
 
     gate = torch.randn(1000) * 12
     gate[::9] = torch.tensor([0.0, -0.0, 88.5, -88.5, 100.0, -100.0, 1e-30]).repeat(200)[: gate[::9].numel()]
-    up = torch.randn(1000)
+    gate, up = gate.to(dtype), torch.randn(1000).to(dtype)
     got = OPS.silu_mul(gate, up)
     assert torch.equal(got, bi_silu_mul(gate, up))
     for start in (1, 5, 16, 17):
         assert torch.equal(OPS.silu_mul(gate[start:].clone(), up[start:].clone()), got[start:])
     for isa in ops.registry.extension.skinny_linear_isas():  # every instruction set this CPU runs
         assert torch.equal(ops.registry.extension.silu_mul_isa(gate, up, isa), got), isa
+
+
+def rounding_cases() -> torch.Tensor:
+    """float32 values where rounding into bf16 / fp16 can go wrong: for every bf16 value, its bit
+    pattern with the low 16 bits at and around the halfway point (ties to even both ways) and at
+    the ends; the same around fp16's halfway points (13 dropped bits) over its exponents, its
+    subnormals and the overflow to infinity; infinities, zeros, NaNs with payloads; random bits."""
+    high = torch.arange(1 << 16, dtype=torch.int64) << 16
+    low = torch.tensor([0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF], dtype=torch.int64)
+    bf16 = (high[:, None] | low[None, :]).flatten()
+    sign = torch.tensor([0, 1 << 31], dtype=torch.int64)
+    exps = torch.arange(100, 145, dtype=torch.int64) << 23  # 2^-27 .. 2^17: fp16 subnormals to past its max
+    mant = torch.randint(0, 1 << 10, (64,), generator=torch.Generator().manual_seed(0), dtype=torch.int64) << 13
+    tail = torch.tensor([0, 1, 0xFFF, 0x1000, 0x1001, 0x1FFF], dtype=torch.int64)
+    fp16 = (sign[:, None, None, None] | exps[None, :, None, None] | mant[None, None, :, None] | tail).flatten()
+    special = torch.tensor([0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00000, 0x7F800001, 0xFFBFFFFF, 0x7FA12345,
+                            0x477FEFFF, 0x477FF000, 0xC77FF000, 0x33000000, 0x33000001, 0x387FE000],
+                           dtype=torch.int64)
+    rand = torch.randint(0, 1 << 32, (4099,), generator=torch.Generator().manual_seed(1), dtype=torch.int64)
+    bits = torch.cat([bf16, fp16, special, rand])
+    return bits.to(torch.int32).view(torch.float32)  # the int32 cast wraps: any 32-bit pattern
+
+
+@needs_cpp
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_round_rows_is_c10s_rounding_with_every_instruction_set(dtype):
+    """round_store.h's vector rounding (the bf16 / fp16 stores of silu_mul and of the row path's
+    projections) against c10's scalar conversion (the portable loop) and torch's own .to(): every
+    float32 bit pattern gave the same bits when this was written (2^32, both dtypes, AVX-512 and
+    AVX2); here the halfway points, subnormals, overflow and NaN payloads, at every offset of a vector
+    and in the tail. NaNs come out as c10 makes them (0x7FC0; sign | 0x7E00), not the payload."""
+    ext = ops.registry.extension
+    x = rounding_cases()
+    name = "bfloat16" if dtype == torch.bfloat16 else "float16"
+    scalar = ext.round_rows_isa(x, name, "portable")
+    real = ~torch.isnan(x)
+    assert torch.equal(scalar[real].view(torch.int16), x[real].to(dtype).view(torch.int16))
+    nan_bits = scalar[~real].view(torch.int16).to(torch.int64) & 0xFFFF
+    want = torch.full_like(nan_bits, 0x7FC0) if dtype == torch.bfloat16 else \
+        (x[~real].view(torch.int32).to(torch.int64) >> 16 & 0x8000) | 0x7E00
+    assert torch.equal(nan_bits, want)
+    for isa in ext.skinny_linear_isas():
+        for start in (0, 1, 7, 13):  # each element at another lane, and a tail of another length
+            got = ext.round_rows_isa(x[start:], name, isa)
+            assert torch.equal(got.view(torch.int16), scalar[start:].view(torch.int16)), (isa, start)
+    with pytest.raises(RuntimeError, match="dtype must be bfloat16 or float16"):
+        ext.round_rows_isa(x, "float64", "portable")
 
 
 @needs_cpp
