@@ -53,11 +53,12 @@ namespace {
 constexpr int64_t kTokenBlock = 8;     // new tokens a one-query-path task takes at most (they share key blocks)
 constexpr int64_t kKeyBlock = 64;       // keys per block walked by all of a task's queries (32 KiB at D 128)
 #if defined(__x86_64__)
-// The scores' keys are read 16 (AVX-512) or 4 (AVX2) rows at a time, a column of each row per
-// step, which the hardware prefetchers do not follow: the rows kPrefetchKeys ahead are asked into
-// L2 as the keys are scored (by a task's first query of a block; the others find them cached).
+// The AVX-512 scores read 16 key rows at a time, a column chunk of each row per step, which the
+// hardware prefetchers do not follow: the rows kPrefetchKeys ahead are asked into L2 as the keys
+// are scored (by a task's first query of a block; the others find them cached).
 // verify_attention of SmolLM2's heads, one query, 2000 keys from memory, one thread: 315-369 ->
-// 214-224 us; the values' rows, read whole in order, gained nothing from it (docs/speed.md).
+// 214-224 us; the values' rows, read whole in order, gained nothing from it, nor did the AVX2
+// scores (4 rows at a time) (docs/speed.md).
 constexpr int64_t kPrefetchKeys = 32;
 template <class E>
 inline void prefetch_key_rows(const E* k, int64_t k_s, int64_t rows, int64_t D) {
@@ -265,10 +266,10 @@ __attribute__((target("avx2,fma,f16c"))) inline float finish_key_avx2(__m256 acc
 template <class E>
 __attribute__((target("avx2,fma,f16c"))) void scores_avx2(const E* q, const E* k, int64_t k_s, int64_t L, int64_t D,
                                                           float scale, float* s, int64_t pf_keys) {
+  (void)pf_keys;  // no prefetch: 4 rows at a time, none gained (docs/speed.md)
   const int64_t whole = D / 8 * 8;
   int64_t j = 0;
   for (; j + 4 <= L; j += 4) {
-    if (j + kPrefetchKeys + 4 <= pf_keys) prefetch_key_rows(k + (j + kPrefetchKeys) * k_s, k_s, 4, D);
     __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t d = 0; d < whole; d += 8) {
       const __m256 qd = load8(q + d);
