@@ -125,8 +125,10 @@ float* fp32_out(E* dst, float* scratch) {
 
 template <class E>
 void round_into(const float* src, int64_t n, E* dst) {
-  static const cpu::Isa isa = cpu::pick_isa();
-  if constexpr (!std::is_same_v<E, float>) cpu::round_rows(isa, src, n, dst);
+  if constexpr (!std::is_same_v<E, float>) {
+    static const cpu::Isa isa = cpu::pick_isa();
+    cpu::round_rows(isa, src, n, dst);
+  }
 }
 
 // The projection of slot `weight` [N, K] (bias slot `bias`), or nullopt where this path does not take it

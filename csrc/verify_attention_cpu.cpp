@@ -66,8 +66,7 @@ inline void prefetch_key_rows(const E* k, int64_t k_s, int64_t rows, int64_t D) 
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < bytes; c += 64) _mm_prefetch(reinterpret_cast<const char*>(k + r * k_s) + c, _MM_HINT_T1);
 }
-#endif
-#if defined(__x86_64__)  // the AVX-512 lane path's (attend_lanes)
+// the AVX-512 lane path's (attend_lanes)
 constexpr int64_t kMinLaneQueries = 8;  // fewer queries per kv head: one query at a time is faster
 constexpr int64_t kSharedKvBytes = int64_t(1) << 19;  // a head's keys + values past this: read once per task
 #endif
