@@ -56,6 +56,8 @@ at::Tensor bi_exp_isa(const at::Tensor& x, const std::string& isa);
 std::tuple<at::Tensor, at::Tensor> bi_max_exp_sum_isa(const at::Tensor& x, const std::string& isa);
 at::Tensor silu_mul_isa(const at::Tensor& gate, const at::Tensor& up, const std::string& isa);
 at::Tensor round_rows_isa(const at::Tensor& x, const std::string& dtype, const std::string& isa);
+std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_isa(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                                                          const at::Tensor& weight, double eps, const std::string& isa);
 at::Tensor packed_linear_isa(const at::Tensor& x, const at::Tensor& packed, const std::string& isa);
 at::Tensor verify_attention_isa(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                 const at::Tensor& cache_lens, double scale, const std::string& isa, bool invariant);
@@ -160,6 +162,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("round_rows_isa", &swiftkern::round_rows_isa,
         "float32 rounded into bfloat16 or float16 as c10 rounds, with a named instruction set: avx512, avx2 or "
         "portable (tests)");
+  m.def("fused_add_rms_norm_isa", &swiftkern::fused_add_rms_norm_isa, py::arg("x"), py::arg("residual"),
+        py::arg("weight"), py::arg("eps"), py::arg("isa"),
+        "fused_add_rms_norm (residual None: rms_norm, new_residual None) with a named instruction set: avx512, avx2 "
+        "or portable (tests)");
   m.def("verify_attention_isa", &swiftkern::verify_attention_isa,
         "verify_attention (invariant=True: its invariant variant) with a named instruction set: avx512, avx2 or "
         "portable "

@@ -11,6 +11,7 @@ position of the vectorized two-pass scan, and the acceptance edge cases on the r
 import os
 import sys
 
+import numpy
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -180,6 +181,47 @@ def test_fused_add_rms_norm_closed_form():
     normed, new_res = OPS.fused_add_rms_norm(x, res, w, 0.0)
     assert torch.equal(new_res, torch.full((2, 10), -2.5))
     torch.testing.assert_close(normed, -w.expand(2, 10), atol=1e-6, rtol=1e-6)
+
+
+def lane_order_add_rms_norm(x, res, w, eps):
+    """The CPU kernel's arithmetic in torch, operation for operation (one fp32 rounding each):
+    s = dtype(res + x); s^2 summed into 16 lanes (element h into lane h % 16, in order), the
+    lanes added in order; rstd = 1 / sqrt(sum / H + eps); normed = dtype(w * dtype(s * rstd))."""
+    dt, H = x.dtype, x.shape[-1]
+    s = (res.float() + x.float()).to(dt)
+    sf = s.float().reshape(-1, H)
+    lanes = torch.zeros(sf.shape[0], 16)
+    for h in range(H):
+        lanes[:, h % 16] += sf[:, h] * sf[:, h]
+    total = lanes[:, 0].clone()
+    for lane in range(1, 16):
+        total += lanes[:, lane]
+    f32 = numpy.float32  # one IEEE operation each (torch may divide by a scalar as a product)
+    rstd = torch.tensor([f32(1) / numpy.sqrt(f32(t) / f32(H) + f32(eps)) for t in total.tolist()])
+    scaled = (sf * rstd[:, None]).to(dt).float()
+    return (w.float() * scaled).to(dt).reshape(x.shape), s
+
+
+@needs_cpp
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [1, 15, 16, 17, 40, 576])
+def test_fused_add_rms_norm_is_its_lane_order_twin_bit_for_bit(hidden, dtype):
+    """Every rounding of the kernel where it sits: its vector bodies (whole 16s and 8s, the tail
+    of each length) give the bits of the scalar arithmetic, in every row of a batch."""
+    x, res, w = norm_inputs((5, hidden), dtype, hidden)
+    x[0, :hidden // 2] = x[0, :hidden // 2] * 2 ** 8  # large values, short of fp16's overflow
+    want_normed, want_res = lane_order_add_rms_norm(x, res, w, 1e-6)
+    normed, new_res = OPS.fused_add_rms_norm(x, res, w, 1e-6)
+    assert torch.equal(new_res, want_res)
+    assert torch.equal(normed, want_normed)
+    want_plain, _ = lane_order_add_rms_norm(x, torch.zeros_like(x), w, 1e-6)
+    assert torch.equal(OPS.rms_norm(x, w, 1e-6), want_plain)
+    ext = ops.registry.extension
+    for isa in ext.skinny_linear_isas():  # every instruction set this CPU runs
+        assert [torch.equal(a, b) for a, b in zip(ext.fused_add_rms_norm_isa(x, res, w, 1e-6, isa),
+                                                  (want_normed, want_res))] == [True, True], isa
+        plain, none = ext.fused_add_rms_norm_isa(x, None, w, 1e-6, isa)
+        assert torch.equal(plain, want_plain) and none is None, isa
 
 
 # ---------------------------------------------------------------- rope_kv_append
@@ -361,6 +403,7 @@ def test_isa_bindings_refuse_unknown_and_unsupported_instruction_sets():
              "packed_linear_isa": lambda isa: ext.packed_linear_isa(x, torch.zeros(3, 1, 24, dtype=torch.uint8), isa),
              "bi_exp_isa": lambda isa: ext.bi_exp_isa(x, isa),
              "silu_mul_isa": lambda isa: ext.silu_mul_isa(x, x, isa),
+             "fused_add_rms_norm_isa": lambda isa: ext.fused_add_rms_norm_isa(x, x, x[0], 1e-5, isa),
              "verify_attention_isa": lambda isa: ext.verify_attention_isa(
                  torch.randn(1, 1, 1, 8), torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8),
                  torch.tensor([1]), 1.0, isa, False)}
