@@ -186,7 +186,7 @@ KERNEL_MUTANTS = [
      ["tests/test_decoder_stack.py"]),
     # ------------------------------------------------------------------ the norms' vector bodies
     ("K75", "csrc/fused_add_rms_norm_cpu.cpp", "      v = load16(res + h);\n", "",
-     "the AVX-512 norm squares and scales residual + x unrounded, not the bf16 / fp16 residual it stores",
+     "the AVX-512 norm squares and scales x, not the residual + x it stores",
      ["tests/test_cpp_ops.py"]),
     ("K76", "csrc/fused_add_rms_norm_cpu.cpp",
      "store8(out + h, _mm256_mul_ps(load8(w + h), load8(out + h)));",
