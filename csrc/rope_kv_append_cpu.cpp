@@ -4,7 +4,7 @@
 //
 // fp32 results are bit-identical to the reference: x1*c - x2*s and x2*c + x1*s with every
 // product rounded (the build uses -ffp-contract=off), as torch's `x * cos + rotate_half(x) * sin`.
-// bf16/fp16 load, compute in fp32 and round once at the store.
+// bf16/fp16 load, compute in fp32 and round once at the store (in vectors: see Rotator).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -15,8 +15,12 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
+#include "cpu_isa.h"
 #include "op_checks.h"
+#include "round_store.h"
 #include "row_kernels.h"
 
 namespace swiftkern {
@@ -37,23 +41,56 @@ inline void rotate(const E* __restrict x, const E* __restrict c, const E* __rest
   }
 }
 
+// The row's rotation: in place for float32; bf16 / fp16 widened into f (4D floats: x, cos, sin,
+// out), rotated there and rounded in vectors (exact_load.h / round_store.h: the bits of the
+// element-by-element casts, which made an fp16 rope ~1.6x a float32 one in a decode profile).
+// cos / sin are widened once for the rows of one (row, token) that follow one another.
+template <class E>
+class Rotator {
+ public:
+  explicit Rotator(int64_t D) : D_(D), f_(std::is_same_v<E, float> ? 0 : 4 * D) {}
+
+  void operator()(const E* x, const E* c, const E* s, E* out, Isa isa) {
+    if constexpr (std::is_same_v<E, float>) {
+      rotate(x, c, s, out, D_ / 2);
+    } else {
+      float *xf = f_.data(), *cf = xf + D_, *sf = cf + D_, *of = sf + D_;
+      if (c != widened_) {
+        widen_rows(isa, c, D_, cf);
+        widen_rows(isa, s, D_, sf);
+        widened_ = c;
+      }
+      widen_rows(isa, x, D_, xf);
+      rotate(xf, cf, sf, of, D_ / 2);
+      round_rows(isa, of, D_, out);
+    }
+  }
+
+ private:
+  int64_t D_;
+  std::vector<float> f_;
+  const E* widened_ = nullptr;  // the cos row in cf (sin: the same row's)
+};
+
 template <class E>
 void rope_rows(const RopeArgsOf<E>& a) {
-  const int64_t half = a.D / 2, heads = a.Hq + 2 * a.Hkv;
+  static const Isa isa = pick_isa();
+  const int64_t heads = a.Hq + 2 * a.Hkv;
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(a.D, 1));  // ~32K elements a task
   at::parallel_for(0, a.B * a.T * heads, grain, [&](int64_t r0, int64_t r1) {
+    Rotator<E> rotator(a.D);
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t head = r % heads, t = (r / heads) % a.T, b = r / (heads * a.T);
       const int64_t p = a.positions[b * a.pos_b + t * a.pos_t];
       const E* c = a.cos + b * a.cos_b + t * a.cos_t;
       const E* s = a.sin + b * a.sin_b + t * a.sin_t;
       if (head < a.Hq) {
-        rotate(a.q + b * a.qs.b + head * a.qs.h + t * a.qs.t, c, s, a.out + b * a.os.b + head * a.os.h + t * a.os.t,
-               half);
+        rotator(a.q + b * a.qs.b + head * a.qs.h + t * a.qs.t, c, s, a.out + b * a.os.b + head * a.os.h + t * a.os.t,
+                isa);
       } else if (head < a.Hq + a.Hkv) {
         const int64_t h = head - a.Hq;
-        rotate(a.k + b * a.ks.b + h * a.ks.h + t * a.ks.t, c, s, a.k_cache + b * a.kcs.b + h * a.kcs.h + p * a.kcs.t,
-               half);
+        rotator(a.k + b * a.ks.b + h * a.ks.h + t * a.ks.t, c, s, a.k_cache + b * a.kcs.b + h * a.kcs.h + p * a.kcs.t,
+                isa);
       } else {
         const int64_t h = head - a.Hq - a.Hkv;
         std::memcpy(a.v_cache + b * a.vcs.b + h * a.vcs.h + p * a.vcs.t, a.v + b * a.vs.b + h * a.vs.h + t * a.vs.t,

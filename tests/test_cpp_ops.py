@@ -267,6 +267,36 @@ def test_rope_kv_append_matches_reference(B, heads, T, D, dtype, data):
     assert int(cache.isnan().sum()) == int(want_cache.isnan().sum())  # nothing else written
 
 
+def rotate_once_rounded(x, cos, sin):
+    """The kernel's rotation in torch: each product in fp32, one fp32 sum, one rounding into x's
+    dtype (torch's own rope rounds each product in bf16 / fp16). x [..., D]; cos, sin broadcast."""
+    half = x.shape[-1] // 2
+    lo, hi = x[..., :half].float(), x[..., half:].float()
+    c, s = cos.float(), sin.float()
+    out_lo = lo * c[..., :half] - hi * s[..., :half]
+    out_hi = hi * c[..., half:] + lo * s[..., half:]
+    return torch.cat([out_lo, out_hi], dim=-1).to(x.dtype)
+
+
+@needs_cpp
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", [2, 6, 34, 64, 80])
+def test_rope_kv_append_is_one_rounding_bit_for_bit(D, dtype):
+    """bf16 / fp16 rows widened, rotated in fp32 and rounded in vectors give the bits of one
+    rounding per element, whatever the head size (the 16- and 8-wide bodies' tails), for query and
+    key heads of several rows and tokens."""
+    B, Hq, Hkv, T, S = 2, 9, 3, 3, 7
+    positions = torch.tensor([[4, 1, 6], [0, 2, 5]])
+    q, k, v, cos, sin, cache = rope_case(B, Hq, Hkv, T, D, S, positions, dtype, D)
+    q = q * 300  # larger values: more of fp16's roundings land near a halfway point
+    got_q = OPS.rope_kv_append(q, k, v, cos, sin, cache[0], cache[1], positions)
+    assert torch.equal(got_q, rotate_once_rounded(q, cos[:, None], sin[:, None]))
+    want_k = rotate_once_rounded(k, cos[:, None], sin[:, None])  # [B, Hkv, T, D]
+    for b in range(B):
+        assert torch.equal(cache[0, b][:, positions[b]], want_k[b])
+        assert torch.equal(cache[1, b][:, positions[b]], v[b])
+
+
 @needs_cpp
 def test_rope_kv_append_through_the_wrapper_with_cpp_forced():
     positions = torch.tensor([[3, 4], [0, 1]])
