@@ -199,6 +199,13 @@ KERNEL_MUTANTS = [
     ("K78", "csrc/fused_add_rms_norm_cpu.cpp", "    lanes[h % kSumLanes] += v * v;", "    lanes[0] += v * v;",
      "the norm's scalar loop sums a row's tail (and the portable set's whole row) into one lane",
      ["tests/test_cpp_ops.py"]),
+    # ------------------------------------------------------------------ rope's bf16 / fp16 rows in vectors
+    ("K79", "csrc/rope_kv_append_cpu.cpp", "      if (c != widened_) {", "      if (widened_ == nullptr) {",
+     "rope's bf16 / fp16 rows keep the cos / sin of a task's first token for every token after it",
+     ["tests/test_cpp_ops.py"]),
+    ("K80", "csrc/rope_kv_append_cpu.cpp", "      widen_rows(isa, x, D_, xf);", "      widen_rows(isa, x, D_ / 2, xf);",
+     "rope's bf16 / fp16 rows widen only their first half: the second is the last row's (or garbage)",
+     ["tests/test_cpp_ops.py"]),
     # ------------------------------------------------------------------ the 8-bit block as Q8_0's 34 bytes
     ("K63", "csrc/packed_linear_cpu.cpp",
      "const __m512 scale = _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(load_u16(block))));",
