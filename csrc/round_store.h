@@ -98,13 +98,20 @@ __attribute__((target("avx2,f16c"))) inline void widen_rows_avx2(const E* src, i
 }
 #endif
 
+// The element types the vectors load and store (the dispatch macros' double is not one of them)
+template <class E>
+constexpr bool kVectorElement =
+    std::is_same_v<E, float> || std::is_same_v<E, c10::BFloat16> || std::is_same_v<E, c10::Half>;
+
 // dst[i] = static_cast<E>(src[i]), i < n, with the vectors of isa
 template <class E>
 inline void round_rows(Isa isa, const float* src, int64_t n, E* dst) {
   int64_t i = 0;
 #if defined(__x86_64__)
-  if (isa == Isa::kAvx512) round_rows_avx512(src, n, dst, i);
-  if (isa == Isa::kAvx2) round_rows_avx2(src, n, dst, i);
+  if constexpr (kVectorElement<E>) {
+    if (isa == Isa::kAvx512) round_rows_avx512(src, n, dst, i);
+    if (isa == Isa::kAvx2) round_rows_avx2(src, n, dst, i);
+  }
 #endif
   (void)isa;
   for (; i < n; ++i) dst[i] = static_cast<E>(src[i]);
@@ -115,8 +122,10 @@ template <class E>
 inline void widen_rows(Isa isa, const E* src, int64_t n, float* dst) {
   int64_t i = 0;
 #if defined(__x86_64__)
-  if (isa == Isa::kAvx512) widen_rows_avx512(src, n, dst, i);
-  if (isa == Isa::kAvx2) widen_rows_avx2(src, n, dst, i);
+  if constexpr (kVectorElement<E>) {
+    if (isa == Isa::kAvx512) widen_rows_avx512(src, n, dst, i);
+    if (isa == Isa::kAvx2) widen_rows_avx2(src, n, dst, i);
+  }
 #endif
   (void)isa;
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);

@@ -44,6 +44,7 @@
 #include "exact_load.h"
 #include "fixed_order_dot.h"
 #include "op_checks.h"
+#include "round_store.h"
 #include "row_kernels.h"
 
 namespace swiftkern {
@@ -651,8 +652,9 @@ void attend(const AttnShape& sh, const E* q, const E* k, const E* v, const int64
         for (int64_t g = 0; g < group; ++g) {
           E* o = out + b * sh.o_b + (hkv * group + g) * sh.o_h + (i0 + t) * sh.o_t;
           const float inv = 1.0f / total[t * group + g];
-          const float* a = acc.data() + (t * group + g) * sh.D;
-          for (int64_t d = 0; d < sh.D; ++d) o[d] = static_cast<E>(a[d] * inv);
+          float* a = acc.data() + (t * group + g) * sh.D;
+          for (int64_t d = 0; d < sh.D; ++d) a[d] = a[d] * inv;
+          round_rows(isa, a, sh.D, o);  // bf16 / fp16: c10's rounding, in vectors
         }
     }
   });
