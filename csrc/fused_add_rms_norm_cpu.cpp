@@ -6,9 +6,10 @@
 // Per row: s = dtype(residual + x) is stored as the new residual and kept in fp32; the sum of
 // s^2 runs in 16 fp32 lanes (a vectorizable loop; torch sums in another order, so results agree
 // with the reference to fp32 rounding of the mean); normed = weight * dtype(s * rsqrt(mean + eps)),
-// the reference's (HF LlamaRMSNorm's) order of roundings. bf16 / fp16 are widened and rounded in
-// vectors (round_store.h, c10's bits) in passes over an fp32 scratch row: element by element,
-// c10's conversions made an fp16 norm of 576 ~2.7 us dearer than the float32 one.
+// the reference's (HF LlamaRMSNorm's) order of roundings. Two passes a row, the second over its
+// fp32 copy; AVX-512 / AVX2 bodies load exactly and round as c10 does (exact_load.h,
+// round_store.h), so they give the scalar loop's bits: element by element, c10's conversions
+// made an fp16 norm of 576 ~2.7 us dearer than the float32 one.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -22,7 +23,6 @@
 #include <optional>
 #include <string>
 #include <tuple>
-#include <type_traits>
 #include <vector>
 
 #include "cpu_isa.h"
@@ -131,7 +131,7 @@ __attribute__((target("avx2,f16c"))) void scale_avx2(const float* s, float rstd,
 template <class T>
 void add_square(Isa isa, const T* x, const T* r, T* res, float* s, float* lanes, int64_t H) {
 #if defined(__x86_64__)
-  if constexpr (!std::is_same_v<T, double>) {  // double: the dispatch macro's, refused by the checks
+  if constexpr (kVectorElement<T>) {  // not double: the dispatch macro's, refused by the checks
     if (isa == Isa::kAvx512) return add_square_avx512(x, r, res, s, lanes, H);
     if (isa == Isa::kAvx2) return add_square_avx2(x, r, res, s, lanes, H);
   }
@@ -143,7 +143,7 @@ void add_square(Isa isa, const T* x, const T* r, T* res, float* s, float* lanes,
 template <class T>
 void scale(Isa isa, const float* s, float rstd, const T* w, T* out, int64_t H) {
 #if defined(__x86_64__)
-  if constexpr (!std::is_same_v<T, double>) {
+  if constexpr (kVectorElement<T>) {
     if (isa == Isa::kAvx512) return scale_avx512(s, rstd, w, out, H);
     if (isa == Isa::kAvx2) return scale_avx2(s, rstd, w, out, H);
   }

@@ -13,7 +13,6 @@
 
 #include <cstdint>
 #include <string>
-#include <type_traits>
 
 #include "cpu_exp.h"
 #include "cpu_isa.h"
@@ -68,7 +67,7 @@ __attribute__((target("avx2,fma,f16c"))) void silu_mul_avx2(const T* g, const T*
 template <class T>
 void silu_mul_range(const T* g, const T* u, T* y, int64_t n, Isa isa) {
 #if defined(__x86_64__)
-  if constexpr (!std::is_same_v<T, double>) {  // double: the dispatch macro's, refused by checks::silu_mul
+  if constexpr (kVectorElement<T>) {  // not double: the dispatch macro's, refused by checks::silu_mul
     if (isa == Isa::kAvx512) return silu_mul_avx512(g, u, y, n);
     if (isa == Isa::kAvx2) return silu_mul_avx2(g, u, y, n);
   }
