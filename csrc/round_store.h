@@ -80,21 +80,32 @@ __attribute__((target("avx2,f16c"))) inline void store8(E* p, __m256 v) {
   }
 }
 
+// The whole vectors of [0, n): how many elements they hold (the scalar loop takes the rest). The
+// index is a local: taken by reference, GCC stored and reloaded it around every vector store
+// (which may alias it); timed, that cost nothing measurable on a Zen 4, but the loop is tighter.
 template <class E>
-__attribute__((target("avx512f"))) inline void round_rows_avx512(const float* src, int64_t n, E* dst, int64_t& i) {
+__attribute__((target("avx512f"))) inline int64_t round_rows_avx512(const float* src, int64_t n, E* dst) {
+  int64_t i = 0;
   for (; i + 16 <= n; i += 16) store16(dst + i, _mm512_loadu_ps(src + i));
+  return i;
 }
 template <class E>
-__attribute__((target("avx2,f16c"))) inline void round_rows_avx2(const float* src, int64_t n, E* dst, int64_t& i) {
+__attribute__((target("avx2,f16c"))) inline int64_t round_rows_avx2(const float* src, int64_t n, E* dst) {
+  int64_t i = 0;
   for (; i + 8 <= n; i += 8) store8(dst + i, _mm256_loadu_ps(src + i));
+  return i;
 }
 template <class E>
-__attribute__((target("avx512f"))) inline void widen_rows_avx512(const E* src, int64_t n, float* dst, int64_t& i) {
+__attribute__((target("avx512f"))) inline int64_t widen_rows_avx512(const E* src, int64_t n, float* dst) {
+  int64_t i = 0;
   for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, load16(src + i));
+  return i;
 }
 template <class E>
-__attribute__((target("avx2,f16c"))) inline void widen_rows_avx2(const E* src, int64_t n, float* dst, int64_t& i) {
+__attribute__((target("avx2,f16c"))) inline int64_t widen_rows_avx2(const E* src, int64_t n, float* dst) {
+  int64_t i = 0;
   for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load8(src + i));
+  return i;
 }
 #endif
 
@@ -109,8 +120,8 @@ inline void round_rows(Isa isa, const float* src, int64_t n, E* dst) {
   int64_t i = 0;
 #if defined(__x86_64__)
   if constexpr (kVectorElement<E>) {
-    if (isa == Isa::kAvx512) round_rows_avx512(src, n, dst, i);
-    if (isa == Isa::kAvx2) round_rows_avx2(src, n, dst, i);
+    if (isa == Isa::kAvx512) i = round_rows_avx512(src, n, dst);
+    if (isa == Isa::kAvx2) i = round_rows_avx2(src, n, dst);
   }
 #endif
   (void)isa;
@@ -123,8 +134,8 @@ inline void widen_rows(Isa isa, const E* src, int64_t n, float* dst) {
   int64_t i = 0;
 #if defined(__x86_64__)
   if constexpr (kVectorElement<E>) {
-    if (isa == Isa::kAvx512) widen_rows_avx512(src, n, dst, i);
-    if (isa == Isa::kAvx2) widen_rows_avx2(src, n, dst, i);
+    if (isa == Isa::kAvx512) i = widen_rows_avx512(src, n, dst);
+    if (isa == Isa::kAvx2) i = widen_rows_avx2(src, n, dst);
   }
 #endif
   (void)isa;
