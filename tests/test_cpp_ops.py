@@ -224,6 +224,22 @@ def test_fused_add_rms_norm_is_its_lane_order_twin_bit_for_bit(hidden, dtype):
         assert torch.equal(plain, want_plain) and none is None, isa
 
 
+@needs_cpp
+@DRAWN
+@given(rows=st.integers(1, 4), hidden=st.integers(1, 200), dtype=st.sampled_from(DTYPES),
+       scale=st.integers(-20, 7), seed=st.integers(0, 2**16))
+def test_fused_add_rms_norm_twin_at_drawn_sizes_and_scales(rows, hidden, dtype, scale, seed):
+    """The lane-order twin at any H and at magnitudes from fp16's subnormals (2^-20) to near its
+    overflow: rows where the residual, s * rstd or the product round into subnormals or large
+    values keep the scalar loop's bits in the vector bodies too."""
+    x, res, w = norm_inputs((rows, hidden), dtype, seed)
+    x, res = (x.float() * 2.0 ** scale).to(dtype), (res.float() * 2.0 ** scale).to(dtype)
+    want_normed, want_res = lane_order_add_rms_norm(x, res, w, 1e-6)
+    for isa in ops.registry.extension.skinny_linear_isas():
+        normed, new_res = ops.registry.extension.fused_add_rms_norm_isa(x, res, w, 1e-6, isa)
+        assert torch.equal(new_res, want_res) and torch.equal(normed, want_normed), isa
+
+
 # ---------------------------------------------------------------- rope_kv_append
 
 def rotary(positions, D, dtype):
