@@ -41,9 +41,9 @@ inline void rotate(const E* __restrict x, const E* __restrict c, const E* __rest
   }
 }
 
-// The row's rotation: in place for float32; bf16 / fp16 widened into f (4D floats: x, cos, sin,
-// out), rotated there and rounded in vectors (exact_load.h / round_store.h: the bits of the
-// element-by-element casts, which made an fp16 rope ~1.6x a float32 one in a decode profile).
+// The row's rotation: float32 straight from x into out; bf16 / fp16 widened into f (4D floats:
+// x, cos, sin, out), rotated there and rounded in vectors (exact_load.h / round_store.h: the bits
+// of the element-by-element casts, which made an fp16 rope ~1.6x a float32 one in a decode profile).
 // cos / sin are widened once for the rows of one (row, token) that follow one another.
 template <class E>
 class Rotator {
