@@ -1,7 +1,9 @@
 """Shared fixtures: tiny random LLaMA-family models, and SmolLM2 for the slow real-text checks."""
 
+import atexit
 import contextlib
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -11,6 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # stored layer sets (swiftkern search) go to a fresh directory: a developer's own never leak in
 os.environ["SWIFTKERN_CACHE_DIR"] = tempfile.mkdtemp(prefix="swiftkern-test-cache-")
+atexit.register(shutil.rmtree, os.environ["SWIFTKERN_CACHE_DIR"], ignore_errors=True)  # each process its own
 # No GPU: run the Triton kernels in Triton's CPU interpreter (read when triton is first imported,
 # which swiftkern does lazily); on a GPU machine they run natively.
 if not torch.cuda.is_available():
