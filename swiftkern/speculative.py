@@ -193,7 +193,12 @@ class _SelfSpecRun:
                 if self.tuner is not None:
                     self.tuner.observe(num_draft[i], num_accepted[i])
             if chooser is not None:
-                chooser.observe(r, used, num_draft[i], num_accepted[i], lookup_ngram=matches[i].ngram)
+                if choices[i].drafter == "layer-skip":  # drafted or not, its forwards were paid
+                    budget = choices[i].k  # confidence stopped a run short of it one forward later
+                    forwards = num_draft[i] if num_draft[i] >= budget else num_draft[i] + 1
+                    chooser.observe(r, "layer-skip", num_draft[i], num_accepted[i], forwards=forwards)
+                else:
+                    chooser.observe(r, used, num_draft[i], num_accepted[i], lookup_ngram=matches[i].ngram)
             committed = row[: num_accepted[i] + 1]
             before = len(requests.out[r])
             requests.commit(r, committed)

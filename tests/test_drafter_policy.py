@@ -271,13 +271,102 @@ def test_layer_skip_is_valued_at_the_drafts_its_runs_yield():
         p.observe(0, "layer-skip", 3, 2)
     a = p.acceptance(0, "layer-skip").rate
 
-    def best(most):
-        return max(range(most + 1), key=lambda k: expected_tokens(a, k) / (0.05 * k + 1 + 0.02 * k))
+    def best(most):  # a run confidence stops pays one forward past its drafts (the waste's prior)
+        return max(range(most + 1), key=lambda k: expected_tokens(a, k) / (0.05 * (k + 1) + 1 + 0.02 * k if k else 1))
 
     assert best(3) == 3 < best(8)
     c = p.choose(0, lookup_len=0, budget=20)
     assert (c.drafter, c.k, c.expected_drafts, c.acceptance) == ("layer-skip", 8, 3, a)
     assert p.choose(0, lookup_len=0, budget=5).k == 5
+
+
+def _simulated_skip_rate(a, k, empty, waste, draft, verify, runs=40000, seed=5):
+    """Tokens per unit of time of layer-skip steps, simulated: a run is empty with probability
+    ``empty`` (one draft forward, then a pass of one token), else it drafts k tokens accepted
+    left to right with probability a, paying k + waste forwards and a pass of k + 1 tokens."""
+    rng = random.Random(seed)
+    tokens = seconds = 0.0
+    for _ in range(runs):
+        if rng.random() < empty:
+            tokens, seconds = tokens + 1, seconds + draft + verify(1)
+            continue
+        m = 0
+        while m < k and rng.random() < a:
+            m += 1
+        tokens, seconds = tokens + m + 1, seconds + (k + waste) * draft + verify(k + 1)
+    return tokens / seconds
+
+
+@pytest.mark.parametrize("empty,waste", [(0.0, 1.0), (0.3, 1.0), (0.5, 0.5), (0.0, 0.0)])
+def test_layer_skip_rate_counts_empty_runs_and_wasted_forwards(empty, waste):
+    """The rate choose() values a layer-skip step at, against a simulation of runs with that share
+    of empty runs and wasted forwards (no formula shared with the policy): within 2 %."""
+    p = _policy(("layer-skip", "none"), verify=(1.0, 1.01), draft=0.05, k_max=4)
+    p.costs.add_verify(8, 1.07)
+    p._skip_empty[0], p._skip_waste[0], p._draft_len[0] = empty, waste, 4.0
+    p.acceptance(0, "layer-skip").accepted, p.acceptance(0, "layer-skip").misses = 9.0, 1.0  # a = 0.9
+    c = p.choose(0, lookup_len=0, budget=4)
+    assert (c.drafter, c.expected_drafts, c.waste) == ("layer-skip", 4, waste)
+    sim = _simulated_skip_rate(0.9, 4, empty, waste, 0.05, p.costs.verify)
+    assert c.tokens_per_s == pytest.approx(sim, rel=0.02)
+
+
+def test_empty_layer_skip_runs_are_paid_for():
+    """Runs whose drafts are all accepted (3 of 3) but which mostly draft nothing (confidence
+    refuses the first draft in 3 runs of 4, each costing a forward of 0.5 steps): the policy sees
+    the empty runs (observed as layer-skip with 0 drafts) and stops drafting, (0.75 + 0.25 E(1, 3))
+    / (0.75 (0.5 + 1) + 0.25 (4 * 0.5 + verify(4))) = 1.75 / 1.95 < 1 token a step; the same
+    drafting runs without the empty ones win, 4 / 3.3 > 1. Before, an empty run counted as plain
+    decoding, so the mostly empty runs were valued as the second case."""
+    def trained(empty_runs):
+        p = _policy(("layer-skip", "none"), verify=(1.0, 1.1), draft=0.5)
+        for i in range(40):
+            if empty_runs and i % 4:
+                p.observe(0, "layer-skip", 0, 0, forwards=1)
+            else:
+                p.observe(0, "layer-skip", 3, 3, forwards=4)
+        return p
+    assert trained(empty_runs=False).choose(0, lookup_len=0, budget=8).drafter == "layer-skip"
+    assert trained(empty_runs=True).choose(0, lookup_len=0, budget=8).drafter == "none"
+    assert (0.75 + 0.25 * 4) / (0.75 * 1.5 + 0.25 * (4 * 0.5 + 1.3)) < 1 < 4 / (4 * 0.5 + 1.3)
+
+
+def test_the_loop_reports_every_layer_skip_run_and_its_forwards(monkeypatch):
+    """At batch 1, with every step drafting with the layer-skipped model (choose() patched to
+    pick it), the runs the loop reports (empty ones included, each with its forwards: its drafts,
+    plus one where confidence stopped it short of its budget) add up to the draft forwards it
+    ran, and the output is still ar's. The random model's top-1 probabilities are low: at eps 0.1
+    confidence refuses most first drafts and takes some (runs of 0, 1 and 2 drafts, and 1 of a
+    budget of 1 at the end)."""
+    hf = tiny_model("llama", num_hidden_layers=5)
+    seen = []
+    observe = DrafterPolicy.observe
+
+    def spy(self, row, drafter, num_draft, num_accepted, lookup_ngram=1, forwards=None):
+        if drafter == "layer-skip":
+            seen.append((num_draft, forwards))
+        return observe(self, row, drafter, num_draft, num_accepted, lookup_ngram, forwards)
+
+    monkeypatch.setattr(DrafterPolicy, "observe", spy)
+    budgets = []
+
+    def choose(self, row, lookup_len, budget, layer_skip=True, lookup_ngram=1):
+        budgets.append(min(3, budget))
+        return Choice("layer-skip", budgets[-1], 1.0, 0.5, budgets[-1])
+
+    monkeypatch.setattr(DrafterPolicy, "choose", choose)
+    runs = []
+    for prompt in PROMPTS:
+        ar = Generator(hf).generate([prompt], max_new_tokens=40, eos_token_id=[]).tokens
+        seen.clear(), budgets.clear()
+        out = Generator(hf, mode="self-spec", drafter="auto", layer_set="attn:2", k_max=4, eps=0.1).generate(
+            [prompt], max_new_tokens=40, eos_token_id=[])
+        assert out.tokens == ar
+        assert len(seen) == out.stats["verify_steps"]
+        assert sum(f for _, f in seen) == out.stats["draft_steps"]
+        assert all(f == (n if n == k else n + 1) for (n, f), k in zip(seen, budgets))
+        runs += seen
+    assert any(n == 0 for n, _ in runs) and any(n > 0 for n, _ in runs)  # both kinds of run were seen
 
 
 def test_expensive_layer_skip_loses_to_plain_decoding():
@@ -367,8 +456,8 @@ def test_a_losing_layer_skip_is_tried_again_and_kept_only_when_it_pays(accepts, 
         p.observe(0, "none", 0, 0)
     trial = p.choose(0, lookup_len=0, budget=20)
     assert (trial.drafter, trial.k, p.agreements.trials) == ("layer-skip", 1, 1)
-    for _ in range(3):
-        p.observe(0, "layer-skip", 1, 1 if accepts else 0)
+    for _ in range(3):  # one forward each: the budget of 1, not confidence, stopped the run
+        p.observe(0, "layer-skip", 1, 1 if accepts else 0, forwards=1)
     assert p.choose(0, lookup_len=0, budget=20).drafter == want
     p.observe(0, want, 1 if want == "layer-skip" else 0, 1 if accepts else 0)
     assert p.agreements.trials == 1  # not due again for explore_every steps
@@ -418,12 +507,14 @@ def test_pass_width_is_the_best_over_every_width():
     simulation of the steps (each row's drafts accepted one after another with its acceptance,
     the same draws for every width), within 1 % of the most tokens per unit of time any width
     makes. The simulation shares no formula with the policy: a step costs its layer-skip draft
-    forwards (the longest such draft) and a verify pass of K + 1 tokens."""
+    forwards (the longest such draft, with its wasted forward where confidence stops it short of
+    K) and a verify pass of K + 1 tokens."""
     rng = random.Random(3)
     gen = torch.Generator().manual_seed(3)
     for trial in range(50):
         p = _costed(rng.choice([0.02, 0.1, 0.3, 1.0]), draft=rng.choice([0.1, 0.5]))
-        choices = [Choice(rng.choice(["lookup", "layer-skip"]), n, 0.0, rng.random(), n) if (n := rng.randint(0, 8))
+        choices = [Choice(d, n, 0.0, rng.random(), n, rng.choice([0.0, 1.0]) if d == "layer-skip" else 0.0)
+                   if (n := rng.randint(0, 8)) and (d := rng.choice(["lookup", "layer-skip"]))
                    else Choice("none", 0, 0.0) for _ in range(rng.randint(2, 8))]
         steps = 20000
         accept = torch.tensor([c.acceptance for c in choices], dtype=torch.float64)  # [R]
@@ -433,7 +524,9 @@ def test_pass_width_is_the_best_over_every_width():
 
         def simulated_rate(K):
             tokens = (torch.minimum(run, drafts.clamp(max=K)) + 1).sum(-1).double().mean()  # a step's tokens
-            forwards = max([min(c.expected_drafts, K) for c in choices if c.drafter == "layer-skip"], default=0)
+            # a row confidence stops short of K pays its wasted forward; one K stops pays none
+            forwards = max([min(c.expected_drafts, K) + (c.waste if c.expected_drafts < K else 0)
+                            for c in choices if c.drafter == "layer-skip"], default=0)
             return float(tokens) / (forwards * p.costs.draft_cost() + p.costs.verify(K + 1))
 
         fitted = p.fit_pass(choices)
