@@ -45,6 +45,13 @@ def lookup_bucket(ngram: int) -> int:
     return max(1, min(ngram, len(LOOKUP_PRIORS)))
 
 
+def _move_mean(means: dict, row: int, value: float, prior: float | None) -> None:
+    """A row's running mean moved a fifth of the way to ``value``, from ``prior`` at first
+    (None: the first value is the mean)."""
+    old = means.get(row, prior)
+    means[row] = float(value) if old is None else 0.8 * old + 0.2 * value
+
+
 def _class_key(drafter: str, lookup_ngram: int) -> tuple[str, int]:
     return (drafter, lookup_bucket(lookup_ngram) if drafter == "lookup" else 0)
 
@@ -152,18 +159,20 @@ class DrafterPolicy:
         return self.agreements.get(row, _class_key(drafter, lookup_ngram))
 
     def _rate(self, a: float, k: int, draft_cost: float, verify_cost: float | None = None,
-              empty: float = 0.0, waste: float = 0.0) -> float:
-        """Expected tokens per second of a step with k drafts of acceptance a (verify_cost: the
-        pass of k + 1 tokens, when the caller has it; else read from the costs). Layer-skip:
-        ``empty`` of its runs draft nothing (one forward, then a pass of 1 token) and a drafting
-        run pays ``waste`` forwards beyond its k drafts."""
+              empty: float = 0.0, waste: float = 0.0, verify_one: float | None = None) -> float:
+        """Expected tokens per second of a step with k drafts of acceptance a (verify_cost /
+        verify_one: the passes of k + 1 and of 1 token, when the caller has them; else read from
+        the costs). Layer-skip: ``empty`` of its runs draft nothing (one forward, then a pass of
+        1 token) and a drafting run pays ``waste`` forwards beyond its k drafts."""
         if verify_cost is None:
             verify_cost = self.costs.verify(k + 1)
         tokens = expected_tokens(a, k)
         seconds = (k + waste) * draft_cost + verify_cost
         if empty:
+            if verify_one is None:
+                verify_one = self.costs.verify(1)
             tokens = empty + (1.0 - empty) * tokens
-            seconds = empty * (draft_cost + self.costs.verify(1)) + (1.0 - empty) * seconds
+            seconds = empty * (draft_cost + verify_one) + (1.0 - empty) * seconds
         return tokens / seconds
 
     def _most_drafts(self) -> int:
@@ -179,7 +188,7 @@ class DrafterPolicy:
         verify = self.costs.verify_upto(k_limit + 1)  # verify[T - 1]: a pass of T tokens
         best_k, best = 0, 1.0 / verify[0]
         for k in range(1, k_limit + 1):
-            rate = self._rate(a, k, draft_cost, verify[k], empty, waste)
+            rate = self._rate(a, k, draft_cost, verify[k], empty, waste, verify[0])
             if rate > best:
                 best_k, best = k, rate
         return best_k, best
@@ -269,10 +278,8 @@ class DrafterPolicy:
             self.acceptance(row, drafter, lookup_ngram).update(num_draft, num_accepted)
         if drafter != "layer-skip":
             return
-        self._skip_empty[row] = 0.8 * self._skip_empty.get(row, 0.0) + 0.2 * (num_draft == 0)
+        _move_mean(self._skip_empty, row, float(num_draft == 0), 0.0)
         if num_draft > 0:
-            m = self._draft_len.get(row, float(self.k_max))
-            self._draft_len[row] = 0.8 * m + 0.2 * num_draft
-            if forwards is not None:  # the first run measured replaces the prior (1: a confidence stop)
-                w = self._skip_waste.get(row)
-                self._skip_waste[row] = float(forwards - num_draft) if w is None else 0.8 * w + 0.2 * (forwards - num_draft)
+            _move_mean(self._draft_len, row, num_draft, float(self.k_max))
+            if forwards is not None:  # the first run measured replaces choose()'s prior (1: a confidence stop)
+                _move_mean(self._skip_waste, row, forwards - num_draft, None)

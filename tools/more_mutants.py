@@ -341,8 +341,8 @@ MORE_MUTANTS = [
      "the loop reports a layer-skip run's drafts as its forwards: the forward a confidence stop throws away goes unpaid",
      ["tests/test_drafter_policy.py"]),
     ("M246", "swiftkern/drafter_policy.py",
-     "self._skip_empty[row] = 0.8 * self._skip_empty.get(row, 0.0) + 0.2 * (num_draft == 0)",
-     "self._skip_empty[row] = 0.0",
+     "_move_mean(self._skip_empty, row, float(num_draft == 0), 0.0)",
+     "_move_mean(self._skip_empty, row, 0.0, 0.0)",
      "layer-skip runs that drafted nothing are not counted: valued as plain decoding, as before fea0cae",
      ["tests/test_drafter_policy.py"]),
 ]
