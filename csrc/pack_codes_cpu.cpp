@@ -80,12 +80,12 @@ bool fits(const float* w, float offset, uint16_t estimate, int step, const Forma
   return true;
 }
 
-// the block as packed_layout.h lays it out: 4-bit, the float32 scale and offset then the codes
-// two a byte; 8-bit, the scale as the float16 it is (the offset is +0) then the codes
+// the block as packed_layout.h lays it out: the scale as the float16 it is, 4-bit the offset as the
+// float16 it is too, then the codes (4-bit two a byte; 8-bit, the offset +0)
 void write_block(uint8_t* out, float scale, float offset, const float* codes, const Format& f) {
   if (f.bits == 4) {
-    std::memcpy(out, &scale, 4);
-    std::memcpy(out + 4, &offset, 4);
+    const uint16_t halves[2] = {c10::Half(scale).x, c10::Half(offset).x};
+    std::memcpy(out, halves, 4);
     uint8_t* body = out + kCodesAt<4>;
     for (int i = 0; i < kBlock / 2; ++i) body[i] = uint8_t(codes[i]) | uint8_t(uint8_t(codes[i + 16]) << 4);
   } else {
@@ -174,7 +174,7 @@ bool pack_codes_kernel(const float* w, int64_t N, int64_t K, int bits, uint8_t* 
 }  // namespace cpu
 
 // weight: float32 [N, K] on the CPU, K a multiple of 32; bits 4 or 8 -> packed uint8
-// [N, K / 32, 24 | 34] (the layout of csrc/packed_layout.h and swiftkern/packed_weights.py), or
+// [N, K / 32, 20 | 34] (the layout of csrc/packed_layout.h and swiftkern/packed_weights.py), or
 // nullopt when the weight is not made of such codes.
 std::optional<at::Tensor> pack_codes_cpu(const at::Tensor& weight, int64_t bits) {
   TORCH_CHECK(bits == 4 || bits == 8, "pack_codes: bits must be 4 or 8, got ", bits);

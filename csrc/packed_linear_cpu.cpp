@@ -3,8 +3,8 @@
 // A GGUF model dequantized to float32 (SmolLM2's Q4_1 layers and Q8_0 head) holds weights that
 // are exactly w = scale * code + offset per block of 32 inputs, with a float16 scale and offset
 // and a 4- or 8-bit code. swiftkern/packed_weights.py finds those codes (and checks that every
-// weight comes back bit for bit); this kernel streams them at 0.75 / 1.06 bytes per weight (the
-// 8-bit block is Q8_0's own) instead of 4, rebuilds each weight with one fma (exact: scale * code
+// weight comes back bit for bit); this kernel streams them at 0.625 / 1.06 bytes per weight (GGUF's
+// Q4_1 and Q8_0 blocks) instead of 4, rebuilds each weight with one fma (exact: scale * code
 // has at most 19 significant bits, so the fma rounds once, where the dequantizer's multiply-then-add did; with
 // AVX-512 a 4-bit block makes its 16 possible weights so and permutes them by code, with AVX2
 // each code is widened and converted first) and
@@ -12,7 +12,7 @@
 // skinny_linear's on the float32 weight, bit for bit: a decode step reads a sixth of the bytes
 // and computes the same logits.
 //
-// Packed layout: csrc/packed_layout.h (24 bytes a 4-bit block, 34 an 8-bit one).
+// Packed layout: csrc/packed_layout.h (20 bytes a 4-bit block, 34 an 8-bit one).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -113,10 +113,13 @@ static void packed_tile_portable(const float* x, const uint8_t* w, int64_t row_b
 
 #if defined(__x86_64__)
 // The 16 weights a 4-bit block can hold, fma(scale, code, offset) for code 0..15: each weight is
-// then one permute of this table by its code (2 ops a half, not 4: widen, mask, convert, fma)
+// then one permute of this table by its code (2 ops a half, not 4: widen, mask, convert, fma).
+// The float16 scale and offset are widened together (scale, offset in every pair of lanes), then
+// spread: one conversion and two in-lane permutes a block and row
 __attribute__((target("avx512f"))) static inline __m512 block_table_avx512(const uint8_t* block) {
   const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  return _mm512_fmadd_ps(_mm512_set1_ps(load_f32(block)), codes, _mm512_set1_ps(load_f32(block + 4)));
+  const __m512 pairs = _mm512_cvtph_ps(_mm256_set1_epi32(static_cast<int>(load_u32(block))));
+  return _mm512_fmadd_ps(_mm512_permute_ps(pairs, 0x00), codes, _mm512_permute_ps(pairs, 0x55));
 }
 
 // The 32 weights of a block as the dequantizer made them: lo = inputs 0-15, hi = inputs 16-31
@@ -141,6 +144,32 @@ __attribute__((target("avx512f"))) static inline void block_weights_avx512(const
   }
 }
 
+// The tile loop widens 4-bit blocks' float16 scales and offsets this many blocks at a time
+constexpr int64_t kHeadsAhead = 16;
+
+// heads[2i], heads[2i + 1] = the scale and offset of block i of a row (i < min(16, left)), from
+// its first block on
+__attribute__((target("avx512f"))) static inline void widen_heads_avx512(const uint8_t* block, int64_t left,
+                                                                        float* heads) {
+  const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                        _mm512_set1_epi32(kBlockBytes4));
+  const __mmask16 live = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1u);
+  const __m512i pairs = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, at, block, 1);
+  _mm512_store_ps(heads, _mm512_cvtph_ps(_mm512_castsi512_si256(pairs)));
+  _mm512_store_ps(heads + 16, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(pairs, 1)));
+}
+
+// A 4-bit block's 32 weights from its widened scale and offset: lo = inputs 0-15, hi = 16-31
+__attribute__((target("avx512f"))) static inline void block_weights_4bit_avx512(const uint8_t* block, float scale,
+                                                                               float offset, __m512& lo, __m512& hi) {
+  const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 table = _mm512_fmadd_ps(_mm512_set1_ps(scale), codes, _mm512_set1_ps(offset));
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kCodesAt<4>));
+  const __m512i bytes = _mm512_cvtepu8_epi32(packed);
+  lo = _mm512_permutexvar_ps(bytes, table);
+  hi = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+}
+
 template <int BITS, int MR, int NR>
 __attribute__((target("avx512f"))) static void packed_tile_avx512(const float* x, const uint8_t* w,
                                                                   int64_t row_bytes, float* y, int64_t K, int64_t N,
@@ -151,19 +180,31 @@ __attribute__((target("avx512f"))) static void packed_tile_avx512(const float* x
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
   const int64_t blocks = K / kBlock;
-  for (int64_t b = 0; b < blocks; ++b) {
-    if (pf) {  // the tile ahead is NR contiguous rows: this block's share of it, a line or two
-      const char* p = reinterpret_cast<const char*>(pf + b * NR * block_bytes);
-      for (int c = 0; c < NR * block_bytes; c += 64) _mm_prefetch(p + c, _MM_HINT_T0);
-    }
-    // per lane: input 32b + lane, then 32b + 16 + lane (increasing k)
-    __m512 wv[2][NR];
-    for (int j = 0; j < NR; ++j) block_weights_avx512<BITS>(w + j * row_bytes + b * block_bytes, wv[0][j], wv[1][j]);
-    for (int h = 0; h < 2; ++h)
-      for (int i = 0; i < MR; ++i) {
-        const __m512 xv = _mm512_loadu_ps(x + i * K + b * kBlock + 16 * h);
-        for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[h][j], acc[i][j]);
+  alignas(64) float heads[NR][2 * kHeadsAhead];  // 4-bit: [row][2 * block]: scale, offset
+  for (int64_t b0 = 0; b0 < blocks; b0 += kHeadsAhead) {
+    const int64_t b1 = std::min(blocks, b0 + kHeadsAhead);
+    if constexpr (BITS == 4)  // the next 16 blocks' float16 scales and offsets of each row, widened at once
+      for (int j = 0; j < NR; ++j) widen_heads_avx512(w + j * row_bytes + b0 * block_bytes, b1 - b0, heads[j]);
+    for (int64_t b = b0; b < b1; ++b) {
+      if (pf) {  // the tile ahead is NR contiguous rows: this block's share of it, a line or two
+        const char* p = reinterpret_cast<const char*>(pf + b * NR * block_bytes);
+        for (int c = 0; c < NR * block_bytes; c += 64) _mm_prefetch(p + c, _MM_HINT_T0);
       }
+      // per lane: input 32b + lane, then 32b + 16 + lane (increasing k)
+      __m512 wv[2][NR];
+      for (int j = 0; j < NR; ++j) {
+        const uint8_t* block = w + j * row_bytes + b * block_bytes;
+        if constexpr (BITS == 4)
+          block_weights_4bit_avx512(block, heads[j][2 * (b - b0)], heads[j][2 * (b - b0) + 1], wv[0][j], wv[1][j]);
+        else
+          block_weights_avx512<BITS>(block, wv[0][j], wv[1][j]);
+      }
+      for (int h = 0; h < 2; ++h)
+        for (int i = 0; i < MR; ++i) {
+          const __m512 xv = _mm512_loadu_ps(x + i * K + b * kBlock + 16 * h);
+          for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[h][j], acc[i][j]);
+        }
+    }
   }
   for (int i = 0; i < MR; ++i) {
     if constexpr (NR == 4) {
@@ -191,11 +232,16 @@ __attribute__((target("avx512f"))) static void unpack_rows_avx512(const uint8_t*
     }
 }
 
-// A block's scale in every lane (the 8-bit block's float16 widened by F16C, which pick_isa's AVX2 requires)
+// A block's scale and offset in every lane (their float16 values widened by F16C, which
+// pick_isa's AVX2 requires; an 8-bit block's offset +0)
 template <int BITS>
 __attribute__((target("avx2,f16c"))) static inline __m256 block_scale_avx2(const uint8_t* block) {
-  if constexpr (BITS == 4) return _mm256_set1_ps(load_f32(block));
   return _mm256_cvtph_ps(_mm_set1_epi16(static_cast<short>(load_u16(block))));
+}
+template <int BITS>
+__attribute__((target("avx2,f16c"))) static inline __m256 block_offset_avx2(const uint8_t* block) {
+  if constexpr (BITS == 4) return _mm256_cvtph_ps(_mm_set1_epi16(static_cast<short>(load_u16(block + 2))));
+  return _mm256_setzero_ps();
 }
 
 // Weight vector q of a block as the dequantizer made it: q = 0 inputs 0-7, 1 8-15 (lanes 0-7 and
@@ -232,7 +278,7 @@ __attribute__((target("avx2,fma,f16c"))) static void packed_tile_avx2(const floa
     }
     for (int j = 0; j < NR; ++j) {
       const uint8_t* block = w + j * row_bytes + b * block_bytes;
-      const __m256 scale = block_scale_avx2<BITS>(block), offset = _mm256_set1_ps(block_offset<BITS>(block));
+      const __m256 scale = block_scale_avx2<BITS>(block), offset = block_offset_avx2<BITS>(block);
       for (int q = 0; q < 4; ++q) {
         const __m256 wq = block_quarter_avx2<BITS>(block, scale, offset, q);
         for (int i = 0; i < MR; ++i)
@@ -288,29 +334,19 @@ __attribute__((target("avx2,fma,f16c"))) static void pack_packed_panel_avx2(cons
                                                                       int64_t K, float* out) {
   constexpr int block_bytes = kBlockBytes<BITS>;
   const int64_t J = K / kLanes;
-  const __m256 zero = _mm256_setzero_ps();
-  const __m256i step = _mm256_set1_epi32(static_cast<int>(row_bytes));
-  const __m256i rows0 = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), step);  // byte offsets
-  const __m256i rows1 = _mm256_add_epi32(rows0, _mm256_slli_epi32(step, 3));
-  const __m256i n_rows = _mm256_set1_epi32(nr);
-  const __m256 live0 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(n_rows, _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
-  const __m256 live1 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(n_rows, _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15)));
   for (int64_t b = 0; b < K / kBlock; ++b) {
     // the 16 rows scales and offsets, 8 rows a vector (rows past nr: 0, so their weights are 0):
-    // 4-bit, gathered; 8-bit, the float16 scales widened, the offsets +0
+    // the float16 values widened; 8-bit offsets +0
     const uint8_t* head = w + b * block_bytes;
-    __m256 s0 = zero, s1 = zero, o0 = zero, o1 = zero;
-    if constexpr (BITS == 4) {
-      s0 = _mm256_mask_i32gather_ps(zero, reinterpret_cast<const float*>(head), rows0, live0, 1);
-      s1 = _mm256_mask_i32gather_ps(zero, reinterpret_cast<const float*>(head), rows1, live1, 1);
-      o0 = _mm256_mask_i32gather_ps(zero, reinterpret_cast<const float*>(head + 4), rows0, live0, 1);
-      o1 = _mm256_mask_i32gather_ps(zero, reinterpret_cast<const float*>(head + 4), rows1, live1, 1);
-    } else {
-      alignas(16) uint16_t scales[kPanelCols] = {};
-      for (int c = 0; c < nr; ++c) scales[c] = load_u16(head + c * row_bytes);
-      s0 = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(scales)));
-      s1 = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(scales + 8)));
+    alignas(16) uint16_t scales[kPanelCols] = {}, offsets[kPanelCols] = {};
+    for (int c = 0; c < nr; ++c) {
+      scales[c] = load_u16(head + c * row_bytes);
+      if constexpr (BITS == 4) offsets[c] = load_u16(head + c * row_bytes + 2);
     }
+    const __m256 s0 = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(scales)));
+    const __m256 s1 = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(scales + 8)));
+    const __m256 o0 = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(offsets)));
+    const __m256 o1 = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(offsets + 8)));
     // 4-bit: byte i holds inputs i (low nibble, step 2b) and i + 16 (step 2b + 1); 8-bit: bytes 0-15
     // are step 2b, bytes 16-31 step 2b + 1
     for (int half = 0; half < (BITS == 4 ? 1 : 2); ++half) {
@@ -522,7 +558,7 @@ static at::Tensor packed_linear_with(cpu::Isa isa, const at::Tensor& x, const at
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "packed_linear: tensors must be on the CPU");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "packed_linear: x must be float32, got ", x.scalar_type());
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && cpu::packed_bits(packed.size(2)) != 0,
-              "packed_linear: packed must be uint8 [N, K/32, 24 or 34] (swiftkern.packed_weights.pack), got ",
+              "packed_linear: packed must be uint8 [N, K/32, 20 or 34] (swiftkern.packed_weights.pack), got ",
               packed.scalar_type(), " ", packed.sizes());
   const int64_t N = packed.size(0), K = packed.size(1) * cpu::kBlock;
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "packed_linear: x [..., K] must match packed [N, K/32, bytes]: got ",
@@ -538,7 +574,7 @@ static at::Tensor packed_linear_with(cpu::Isa isa, const at::Tensor& x, const at
   return call.finish();
 }
 
-// x: float32 [..., K]; packed: uint8 [N, K/32, 24 | 34] (4- | 8-bit codes); bias: float32 [N] or
+// x: float32 [..., K]; packed: uint8 [N, K/32, 20 | 34] (4- | 8-bit codes); bias: float32 [N] or
 // None -> float32 [..., N], skinny_linear(x, the unpacked weight, bias) bit for bit
 at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
   return packed_linear_with(cpu::pick_isa(), x, packed, bias);

@@ -4,14 +4,15 @@ A GGUF model loaded through transformers is dequantized to float32: SmolLM2's Q4
 ``w = scale * code + offset`` per block of 32 inputs (code 0..15, scale and offset float16), its
 Q8_0 head ``w = scale * code`` (code -128..127). Decoding on the CPU is bound by streaming those
 float32 weights (4 bytes each) from memory; ``pack`` finds the codes again and checks that every
-weight comes back bit for bit, and the C++ ``packed_linear`` reads 0.75 (4-bit) or 1.06 (8-bit)
+weight comes back bit for bit, and the C++ ``packed_linear`` reads 0.625 (4-bit) or 1.06 (8-bit)
 bytes per weight and returns ``skinny_linear``'s result on the float32 weight, the same bits.
 Nothing about the model changes: a weight that does not come back exactly is not packed, and
 the runner keeps using its float32 copy.
 
-Layout (csrc/packed_layout.h), uint8 [N, K/32, 24 | 34], per block of 32 inputs: 4-bit, the
-float32 scale and offset (8 bytes) then 16 bytes of codes, byte i = code[i] | code[i + 16] << 4;
-8-bit, GGUF Q8_0's own block: the float16 scale (2 bytes) then 32 signed codes, the offset +0.
+Layout (csrc/packed_layout.h), uint8 [N, K/32, 20 | 34], per block of 32 inputs, GGUF's own
+blocks byte for byte: 4-bit, Q4_1's: the float16 scale and offset (4 bytes) then 16 bytes of
+codes, byte i = code[i] | code[i + 16] << 4; 8-bit, Q8_0's: the float16 scale (2 bytes) then 32
+signed codes, the offset +0.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import torch
 
 BLOCK = 32
-HEADER = {4: 8, 8: 2}  # bytes before the codes: float32 scale and offset; float16 scale
+HEADER = {4: 4, 8: 2}  # bytes before the codes: float16 scale and offset; float16 scale
 BLOCK_BYTES = {4: HEADER[4] + BLOCK // 2, 8: HEADER[8] + BLOCK}
 _CODES = {4: (0, 15), 8: (-128, 127)}
 _SCALE_STEPS = (0, 1, -1, 2, -2)  # float16 steps from the estimated scale that are tried, in order
@@ -56,8 +57,8 @@ def _find_codes(blocks: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Te
 
 
 def _layout(scale: torch.Tensor, offset: torch.Tensor, codes: torch.Tensor, bits: int) -> torch.Tensor:
-    if bits == 4:
-        header = torch.cat([scale, offset], -1).contiguous().view(torch.uint8)  # [N, B, 8]
+    if bits == 4:  # float16 values, exact (_find_codes takes no other)
+        header = torch.cat([scale, offset], -1).half().contiguous().view(torch.uint8)  # [N, B, 8]
         c = codes.to(torch.uint8)
         body = c[..., :16] | (c[..., 16:] << 4)  # [N, B, 16]
     else:  # the scale is a float16 value (exact), the offset +0
@@ -68,7 +69,7 @@ def _layout(scale: torch.Tensor, offset: torch.Tensor, codes: torch.Tensor, bits
 
 def _pack_codes(weight: torch.Tensor, bits: int) -> torch.Tensor | None:
     """The torch twin of the C++ ``pack_codes`` (csrc/pack_codes_cpu.cpp), the same answer bit
-    for bit: weight float32 [N, K] (K % 32 == 0) -> packed uint8 [N, K/32, 24 | 34] with
+    for bit: weight float32 [N, K] (K % 32 == 0) -> packed uint8 [N, K/32, 20 | 34] with
     ``bits``-bit codes, or None (a weight that is not finite never packs)."""
     if not bool(torch.isfinite(weight).all()):
         return None
@@ -86,7 +87,7 @@ def _native_pack_codes():
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """weight: float32 [N, K] on the CPU -> packed uint8 [N, K/32, 24 | 34] holding the same
+    """weight: float32 [N, K] on the CPU -> packed uint8 [N, K/32, 20 | 34] holding the same
     values exactly (4-bit codes tried first, then 8-bit), or None when the weight is not such
     a quantized weight (K not a multiple of 32, a value not finite, or some block not exactly
     codes times a float16 scale plus a float16 offset)."""
@@ -106,17 +107,17 @@ def bits_of(packed: torch.Tensor) -> int:
     for bits, size in BLOCK_BYTES.items():
         if packed.shape[-1] == size:
             return bits
-    raise ValueError(f"not a packed weight: last dimension {packed.shape[-1]}, expected 24 or 34")
+    raise ValueError(f"not a packed weight: last dimension {packed.shape[-1]}, expected 20 or 34")
 
 
 def unpack(packed: torch.Tensor) -> torch.Tensor:
-    """packed uint8 [N, K/32, 24 | 34] -> the float32 weight [N, K] it holds (each weight
+    """packed uint8 [N, K/32, 20 | 34] -> the float32 weight [N, K] it holds (each weight
     scale * code + offset, one rounding)."""
     bits = bits_of(packed)
     N, B = packed.shape[:2]
     body = packed[..., HEADER[bits]:]
     if bits == 4:
-        header = packed[..., :HEADER[bits]].contiguous().view(torch.float32)  # [N, B, 2]
+        header = packed[..., :HEADER[bits]].contiguous().view(torch.float16).float()  # [N, B, 2]
         scale, offset = header[..., :1], header[..., 1:]
         codes = torch.cat([body & 0xF, body >> 4], -1).float()  # [N, B, 32]
     else:

@@ -41,7 +41,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T + bias with the weight given packed (``packed_weights.pack``): x: float32
-    [..., K]; packed: uint8 [N, K/32, 24 | 34]; bias: [N] or None -> [..., N]"""
+    [..., K]; packed: uint8 [N, K/32, 20 | 34]; bias: [N] or None -> [..., N]"""
     from .packed_weights import unpack
 
     return torch.nn.functional.linear(x, unpack(packed), bias)

@@ -190,15 +190,15 @@ def packed_linear_fast() -> bool:
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T + bias with the weight packed as integer codes (``packed_weights.pack``).
 
-    x: float32 [..., K] on the CPU; packed: uint8 [N, K/32, 24 | 34]; bias: float32 [N] or None
+    x: float32 [..., K] on the CPU; packed: uint8 [N, K/32, 20 | 34]; bias: float32 [N] or None
     -> float32 [..., N]. The C++ kernel (CPU, auto/cpp) gives ``skinny_linear(x, unpack(packed),
     bias)``'s bits at any number of rows (the same fixed-order sum); without it, the
     reference unpacks and calls torch's matmul.
     """
     op = "packed_linear"
     check_tensors(op, x=x, packed=packed)
-    if x.dtype != torch.float32 or packed.dtype != torch.uint8 or packed.dim() != 3 or packed.shape[2] not in (24, 34):
-        raise SwiftkernError(f"{op}: x must be float32 [..., K] and packed uint8 [N, K/32, 24 or 34] "
+    if x.dtype != torch.float32 or packed.dtype != torch.uint8 or packed.dim() != 3 or packed.shape[2] not in (20, 34):
+        raise SwiftkernError(f"{op}: x must be float32 [..., K] and packed uint8 [N, K/32, 20 or 34] "
                              f"(packed_weights.pack), got {x.dtype} {tuple(x.shape)} and {packed.dtype} "
                              f"{tuple(packed.shape)}")
     if x.dim() < 1 or x.shape[-1] != packed.shape[1] * 32:
