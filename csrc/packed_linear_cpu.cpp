@@ -148,7 +148,8 @@ __attribute__((target("avx512f"))) static inline void block_weights_avx512(const
 constexpr int64_t kHeadsAhead = 16;
 
 // heads[2i], heads[2i + 1] = the scale and offset of block i of a row (i < min(16, left)), from
-// its first block on
+// its first block on: one gather of the 16 blocks' first dwords, two conversions (in the forward
+// of a SmolLM2 token 5-7 % faster than four loads and two two-source permutes, interleaved runs)
 __attribute__((target("avx512f"))) static inline void widen_heads_avx512(const uint8_t* block, int64_t left,
                                                                         float* heads) {
   const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
