@@ -112,14 +112,29 @@ static void packed_tile_portable(const float* x, const uint8_t* w, int64_t row_b
 }
 
 #if defined(__x86_64__)
-// The 16 weights a 4-bit block can hold, fma(scale, code, offset) for code 0..15: each weight is
-// then one permute of this table by its code (2 ops a half, not 4: widen, mask, convert, fma).
-// The float16 scale and offset are widened together (scale, offset in every pair of lanes), then
-// spread: one conversion and two in-lane permutes a block and row
-__attribute__((target("avx512f"))) static inline __m512 block_table_avx512(const uint8_t* block) {
+// The 16 weights a 4-bit block can hold, fma(scale, code, offset) for code 0..15 (scale and
+// offset in every lane): each weight is then one permute of this table by its code (2 ops a half,
+// not 4: widen, mask, convert, fma)
+__attribute__((target("avx512f"))) static inline __m512 code_table_avx512(__m512 scale, __m512 offset) {
   const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  return _mm512_fmadd_ps(scale, codes, offset);
+}
+
+// A 4-bit block's table from its own float16 scale and offset, widened together (scale, offset in
+// every pair of lanes), then spread: one conversion and two in-lane permutes a block and row
+__attribute__((target("avx512f"))) static inline __m512 block_table_avx512(const uint8_t* block) {
   const __m512 pairs = _mm512_cvtph_ps(_mm256_set1_epi32(static_cast<int>(load_u32(block))));
-  return _mm512_fmadd_ps(_mm512_permute_ps(pairs, 0x00), codes, _mm512_permute_ps(pairs, 0x55));
+  return code_table_avx512(_mm512_permute_ps(pairs, 0x00), _mm512_permute_ps(pairs, 0x55));
+}
+
+// A 4-bit block's 32 weights, each its code's entry of `table`: lo = inputs 0-15, hi = 16-31 (a
+// permute reads the low 4 bits of each index: byte & 0xF needs no mask)
+__attribute__((target("avx512f"))) static inline void weights_by_code_avx512(const uint8_t* block, __m512 table,
+                                                                            __m512& lo, __m512& hi) {
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kCodesAt<4>));
+  const __m512i bytes = _mm512_cvtepu8_epi32(packed);
+  lo = _mm512_permutexvar_ps(bytes, table);
+  hi = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
 }
 
 // The 32 weights of a block as the dequantizer made them: lo = inputs 0-15, hi = inputs 16-31
@@ -127,12 +142,7 @@ template <int BITS>
 __attribute__((target("avx512f"))) static inline void block_weights_avx512(const uint8_t* block, __m512& lo,
                                                                          __m512& hi) {
   if constexpr (BITS == 4) {
-    const __m512 table = block_table_avx512(block);
-    // a permute reads the low 4 bits of each index: byte & 0xF needs no mask
-    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kCodesAt<BITS>));
-    const __m512i bytes = _mm512_cvtepu8_epi32(packed);
-    lo = _mm512_permutexvar_ps(bytes, table);
-    hi = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+    weights_by_code_avx512(block, block_table_avx512(block), lo, hi);
   } else {  // the float16 scale widened in every lane; the offset +0
     const __m512 scale = _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(load_u16(block))));
     const __m512 offset = _mm512_setzero_ps();
@@ -163,12 +173,7 @@ __attribute__((target("avx512f"))) static inline void widen_heads_avx512(const u
 // A 4-bit block's 32 weights from its widened scale and offset: lo = inputs 0-15, hi = 16-31
 __attribute__((target("avx512f"))) static inline void block_weights_4bit_avx512(const uint8_t* block, float scale,
                                                                                float offset, __m512& lo, __m512& hi) {
-  const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512 table = _mm512_fmadd_ps(_mm512_set1_ps(scale), codes, _mm512_set1_ps(offset));
-  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kCodesAt<4>));
-  const __m512i bytes = _mm512_cvtepu8_epi32(packed);
-  lo = _mm512_permutexvar_ps(bytes, table);
-  hi = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+  weights_by_code_avx512(block, code_table_avx512(_mm512_set1_ps(scale), _mm512_set1_ps(offset)), lo, hi);
 }
 
 template <int BITS, int MR, int NR>
@@ -233,15 +238,19 @@ __attribute__((target("avx512f"))) static void unpack_rows_avx512(const uint8_t*
     }
 }
 
-// A block's scale and offset in every lane (their float16 values widened by F16C, which
-// pick_isa's AVX2 requires; an 8-bit block's offset +0)
+// The float16 value at p in every lane (widened by F16C, which pick_isa's AVX2 requires)
+__attribute__((target("avx2,f16c"))) static inline __m256 half_lanes_avx2(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_set1_epi16(static_cast<short>(load_u16(p))));
+}
+
+// A block's scale and offset in every lane (an 8-bit block's offset +0)
 template <int BITS>
 __attribute__((target("avx2,f16c"))) static inline __m256 block_scale_avx2(const uint8_t* block) {
-  return _mm256_cvtph_ps(_mm_set1_epi16(static_cast<short>(load_u16(block))));
+  return half_lanes_avx2(block);
 }
 template <int BITS>
 __attribute__((target("avx2,f16c"))) static inline __m256 block_offset_avx2(const uint8_t* block) {
-  if constexpr (BITS == 4) return _mm256_cvtph_ps(_mm_set1_epi16(static_cast<short>(load_u16(block + 2))));
+  if constexpr (BITS == 4) return half_lanes_avx2(block + 2);
   return _mm256_setzero_ps();
 }
 

@@ -58,7 +58,7 @@ def _find_codes(blocks: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Te
 
 def _layout(scale: torch.Tensor, offset: torch.Tensor, codes: torch.Tensor, bits: int) -> torch.Tensor:
     if bits == 4:  # float16 values, exact (_find_codes takes no other)
-        header = torch.cat([scale, offset], -1).half().contiguous().view(torch.uint8)  # [N, B, 8]
+        header = torch.cat([scale, offset], -1).half().contiguous().view(torch.uint8)  # [N, B, 4]
         c = codes.to(torch.uint8)
         body = c[..., :16] | (c[..., 16:] << 4)  # [N, B, 16]
     else:  # the scale is a float16 value (exact), the offset +0
