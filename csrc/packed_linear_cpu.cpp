@@ -158,8 +158,9 @@ __attribute__((target("avx512f"))) static inline void block_weights_avx512(const
 constexpr int64_t kHeadsAhead = 16;
 
 // heads[2i], heads[2i + 1] = the scale and offset of block i of a row (i < min(16, left)), from
-// its first block on: one gather of the 16 blocks' first dwords, two conversions (in the forward
-// of a SmolLM2 token 5-7 % faster than four loads and two two-source permutes, interleaved runs)
+// its first block on: one gather of the 16 blocks' first dwords, two conversions (on the Intel
+// Xeon, in the forward of a SmolLM2 token 5-7 % faster than four loads and two two-source
+// permutes, interleaved runs; see gather_heads_pays for where it is slower)
 __attribute__((target("avx512f"))) static inline void widen_heads_avx512(const uint8_t* block, int64_t left,
                                                                         float* heads) {
   const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
@@ -176,7 +177,10 @@ __attribute__((target("avx512f"))) static inline void block_weights_4bit_avx512(
   weights_by_code_avx512(block, code_table_avx512(_mm512_set1_ps(scale), _mm512_set1_ps(offset)), lo, hi);
 }
 
-template <int BITS, int MR, int NR>
+// GATHER: a 4-bit block's scale and offset come from heads widened 16 blocks at a time by a
+// gather (widen_heads_avx512), else from the block itself, widened by one conversion
+// (block_table_avx512); the same bits either way
+template <int BITS, int MR, int NR, bool GATHER>
 __attribute__((target("avx512f"))) static void packed_tile_avx512(const float* x, const uint8_t* w,
                                                                   int64_t row_bytes, float* y, int64_t K, int64_t N,
                                                                   const uint8_t* pf) {
@@ -189,7 +193,7 @@ __attribute__((target("avx512f"))) static void packed_tile_avx512(const float* x
   alignas(64) float heads[NR][2 * kHeadsAhead];  // 4-bit: [row][2 * block]: scale, offset
   for (int64_t b0 = 0; b0 < blocks; b0 += kHeadsAhead) {
     const int64_t b1 = std::min(blocks, b0 + kHeadsAhead);
-    if constexpr (BITS == 4)  // the next 16 blocks' float16 scales and offsets of each row, widened at once
+    if constexpr (BITS == 4 && GATHER)  // the next 16 blocks' float16 scales and offsets of each row, at once
       for (int j = 0; j < NR; ++j) widen_heads_avx512(w + j * row_bytes + b0 * block_bytes, b1 - b0, heads[j]);
     for (int64_t b = b0; b < b1; ++b) {
       if (pf) {  // the tile ahead is NR contiguous rows: this block's share of it, a line or two
@@ -200,7 +204,7 @@ __attribute__((target("avx512f"))) static void packed_tile_avx512(const float* x
       __m512 wv[2][NR];
       for (int j = 0; j < NR; ++j) {
         const uint8_t* block = w + j * row_bytes + b * block_bytes;
-        if constexpr (BITS == 4)
+        if constexpr (BITS == 4 && GATHER)
           block_weights_4bit_avx512(block, heads[j][2 * (b - b0)], heads[j][2 * (b - b0) + 1], wv[0][j], wv[1][j]);
         else
           block_weights_avx512<BITS>(block, wv[0][j], wv[1][j]);
@@ -393,8 +397,9 @@ struct PackedTiles {
   int64_t max_rows;   // x rows up to which the register tiles take the call (in groups of tile_rows)
 
   template <int BITS, int MR, int NR>
-  static PackedTileFn pick(Isa isa) {
+  static PackedTileFn pick(Isa isa, bool gather_heads) {
     (void)isa;
+    (void)gather_heads;
 #if defined(__x86_64__)
     if constexpr (MR <= kAvx2PackedTileRows && NR <= avx2_packed_tile_cols(MR))
       if (isa == Isa::kAvx2) return packed_tile_avx2<BITS, MR, NR>;
@@ -403,25 +408,27 @@ struct PackedTiles {
       return nullptr;  // wider than the registers hold: never called
     } else {
 #if defined(__x86_64__)
-      if (isa == Isa::kAvx512) return packed_tile_avx512<BITS, MR, NR>;
+      if (isa == Isa::kAvx512)
+        return gather_heads && BITS == 4 ? packed_tile_avx512<BITS, MR, NR, BITS == 4>
+                                         : packed_tile_avx512<BITS, MR, NR, false>;
 #endif
       return packed_tile_portable<BITS, MR, NR>;
     }
   }
 
   template <int BITS, int MR>
-  void fill(Isa isa) {
-    fn[MR - 1][0] = pick<BITS, MR, 1>(isa); fn[MR - 1][1] = pick<BITS, MR, 2>(isa);
-    fn[MR - 1][2] = pick<BITS, MR, 3>(isa); fn[MR - 1][3] = pick<BITS, MR, 4>(isa);
+  void fill(Isa isa, bool g) {
+    fn[MR - 1][0] = pick<BITS, MR, 1>(isa, g); fn[MR - 1][1] = pick<BITS, MR, 2>(isa, g);
+    fn[MR - 1][2] = pick<BITS, MR, 3>(isa, g); fn[MR - 1][3] = pick<BITS, MR, 4>(isa, g);
     cols[MR - 1] = isa == Isa::kAvx2 ? avx2_packed_tile_cols(MR) : packed_tile_cols(MR);
   }
 
   template <int BITS>
-  static PackedTiles make(Isa isa) {
+  static PackedTiles make(Isa isa, bool g) {
     PackedTiles t{};
-    t.fill<BITS, 1>(isa); t.fill<BITS, 2>(isa); t.fill<BITS, 3>(isa); t.fill<BITS, 4>(isa);
-    t.fill<BITS, 5>(isa); t.fill<BITS, 6>(isa); t.fill<BITS, 7>(isa); t.fill<BITS, 8>(isa);
-    t.fill<BITS, 9>(isa); t.fill<BITS, 10>(isa); t.fill<BITS, 11>(isa);
+    t.fill<BITS, 1>(isa, g); t.fill<BITS, 2>(isa, g); t.fill<BITS, 3>(isa, g); t.fill<BITS, 4>(isa, g);
+    t.fill<BITS, 5>(isa, g); t.fill<BITS, 6>(isa, g); t.fill<BITS, 7>(isa, g); t.fill<BITS, 8>(isa, g);
+    t.fill<BITS, 9>(isa, g); t.fill<BITS, 10>(isa, g); t.fill<BITS, 11>(isa, g);
     t.tile_rows = isa == Isa::kAvx2 ? kAvx2PackedTileRows : kPackedTileRows;
     t.max_rows = isa == Isa::kAvx2 ? kPackedPanelAboveRows : kUnpackAboveRows;
     return t;
@@ -509,28 +516,60 @@ static int64_t packed_row_bytes(int64_t K, int bits) {
 // 8192 weights a task, as skinny_linear's
 static int64_t packed_grain(int64_t K) { return std::max<int64_t>(1, 32768 / (kPackedTileCols * K)); }
 
-// isa's register tiles for BITS-bit codes, made once (as skinny_linear's table_for)
+// The kernels a call runs: an instruction set and, with AVX-512, whether the register tiles
+// gather their 4-bit blocks' heads (packed_tile_avx512's GATHER)
+struct PackedIsa {
+  Isa isa;
+  bool gather_heads;
+};
+
+// Whether the AVX-512 register tiles gather 16 blocks' float16 heads at once (Intel) rather than
+// convert each block's own (elsewhere). SmolLM2's 210 4-bit layer projections (66 MB, from DRAM)
+// on an AMD EPYC (Zen 4, 2 threads), in one process, interleaved, ten rounds: per block 0.88x /
+// 0.85x / 0.91x the gather's time at 1 / 4 / 8 x rows (a gather is slow there; heads widened 16
+// at a time by loads and permutes or by scalar conversions, 0.91-0.98x, were slower than per
+// block too). On the Intel Xeon the gather was 5-7 % faster than loads and permutes; per block was
+// not timed there.
+static bool gather_heads_pays() {
+#if defined(__x86_64__)
+  static const bool intel = __builtin_cpu_is("intel");
+  return intel;
+#else
+  return false;
+#endif
+}
+
+// The kernels this CPU runs best
+static PackedIsa packed_isa_here() {
+  const Isa isa = pick_isa();
+  return {isa, isa == Isa::kAvx512 && gather_heads_pays()};
+}
+
+// The register tiles for BITS-bit codes with the kernels k, made once (as skinny_linear's table_for)
 template <int BITS>
-static const PackedTiles& packed_tiles_for(Isa isa) {
-  static const PackedTiles avx512 = PackedTiles::make<BITS>(Isa::kAvx512),
-                           avx2 = PackedTiles::make<BITS>(Isa::kAvx2),
-                           portable = PackedTiles::make<BITS>(Isa::kPortable);
-  return isa == Isa::kAvx512 ? avx512 : isa == Isa::kAvx2 ? avx2 : portable;
+static const PackedTiles& packed_tiles_for(PackedIsa k) {
+  static const PackedTiles avx512 = PackedTiles::make<BITS>(Isa::kAvx512, false),
+                           avx512_gather = PackedTiles::make<BITS>(Isa::kAvx512, true),
+                           avx2 = PackedTiles::make<BITS>(Isa::kAvx2, false),
+                           portable = PackedTiles::make<BITS>(Isa::kPortable, false);
+  if (k.isa == Isa::kAvx512) return k.gather_heads ? avx512_gather : avx512;
+  return k.isa == Isa::kAvx2 ? avx2 : portable;
 }
 
-// Outputs of weight tiles [t0, t1) of y [M, N] = x [M, K] @ w^T with isa's register or unpacking
+// Outputs of weight tiles [t0, t1) of y [M, N] = x [M, K] @ w^T with k's register or unpacking
 // tiles, w packed with bits-bit codes (4 or 8)
-static void packed_tile_range_with_isa(Isa isa, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
-                                       int bits, float* y, int64_t t0, int64_t t1) {
+static void packed_tile_range_with_isa(PackedIsa k, const float* x, int64_t M, int64_t K, const uint8_t* w,
+                                       int64_t N, int bits, float* y, int64_t t0, int64_t t1) {
   const int64_t row_bytes = packed_row_bytes(K, bits);
-  const PackedTiles& tiles = bits == 4 ? packed_tiles_for<4>(isa) : packed_tiles_for<8>(isa);
+  const PackedTiles& tiles = bits == 4 ? packed_tiles_for<4>(k) : packed_tiles_for<8>(k);
   const auto range = bits == 4 ? packed_linear_range<4> : packed_linear_range<8>;
-  range(tiles, isa, x, w, row_bytes, y, M, K, N, t0 * kPackedTileCols, std::min(N, t1 * kPackedTileCols));
+  range(tiles, k.isa, x, w, row_bytes, y, M, K, N, t0 * kPackedTileCols, std::min(N, t1 * kPackedTileCols));
 }
 
-// y [M, N] = x [M, K] @ w^T with isa's kernels, w packed with bits-bit codes (4 or 8), K > 0
-static void packed_linear_with_isa(Isa isa, const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t N,
+// y [M, N] = x [M, K] @ w^T with k's kernels, w packed with bits-bit codes (4 or 8), K > 0
+static void packed_linear_with_isa(PackedIsa k, const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t N,
                                    int bits, float* yp) {
+  const Isa isa = k.isa;
 #if defined(__x86_64__)
   if (panels_take(isa, M, kPackedPanelAboveRows)) {
     // each panel of 16 weight rows packed lane-major straight from its codes
@@ -542,13 +581,13 @@ static void packed_linear_with_isa(Isa isa, const float* xp, int64_t M, int64_t 
 #endif
   const int64_t tiles_n = (N + kPackedTileCols - 1) / kPackedTileCols;
   at::parallel_for(0, tiles_n, packed_grain(K), [&](int64_t t0, int64_t t1) {
-    packed_tile_range_with_isa(isa, xp, M, K, wp, N, bits, yp, t0, t1);
+    packed_tile_range_with_isa(k, xp, M, K, wp, N, bits, yp, t0, t1);
   });
 }
 
 void packed_linear_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int64_t block_bytes,
                         float* y) {
-  packed_linear_with_isa(pick_isa(), x, M, K, w, N, packed_bits(block_bytes), y);
+  packed_linear_with_isa(packed_isa_here(), x, M, K, w, N, packed_bits(block_bytes), y);
 }
 
 TileSplit packed_linear_split(int64_t M, int64_t K, int64_t N) {
@@ -558,12 +597,12 @@ TileSplit packed_linear_split(int64_t M, int64_t K, int64_t N) {
 
 void packed_linear_tiles(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int64_t block_bytes,
                          float* y, int64_t t0, int64_t t1) {
-  packed_tile_range_with_isa(pick_isa(), x, M, K, w, N, packed_bits(block_bytes), y, t0, t1);
+  packed_tile_range_with_isa(packed_isa_here(), x, M, K, w, N, packed_bits(block_bytes), y, t0, t1);
 }
 
 }  // namespace cpu
 
-static at::Tensor packed_linear_with(cpu::Isa isa, const at::Tensor& x, const at::Tensor& packed,
+static at::Tensor packed_linear_with(cpu::PackedIsa kernels, const at::Tensor& x, const at::Tensor& packed,
                                      const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "packed_linear: tensors must be on the CPU");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "packed_linear: x must be float32, got ", x.scalar_type());
@@ -579,7 +618,7 @@ static at::Tensor packed_linear_with(cpu::Isa isa, const at::Tensor& x, const at
               "with 32-bit offsets: K must stay under ~", (int64_t{1} << 31) / cpu::kPanelCols / cpu::kBlockBytes8 * cpu::kBlock, ")");
   if (call.trivial(K)) return call.finish();
   const at::Tensor xc = x.contiguous(), pc = packed.contiguous();
-  cpu::packed_linear_with_isa(isa, xc.data_ptr<float>(), call.M, K, pc.data_ptr<uint8_t>(), N,
+  cpu::packed_linear_with_isa(kernels, xc.data_ptr<float>(), call.M, K, pc.data_ptr<uint8_t>(), N,
                               cpu::packed_bits(pc.size(2)), call.y.data_ptr<float>());
   return call.finish();
 }
@@ -587,13 +626,26 @@ static at::Tensor packed_linear_with(cpu::Isa isa, const at::Tensor& x, const at
 // x: float32 [..., K]; packed: uint8 [N, K/32, 20 | 34] (4- | 8-bit codes); bias: float32 [N] or
 // None -> float32 [..., N], skinny_linear(x, the unpacked weight, bias) bit for bit
 at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
-  return packed_linear_with(cpu::pick_isa(), x, packed, bias);
+  return packed_linear_with(cpu::packed_isa_here(), x, packed, bias);
 }
 
-// The same with a named instruction set ("avx512", "avx2" or "portable"), for the test that each
-// gives skinny_linear's bits
+// The same with named kernels, for the test that each gives skinny_linear's bits: an instruction
+// set ("avx512": heads converted per block, "avx2" or "portable") or "avx512-gather"
 at::Tensor packed_linear_isa(const at::Tensor& x, const at::Tensor& packed, const std::string& isa) {
-  return packed_linear_with(checks::named_isa("packed_linear_isa", isa), x, packed, std::nullopt);
+  const bool gather = isa == "avx512-gather";
+  const cpu::Isa named = checks::named_isa("packed_linear_isa", gather ? "avx512" : isa);
+  return packed_linear_with({named, gather}, x, packed, std::nullopt);
+}
+
+// The names packed_linear_isa takes that this CPU runs, widest first
+std::vector<std::string> packed_linear_isas() {
+  std::vector<std::string> names;
+  for (cpu::Isa isa : cpu::kIsas)
+    if (cpu::isa_supported(isa)) {
+      if (isa == cpu::Isa::kAvx512) names.push_back("avx512-gather");
+      names.push_back(cpu::isa_name(isa));
+    }
+  return names;
 }
 
 // Whether packed_linear beats skinny_linear here: it has an AVX-512 or AVX2 kernel (elsewhere the
