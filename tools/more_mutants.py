@@ -371,5 +371,16 @@ MORE_MUTANTS = [
      "const uint16_t halves[2] = {c10::Half(scale).x, c10::Half(scale).x};",
      "the C++ pack_codes writes a 4-bit block's scale where its offset goes",
      ["tests/test_pack_codes.py"]),
+    # the AVX-512 tiles' two ways to widen a 4-bit block's heads (per block; gathered on Intel)
+    ("M252", "csrc/packed_linear_cpu.cpp",
+     "if (isa == cpu::Isa::kAvx512) names.push_back(\"avx512-gather\");",
+     "if (false) names.push_back(\"avx512-gather\");",
+     "the test binding's list leaves out the gathering tiles: the tests would not run them",
+     ["tests/test_packed_weights.py"]),
+    ("M253", "csrc/packed_linear_cpu.cpp",
+     "          block_weights_avx512<BITS>(block, wv[0][j], wv[1][j]);",
+     "          block_weights_avx512<BITS>(block, wv[1][j], wv[0][j]);",
+     "the AVX-512 register tiles that convert each block's heads swap a block's two halves of weights",
+     ["tests/test_packed_weights.py"]),
 ]
 
