@@ -409,8 +409,7 @@ struct PackedTiles {
     } else {
 #if defined(__x86_64__)
       if (isa == Isa::kAvx512)
-        return gather_heads && BITS == 4 ? packed_tile_avx512<BITS, MR, NR, BITS == 4>
-                                         : packed_tile_avx512<BITS, MR, NR, false>;
+        return gather_heads ? packed_tile_avx512<BITS, MR, NR, BITS == 4> : packed_tile_avx512<BITS, MR, NR, false>;
 #endif
       return packed_tile_portable<BITS, MR, NR>;
     }
