@@ -1,10 +1,10 @@
-// Probe: ways to widen a 20-byte Q4_1 block's float16 scale and offset in the AVX-512 one-row tile
-// (csrc/packed_linear_cpu.cpp's packed_tile_avx512 at MR = 1, NR = 4), standalone so each way is
-// one template argument. Every exact way is checked against the current one bit for bit (random
-// heads with subnormal scales and zero offsets); the probes marked "timing only" compute wrong
-// weights. docs/speed.md (2026-12-03) has what it measured.
+// Probe: ways to widen a 20-byte Q4_1 block's float16 scale and offset in the AVX-512 register
+// tile (csrc/packed_linear_cpu.cpp's packed_tile_avx512: ROWS x rows by packed_tile_cols(ROWS)
+// weight rows), standalone so each way is one template argument. Every exact way is checked
+// against HEAD's bit for bit (random heads with subnormal scales and zero offsets); the probes
+// marked "timing only" compute wrong weights. docs/speed.md (2026-12-03) has what it measured.
 //
-//   g++ -O3 -fopenmp -mf16c -o probe heads_widening_probe.cpp
+//   g++ -O3 -fopenmp -mf16c -DROWS=1 -o probe heads_widening_probe.cpp   # ROWS: x rows, 1 to 11
 //   OMP_NUM_THREADS=1 ./probe 576 1536 1 400     # K, N, matrices, rounds: L2-hot
 //   OMP_NUM_THREADS=2 ./probe 576 1536 120 20    # 66 MB of blocks: streamed from memory
 #include <immintrin.h>
@@ -82,12 +82,11 @@ __attribute__((target("avx512f"))) static void widen_16_heads(const uint8_t* blo
 }
 
 // y[0..4) = x . w[j] for 4 rows of K / 32 blocks, the accumulation order of the real tile
-template <Way W>
+template <Way W, int MR, int NR>
 __attribute__((target("avx512f"))) static void tile(const float* x, const uint8_t* w, int64_t row_bytes, float* y,
-                                                   int64_t K) {
-  constexpr int NR = 4;
-  __m512 acc[NR];
-  for (auto& a : acc) a = _mm512_setzero_ps();
+                                                   int64_t K, int64_t N) {
+  __m512 acc[MR][NR];
+  for (auto& r : acc) for (auto& a : r) a = _mm512_setzero_ps();
   const int64_t blocks = K / 32;
   alignas(64) float heads[2][NR][32];
   auto widen = [&](int64_t c0, int buf) {
@@ -108,20 +107,26 @@ __attribute__((target("avx512f"))) static void tile(const float* x, const uint8_
         wv[0][j] = _mm512_permutexvar_ps(codes, table);
         wv[1][j] = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table);
       }
-      for (int h = 0; h < 2; ++h) {
-        const __m512 xv = _mm512_loadu_ps(x + b * 32 + 16 * h);
-        for (int j = 0; j < NR; ++j) acc[j] = _mm512_fmadd_ps(xv, wv[h][j], acc[j]);
-      }
+      for (int h = 0; h < 2; ++h)
+        for (int i = 0; i < MR; ++i) {
+          const __m512 xv = _mm512_loadu_ps(x + i * K + b * 32 + 16 * h);
+          for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[h][j], acc[i][j]);
+        }
     }
   }
-  for (int j = 0; j < NR; ++j) y[j] = _mm512_reduce_add_ps(acc[j]);
+  for (int i = 0; i < MR; ++i) for (int j = 0; j < NR; ++j) y[i * N + j] = _mm512_reduce_add_ps(acc[i][j]);
 }
 
+#ifndef ROWS
+#define ROWS 1
+#endif
+constexpr int kRows = ROWS, kCols = ROWS <= 5 ? 4 : ROWS <= 8 ? 3 : 2;  // as packed_tile_cols
+static_assert(ROWS >= 1 && ROWS <= 11, "the register tiles take 1 to 11 x rows");
 template <Way W>
 static void linear(const float* x, const uint8_t* w, float* y, int64_t N, int64_t K) {
   const int64_t row_bytes = K / 32 * kBytes;
 #pragma omp parallel for schedule(static)
-  for (int64_t n = 0; n < N; n += 4) tile<W>(x, w + n * row_bytes, row_bytes, y + n, K);
+  for (int64_t n = 0; n < N - kCols + 1; n += kCols) tile<W, kRows, kCols>(x, w + n * row_bytes, row_bytes, y + n, K, N);
 }
 
 using LinearFn = void (*)(const float*, const uint8_t*, float*, int64_t, int64_t);
@@ -130,7 +135,7 @@ const LinearFn kLinear[kWays] = {linear<kPerBlock>, linear<kInteger>, linear<kTw
 const bool kExact[kWays] = {true, true, true, true, false, false};
 
 int main(int argc, char** argv) {
-  if (argc != 5) { std::fprintf(stderr, "usage: %s K N matrices rounds (K a multiple of 32, N of 4)\n", argv[0]); return 2; }
+  if (argc != 5) { std::fprintf(stderr, "usage: %s K N matrices rounds (K a multiple of 32)\n", argv[0]); return 2; }
   const int64_t K = std::atoll(argv[1]), N = std::atoll(argv[2]);
   const int matrices = std::atoi(argv[3]), rounds = std::atoi(argv[4]);
   const int64_t row_bytes = K / 32 * kBytes;
@@ -147,12 +152,12 @@ int main(int argc, char** argv) {
       std::memcpy(block + 2, &o, 2);
       for (int c = 0; c < 16; ++c) block[4 + c] = uint8_t(std::rand());
     }
-  std::vector<float> x(K), want(N), got(N);
+  std::vector<float> x(K * kRows), want(N * kRows), got(N * kRows);
   for (auto& v : x) v = (std::rand() % 2000 - 1000) * 1e-3f;
   kLinear[kPerBlock](x.data(), w[0].data(), want.data(), N, K);
   for (int v = 0; v < kWays; ++v) {
     kLinear[v](x.data(), w[0].data(), got.data(), N, K);
-    if (kExact[v] && std::memcmp(got.data(), want.data(), N * 4)) std::printf("MISMATCH: %s\n", kNames[v]);
+    if (kExact[v] && std::memcmp(got.data(), want.data(), N * kRows * 4)) std::printf("MISMATCH: %s\n", kNames[v]);
   }
   std::vector<double> best(kWays, 1e30), total(kWays, 0.0);
   for (int r = 0; r < rounds; ++r)
