@@ -18,13 +18,13 @@
 #include <vector>
 
 constexpr int kBytes = 20;  // float16 scale, float16 offset, 16 bytes of 4-bit codes
-enum Way { kPerBlock, kInteger, kTwoBroadcasts, kChunkPermutes, kConstTable, kFloatHeads, kWays };
+enum Way { kPerBlock, kInteger, kTwoBroadcasts, kChunkPermutes, kConstTable, kFloatHeads, kL1Weights, kWays };
 const char* kNames[kWays] = {"per block: broadcast, cvtph2ps, 2 permutes (HEAD)",
                              "integer: shifts, mask, multiply by 2^112",
                              "two float16 broadcasts, two cvtph2ps",
                              "16 blocks: 5 loads, 3 permutes, 1 chunk ahead",
                              "constant table (timing only)",
-                             "float32 heads, broadcast loads (timing only)"};
+                             "float32 heads, broadcast loads (timing only)", "weights loaded from L1 (timing only)"};
 
 static inline uint32_t load_u32(const uint8_t* p) { uint32_t v; std::memcpy(&v, p, 4); return v; }
 
@@ -102,6 +102,12 @@ __attribute__((target("avx512f"))) static void tile(const float* x, const uint8_
       __m512 wv[2][NR];
       for (int j = 0; j < NR; ++j) {
         const uint8_t* block = w + j * row_bytes + b * kBytes;
+        if constexpr (W == kL1Weights) {  // no rebuild at all: the unpacked path's loads
+          static thread_local float l1[NR][32] = {};
+          wv[0][j] = _mm512_loadu_ps(l1[j] + (b & 1));
+          wv[1][j] = _mm512_loadu_ps(l1[j] + 16 - (b & 1));
+          continue;
+        }
         const __m512 table = block_table<W>(block, &heads[buf][j][2 * (b - b0)]);
         const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4)));
         wv[0][j] = _mm512_permutexvar_ps(codes, table);
@@ -131,8 +137,8 @@ static void linear(const float* x, const uint8_t* w, float* y, int64_t N, int64_
 
 using LinearFn = void (*)(const float*, const uint8_t*, float*, int64_t, int64_t);
 const LinearFn kLinear[kWays] = {linear<kPerBlock>, linear<kInteger>, linear<kTwoBroadcasts>,
-                                 linear<kChunkPermutes>, linear<kConstTable>, linear<kFloatHeads>};
-const bool kExact[kWays] = {true, true, true, true, false, false};
+                                 linear<kChunkPermutes>, linear<kConstTable>, linear<kFloatHeads>, linear<kL1Weights>};
+const bool kExact[kWays] = {true, true, true, true, false, false, false};
 
 int main(int argc, char** argv) {
   if (argc != 5) { std::fprintf(stderr, "usage: %s K N matrices rounds (K a multiple of 32)\n", argv[0]); return 2; }
