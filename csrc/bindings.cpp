@@ -60,6 +60,7 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_isa(const at::Tensor& x, c
                                                           const at::Tensor& weight, double eps, const std::string& isa);
 at::Tensor packed_linear_isa(const at::Tensor& x, const at::Tensor& packed, const std::string& isa);
 std::vector<std::string> packed_linear_isas();
+std::string packed_linear_here();
 at::Tensor verify_attention_isa(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                 const at::Tensor& cache_lens, double scale, const std::string& isa, bool invariant);
 bool packed_linear_fast();
@@ -156,6 +157,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear_isa", &swiftkern::packed_linear_isa,
         "packed_linear (no bias) with named kernels: avx512, avx512-gather, avx2 or portable (tests)");
   m.def("packed_linear_isas", &swiftkern::packed_linear_isas, "the kernels packed_linear_isa runs on this CPU");
+  m.def("packed_linear_here", &swiftkern::packed_linear_here,
+        "the kernels packed_linear runs on this CPU (a name packed_linear_isas gives)");
   m.def("bi_exp_isa", &swiftkern::bi_exp_isa, "bi_exp with a named instruction set: avx512, avx2 or portable (tests)");
   m.def("bi_max_exp_sum_isa", &swiftkern::bi_max_exp_sum_isa,
         "bi_max_exp_sum with a named instruction set: avx512, avx2 or portable (tests)");

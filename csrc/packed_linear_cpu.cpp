@@ -647,6 +647,12 @@ std::vector<std::string> packed_linear_isas() {
   return names;
 }
 
+// The name (as packed_linear_isas gives it) of the kernels packed_linear runs on this CPU
+std::string packed_linear_here() {
+  const cpu::PackedIsa k = cpu::packed_isa_here();
+  return k.gather_heads ? "avx512-gather" : cpu::isa_name(k.isa);
+}
+
 // Whether packed_linear beats skinny_linear here: it has an AVX-512 or AVX2 kernel (elsewhere the
 // portable loop is slower than the float32 kernel, and the runner keeps the float32 weights)
 bool packed_linear_fast() { return cpu::pick_isa() != cpu::Isa::kPortable; }

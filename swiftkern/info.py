@@ -39,8 +39,8 @@ def collect_info() -> dict:
                               if LayerKernels.for_device("cpu").stack is not None else "Python, op by op")
 
     # GGUF-quantized float32 weights read as their codes (swiftkern/packed_weights.py)
-    info["packed_weights"] = (f"cpu float32 ({ops.cpu_matmul_isa()}): projections and LM head of a GGUF model read "
-                              "as 4/8-bit codes" if ops.packed_linear_fast()
+    info["packed_weights"] = (f"cpu float32 ({ops.packed_kernels_here()}): projections and LM head of a GGUF model "
+                              "read as 4/8-bit codes" if ops.packed_linear_fast()
                               else "no (needs the C++ kernels and AVX2 or AVX-512)")
     # which kernel takes the float32 projections on the CPU (ops.projections.mkl_lags_here)
     info["cpu_float32_projections"] = (

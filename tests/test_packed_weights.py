@@ -64,6 +64,20 @@ def packed_kernels() -> list:
 
 
 @needs_cpp
+def test_packed_kernels_here_names_the_cpus_choice():
+    """`swiftkern info`'s packed kernel: the widest instruction set this CPU has, with AVX-512
+    gathering the 4-bit heads on Intel alone (gather_heads_pays), and packed_linear's bits are
+    the named kernel's."""
+    here, names = ops.packed_kernels_here(), packed_kernels()
+    isas = ops.registry.extension.skinny_linear_isas()
+    intel = ops.projections.cpu_vendor() == "GenuineIntel"
+    assert here == ("avx512-gather" if isas[0] == "avx512" and intel else isas[0]) and here in names
+    x, w, packed, _ = make((3,), 96, 9, 4, False, 7)
+    assert bitwise_equal(torch.ops.swiftkern.packed_linear(x, packed, None),
+                         ops.registry.extension.packed_linear_isa(x, packed, here))
+
+
+@needs_cpp
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.sampled_from([(0,), (1,), (2,), (3,), (5,), (7,), (8,), (9,), (13,), (33,), (2, 3), (2, 5)]), st.sampled_from([32, 96, 512, 576, 1536]),
        st.sampled_from([1, 3, 4, 5, 9, 577]), st.sampled_from([4, 8]), st.booleans(), st.integers(0, 2**31 - 1))

@@ -34,7 +34,8 @@ from .layer import (fused_add_rms_norm, keys_in_use, kv_compact, rms_norm, rope_
                     verify_attention, verify_attention_invariant)
 from .projections import (CUDA_SKINNY_ROWS, PACKED_MAX_ROWS, SKINNY_DTYPES, SKINNY_MAX_ROWS, cpu_matmul_isa, linear,
                           mkl_lags_here,
-                          packed_linear, packed_linear_fast, packed_max_rows, prefill_projections, skinny_fits,
+                          packed_kernels_here, packed_linear, packed_linear_fast, packed_max_rows, prefill_projections,
+                          skinny_fits,
                           skinny_max_rows, torch_bf16_matmul_native, triton_skinny_fits, triton_skinny_here)
 from .top_p_cut import top_p_cut
 

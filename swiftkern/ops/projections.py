@@ -187,6 +187,15 @@ def packed_linear_fast() -> bool:
             and bool(registry.extension.packed_linear_fast()))
 
 
+def packed_kernels_here() -> str:
+    """The kernels the C++ ``packed_linear`` runs here: "avx512-gather" (AVX-512 tiles that
+    gather 16 blocks' float16 scales and offsets at once: Intel), "avx512" (each block converts
+    its own: elsewhere, where the gather measured slower), "avx2" or "portable"; "" without the
+    extension. Every one gives the same bits."""
+    here = getattr(registry.extension, "packed_linear_here", None) if registry.extension is not None else None
+    return here() if here else ""
+
+
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T + bias with the weight packed as integer codes (``packed_weights.pack``).
 
