@@ -382,5 +382,11 @@ MORE_MUTANTS = [
      "          block_weights_avx512<BITS>(block, wv[1][j], wv[0][j]);",
      "the AVX-512 register tiles that convert each block's heads swap a block's two halves of weights",
      ["tests/test_packed_weights.py"]),
+    # which of them packed_linear runs, and the name swiftkern info shows for it
+    ("M254", "csrc/packed_linear_cpu.cpp",
+     "  static const bool intel = __builtin_cpu_is(\"intel\");",
+     "  static const bool intel = !__builtin_cpu_is(\"intel\");",
+     "packed_linear gathers the heads everywhere but on Intel (the same bits: only the name can tell)",
+     ["tests/test_packed_weights.py"]),
 ]
 
