@@ -75,8 +75,8 @@ class DraftHead:
     def _fill(self, start: int, ids: list[int]) -> None:
         index = torch.tensor(ids, dtype=torch.int64, device=self.lm_head.device)
         for src, rows in zip(self._sources(), self._rows):
-            if src is not None:
-                rows[start:start + len(ids)] = src.index_select(0, index)
+            if src is not None:  # straight into the buffer: a temporary of 8192 rows cost ~10 ms of page faults
+                torch.index_select(src.detach(), 0, index, out=rows[start:start + len(ids)])
         self._ids_t = None
 
     def add(self, token_ids) -> None:
