@@ -51,6 +51,13 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack_cpu(
     const at::Tensor& positions, const at::Tensor& cache_lens, int64_t max_len, int64_t num_heads,
     int64_t num_kv_heads, int64_t head_dim, double eps, double scale, int64_t skinny_max_rows, bool invariant,
     const std::vector<std::optional<at::Tensor>>& packed, int64_t packed_max_rows, bool rows);
+at::Tensor decoder_forward_cpu(
+    const at::Tensor& tokens, const at::Tensor& embed, const at::Tensor& cos, const at::Tensor& sin, bool rope_table,
+    const std::optional<at::Tensor>& positions_in, at::Tensor cache_lens, const at::Tensor& final_norm,
+    const std::vector<std::optional<at::Tensor>>& weights, const std::vector<int64_t>& skip, const at::Tensor& k_cache,
+    const at::Tensor& v_cache, int64_t max_len, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    double eps, double scale, int64_t skinny_max_rows, bool invariant,
+    const std::vector<std::optional<at::Tensor>>& packed, int64_t packed_max_rows);
 at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias);
 at::Tensor bi_exp_isa(const at::Tensor& x, const std::string& isa);
 std::tuple<at::Tensor, at::Tensor> bi_max_exp_sum_isa(const at::Tensor& x, const std::string& isa);
@@ -154,6 +161,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "skinny_linear (no bias) with a named instruction set: avx512, avx2 or portable (tests)");
   m.def("decoder_stack", &swiftkern::decoder_stack_cpu,
         "every kept sub-layer of the decoder on the CPU in one call (csrc/decoder_stack_cpu.cpp)");
+  m.def("decoder_forward", &swiftkern::decoder_forward_cpu,
+        "a forward up to the LM head on the CPU in one call: embedding, decoder_stack, final norm "
+        "(csrc/decoder_forward_cpu.cpp)");
   m.def("packed_linear_isa", &swiftkern::packed_linear_isa,
         "packed_linear (no bias) with named kernels: avx512, avx512-gather, avx2 or portable (tests)");
   m.def("packed_linear_isas", &swiftkern::packed_linear_isas, "the kernels packed_linear_isa runs on this CPU");

@@ -56,6 +56,14 @@ def _norm_weight(attn, name: str) -> torch.Tensor | None:
     return None if norm is None else norm.weight
 
 
+def _check_ids(name: str, ids: torch.Tensor, hi: int) -> None:
+    """Refuse a CPU index tensor with a value outside [0, hi)."""
+    if ids.numel():
+        lo, top = (int(v) for v in torch.aminmax(ids))
+        if lo < 0 or top >= hi:
+            raise SwiftkernError(f"forward: {name} must be in [0, {hi}), got min {lo}, max {top}")
+
+
 def head_norm(kern, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """Qwen3's per-head RMSNorm: x [..., heads, D] normed over D with weight [D] (HF applies it
     to the projection's view before RoPE); x itself where the model has none (weight None)."""
@@ -345,20 +353,26 @@ class SkipModel:
         B, T = tokens.shape
         cache.check_room(T)
         skip_attn, skip_mlp = self._skip_plan(layer_set, B, tokens.device)
-        if self.graphs is not None:
-            logits = self.graphs.forward(tokens, cache, skip_attn, skip_mlp, logits_positions, head)
-            if logits is not None:
-                return logits
         starts = cache.host_lengths
-        uniform_start = starts[0] if min(starts) == max(starts) else None
-        hidden = self.forward_device(tokens, cache, skip_attn, skip_mlp, max(starts) + T, uniform_start,
-                                     logits_positions)
+        kern = self._one_call_kernels(tokens, skip_attn, skip_mlp, logits_positions)
+        if kern is not None:  # the CPU's common case: one C++ call up to the LM head
+            hidden = self._forward_in_one_call(kern, tokens, cache, skip_attn, skip_mlp, max(starts) + T)
+        else:
+            self._check_token_ids(tokens)
+            if self.graphs is not None:
+                logits = self.graphs.forward(tokens, cache, skip_attn, skip_mlp, logits_positions, head)
+                if logits is not None:
+                    return logits
+            uniform_start = starts[0] if min(starts) == max(starts) else None
+            hidden = self.forward_device(tokens, cache, skip_attn, skip_mlp, max(starts) + T, uniform_start,
+                                         logits_positions)
         cache.advance_host(T)
         return self.head_logits(hidden, head)
 
     def _check_forward_args(self, tokens, cache, layer_set, logits_positions) -> None:
         """``forward``'s inputs: kinds, shapes, dtypes and devices on the host (no device sync);
-        token ids and logits positions also by value where they sit on the CPU. On CUDA that
+        logits positions also by value where they sit on the CPU (token ids: ``forward`` next, by
+        ``_check_token_ids`` or inside the C++ one-call forward). On CUDA that
         would cost a sync a step: there the Generator has checked the prompt's ids (and every
         id it generates is in range), and an id out of range is a device-side assert."""
         if not isinstance(cache, KVCache):
@@ -381,13 +395,14 @@ class SkipModel:
                                              or logits_positions.device != self.device):
             raise SwiftkernError(f"forward: logits_positions must be int64 [B, P] with B = {B} on {self.device}, got "
                                  f"{logits_positions!r}"[:300])
-        if self.device.type == "cpu":
-            for name, t, hi in (("tokens", tokens, self.vocab_size), ("logits_positions", logits_positions, T)):
-                if t is None or not t.numel():
-                    continue
-                lo, top = (int(v) for v in torch.aminmax(t))
-                if lo < 0 or top >= hi:
-                    raise SwiftkernError(f"forward: {name} must be in [0, {hi}), got min {lo}, max {top}")
+        if self.device.type == "cpu" and logits_positions is not None:
+            _check_ids("logits_positions", logits_positions, T)
+
+    def _check_token_ids(self, tokens: torch.Tensor) -> None:
+        """Token ids in [0, vocab) where they sit on the CPU (before ``forward_device``; the C++
+        one-call forward checks them itself, and this runs after it refused one, to name it)."""
+        if tokens.device.type == "cpu":
+            _check_ids("tokens", tokens, self.vocab_size)
 
     def forward_device(self, tokens: torch.Tensor, cache: KVCache, skip_attn: list, skip_mlp: list, max_len: int,
                        uniform_start: int | None, logits_positions: torch.Tensor | None) -> torch.Tensor:
@@ -421,8 +436,7 @@ class SkipModel:
             cos, sin = self.rotary(hidden, positions)  # [B, T, D] each
         plain = all(s is True or s is False for s in skip_attn + skip_mlp)  # no per-row masks
         if kern.stack is not None and plain:  # _layer_loop in one C++ call
-            skip = [int(a) | 2 * int(m) for a, m in zip(skip_attn, skip_mlp)]
-            packed = self._packed_slots(kern, B * T)[:len(self._stack_weights)]
+            skip, packed = self._stack_args(kern, skip_attn, skip_mlp, B * T)
             hidden, pending = kern.stack(hidden, self._stack_weights, skip, cache.k, cache.v, cos, sin, positions,
                                          new_lengths, max_len, self.num_heads, self.num_kv_heads, self.head_dim,
                                          self.eps, self.scale, packed)
@@ -437,6 +451,44 @@ class SkipModel:
         # the last add through the kernel of every other (the verifier's too): its rounding of
         # the sum, not torch's (the Triton interpreter rounds bf16 toward zero, a GPU to nearest)
         return self._add_norm(kern, hidden, pending, self.final_norm, fuse)[0]
+
+    def _stack_args(self, kern: LayerKernels, skip_attn: list, skip_mlp: list, rows: int) -> tuple[list, list]:
+        """``kern.stack``'s skip code per layer (1: attention skipped, 2: MLP skipped) for a plan of
+        plain bools, and its packed weight slots for a pass of ``rows`` rows."""
+        skip = [int(a) | 2 * int(m) for a, m in zip(skip_attn, skip_mlp)]
+        return skip, self._packed_slots(kern, rows)[:len(self._stack_weights)]
+
+    def _one_call_kernels(self, tokens: torch.Tensor, skip_attn: list, skip_mlp: list,
+                          logits_positions: torch.Tensor | None) -> LayerKernels | None:
+        """The layer kernels where ``_forward_in_one_call`` takes this pass (their ``forward`` and
+        ``stack`` built, no per-row masks, every position's logits, no CUDA graph runner), else None."""
+        if self.graphs is not None or logits_positions is not None:
+            return None
+        kern = LayerKernels.for_device(tokens.device.type, self.invariant)
+        if kern.forward is None or kern.stack is None:
+            return None
+        return kern if all(s is True or s is False for s in skip_attn + skip_mlp) else None
+
+    def _forward_in_one_call(self, kern: LayerKernels, tokens: torch.Tensor, cache: KVCache, skip_attn: list,
+                             skip_mlp: list, max_len: int) -> torch.Tensor:
+        """``forward_device``'s ops in one C++ call (``kern.forward``: the embedding, the RoPE rows,
+        ``kern.stack`` and the final norm, the same kernels in the same order): the same bits, without
+        the small ops that each ran with a cold cache after the stack. -> normed hidden [B, T, H]."""
+        B, T = tokens.shape
+        if self.invariant:  # the table's rows, read in C++ at the positions it computes
+            cos, sin = self._rope_table.tables(max(max_len, cache.max_len))  # [P, D] each
+            positions = None
+        else:  # HF's rotary at this chunk's positions, as forward_device computes them (its bits)
+            positions = cache.lengths.unsqueeze(1) + torch.arange(T, device=cache.lengths.device)  # [B, T]
+            cos, sin = self.rotary(self.embed, positions)  # [B, T, D] each (the first argument gives the dtype)
+        skip, packed = self._stack_args(kern, skip_attn, skip_mlp, B * T)
+        try:
+            return kern.forward(tokens, self.embed, cos, sin, self.invariant, positions, cache.lengths, self.final_norm,
+                                self._stack_weights, skip, cache.k, cache.v, max_len, self.num_heads,
+                                self.num_kv_heads, self.head_dim, self.eps, self.scale, packed)
+        except RuntimeError:
+            self._check_token_ids(tokens)  # a bad id (checked before anything was written) as a SwiftkernError
+            raise
 
     def head_logits(self, hidden: torch.Tensor,
                     head: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:

@@ -45,8 +45,13 @@ class RopeTable:
             have += BLOCK
         self.cos, self.sin = torch.cat(cos), torch.cat(sin)
 
-    def lookup(self, positions: torch.Tensor, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: int64 [B, T], all below ``max_pos`` (a host-side bound) -> cos, sin [B, T, D]."""
+    def tables(self, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [P, D] for every position below at least ``max_pos`` (grown where needed)."""
         if self.cos is None or self.cos.shape[0] < max_pos:
             self._grow(max_pos)
-        return self.cos[positions], self.sin[positions]
+        return self.cos, self.sin
+
+    def lookup(self, positions: torch.Tensor, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: int64 [B, T], all below ``max_pos`` (a host-side bound) -> cos, sin [B, T, D]."""
+        cos, sin = self.tables(max_pos)
+        return cos[positions], sin[positions]

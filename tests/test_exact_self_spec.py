@@ -85,13 +85,16 @@ def test_prompts_take_the_regular_kernels_and_decoding_the_invariant_ones(monkey
     set, with replay its fast path through the regular one (its verifier prefills the prompts)."""
     model = rounding_decides()
     seen = []
-    forward = SkipModel.forward_device
 
-    def spy(self, tokens, *args, **kwargs):
-        seen.append((tokens.shape[1], self.invariant))
-        return forward(self, tokens, *args, **kwargs)
-
-    monkeypatch.setattr(SkipModel, "forward_device", spy)
+    def spying(forward):
+        def spy(self, *args, **kwargs):
+            tokens = args[1] if forward is one_call else args[0]
+            seen.append((tokens.shape[1], self.invariant))
+            return forward(self, *args, **kwargs)
+        return spy
+    one_call = SkipModel._forward_in_one_call  # (kern, tokens, ...): the CPU's one C++ call, else forward_device
+    for name in ("forward_device", "_forward_in_one_call"):
+        monkeypatch.setattr(SkipModel, name, spying(getattr(SkipModel, name)))
     prompts = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22, 23, 24, 25, 26, 27, 28]]  # longer than a verify pass
     for mode, kw, prompt_set, decode_set in [("ar", {}, False, True), ("self-spec", SPEC, False, True),
                                              ("deterministic", {}, True, True),

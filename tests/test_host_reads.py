@@ -66,10 +66,10 @@ def _basic_index(index) -> bool:
     return all(i is None or i is Ellipsis or isinstance(i, (int, slice)) for i in index)
 
 
-# code that runs on the CPU only, left out: the forward's token check, and top-p's value sort
+# code that runs on the CPU only, left out: the forward's id checks, and top-p's value sort
 # (``top_p.top_p_removed`` takes ``top_p_removed_by_sort`` on any other device, which reads nothing;
 # ``test_top_p_off_the_cpu_reads_nothing``)
-CPU_ONLY = frozenset(("_check_forward_args", "removed_from_value_sort"))
+CPU_ONLY = frozenset(("_check_ids", "removed_from_value_sort"))
 
 
 class Stream(TorchFunctionMode):

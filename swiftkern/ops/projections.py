@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 
 import torch
 
@@ -24,9 +25,11 @@ SKINNY_MAX_ROWS = 32
 SKINNY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+@functools.cache
 def cpu_vendor() -> str:
     """The x86 vendor id of this CPU ("GenuineIntel", "AuthenticAMD", ...), or "" where it
-    cannot be read."""
+    cannot be read. Read once: ``mkl_lags_here`` asks twice a forward, and /proc/cpuinfo took
+    ~20 us a read."""
     return cpuinfo_field("vendor_id")
 
 
