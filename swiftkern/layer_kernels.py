@@ -23,6 +23,8 @@ matmul is faster and batch-variant there.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -68,11 +70,28 @@ class LayerKernels:
 
     @staticmethod
     def for_device(device_type: str, invariant: bool = False) -> "LayerKernels":
-        key = (device_type, ops.backends.current_backend(), invariant)
+        key = (device_type, ops.backends.current_backend(), invariant, _OP_BY_OP)
         hit = _CACHE.get(key)
         if hit is None:
-            hit = _CACHE[key] = _bind_invariant(device_type) if invariant else _bind(device_type)
+            hit = _bind_invariant(device_type) if invariant else _bind(device_type)
+            _CACHE[key] = hit = dataclasses.replace(hit, forward=None) if _OP_BY_OP else hit
         return hit
+
+
+_OP_BY_OP = False  # inside op_by_op_forward()
+
+
+@contextlib.contextmanager
+def op_by_op_forward():
+    """Within this context the kernels are bound without ``forward``: a CPU forward calls the
+    embedding, RoPE rows, ``stack``, cache advance and final norm one by one from Python (the
+    one-call forward's twin, the same bits; for tests and ``python -m bench --routine forward_host``)."""
+    global _OP_BY_OP
+    before, _OP_BY_OP = _OP_BY_OP, True
+    try:
+        yield
+    finally:
+        _OP_BY_OP = before
 
 
 INVARIANT_CPU_OPS = ("skinny_linear", "rms_norm", "fused_add_rms_norm", "silu_mul", "rope_kv_append",

@@ -4,7 +4,6 @@ RoPE rows, ``LayerKernels.stack``, the cache advance, the final norm): the same 
 and lengths, bit for bit; and a bad token id refused before anything is written."""
 
 import contextlib
-import dataclasses
 
 import pytest
 import torch
@@ -18,15 +17,6 @@ pytestmark = pytest.mark.usefixtures("uninitialized_is_poison")  # conftest: unw
 
 needs_forward = pytest.mark.skipif(LayerKernels.for_device("cpu").forward is None,
                                    reason="the C++ CPU kernels (decoder_forward) were not built")
-
-
-def _without_one_call(monkeypatch):
-    """LayerKernels.for_device as it is, minus the one-call forward: the stack called from Python."""
-    original = LayerKernels.for_device
-
-    def op_by_op(device_type, invariant=False):
-        return dataclasses.replace(original(device_type, invariant), forward=None)
-    monkeypatch.setattr(LayerKernels, "for_device", staticmethod(op_by_op))
 
 
 def _run(model, chunks, layer_set, ragged):
@@ -75,11 +65,11 @@ def test_one_call_equals_the_ops_one_by_one(arch, skip, invariant, dtype, monkey
             return _run(model, chunks, layer_set, ragged=True)
     one_call = go()
     assert calls == ["decoder_forward"] * len(chunks)
-    _without_one_call(monkeypatch)
-    layer_kernels._CACHE.clear()
-    op_by_op = go()
+    with layer_kernels.op_by_op_forward():  # the twin: the stack called from Python
+        op_by_op = go()
     assert calls[len(chunks):] == ["decoder_stack"] * len(chunks)
     _same(one_call, op_by_op)
+    assert LayerKernels.for_device("cpu", invariant).forward is not None  # the switch is undone on leaving
     layer_kernels._CACHE.clear()
 
 
