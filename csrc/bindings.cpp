@@ -19,6 +19,7 @@
 #include <tuple>
 #include <vector>
 
+#include "decoder_stack.h"
 #include "ops_cuda.h"
 #include "version_watch.h"
 
@@ -45,19 +46,6 @@ std::tuple<at::Tensor, at::Tensor> bi_max_exp_sum_cpu(const at::Tensor& x);
 at::Tensor top_p_cut_cpu(const at::Tensor& sorted_values, const at::Tensor& probs, double top_p);
 at::Tensor skinny_linear_isa(const at::Tensor& x, const at::Tensor& weight, const std::string& isa);
 std::vector<std::string> skinny_linear_isas();
-std::tuple<at::Tensor, at::Tensor> decoder_stack_cpu(
-    at::Tensor hidden, const std::vector<std::optional<at::Tensor>>& weights, const std::vector<int64_t>& skip,
-    const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cos, const at::Tensor& sin,
-    const at::Tensor& positions, const at::Tensor& cache_lens, int64_t max_len, int64_t num_heads,
-    int64_t num_kv_heads, int64_t head_dim, double eps, double scale, int64_t skinny_max_rows, bool invariant,
-    const std::vector<std::optional<at::Tensor>>& packed, int64_t packed_max_rows, bool rows);
-at::Tensor decoder_forward_cpu(
-    const at::Tensor& tokens, const at::Tensor& embed, const at::Tensor& cos, const at::Tensor& sin, bool rope_table,
-    const std::optional<at::Tensor>& positions_in, at::Tensor cache_lens, const at::Tensor& final_norm,
-    const std::vector<std::optional<at::Tensor>>& weights, const std::vector<int64_t>& skip, const at::Tensor& k_cache,
-    const at::Tensor& v_cache, int64_t max_len, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    double eps, double scale, int64_t skinny_max_rows, bool invariant,
-    const std::vector<std::optional<at::Tensor>>& packed, int64_t packed_max_rows);
 at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias);
 at::Tensor bi_exp_isa(const at::Tensor& x, const std::string& isa);
 std::tuple<at::Tensor, at::Tensor> bi_max_exp_sum_isa(const at::Tensor& x, const std::string& isa);

@@ -22,12 +22,6 @@ namespace swiftkern {
 at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_cpu(const at::Tensor& x, const at::Tensor& residual,
                                                           const at::Tensor& weight, double eps);
-std::tuple<at::Tensor, at::Tensor> decoder_stack_cpu(
-    at::Tensor hidden, const std::vector<std::optional<at::Tensor>>& weights, const std::vector<int64_t>& skip,
-    const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cos, const at::Tensor& sin,
-    const at::Tensor& positions, const at::Tensor& cache_lens, int64_t max_len, int64_t num_heads,
-    int64_t num_kv_heads, int64_t head_dim, double eps, double scale, int64_t skinny_max_rows, bool invariant,
-    const std::vector<std::optional<at::Tensor>>& packed, int64_t packed_max_rows, bool rows);
 
 namespace {
 

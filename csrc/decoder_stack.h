@@ -43,6 +43,22 @@ inline Kernel kernel_for(const StackShape& s, const LayerWeights& lw, Field weig
   return s.skinny_max_rows < 0 || rows <= s.skinny_max_rows ? Kernel::kSkinny : Kernel::kTorch;
 }
 
+// The whole stack (decoder_stack_cpu.cpp; its arguments documented there) and a forward up to the LM
+// head around it in one call (decoder_forward_cpu.cpp), both bound in bindings.cpp.
+std::tuple<at::Tensor, at::Tensor> decoder_stack_cpu(
+    at::Tensor hidden, const std::vector<std::optional<at::Tensor>>& weights, const std::vector<int64_t>& skip,
+    const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cos, const at::Tensor& sin,
+    const at::Tensor& positions, const at::Tensor& cache_lens, int64_t max_len, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, double eps, double scale, int64_t skinny_max_rows, bool invariant,
+    const std::vector<std::optional<at::Tensor>>& packed, int64_t packed_max_rows, bool rows);
+at::Tensor decoder_forward_cpu(
+    const at::Tensor& tokens, const at::Tensor& embed, const at::Tensor& cos, const at::Tensor& sin, bool rope_table,
+    const std::optional<at::Tensor>& positions_in, at::Tensor cache_lens, const at::Tensor& final_norm,
+    const std::vector<std::optional<at::Tensor>>& weights, const std::vector<int64_t>& skip, const at::Tensor& k_cache,
+    const at::Tensor& v_cache, int64_t max_len, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    double eps, double scale, int64_t skinny_max_rows, bool invariant,
+    const std::vector<std::optional<at::Tensor>>& packed, int64_t packed_max_rows);
+
 // decoder_stack's path on raw rows (decoder_stack_rows.cpp; float32, bf16 or fp16): its (hidden,
 // pending), or nullopt where it does not apply (another dtype, a projection for torch's matmul, a
 // layout or value it does not take), and the op-by-op path runs (and says what is wrong, if

@@ -111,6 +111,21 @@ def fixed_costs(monkeypatch):
 
 
 @pytest.fixture
+def launch_names(monkeypatch):
+    """The names of the runner's one-call C++ launches (``layer_kernels.opaque_call``:
+    decoder_stack, decoder_forward) in order, recorded while the test runs."""
+    from swiftkern import layer_kernels
+
+    names, opaque = [], layer_kernels.opaque_call
+
+    def recording(name, *args, **kwargs):
+        names.append(name)
+        return opaque(name, *args, **kwargs)
+    monkeypatch.setattr(layer_kernels, "opaque_call", recording)
+    return names
+
+
+@pytest.fixture
 def uninitialized_is_poison():
     """Every new uninitialized tensor (torch.empty, and at::empty inside the C++ kernels) holds NaN
     or the largest integer while the test runs, so an output element a kernel forgets to write

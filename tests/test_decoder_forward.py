@@ -43,7 +43,7 @@ def _same(a, b):
 @pytest.mark.parametrize("skip", [None, "attn:1|mlp:0,2"])
 @pytest.mark.parametrize("invariant", [False, True], ids=["rotary", "rope-table"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_one_call_equals_the_ops_one_by_one(arch, skip, invariant, dtype, monkeypatch):
+def test_one_call_equals_the_ops_one_by_one(arch, skip, invariant, dtype, launch_names):
     """Rows at different lengths (positions per row, RoPE rows from HF's rotary or the table);
     a prefill of 23 tokens, a verify chunk of 4, a decode step; 3 rows. Both runs go through
     the same stack; only the ops around it move into C++."""
@@ -51,14 +51,7 @@ def test_one_call_equals_the_ops_one_by_one(arch, skip, invariant, dtype, monkey
     layer_set = LayerSet.parse(skip, 3) if skip else None
     g = torch.Generator().manual_seed(11)
     chunks = [torch.randint(3, 301, (3, T), generator=g) for T in (23, 4, 1)]
-    calls = []
-
-    def counting(name, *args, **kwargs):
-        calls.append(name)
-        return opaque(name, *args, **kwargs)
-    opaque = layer_kernels.opaque_call
-    monkeypatch.setattr(layer_kernels, "opaque_call", counting)
-    layer_kernels._CACHE.clear()
+    calls = launch_names
 
     def go():
         with model.batch_invariant() if invariant else contextlib.nullcontext():
@@ -70,7 +63,6 @@ def test_one_call_equals_the_ops_one_by_one(arch, skip, invariant, dtype, monkey
     assert calls[len(chunks):] == ["decoder_stack"] * len(chunks)
     _same(one_call, op_by_op)
     assert LayerKernels.for_device("cpu", invariant).forward is not None  # the switch is undone on leaving
-    layer_kernels._CACHE.clear()
 
 
 @needs_forward

@@ -79,20 +79,14 @@ def test_stack_equals_the_python_loop(arch, skip, invariant, mkl_lags, monkeypat
 @needs_stack
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_stack_runs_bf16_and_fp16_with_the_python_loops_bits(arch, dtype, monkeypatch):
+def test_stack_runs_bf16_and_fp16_with_the_python_loops_bits(arch, dtype, monkeypatch, launch_names):
     """A model in bf16 / fp16 takes the stack too (its projections torch's matmul, as ops.linear
     gives them; before, such a model ran the Python loop, ~15 op calls a layer): one C++ call
     per forward, and the loop's logits and cache bit for bit."""
     model = SkipModel.from_hf(tiny_model(arch, num_hidden_layers=3).to(dtype))
     g = torch.Generator().manual_seed(7)
     chunks = [torch.randint(3, 301, (2, T), generator=g) for T in (40, 4, 1)]
-    calls = []
-
-    def counting(name, *args, **kwargs):
-        calls.append(name)
-        return layer_kernels_opaque(name, *args, **kwargs)
-    layer_kernels_opaque = layer_kernels.opaque_call
-    monkeypatch.setattr(layer_kernels, "opaque_call", counting)
+    calls = launch_names
     layer_kernels._CACHE.clear()
     with_stack = _run(model, chunks, LayerSet.parse("attn:1|mlp:0", 3))
     # the stack inside the one-call forward (csrc/decoder_forward_cpu.cpp), once per chunk
