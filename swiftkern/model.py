@@ -461,8 +461,9 @@ class SkipModel:
     def _one_call_kernels(self, tokens: torch.Tensor, skip_attn: list, skip_mlp: list,
                           logits_positions: torch.Tensor | None) -> LayerKernels | None:
         """The layer kernels where ``_forward_in_one_call`` takes this pass (their ``forward`` and
-        ``stack`` built, no per-row masks, every position's logits, no CUDA graph runner), else None."""
-        if self.graphs is not None or logits_positions is not None:
+        ``stack`` built, no per-row masks, every position's logits, no CUDA graph runner, the
+        embedding table contiguous, as the C++ call reads it), else None."""
+        if self.graphs is not None or logits_positions is not None or not self.embed.is_contiguous():
             return None
         kern = LayerKernels.for_device(tokens.device.type, self.invariant)
         if kern.forward is None or kern.stack is None:

@@ -106,3 +106,17 @@ def test_a_position_past_the_rope_table_is_refused_before_anything_is_written():
                      model._stack_weights, skip, cache.k, cache.v, 10, model.num_heads, model.num_kv_heads,
                      model.head_dim, model.eps, model.scale, [])
     assert torch.equal(cache.k, k) and cache.lengths.tolist() == [9]
+
+
+@needs_forward
+def test_a_strided_embedding_table_takes_the_ops_one_by_one(launch_names):
+    """The C++ call reads the table as contiguous rows: a strided one (a view of a wider weight)
+    goes op by op, with the same logits as a contiguous copy through the one call."""
+    model = SkipModel.from_hf(tiny_model("llama", num_hidden_layers=2))
+    ids = torch.randint(0, 301, (1, 5), generator=torch.Generator().manual_seed(4))
+    contiguous = model.forward(ids, model.new_cache(1, 8))
+    wide = torch.cat([model.embed, model.embed], dim=1)  # [V, 2H]
+    model.embed = wide[:, :model.embed.shape[1]]  # the same values, row stride 2H
+    assert not model.embed.is_contiguous()
+    assert torch.equal(model.forward(ids, model.new_cache(1, 8)), contiguous)
+    assert launch_names == ["decoder_forward", "decoder_stack"]
