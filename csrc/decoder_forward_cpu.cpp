@@ -19,10 +19,6 @@
 
 namespace swiftkern {
 
-at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps);
-std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_cpu(const at::Tensor& x, const at::Tensor& residual,
-                                                          const at::Tensor& weight, double eps);
-
 namespace {
 
 // Rows ids[i] of table [N, W] -> [count, W] (a copy: the values themselves); every id checked
@@ -80,7 +76,8 @@ at::Tensor decoder_forward_cpu(
       for (int64_t t = 0; t < T; ++t) p[b * T + t] = lens[b] + t;
   }
   at::Tensor new_lens = at::empty({B}, cache_lens.options());
-  for (int64_t b = 0; b < B; ++b) new_lens.mutable_data_ptr<int64_t>()[b] = lens[b] + T;
+  int64_t* after = new_lens.mutable_data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) after[b] = lens[b] + T;
 
   at::Tensor row_cos = cos, row_sin = sin;
   if (rope_table) {
@@ -97,8 +94,7 @@ at::Tensor decoder_forward_cpu(
                                         skinny_max_rows, invariant, packed, packed_max_rows, true);
   for (int64_t b = 0; b < B; ++b) lens[b] += T;  // the cache's device side advanced, in place
 
-  if (!pending.defined()) return rms_norm_cpu(h, final_norm, eps);
-  return std::get<0>(fused_add_rms_norm_cpu(pending, h, final_norm, eps));
+  return std::get<0>(add_norm(h, pending, final_norm, eps));
 }
 
 }  // namespace swiftkern

@@ -43,6 +43,11 @@ inline Kernel kernel_for(const StackShape& s, const LayerWeights& lw, Field weig
   return s.skinny_max_rows < 0 || rows <= s.skinny_max_rows ? Kernel::kSkinny : Kernel::kTorch;
 }
 
+// (rms_norm(hidden + pending), hidden + pending), the sum fused into the norm's pass; pending
+// undefined: nothing to add (decoder_stack_cpu.cpp: before each kept sub-layer, and the final norm)
+std::tuple<at::Tensor, at::Tensor> add_norm(const at::Tensor& hidden, const at::Tensor& pending,
+                                            const at::Tensor& weight, double eps);
+
 // The whole stack (decoder_stack_cpu.cpp; its arguments documented there) and a forward up to the LM
 // head around it in one call (decoder_forward_cpu.cpp), both bound in bindings.cpp.
 std::tuple<at::Tensor, at::Tensor> decoder_stack_cpu(

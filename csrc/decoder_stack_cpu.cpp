@@ -32,6 +32,12 @@ at::Tensor verify_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
 at::Tensor verify_attention_invariant_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                           const at::Tensor& cache_lens, double scale);
 
+std::tuple<at::Tensor, at::Tensor> add_norm(const at::Tensor& hidden, const at::Tensor& pending,
+                                            const at::Tensor& weight, double eps) {
+  if (!pending.defined()) return {rms_norm_cpu(hidden, weight, eps), hidden};
+  return fused_add_rms_norm_cpu(pending, hidden, weight, eps);
+}
+
 namespace {
 
 // ops.linear's choice: the C++ fixed-order kernel up to skinny_max_rows rows (from the packed
@@ -44,12 +50,6 @@ at::Tensor project(const StackShape& s, const at::Tensor& x, const LayerWeights&
   }
 }
 
-// (rms_norm(hidden + pending), hidden + pending); pending undefined: nothing to add
-std::tuple<at::Tensor, at::Tensor> add_norm(const StackShape& s, const at::Tensor& hidden, const at::Tensor& pending,
-                                            const at::Tensor& weight) {
-  if (!pending.defined()) return {rms_norm_cpu(hidden, weight, s.eps), hidden};
-  return fused_add_rms_norm_cpu(pending, hidden, weight, s.eps);
-}
 
 // Qwen3's per-head norm: x [B, T, heads, D] normed over D (x itself where the model has none)
 at::Tensor head_norm(const StackShape& s, const at::Tensor& x, const std::optional<at::Tensor>& weight) {
@@ -123,12 +123,12 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack_cpu(
   for (int64_t i = 0; i < L; ++i) {
     const LayerWeights w{weights.data() + i * kFields, packed.empty() ? nullptr : packed.data() + i * kFields};
     if (!(skip[i] & 1)) {
-      auto [x, h] = add_norm(s, hidden, pending, *w.w[kLnAttn]);
+      auto [x, h] = add_norm(hidden, pending, *w.w[kLnAttn], s.eps);
       hidden = h;
       pending = attention(s, w, x, k_cache.select(0, i), v_cache.select(0, i), cos, sin, positions, cache_lens);
     }
     if (!(skip[i] & 2)) {
-      auto [x, h] = add_norm(s, hidden, pending, *w.w[kLnMlp]);
+      auto [x, h] = add_norm(hidden, pending, *w.w[kLnMlp], s.eps);
       hidden = h;
       pending = mlp(s, w, x);
     }

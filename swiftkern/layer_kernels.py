@@ -164,6 +164,15 @@ def _bind_invariant_cpp(device_type: str) -> LayerKernels:
                         stack=_stack_for(invariant=True), forward=_forward_for(invariant=True))
 
 
+def _row_rules(invariant: bool, dtype: torch.dtype) -> tuple[int, int]:
+    """The rules of ops.linear at this call (a prefill's, this CPU's), as the Python loop reads
+    them, for the C++ stack: rows up to which the fixed-order kernel runs, and up to which packed
+    weights are read (skinny_linear's bits, fewer bytes); -1: any number (the invariant set)."""
+    if invariant:
+        return -1, -1
+    return ops.skinny_max_rows(dtype), ops.packed_max_rows()
+
+
 def _stack_for(invariant: bool) -> Callable | None:
     """``_C.decoder_stack`` (csrc/decoder_stack_cpu.cpp) in the runner's terms: every kept
     sub-layer in one C++ call, through the same CPU kernels in the same order as the Python
@@ -183,9 +192,7 @@ def _stack_for(invariant: bool) -> Callable | None:
         return None
     def stack(hidden, weights, skip, k_cache, v_cache, cos, sin, positions, cache_lens, max_len, num_heads,
               num_kv_heads, head_dim, eps, scale, packed, row_path=True):
-        # the rules of ops.linear at this call (a prefill's, this CPU's), as the Python loop reads them
-        rows = -1 if invariant else ops.skinny_max_rows(hidden.dtype)
-        packed_rows = -1 if invariant else ops.packed_max_rows()  # packed: skinny_linear's bits, fewer bytes
+        rows, packed_rows = _row_rules(invariant, hidden.dtype)
         return opaque_call("decoder_stack", run, hidden, weights, skip, k_cache, v_cache, cos, sin, positions,
                            cache_lens, max_len, num_heads, num_kv_heads, head_dim, eps, scale, rows, invariant,
                            packed, packed_rows, row_path)
@@ -208,8 +215,7 @@ def _forward_for(invariant: bool) -> Callable | None:
         return None
     def forward(tokens, embed, cos, sin, rope_table, positions, cache_lens, final_norm, weights, skip, k_cache,
                 v_cache, max_len, num_heads, num_kv_heads, head_dim, eps, scale, packed):
-        rows = -1 if invariant else ops.skinny_max_rows(embed.dtype)
-        packed_rows = -1 if invariant else ops.packed_max_rows()
+        rows, packed_rows = _row_rules(invariant, embed.dtype)
         return opaque_call("decoder_forward", run, tokens, embed, cos, sin, rope_table, positions, cache_lens,
                            final_norm, weights, skip, k_cache, v_cache, max_len, num_heads, num_kv_heads, head_dim,
                            eps, scale, rows, invariant, packed, packed_rows)
