@@ -19,6 +19,7 @@
 #include <tuple>
 #include <vector>
 
+#include "cpu_ops.h"
 #include "decoder_stack.h"
 #include "ops_cuda.h"
 #include "version_watch.h"
@@ -35,14 +36,10 @@
 #endif
 
 namespace swiftkern {
-std::tuple<at::Tensor, at::Tensor> greedy_accept_cpu(const at::Tensor& draft_tokens,
-                                                     const at::Tensor& target_logits,
-                                                     const at::Tensor& num_draft);
 at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
                              const std::optional<at::Tensor>& bias);
 at::Tensor bi_exp_cpu(const at::Tensor& x);
 at::Tensor bi_exp_sum_cpu(const at::Tensor& x);
-std::tuple<at::Tensor, at::Tensor> bi_max_exp_sum_cpu(const at::Tensor& x);
 at::Tensor top_p_cut_cpu(const at::Tensor& sorted_values, const at::Tensor& probs, double top_p);
 at::Tensor skinny_linear_isa(const at::Tensor& x, const at::Tensor& weight, const std::string& isa);
 std::vector<std::string> skinny_linear_isas();
@@ -152,6 +149,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder_forward", &swiftkern::decoder_forward_cpu,
         "a forward up to the LM head on the CPU in one call: embedding, decoder_stack, final norm "
         "(csrc/decoder_forward_cpu.cpp)");
+  m.def("greedy_verify", &swiftkern::greedy_verify_cpu,
+        "greedy_accept with num_draft as host ints -> (out_tokens, pending, out rows as lists, num_accepted as a "
+        "list, the kept tokens' logprobs or None): a CPU speculative step's tail in one call "
+        "(csrc/greedy_verify_cpu.cpp)");
   m.def("packed_linear_isa", &swiftkern::packed_linear_isa,
         "packed_linear (no bias) with named kernels: avx512, avx512-gather, avx2 or portable (tests)");
   m.def("packed_linear_isas", &swiftkern::packed_linear_isas, "the kernels packed_linear_isa runs on this CPU");

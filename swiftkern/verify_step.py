@@ -10,7 +10,7 @@ import torch
 
 from . import ops
 from .batch_invariant import bi_token_logprob
-from .device_reads import read
+from .device_reads import read, read_host
 from .kv_cache import KVCache
 from .model import SkipModel
 from .sampling import STREAM_ACCEPT, STREAM_RESIDUAL, SamplingParams, keyed_uniforms, probs_from_logits
@@ -42,7 +42,8 @@ class Verified:
     device, each row's corrected or bonus token; out: int64 [B, K+1] and logits [B, K+1, V] on
     the device; queued: float32 [B, K+1], every out token's ``bi_token_logprob`` launched before
     the read (on a GPU, where it overlaps the forward; entries past a row's tokens are token
-    0's), or None."""
+    0's), or computed with the acceptance (the CPU's ``greedy_verify``: each row's out tokens up
+    to its num_accepted + 1, NaN past them), or None."""
     rows: list[list[int]]
     num_accepted: list[int]
     pending: torch.Tensor
@@ -69,11 +70,16 @@ def verify_and_accept(model: SkipModel, cache: KVCache, pending: torch.Tensor, d
     B, K = drafts.shape
     device = drafts.device
     start = list(cache.host_lengths)  # position of each row's pending token
-    nd = torch.tensor(num_draft, dtype=torch.int32, device=device)  # [B]
+    queued = logprobs and queue_logprobs(device, B * (K + 1))  # every position's logprob before the read
+    host_verify = None if params.do_sample or queued else ops.greedy_verify_here(device.type)
+    nd = None if host_verify is not None else torch.tensor(num_draft, dtype=torch.int32, device=device)  # [B]
     if params.do_sample:
         u_accept = _chunk_uniforms(seeds, start, K, STREAM_ACCEPT, device)  # [B, K]
         u_sample = _chunk_uniforms(seeds, start, K + 1, STREAM_RESIDUAL, device)  # [B, K+1]
     logits = model.forward(torch.cat([pending.unsqueeze(1), drafts], dim=1), cache)  # [B, K+1, V]
+    if host_verify is not None:  # the CPU: acceptance, next pending tokens and host rows in one C++ call
+        out, next_pending, rows, num_accepted, lps = read_host(host_verify, drafts, logits, num_draft, logprobs)
+        return Verified(rows, num_accepted, next_pending, out, logits, lps)
     max_draft = max(num_draft, default=0)
     if not params.do_sample:
         out, acc = ops.greedy_accept(drafts, logits, nd, max_draft=max_draft)  # [B, K+1], [B]
@@ -81,7 +87,7 @@ def verify_and_accept(model: SkipModel, cache: KVCache, pending: torch.Tensor, d
         target = probs_from_logits(logits.reshape(B * (K + 1), -1), params).view(B, K + 1, -1)
         out, acc = ops.rejection_sample(drafts, draft_probs, target, nd, u_accept, u_sample, max_draft=max_draft)
     lps = None
-    if logprobs and queue_logprobs(device, B * (K + 1)):  # every position's, queued before the read (Verified.logprobs)
+    if queued:  # Verified.logprobs
         flat = out.clamp(min=0).view(-1)  # [B*(K+1)]
         lps = bi_token_logprob(logits.reshape(B * (K + 1), -1), flat).view(B, K + 1)
     acc = acc.to(torch.int64)

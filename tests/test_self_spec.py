@@ -257,9 +257,14 @@ def test_a_verify_step_reads_the_device_once(monkeypatch):
     """verify_and_accept queues everything before one read back to the host (on a GPU each read
     waits for the forward: more than one serialises the step's host work behind it): one
     tolist, no aminmax of num_draft (int32; the forward's CPU-only token check is not a
-    device read), no item."""
+    device read), no item. The torch path a GPU takes (on the CPU a greedy step's one C++ call,
+    greedy_verify, hands back host lists: no tolist at all, checked last)."""
+    from swiftkern import ops
     from swiftkern.sampling import SamplingParams
     from swiftkern.verify_step import verify_and_accept
+
+    host_verify = ops.greedy_verify_here("cpu")
+    monkeypatch.setattr(ops, "greedy_verify_here", lambda device_type: None)
 
     sm = SkipModel(model("llama")[0])
     cache = sm.new_cache(2, 32)
@@ -291,6 +296,13 @@ def test_a_verify_step_reads_the_device_once(monkeypatch):
     cache.rollback([3, 3])
     verify_and_accept(sm, cache, pending, drafts[:, :1], None, [1, 1], SamplingParams(do_sample=True), [1, 2])
     assert len(copies) == made[True]  # the uniforms: one copy a stream, not one a drafted column
+    if host_verify is not None:
+        monkeypatch.setattr(ops, "greedy_verify_here", lambda device_type: host_verify)
+        cache.rollback([3, 3])
+        reads.update(tolist=0, aminmax=0, item=0)
+        copies.clear()
+        verify_and_accept(sm, cache, pending, drafts, None, [3, 1], SamplingParams(), [1, 2], logprobs=True)
+        assert reads == {"tolist": 0, "aminmax": 0, "item": 0} and len(copies) == 0
 
 
 @pytest.mark.parametrize("queued", [False, True])

@@ -27,7 +27,7 @@ rope_kv_append, verify_attention, kv_compact), projections (linear, packed_linea
 from __future__ import annotations
 
 from .. import reference
-from .acceptance import greedy_accept, greedy_tokens, rejection_sample
+from .acceptance import greedy_accept, greedy_tokens, greedy_verify_here, rejection_sample
 from .backends import backend_for, backend_info, set_backend, unchecked
 from .invariant import bi_exp, bi_exp_sum, bi_matmul, bi_matmul_group, bi_max_exp_sum
 from .layer import (fused_add_rms_norm, keys_in_use, kv_compact, rms_norm, rope_kv_append, silu_mul,

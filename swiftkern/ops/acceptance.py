@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from ..errors import SwiftkernError
-from .backends import cpu_kernel, run
+from . import registry
+from .backends import cpu_kernel, resolve, run
 from .checks import FLOAT_DTYPES, check_num_draft, check_tensors, one_device
 
 
@@ -72,6 +73,22 @@ def greedy_accept(
     if target_logits.stride(-1) != 1:
         target_logits = target_logits.contiguous()
     return run("greedy_accept", draft_tokens.device, draft_tokens, target_logits, num_draft)
+
+
+def greedy_verify_here(device_type: str):
+    """The C++ ``greedy_verify`` (csrc/greedy_verify_cpu.cpp) where ``greedy_accept`` and
+    ``bi_max_exp_sum`` run their C++ kernels on ``device_type`` tensors (the CPU), else None. For
+    callers whose inputs are valid by construction (a speculative step): ``greedy_verify(
+    draft_tokens int64 [B, K], target_logits [B, K+1, V] contiguous along V, num_draft: list of B
+    ints, logprobs: bool)`` -> (out_tokens int64 [B, K+1] as ``greedy_accept`` gives them, pending
+    int64 [B]: out_tokens[b, num_accepted[b]], out_tokens' rows as lists, num_accepted as a list,
+    with logprobs float32 [B, K+1]: ``bi_token_logprob``'s bits at each row's out tokens up to its
+    num_accepted + 1, NaN past them; else None). The step's tail in one call: the op, a conversion,
+    a gather, a read and the logprobs' ops each ran cold after the forward (~0.3 ms a SmolLM2 step
+    on a 2-core AMD EPYC)."""
+    if resolve("greedy_accept", device_type) != "cpp" or resolve("bi_max_exp_sum", device_type) != "cpp":
+        return None
+    return getattr(registry.extension, "greedy_verify", None)
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
