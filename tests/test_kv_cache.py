@@ -175,3 +175,38 @@ def test_a_cache_made_or_grown_in_inference_mode_takes_updates_outside_it():
     cache.reset(3)
     cache.advance(2)
     assert cache.lengths.tolist() == [2, 2, 2] and cache.host_lengths == [2, 2, 2]
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copied_cache_writes_its_own_lengths_and_rows(how):
+    """On the CPU lengths are written through a NumPy view of their memory (set_lengths,
+    set_row_length): a copy's view is made again over the copy's storage, so a rollback of the
+    copy moves its own lengths (device side included) and never the original's, and its k / v
+    rows are views of its own storage."""
+    import copy
+    import pickle
+
+    c = make()
+    c.advance(5)
+    d = copy.deepcopy(c) if how == "deepcopy" else pickle.loads(pickle.dumps(c))
+    d.rollback([2, 3, 4])
+    d.set_row_length(0, 1)
+    assert d.lengths.tolist() == [1, 3, 4] and d.host_lengths == [1, 3, 4]
+    assert c.lengths.tolist() == [5, 5, 5] and c.host_lengths == [5, 5, 5]
+    d.k[0, 1, 0, 0, 0] = 7.0
+    assert d._k_rows[0, 1, 0, 0, 0] == 7.0 and c.k[0, 1, 0, 0, 0] == 0.0
+
+
+def test_rollback_writes_the_device_lengths_the_kernels_read():
+    """set_lengths / set_row_length through the NumPy view land in ``lengths`` (the tensor the
+    kernels read) for the rows in use, in a row view too, and leave freed rows alone."""
+    c = make(batch=3)
+    c.advance(6)
+    c.select_rows([0, 2])  # two rows in use of three allocated
+    c.rollback([4, 2])
+    assert c.lengths.tolist() == [4, 2] and c._length_rows.tolist()[:2] == [4, 2]
+    view = c.row_view(1)
+    view.rollback([1])
+    assert view.lengths.tolist() == [1]
+    c.set_row_length(1, view.host_lengths[0])
+    assert c.lengths.tolist() == [4, 1]
