@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten
 
 from conftest import tiny_model
 import swiftkern.deterministic as deterministic
-from swiftkern import top_p
+from swiftkern import kv_cache, top_p
 from swiftkern import SkipModel
 from swiftkern.cuda_graphs import GraphRunner
 from swiftkern.graph_capture import RecordedGraph
@@ -70,6 +70,17 @@ def _basic_index(index) -> bool:
 # (``top_p.top_p_removed`` takes ``top_p_removed_by_sort`` on any other device, which reads nothing;
 # ``test_top_p_off_the_cpu_reads_nothing``)
 CPU_ONLY = frozenset(("_check_ids", "removed_from_value_sort"))
+
+
+def lengths_written_as_on_a_device(monkeypatch) -> None:
+    """CPU tensors stand for device tensors here: a KVCache writes its lengths by torch ops, as
+    off the CPU (on the CPU it writes them through a NumPy view, no torch op to see)."""
+    monkeypatch.setattr(kv_cache, "_cpu_lengths_view", lambda lengths: None)
+
+
+@pytest.fixture(autouse=True)
+def _device_lengths(monkeypatch):
+    lengths_written_as_on_a_device(monkeypatch)
 
 
 class Stream(TorchFunctionMode):
@@ -277,6 +288,7 @@ def test_device_lengths_follow_the_host_lengths(tiny, monkeypatch, sample):
     out, stats = _decode(tiny, prompts, FastPath(), sample, max_new=10, arrive_at=[0, 0, 2, 5])
     assert {"fast_step", "verify"} <= set(seen)
     monkeypatch.undo()
+    lengths_written_as_on_a_device(monkeypatch)  # undone with the rest
     cache = tiny.new_cache(2, 16)
     with Stream() as stream:
         tiny.forward(torch.tensor([[5, 6], [7, 8]], device=tiny.device), cache)
