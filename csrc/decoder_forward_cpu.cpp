@@ -41,16 +41,20 @@ at::Tensor gather_rows(const at::Tensor& table, const int64_t* ids, int64_t coun
 // tokens: int64 [B, T]; embed: [V, H] (the model dtype); cos, sin: the RoPE rows, either tables
 // [P, D] read at the positions (rope_table) or [B, T, D] as they are; positions: int64 [B, T], or
 // undefined: cache_lens[b] + t; cache_lens: int64 [B] contiguous, the lengths before this chunk,
-// advanced by T in place once the stack has run; final_norm: [H]; the rest as decoder_stack_cpu's.
-// Every token id and table position is checked before anything is written.
-// -> the final-normed hidden [B, T, H].
+// advanced by T in place once the stack has run; final_norm: [H]; head_weight [V, H], head_bias
+// [V] or None, head_packed (its codes, or None): the LM head, through the stack's rule for a
+// projection (its bits; None: no head); the rest as decoder_stack_cpu's. Every token id and table
+// position is checked before anything is written.
+// -> the logits [B, T, V], or without a head the final-normed hidden [B, T, H].
 at::Tensor decoder_forward_cpu(
     const at::Tensor& tokens, const at::Tensor& embed, const at::Tensor& cos, const at::Tensor& sin, bool rope_table,
     const std::optional<at::Tensor>& positions_in, at::Tensor cache_lens, const at::Tensor& final_norm,
     const std::vector<std::optional<at::Tensor>>& weights, const std::vector<int64_t>& skip, const at::Tensor& k_cache,
     const at::Tensor& v_cache, int64_t max_len, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     double eps, double scale, int64_t skinny_max_rows, bool invariant,
-    const std::vector<std::optional<at::Tensor>>& packed, int64_t packed_max_rows) {
+    const std::vector<std::optional<at::Tensor>>& packed, int64_t packed_max_rows,
+    const std::optional<at::Tensor>& head_weight, const std::optional<at::Tensor>& head_bias,
+    const std::optional<at::Tensor>& head_packed) {
   TORCH_CHECK(tokens.device().is_cpu() && tokens.dim() == 2 &&
                   (tokens.scalar_type() == at::kLong || tokens.scalar_type() == at::kInt),
               "decoder_forward: tokens must be int64 or int32 [B, T] on the CPU, got ", tokens.scalar_type(), " ",
@@ -94,7 +98,15 @@ at::Tensor decoder_forward_cpu(
                                         skinny_max_rows, invariant, packed, packed_max_rows, true);
   for (int64_t b = 0; b < B; ++b) lens[b] += T;  // the cache's device side advanced, in place
 
-  return std::get<0>(add_norm(h, pending, final_norm, eps));
+  const at::Tensor normed = std::get<0>(add_norm(h, pending, final_norm, eps));
+  const at::Tensor* head = present(head_weight);
+  if (head == nullptr) return normed;
+  // the LM head: its Python and dispatch, after the cold small ops above, ran cold as well
+  const at::Tensor* codes = present(head_packed);
+  const bool same_dtype = head->scalar_type() == normed.scalar_type();
+  const Kernel kernel = same_dtype ? kernel_for_rows(skinny_max_rows, packed_max_rows, codes != nullptr, B * T)
+                                   : Kernel::kTorch;
+  return linear_by_rule(kernel, normed, *head, head_bias, codes);
 }
 
 }  // namespace swiftkern

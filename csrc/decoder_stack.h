@@ -37,11 +37,18 @@ inline const at::Tensor* present(const std::optional<at::Tensor>& t) {
 // ops.linear's choice for a projection of `rows` rows: the packed weight where there is one and
 // rows <= packed_max_rows, else the C++ fixed-order kernel up to skinny_max_rows rows, else torch
 enum class Kernel { kPacked, kSkinny, kTorch };
-inline Kernel kernel_for(const StackShape& s, const LayerWeights& lw, Field weight, int64_t rows) {
-  if (lw.packed && present(lw.packed[weight]) && (s.packed_max_rows < 0 || rows <= s.packed_max_rows))
-    return Kernel::kPacked;
-  return s.skinny_max_rows < 0 || rows <= s.skinny_max_rows ? Kernel::kSkinny : Kernel::kTorch;
+inline Kernel kernel_for_rows(int64_t skinny_max_rows, int64_t packed_max_rows, bool packed, int64_t rows) {
+  if (packed && (packed_max_rows < 0 || rows <= packed_max_rows)) return Kernel::kPacked;
+  return skinny_max_rows < 0 || rows <= skinny_max_rows ? Kernel::kSkinny : Kernel::kTorch;
 }
+inline Kernel kernel_for(const StackShape& s, const LayerWeights& lw, Field weight, int64_t rows) {
+  return kernel_for_rows(s.skinny_max_rows, s.packed_max_rows, lw.packed && present(lw.packed[weight]), rows);
+}
+
+// x [..., K] @ weight [N, K].T + bias by the kernel the rule picks (packed: the weight's codes,
+// or undefined); decoder_stack_cpu.cpp, and the LM head of decoder_forward_cpu.cpp
+at::Tensor linear_by_rule(Kernel kernel, const at::Tensor& x, const at::Tensor& weight,
+                          const std::optional<at::Tensor>& bias, const at::Tensor* packed);
 
 // (rms_norm(hidden + pending), hidden + pending), the sum fused into the norm's pass; pending
 // undefined: nothing to add (decoder_stack_cpu.cpp: before each kept sub-layer, and the final norm)
@@ -62,7 +69,9 @@ at::Tensor decoder_forward_cpu(
     const std::vector<std::optional<at::Tensor>>& weights, const std::vector<int64_t>& skip, const at::Tensor& k_cache,
     const at::Tensor& v_cache, int64_t max_len, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     double eps, double scale, int64_t skinny_max_rows, bool invariant,
-    const std::vector<std::optional<at::Tensor>>& packed, int64_t packed_max_rows);
+    const std::vector<std::optional<at::Tensor>>& packed, int64_t packed_max_rows,
+    const std::optional<at::Tensor>& head_weight, const std::optional<at::Tensor>& head_bias,
+    const std::optional<at::Tensor>& head_packed);
 
 // decoder_stack's path on raw rows (decoder_stack_rows.cpp; float32, bf16 or fp16): its (hidden,
 // pending), or nullopt where it does not apply (another dtype, a projection for torch's matmul, a

@@ -38,16 +38,22 @@ std::tuple<at::Tensor, at::Tensor> add_norm(const at::Tensor& hidden, const at::
   return fused_add_rms_norm_cpu(pending, hidden, weight, eps);
 }
 
+at::Tensor linear_by_rule(Kernel kernel, const at::Tensor& x, const at::Tensor& weight,
+                          const std::optional<at::Tensor>& bias, const at::Tensor* packed) {
+  switch (kernel) {
+    case Kernel::kPacked: return packed_linear_cpu(x, *packed, bias);
+    case Kernel::kSkinny: return skinny_linear_cpu(x, weight, bias);
+    default: return at::linear(x, weight, bias);
+  }
+}
+
 namespace {
 
 // ops.linear's choice: the C++ fixed-order kernel up to skinny_max_rows rows (from the packed
 // weight up to packed_max_rows, the same bits; float32 only), torch's matmul past
 at::Tensor project(const StackShape& s, const at::Tensor& x, const LayerWeights& lw, Field weight, Field bias) {
-  switch (kernel_for(s, lw, weight, x.numel() / x.size(-1))) {
-    case Kernel::kPacked: return packed_linear_cpu(x, *lw.packed[weight], lw.w[bias]);
-    case Kernel::kSkinny: return skinny_linear_cpu(x, *lw.w[weight], lw.w[bias]);
-    default: return at::linear(x, *lw.w[weight], lw.w[bias]);
-  }
+  const Kernel kernel = kernel_for(s, lw, weight, x.numel() / x.size(-1));
+  return linear_by_rule(kernel, x, *lw.w[weight], lw.w[bias], kernel == Kernel::kPacked ? &*lw.packed[weight] : nullptr);
 }
 
 

@@ -200,25 +200,27 @@ def _stack_for(invariant: bool) -> Callable | None:
 
 
 def _forward_for(invariant: bool) -> Callable | None:
-    """``_C.decoder_forward`` (csrc/decoder_forward_cpu.cpp): the embedding, ``stack`` and the final
-    norm in one C++ call, where the stack runs; the same bits as those ops one by one. On an AMD
-    EPYC (2 threads) the ~10 small ops around the stack took ~0.6 ms of a ~7 ms SmolLM2 decode
-    step, each run with its code evicted by the weights the stack streamed.
+    """``_C.decoder_forward`` (csrc/decoder_forward_cpu.cpp): the embedding, ``stack``, the final
+    norm and the LM head in one C++ call, where the stack runs; the same bits as those ops one by
+    one. On an AMD EPYC (2 threads) the ~10 small ops around the stack took ~0.6 ms of a ~7 ms
+    SmolLM2 decode step, each run with its code evicted by the weights the stack streamed.
 
     forward(tokens [B, T], embed [V, H], cos, sin (tables [P, D] when rope_table, else [B, T, D]),
     rope_table, positions [B, T] or None (the cache lengths + t), cache_lens [B] (advanced by T in
     place), final_norm [H], weights, skip, k_cache, v_cache, max_len, num_heads, num_kv_heads,
-    head_dim, eps, scale, packed) as ``stack``'s -> the final-normed hidden [B, T, H]; a token id
-    or position out of range raises RuntimeError before anything is written."""
+    head_dim, eps, scale, packed (as ``stack``'s), head (weight [V, H], bias [V] or None, the
+    weight packed or None) -> the logits [B, T, V] through ``head`` by ops.linear's rule (the
+    packed weight where the stack reads packed ones); a token id or position out of range raises
+    RuntimeError before anything is written."""
     run = getattr(ops.registry.extension, "decoder_forward", None)
     if run is None:
         return None
     def forward(tokens, embed, cos, sin, rope_table, positions, cache_lens, final_norm, weights, skip, k_cache,
-                v_cache, max_len, num_heads, num_kv_heads, head_dim, eps, scale, packed):
+                v_cache, max_len, num_heads, num_kv_heads, head_dim, eps, scale, packed, head):
         rows, packed_rows = _row_rules(invariant, embed.dtype)
         return opaque_call("decoder_forward", run, tokens, embed, cos, sin, rope_table, positions, cache_lens,
                            final_norm, weights, skip, k_cache, v_cache, max_len, num_heads, num_kv_heads, head_dim,
-                           eps, scale, rows, invariant, packed, packed_rows)
+                           eps, scale, rows, invariant, packed, packed_rows, *head)
     return forward
 
 

@@ -355,8 +355,10 @@ class SkipModel:
         skip_attn, skip_mlp = self._skip_plan(layer_set, B, tokens.device)
         starts = cache.host_lengths
         kern = self._one_call_kernels(tokens, skip_attn, skip_mlp, logits_positions)
-        if kern is not None:  # the CPU's common case: one C++ call up to the LM head
-            hidden = self._forward_in_one_call(kern, tokens, cache, skip_attn, skip_mlp, max(starts) + T)
+        if kern is not None:  # the CPU's common case: one C++ call through the LM head
+            logits = self._forward_in_one_call(kern, tokens, cache, skip_attn, skip_mlp, max(starts) + T, head)
+            cache.advance_host(T)
+            return logits
         else:
             self._check_token_ids(tokens)
             if self.graphs is not None:
@@ -437,6 +439,7 @@ class SkipModel:
         plain = all(s is True or s is False for s in skip_attn + skip_mlp)  # no per-row masks
         if kern.stack is not None and plain:  # _layer_loop in one C++ call
             skip, packed = self._stack_args(kern, skip_attn, skip_mlp, B * T)
+            packed = packed[:len(self._stack_weights)]
             hidden, pending = kern.stack(hidden, self._stack_weights, skip, cache.k, cache.v, cos, sin, positions,
                                          new_lengths, max_len, self.num_heads, self.num_kv_heads, self.head_dim,
                                          self.eps, self.scale, packed)
@@ -454,9 +457,10 @@ class SkipModel:
 
     def _stack_args(self, kern: LayerKernels, skip_attn: list, skip_mlp: list, rows: int) -> tuple[list, list]:
         """``kern.stack``'s skip code per layer (1: attention skipped, 2: MLP skipped) for a plan of
-        plain bools, and its packed weight slots for a pass of ``rows`` rows."""
+        plain bools, and the packed weight slots for a pass of ``rows`` rows (the LM head's last;
+        [] when none are read)."""
         skip = [int(a) | 2 * int(m) for a, m in zip(skip_attn, skip_mlp)]
-        return skip, self._packed_slots(kern, rows)[:len(self._stack_weights)]
+        return skip, self._packed_slots(kern, rows)
 
     def _one_call_kernels(self, tokens: torch.Tensor, skip_attn: list, skip_mlp: list,
                           logits_positions: torch.Tensor | None) -> LayerKernels | None:
@@ -471,10 +475,11 @@ class SkipModel:
         return kern if all(s is True or s is False for s in skip_attn + skip_mlp) else None
 
     def _forward_in_one_call(self, kern: LayerKernels, tokens: torch.Tensor, cache: KVCache, skip_attn: list,
-                             skip_mlp: list, max_len: int) -> torch.Tensor:
-        """``forward_device``'s ops in one C++ call (``kern.forward``: the embedding, the RoPE rows,
-        ``kern.stack`` and the final norm, the same kernels in the same order): the same bits, without
-        the small ops that each ran with a cold cache after the stack. -> normed hidden [B, T, H]."""
+                             skip_mlp: list, max_len: int, head: tuple | None) -> torch.Tensor:
+        """``forward_device``'s ops and ``head_logits``' in one C++ call (``kern.forward``: the
+        embedding, the RoPE rows, ``kern.stack``, the final norm and the LM head or ``head``, the same
+        kernels in the same order): the same bits, without the small ops that each ran with a cold
+        cache after the stack. -> logits [B, T, V or V']."""
         B, T = tokens.shape
         if self.invariant:  # the table's rows, read in C++ at the positions it computes
             cos, sin = self._rope_table.tables(max(max_len, cache.max_len))  # [P, D] each
@@ -482,11 +487,17 @@ class SkipModel:
         else:  # HF's rotary at this chunk's positions, as forward_device computes them (its bits)
             positions = cache.lengths.unsqueeze(1) + torch.arange(T, device=cache.lengths.device)  # [B, T]
             cos, sin = self.rotary(self.embed, positions)  # [B, T, D] each (the first argument gives the dtype)
-        skip, packed = self._stack_args(kern, skip_attn, skip_mlp, B * T)
+        skip, slots = self._stack_args(kern, skip_attn, skip_mlp, B * T)
+        if head is None:
+            head = (self.lm_head, self.lm_head_bias, slots[-1] if slots else None)
+        else:  # a pruned head, its packed weight read where the model's are
+            weight, bias, *rest = head
+            head = (weight, bias, rest[0] if rest and slots else None)
         try:
             return kern.forward(tokens, self.embed, cos, sin, self.invariant, positions, cache.lengths, self.final_norm,
                                 self._stack_weights, skip, cache.k, cache.v, max_len, self.num_heads,
-                                self.num_kv_heads, self.head_dim, self.eps, self.scale, packed)
+                                self.num_kv_heads, self.head_dim, self.eps, self.scale,
+                                slots[:len(self._stack_weights)], head)
         except RuntimeError:
             self._check_token_ids(tokens)  # a bad id (checked before anything was written) as a SwiftkernError
             raise

@@ -104,7 +104,7 @@ def test_a_position_past_the_rope_table_is_refused_before_anything_is_written():
     with pytest.raises(RuntimeError, match=r"position 9 at 0 is outside \[0, 8\)"):
         kern.forward(torch.tensor([[3]]), model.embed, cos, cos, True, None, cache.lengths, model.final_norm,
                      model._stack_weights, skip, cache.k, cache.v, 10, model.num_heads, model.num_kv_heads,
-                     model.head_dim, model.eps, model.scale, [])
+                     model.head_dim, model.eps, model.scale, [], (model.lm_head, None, None))
     assert torch.equal(cache.k, k) and cache.lengths.tolist() == [9]
 
 
@@ -120,3 +120,37 @@ def test_a_strided_embedding_table_takes_the_ops_one_by_one(launch_names):
     assert not model.embed.is_contiguous()
     assert torch.equal(model.forward(ids, model.new_cache(1, 8)), contiguous)
     assert launch_names == ["decoder_forward", "decoder_stack"]
+
+
+@needs_forward
+@pytest.mark.parametrize("invariant", [False, True], ids=["regular", "invariant"])
+def test_the_lm_head_in_the_call_takes_the_kernel_ops_linear_takes(invariant, monkeypatch, launch_names):
+    """The LM head inside the call, the model's own and a pruned draft head (``DraftHead``), on
+    packed weights: at 4 rows the packed codes; at 70, past PACKED_MAX_ROWS, the regular set's
+    head runs torch's matmul on the float32 weight and the invariant set's still the codes. The
+    op-by-op path's logits (``head_logits``) bit for bit, one launch a forward; a spoiled packed
+    head row shows the call read the codes."""
+    from conftest import bitwise_equal, gguf_like
+    from swiftkern.draft_head import DraftHead
+    from swiftkern.ops import projections
+    from swiftkern.packed_weights import PackedSet
+
+    monkeypatch.setattr(projections, "mkl_lags_here", lambda: False)  # PACKED_MAX_ROWS holds on any CPU
+    model = SkipModel(gguf_like(tiny_model("llama", num_hidden_layers=2)), pack_weights=False)
+    model.packed = PackedSet(model._stack_weights + [model.lm_head])
+    draft = DraftHead.for_model(model, 40, [200, 250, 7])
+    tokens = torch.randint(0, 301, (1, 70), generator=torch.Generator().manual_seed(3))
+    with model.batch_invariant() if invariant else contextlib.nullcontext():
+        logits = {}
+        for T in (4, 70):
+            for head in (None, draft.head):
+                launch_names.clear()
+                logits[T, head is None] = model.forward(tokens[:, :T], model.new_cache(1, 80), head=head)
+                assert launch_names == ["decoder_forward"]
+                with layer_kernels.op_by_op_forward():
+                    op_by_op = model.forward(tokens[:, :T], model.new_cache(1, 80), head=head)
+                assert bitwise_equal(logits[T, head is None], op_by_op), (T, head is None)
+        model.packed.slots()[-1][7].zero_()  # the LM head's row 7 in codes: its logit moves
+        spoiled = model.forward(tokens[:, :4], model.new_cache(1, 80))
+        assert not torch.equal(spoiled[..., 7], logits[4, True][..., 7])
+        assert torch.equal(spoiled[..., 8:], logits[4, True][..., 8:])
