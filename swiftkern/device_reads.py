@@ -32,16 +32,12 @@ CLOCK = ReadClock()
 
 def read(t: torch.Tensor) -> list:
     """``t.tolist()``, its wait added to ``CLOCK``."""
-    start = time.perf_counter()
-    out = t.tolist()
-    CLOCK.seconds += time.perf_counter() - start
-    CLOCK.reads += 1
-    return out
+    return read_host(t.tolist)
 
 
 def read_host(fn, *args):
-    """``fn(*args)`` for a call that hands back host values itself (a CPU kernel's lists, in place
-    of a ``read`` of its tensors): timed and counted as a read."""
+    """``fn(*args)``, timed and counted as a read: ``read``'s ``tolist``, or a call that hands back
+    host values itself (a CPU kernel's lists, in place of a ``read`` of its tensors)."""
     start = time.perf_counter()
     out = fn(*args)
     CLOCK.seconds += time.perf_counter() - start
