@@ -68,10 +68,8 @@ def run(args) -> list[dict]:
                     raise SystemExit(f"forward_host: {kernel_set} T={T}: the one-call forward's logits differ from "
                                      "the op-by-op ones (a bug: they must be the same bits)")
                 times = common.time_fn(fns, "cpu", warmup=3, reps=reps)
-            base_ms = times[f"{kernel_set}-op-by-op"]["median_ms"]
-            rows += [common.row(ROUTINE, p, "cpu", model.dtype, f"B=1 T={T} ctx={context.shape[1]}", t, model=name,
-                                ratio_vs_op_by_op=round(base_ms / t["median_ms"], 4))
-                     for p, t in times.items()]
+            rows += common.rows_against(ROUTINE, times, f"{kernel_set}-op-by-op", "ratio_vs_op_by_op", model.dtype,
+                                        f"B=1 T={T} ctx={context.shape[1]}", model=name)
     return rows
 
 

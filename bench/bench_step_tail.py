@@ -88,11 +88,9 @@ def run(args) -> list[dict]:
                 raise SystemExit(f"step_tail: accepted={accepted} logprobs={logprobs}: the one call's result differs "
                                  "from the torch ops' (a bug: they must be the same)")
             times = common.time_fn(fns, "cpu", warmup=3, reps=reps)
-            base_ms = times["torch-ops"]["median_ms"]
             shape = f"B=1 K={DRAFTS} accepted={accepted} logprobs={'on' if logprobs else 'off'} ctx={context.shape[1]}"
-            rows += [common.row(ROUTINE, p, "cpu", model.dtype, shape, t, model=name,
-                                ratio_vs_torch_ops=round(base_ms / t["median_ms"], 4))
-                     for p, t in times.items()]
+            rows += common.rows_against(ROUTINE, times, "torch-ops", "ratio_vs_torch_ops", model.dtype, shape,
+                                        model=name)
     return rows
 
 

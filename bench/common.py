@@ -225,6 +225,14 @@ def row(routine: str, provider: str, device: str, dtype, shape: str, timing: dic
     return r
 
 
+def rows_against(routine: str, times: dict, base: str, column: str, dtype, shape: str, **extra) -> list[dict]:
+    """The CPU rows of one interleaved timing (``time_fn``'s result), each with ``column``: the
+    ``base`` provider's median / its own (above 1: faster than ``base``), rounded to 4 places."""
+    base_ms = times[base]["median_ms"]
+    return [row(routine, p, "cpu", dtype, shape, t, **extra, **{column: round(base_ms / t["median_ms"], 4)})
+            for p, t in times.items()]
+
+
 def results_name(name: str, device: str) -> str:
     """CSV stem of a routine's rows: '<name>' on the CPU machine, '<name>-<gpu>' on a GPU
     (e.g. 'greedy_accept-nvidia-h100-80gb-hbm3'), so each machine's rows stay in their own file."""
