@@ -147,7 +147,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder_stack", &swiftkern::decoder_stack_cpu,
         "every kept sub-layer of the decoder on the CPU in one call (csrc/decoder_stack_cpu.cpp)");
   m.def("decoder_forward", &swiftkern::decoder_forward_cpu,
-        "a forward up to the LM head on the CPU in one call: embedding, decoder_stack, final norm "
+        "a forward on the CPU in one call: embedding, decoder_stack, final norm, LM head "
         "(csrc/decoder_forward_cpu.cpp)");
   m.def("greedy_verify", &swiftkern::greedy_verify_cpu,
         "greedy_accept with num_draft as host ints -> (out_tokens, pending, out rows as lists, num_accepted as a "

@@ -1,4 +1,4 @@
-// decoder_forward on CPU: a whole forward up to the LM head in one call from Python.
+// decoder_forward on CPU: a whole forward, through the LM head, in one call from Python.
 //
 // After decoder_stack has streamed the weights through the caches, every small op the runner
 // calls next runs with its code and data evicted: on SmolLM2 (an AMD EPYC, 2 threads) the ~10 ops

@@ -53,8 +53,8 @@ class LayerKernels:
     (gate, up [..., I], weight [N, I], bias) -> ``linear(silu_mul(gate, up), weight, bias)``'s bits in
     one launch (the Triton invariant set), or None (the two ops). ``stack``: where
     every layer op is a C++ CPU kernel, the whole layer loop in one C++ call (float32, bf16, fp16; see
-    ``_stack_for``), else None. ``forward``: with ``stack``, a whole forward up to the LM head in one
-    C++ call (embedding, the stack, the final norm; ``_forward_for``), else None."""
+    ``_stack_for``), else None. ``forward``: with ``stack``, a whole forward in one C++ call
+    (embedding, the stack, the final norm, the LM head; ``_forward_for``), else None."""
 
     linear: Callable
     rms_norm: Callable
