@@ -9,6 +9,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <limits>
 
 #include "cpu_ops.h"
@@ -48,15 +49,23 @@ greedy_verify_cpu(const at::Tensor& draft_tokens, const at::Tensor& target_logit
   }
   std::optional<at::Tensor> lps;
   if (logprobs) {
-    // bi_token_logprob (swiftkern/batch_invariant.py) through the same ATen ops, so even a NaN's
-    // payload is theirs: (z[t] - top) - log(sum), z the logits in float32, (top, sum) from bi_max_exp_sum
-    lps = at::full({B, K1}, std::numeric_limits<float>::quiet_NaN(), target_logits.options().dtype(at::kFloat));
+    // bi_token_logprob (swiftkern/batch_invariant.py): (z[t] - top) - log(sum), z the logits in
+    // float32, (top, sum) from bi_max_exp_sum; the subtractions and the log are torch's ops (their
+    // bits, a NaN's payload included), the rest plain copies: each op dispatched here ran cold too
+    lps = at::empty({B, K1}, target_logits.options().dtype(at::kFloat));
+    float* l = lps->mutable_data_ptr<float>();
+    std::fill(l, l + B * K1, std::numeric_limits<float>::quiet_NaN());
+    const int64_t V = target_logits.size(2);
     for (int64_t b = 0; b < B; ++b) {
       const int64_t kept = a[b] + 1;
-      const at::Tensor z = target_logits[b].narrow(0, 0, kept).to(at::kFloat);  // [kept, V]
-      const auto [top, total] = bi_max_exp_sum_cpu(z);                            // [kept, 1] each
-      const at::Tensor picked = z.gather(1, out[b].narrow(0, 0, kept).unsqueeze(1)) - top;
-      lps->select(0, b).narrow(0, 0, kept).copy_((picked - at::log(total)).squeeze(1));
+      const at::Tensor z = target_logits[b].narrow(0, 0, kept).to(at::kFloat).contiguous();  // [kept, V]
+      const auto [top, total] = bi_max_exp_sum_cpu(z);                                        // [kept, 1] each
+      at::Tensor picked = at::empty({kept, 1}, z.options());                                 // z[j, t_j]
+      const float* zp = z.const_data_ptr<float>();
+      float* pp = picked.mutable_data_ptr<float>();
+      for (int64_t j = 0; j < kept; ++j) pp[j] = zp[j * V + o[b * K1 + j]];
+      const at::Tensor lp = (picked - top) - at::log(total);  // [kept, 1]
+      std::copy_n(lp.const_data_ptr<float>(), kept, l + b * K1);
     }
   }
   return {out, pending, rows, num_accepted, lps};
