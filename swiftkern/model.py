@@ -359,15 +359,14 @@ class SkipModel:
             logits = self._forward_in_one_call(kern, tokens, cache, skip_attn, skip_mlp, max(starts) + T, head)
             cache.advance_host(T)
             return logits
-        else:
-            self._check_token_ids(tokens)
-            if self.graphs is not None:
-                logits = self.graphs.forward(tokens, cache, skip_attn, skip_mlp, logits_positions, head)
-                if logits is not None:
-                    return logits
-            uniform_start = starts[0] if min(starts) == max(starts) else None
-            hidden = self.forward_device(tokens, cache, skip_attn, skip_mlp, max(starts) + T, uniform_start,
-                                         logits_positions)
+        self._check_token_ids(tokens)
+        if self.graphs is not None:
+            logits = self.graphs.forward(tokens, cache, skip_attn, skip_mlp, logits_positions, head)
+            if logits is not None:
+                return logits
+        uniform_start = starts[0] if min(starts) == max(starts) else None
+        hidden = self.forward_device(tokens, cache, skip_attn, skip_mlp, max(starts) + T, uniform_start,
+                                     logits_positions)
         cache.advance_host(T)
         return self.head_logits(hidden, head)
 
@@ -488,11 +487,7 @@ class SkipModel:
             positions = cache.lengths.unsqueeze(1) + torch.arange(T, device=cache.lengths.device)  # [B, T]
             cos, sin = self.rotary(self.embed, positions)  # [B, T, D] each (the first argument gives the dtype)
         skip, slots = self._stack_args(kern, skip_attn, skip_mlp, B * T)
-        if head is None:
-            head = (self.lm_head, self.lm_head_bias, slots[-1] if slots else None)
-        else:  # a pruned head, its packed weight read where the model's are
-            weight, bias, *rest = head
-            head = (weight, bias, rest[0] if rest and slots else None)
+        head = self._head_parts(head, slots[-1] if slots else None)
         try:
             return kern.forward(tokens, self.embed, cos, sin, self.invariant, positions, cache.lengths, self.final_norm,
                                 self._stack_weights, skip, cache.k, cache.v, max_len, self.num_heads,
@@ -508,16 +503,20 @@ class SkipModel:
         ``head`` = (weight [V', H], bias [V'] or None[, the weight packed or None]), e.g. a pruned
         draft head (``DraftHead.head``)."""
         kern = LayerKernels.for_device(hidden.device.type, self.invariant)
-        if head is None:
-            weight, bias, packed = self.lm_head, self.lm_head_bias, None
-        else:  # a pruned head: logits over a vocabulary subset only
-            weight, bias, *rest = head
-            packed = rest[0] if rest else None
-        if self._reads_packed(kern, hidden.numel() // hidden.shape[-1]):  # the same bits, fewer bytes
-            packed = self.packed_head if head is None else packed
-            if packed is not None:
-                return torch.ops.swiftkern.packed_linear(hidden, packed, bias)
+        reads_packed = self._reads_packed(kern, hidden.numel() // hidden.shape[-1])
+        weight, bias, packed = self._head_parts(head, self.packed_head if reads_packed else None)
+        if packed is not None:  # the same bits, fewer bytes
+            return torch.ops.swiftkern.packed_linear(hidden, packed, bias)
         return kern.linear(hidden, weight, bias)
+
+    def _head_parts(self, head: tuple | None, packed_head: torch.Tensor | None) -> tuple:
+        """(weight, bias, the weight packed or None) of the LM head, or of ``head`` (a pruned one:
+        logits over a vocabulary subset only), read packed where the model reads packed weights:
+        ``packed_head``, the LM head's packed weight then, else None."""
+        if head is None:
+            return self.lm_head, self.lm_head_bias, packed_head
+        weight, bias, *rest = head
+        return weight, bias, rest[0] if rest and packed_head is not None else None
 
     @contextmanager
     def cuda_graphs(self, runner):
