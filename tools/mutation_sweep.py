@@ -134,9 +134,6 @@ from compile_check_mutants import COMPILE_CHECK_MUTANTS  # noqa: E402
 MUTANTS += MORE_MUTANTS + SUPPORT_MUTANTS + REFERENCE_MUTANTS + COMPILE_CHECK_MUTANTS + KERNEL_MUTANTS
 
 EQUIVALENT = {
-    "M265": "packed_linear gives skinny_linear's bits and the one call's rule checks the rows again, so a pruned "
-            "head's packed rows read where the model reads float32 weights give the same logits (only the "
-            "bytes read differ)",
     "M04": "every acceptance and residual key moves by one position in every step alike, so no key is used "
            "twice and each draw stays a fresh uniform: the same distribution, the same invariance",
     "K35": "the softmax denominator's lanes are still fixed by the key index alone, so each query's bits still "
