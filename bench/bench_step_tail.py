@@ -73,9 +73,8 @@ def run(args) -> list[dict]:
                 def fn():
                     with mock.patch.object(ops, "greedy_verify_here", lambda device_type: None) if torch_ops \
                             else contextlib.nullcontext():
-                        v = verify_step.verify_and_accept(model, cache, torch.tensor([pending]),
-                                                          torch.tensor([drafts]), None, [DRAFTS], params, [0],
-                                                          logprobs=logprobs)
+                        v = verify_step.verify_and_accept(model, cache, torch.tensor([pending]), [drafts], None,
+                                                          params, [0], logprobs=logprobs)
                         if logprobs:  # what the loop's commit asks for: computed there on the torch path
                             v.logprobs(0, v.num_accepted[0] + 1)
                     cache.rollback(base)

@@ -159,10 +159,11 @@ class _SelfSpecRun:
             cache.rollback(base)
             skip = (d, q, nd)
             stats["draft_steps"] += forwards
-        drafts, draft_probs, num_draft = _assemble(B, choices, [m.tokens for m in matches], skip, self.params,
-                                                   model.vocab_size, pending.device)
+        drafts, draft_probs = _assemble(choices, [m.tokens for m in matches], skip, self.params, model.vocab_size,
+                                        pending.device)
+        num_draft = [len(row) for row in drafts]
         mark = unsteady_calls(model)
-        verified = verify_and_accept(model, cache, pending, drafts, draft_probs, num_draft, self.params, row_seeds,
+        verified = verify_and_accept(model, cache, pending, drafts, draft_probs, self.params, row_seeds,
                                      logprobs=self.logprobs is not None)
         steady = unsteady_calls(model) == mark  # no capture's cost in the cost model
         cache.rollback([n + 1 + a for n, a in zip(base, verified.num_accepted)])
@@ -172,7 +173,7 @@ class _SelfSpecRun:
         if chooser is not None and steady:
             # the step's whole cost but its drafts' (lookup, choices, acceptance, commits: ~3 % of
             # a SmolLM2 decode step on the CPU, the same for any width, so a step saved saves it too)
-            chooser.record_verify(drafts.shape[1] + 1, time.perf_counter() - step_start - draft_seconds)
+            chooser.record_verify(max(num_draft) + 1, time.perf_counter() - step_start - draft_seconds)
         if self.tuner is not None:
             layer_set = self.tuner.after_step(model, cache, requests, self.prompts, self.draft_head)
         return verified.pending, layer_set
@@ -212,33 +213,31 @@ class _SelfSpecRun:
                 self.draft_head.add(committed)
 
 
-def _assemble(B: int, choices, lookups, skip, params: SamplingParams, vocab: int, device):
+def _assemble(choices, lookups, skip, params: SamplingParams, vocab: int, device):
     """Each row's drafts from the drafter it chose. skip: (drafts [B, Ks], probs, num_draft)
-    of the layer-skip pass, or None. -> drafts int64 [B, K], draft_probs [B, K, V] or None,
-    num_draft list."""
-    rows, num_draft = [], []
+    of the layer-skip pass, or None. -> drafts (host lists, one a row), draft_probs [B, K, V]
+    (sampling with layer-skipped drafts: the skipped model's rows, one-hot at a lookup row's
+    drafts) or None."""
+    rows = []
     skipped = read(skip[0]) if skip is not None else None  # one read of the layer-skip drafts [B][Ks]
     for i, c in enumerate(choices):
         if c.drafter == "lookup":
-            row = lookups[i][: c.k]
+            rows.append(list(lookups[i][: c.k]))
         elif c.drafter == "layer-skip":
-            row = skipped[i][: skip[2][i]]
+            rows.append(skipped[i][: skip[2][i]])
         else:
-            row = []
-        rows.append(row)
-        num_draft.append(len(row))
-    K = max(num_draft)
-    drafts = torch.tensor([r + [0] * (K - len(r)) for r in rows], dtype=torch.int64, device=device).view(B, K)
-    probs = None
-    if params.do_sample and skip is not None:  # mixed rows: one-hot q for the deterministic drafts
-        probs = torch.zeros((B, K, vocab), device=device)
-        for i, c in enumerate(choices):
-            n = num_draft[i]
-            if c.drafter == "layer-skip":
-                probs[i, :n] = skip[1][i, :n]
-            elif n:
-                probs[i, torch.arange(n, device=device), drafts[i, :n]] = 1.0
-    return drafts, probs, num_draft
+            rows.append([])
+    if not (params.do_sample and skip is not None):
+        return rows, None
+    # mixed rows: one-hot q for the deterministic drafts, their indices copied in at once
+    one_hot = [(i, j, t) for i, c in enumerate(choices) if c.drafter != "layer-skip" for j, t in enumerate(rows[i])]
+    at = torch.tensor(one_hot, dtype=torch.int64, device=device).view(-1, 3).T  # [3, M]: rows, positions, tokens
+    probs = torch.zeros((len(rows), max(map(len, rows)), vocab), device=device)  # [B, K, V]
+    for i, c in enumerate(choices):
+        if c.drafter == "layer-skip":
+            probs[i, :len(rows[i])] = skip[1][i, :len(rows[i])]
+    probs[at[0], at[1], at[2]] = 1.0
+    return rows, probs
 
 
 def _fixed_choice(drafter: str, lookup_len: int, budget: int) -> Choice:

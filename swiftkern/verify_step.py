@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from . import ops
@@ -22,6 +23,29 @@ def _chunk_uniforms(seeds: list[int], start: list[int], count: int, stream: int,
     flat_seeds = [seed for seed in seeds for _ in range(count)]
     flat_positions = [s + 1 + j for s in start for j in range(count)]
     return keyed_uniforms(flat_seeds, flat_positions, stream, device).view(len(seeds), count)
+
+
+def _tokens_on_host(device: torch.device) -> bool:
+    """Whether ``verify_tokens`` writes the tokens through NumPy: on the CPU (tests whose CPU
+    tensors stand for device tensors take the other way)."""
+    return device.type == "cpu"
+
+
+def verify_tokens(pending: torch.Tensor, rows: list[list[int]]) -> torch.Tensor:
+    """A verify pass's tokens, int64 [B, K+1] (K: the longest row; shorter rows zero-padded):
+    row b's pending token (pending: int64 [B]), then its drafts rows[b]. On the CPU one NumPy
+    array made into a tensor (a ``torch.tensor`` of the drafts and a ``torch.cat`` run cold
+    after each forward, whose weights evict their code and data: ~100 us a step against ~54 us
+    in SmolLM2's lookup loop on a 2-core AMD EPYC); elsewhere the drafts copied in once and
+    joined to pending on the device."""
+    B, K = len(rows), max(map(len, rows), default=0)
+    if _tokens_on_host(pending.device):
+        first = pending.numpy().tolist()
+        host = np.array([[first[b]] + row + [0] * (K - len(row)) for b, row in enumerate(rows)], dtype=np.int64)
+        return torch.from_numpy(host.reshape(B, K + 1))
+    drafts = torch.tensor([row + [0] * (K - len(row)) for row in rows], dtype=torch.int64,
+                          device=pending.device).view(B, K)
+    return torch.cat([pending.unsqueeze(1), drafts], dim=1)
 
 
 QUEUED_LOGPROB_ROWS = 64  # B * (K+1) positions up to which a GPU step queues every logprob
@@ -59,16 +83,18 @@ class Verified:
         return bi_token_logprob(self.logits[i, :n], self.out[i, :n])
 
 
-def verify_and_accept(model: SkipModel, cache: KVCache, pending: torch.Tensor, drafts: torch.Tensor,
-                      draft_probs, num_draft: list[int], params: SamplingParams, seeds: list[int],
-                      logprobs: bool = False) -> Verified:
-    """One full-model forward over [pending, drafts] [B, K+1] and the acceptance rule, read back
-    to the host once: everything the step launches is queued before that read, and nothing
-    before it waits for the GPU (host values are copied in before the forward; the acceptance
-    op's checks take max(num_draft) from the host list), so on a GPU the host's next work
-    overlaps the forward. The cache is advanced by K+1 (the caller rolls it back)."""
-    B, K = drafts.shape
-    device = drafts.device
+def verify_and_accept(model: SkipModel, cache: KVCache, pending: torch.Tensor, drafts: list[list[int]],
+                      draft_probs, params: SamplingParams, seeds: list[int], logprobs: bool = False) -> Verified:
+    """One full-model forward over each row's pending token (int64 [B]) and its drafts (host
+    lists, up to K tokens a row: [B, K+1] positions, ``verify_tokens``) and the acceptance rule,
+    read back to the host once: everything the step launches is queued before that read, and
+    nothing before it waits for the GPU (host values, the drafts among them, are copied in
+    before anything is launched; the acceptance op's checks take max(num_draft) from the host),
+    so on a GPU the host's next work overlaps the forward. draft_probs: [B, K, V] (sampling with
+    layer-skipped drafts) or None. The cache is advanced by K+1 (the caller rolls it back)."""
+    device = pending.device
+    num_draft = [len(row) for row in drafts]
+    B, K = len(drafts), max(num_draft, default=0)
     start = list(cache.host_lengths)  # position of each row's pending token
     queued = logprobs and queue_logprobs(device, B * (K + 1))  # every position's logprob before the read
     host_verify = None if params.do_sample or queued else ops.greedy_verify_here(device.type)
@@ -76,16 +102,18 @@ def verify_and_accept(model: SkipModel, cache: KVCache, pending: torch.Tensor, d
     if params.do_sample:
         u_accept = _chunk_uniforms(seeds, start, K, STREAM_ACCEPT, device)  # [B, K]
         u_sample = _chunk_uniforms(seeds, start, K + 1, STREAM_RESIDUAL, device)  # [B, K+1]
-    logits = model.forward(torch.cat([pending.unsqueeze(1), drafts], dim=1), cache)  # [B, K+1, V]
+    tokens = verify_tokens(pending, drafts)  # [B, K+1]
+    draft_tokens = tokens[:, 1:]  # [B, K]
+    logits = model.forward(tokens, cache)  # [B, K+1, V]
     if host_verify is not None:  # the CPU: acceptance, next pending tokens and host rows in one C++ call
-        out, next_pending, rows, num_accepted, lps = read_host(host_verify, drafts, logits, num_draft, logprobs)
+        out, next_pending, rows, num_accepted, lps = read_host(host_verify, draft_tokens, logits, num_draft, logprobs)
         return Verified(rows, num_accepted, next_pending, out, logits, lps)
     max_draft = max(num_draft, default=0)
     if not params.do_sample:
-        out, acc = ops.greedy_accept(drafts, logits, nd, max_draft=max_draft)  # [B, K+1], [B]
+        out, acc = ops.greedy_accept(draft_tokens, logits, nd, max_draft=max_draft)  # [B, K+1], [B]
     else:
         target = probs_from_logits(logits.reshape(B * (K + 1), -1), params).view(B, K + 1, -1)
-        out, acc = ops.rejection_sample(drafts, draft_probs, target, nd, u_accept, u_sample, max_draft=max_draft)
+        out, acc = ops.rejection_sample(draft_tokens, draft_probs, target, nd, u_accept, u_sample, max_draft=max_draft)
     lps = None
     if queued:  # Verified.logprobs
         flat = out.clamp(min=0).view(-1)  # [B*(K+1)]

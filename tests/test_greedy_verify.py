@@ -117,8 +117,8 @@ def test_a_cpu_verify_step_gives_the_torch_paths_result(monkeypatch, arch):
         cache = sm.new_cache(2, 32)
         logits = sm.forward(torch.tensor([[5, 6, 7], [9, 10, 11]]), cache)
         pending = logits[:, -1].argmax(-1)
-        drafts = torch.cat([logits[:, -1:].argmax(-1), torch.tensor([[4, 5], [0, 0]])], 1)  # [2, 3]
-        v = verify_step.verify_and_accept(sm, cache, pending, drafts, None, [3, 1], SamplingParams(), [1, 2],
+        drafts = [[int(logits[0, -1].argmax()), 4, 5], [int(logits[1, -1].argmax())]]
+        v = verify_step.verify_and_accept(sm, cache, pending, drafts, None, SamplingParams(), [1, 2],
                                           logprobs=True)
         assert len(calls) == (0 if host else 1)
         results.append((v, list(cache.host_lengths)))

@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten
 
 from conftest import tiny_model
 import swiftkern.deterministic as deterministic
-from swiftkern import kv_cache, top_p
+from swiftkern import kv_cache, top_p, verify_step
 from swiftkern import SkipModel
 from swiftkern.cuda_graphs import GraphRunner
 from swiftkern.graph_capture import RecordedGraph
@@ -72,15 +72,17 @@ def _basic_index(index) -> bool:
 CPU_ONLY = frozenset(("_check_ids", "removed_from_value_sort"))
 
 
-def lengths_written_as_on_a_device(monkeypatch) -> None:
-    """CPU tensors stand for device tensors here: a KVCache writes its lengths by torch ops, as
-    off the CPU (on the CPU it writes them through a NumPy view, no torch op to see)."""
+def host_values_written_as_on_a_device(monkeypatch) -> None:
+    """CPU tensors stand for device tensors here: a KVCache writes its lengths, and
+    ``verify_tokens`` a verify pass's tokens, by torch ops, as off the CPU (on the CPU both
+    write through NumPy, no torch op to see)."""
     monkeypatch.setattr(kv_cache, "_cpu_lengths_view", lambda lengths: None)
+    monkeypatch.setattr(verify_step, "_tokens_on_host", lambda device: False)
 
 
 @pytest.fixture(autouse=True)
-def _device_lengths(monkeypatch):
-    lengths_written_as_on_a_device(monkeypatch)
+def _as_on_a_device(monkeypatch):
+    host_values_written_as_on_a_device(monkeypatch)
 
 
 class Stream(TorchFunctionMode):
@@ -288,7 +290,7 @@ def test_device_lengths_follow_the_host_lengths(tiny, monkeypatch, sample):
     out, stats = _decode(tiny, prompts, FastPath(), sample, max_new=10, arrive_at=[0, 0, 2, 5])
     assert {"fast_step", "verify"} <= set(seen)
     monkeypatch.undo()
-    lengths_written_as_on_a_device(monkeypatch)  # undone with the rest
+    host_values_written_as_on_a_device(monkeypatch)  # undone with the rest
     cache = tiny.new_cache(2, 16)
     with Stream() as stream:
         tiny.forward(torch.tensor([[5, 6], [7, 8]], device=tiny.device), cache)
@@ -340,16 +342,13 @@ def test_a_speculative_verify_step_stalls_once(tiny, sample):
     """verify_step.verify_and_accept: its host values copied in before the forward, everything
     queued before its one read (num_draft's range from the host, the pending token gathered on
     the device, the logprobs queued where a GPU would queue them)."""
-    from swiftkern import verify_step
-
     cache = tiny.new_cache(2, 40)
     logits = tiny.forward(torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]]), cache)
     pending = logits[:, -1].argmax(-1)
-    drafts = torch.tensor([[3, 4, 5], [6, 0, 0]])
     with pytest.MonkeyPatch.context() as mp, Stream() as stream:
         mp.setattr(verify_step, "queue_logprobs", lambda device, positions: True)
         stream.phase = "verify"
-        verify_step.verify_and_accept(tiny, cache, pending, drafts, None, [3, 1],
+        verify_step.verify_and_accept(tiny, cache, pending, [[3, 4, 5], [6]], None,
                                       SamplingParams(do_sample=sample, temperature=0.8), [1, 2], logprobs=True)
     assert [s[1] for s in stream.syncs if s[3]] == ["read"], stream.syncs
 

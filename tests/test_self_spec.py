@@ -271,7 +271,7 @@ def test_a_verify_step_reads_the_device_once(monkeypatch):
     prompts = torch.tensor([[5, 6, 7], [9, 10, 11]])
     logits = sm.forward(prompts, cache)
     pending = logits[:, -1].argmax(-1)
-    drafts = torch.tensor([[3, 4, 5], [6, 0, 0]])
+    drafts = [[3, 4, 5], [6]]
     reads = {"tolist": 0, "aminmax": 0, "item": 0}
     for name in ("tolist", "item"):
         real = getattr(torch.Tensor, name)
@@ -289,19 +289,19 @@ def test_a_verify_step_reads_the_device_once(monkeypatch):
         copies.clear()
         cache.rollback([3, 3])
         params = SamplingParams(do_sample=sample, temperature=1.0)
-        verify_and_accept(sm, cache, pending, drafts, None, [3, 1], params, [1, 2], logprobs=True)
+        verify_and_accept(sm, cache, pending, drafts, None, params, [1, 2], logprobs=True)
         assert reads == {"tolist": 1, "aminmax": 0, "item": 0}, (sample, reads)
         made[sample] = len(copies)
     copies.clear()
     cache.rollback([3, 3])
-    verify_and_accept(sm, cache, pending, drafts[:, :1], None, [1, 1], SamplingParams(do_sample=True), [1, 2])
+    verify_and_accept(sm, cache, pending, [[3], [6]], None, SamplingParams(do_sample=True), [1, 2])
     assert len(copies) == made[True]  # the uniforms: one copy a stream, not one a drafted column
     if host_verify is not None:
         monkeypatch.setattr(ops, "greedy_verify_here", lambda device_type: host_verify)
         cache.rollback([3, 3])
         reads.update(tolist=0, aminmax=0, item=0)
         copies.clear()
-        verify_and_accept(sm, cache, pending, drafts, None, [3, 1], SamplingParams(), [1, 2], logprobs=True)
+        verify_and_accept(sm, cache, pending, drafts, None, SamplingParams(), [1, 2], logprobs=True)
         assert reads == {"tolist": 0, "aminmax": 0, "item": 0} and len(copies) == 0
 
 
@@ -338,9 +338,31 @@ def test_assembling_layer_skip_drafts_reads_them_once(monkeypatch):
     reads = []
     real = torch.Tensor.tolist
     monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.shape) or real(t))
-    drafts, probs, num_draft = _assemble(3, choices, [[], [], [11, 12, 13]], skip, SamplingParams(), 50, "cpu")
-    assert len(reads) == 1 and num_draft == [3, 1, 2] and probs is None
-    assert real(drafts) == [[4, 5, 6], [7, 0, 0], [11, 12, 0]]
+    drafts, probs = _assemble(choices, [[], [], [11, 12, 13]], skip, SamplingParams(), 50, "cpu")
+    assert len(reads) == 1 and probs is None
+    assert drafts == [[4, 5, 6], [7], [11, 12]]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=st.lists(st.lists(st.integers(0, 49151), max_size=7), min_size=1, max_size=6), strided=st.booleans(),
+       inference=st.booleans())
+def test_verify_tokens_are_the_pending_token_then_the_padded_drafts(monkeypatch, rows, strided, inference):
+    """verify_step.verify_tokens: on the CPU through one NumPy array, elsewhere the drafts copied
+    in and joined to pending by torch.cat; both give each row's pending token, then its drafts,
+    zero-padded to the longest row (int64 [B, K+1]), written out here from the lists, for a
+    pending tensor made in inference mode or not, contiguous or a strided view."""
+    from swiftkern import verify_step
+
+    B, K = len(rows), max(map(len, rows))
+    with torch.inference_mode(inference):
+        table = torch.arange(3 * B, dtype=torch.int64).view(B, 3) * 7 + 1  # [B, 3]
+        pending = table[:, 1] if strided else table[:, 1].contiguous()  # [B]
+    expected = [[7 * (3 * b + 1) + 1] + row + [0] * (K - len(row)) for b, row in enumerate(rows)]
+    host = verify_step.verify_tokens(pending, rows)
+    monkeypatch.setattr(verify_step, "_tokens_on_host", lambda device: False)
+    joined = verify_step.verify_tokens(pending, rows)
+    for tokens in (host, joined):
+        assert tokens.dtype == torch.int64 and tokens.shape == (B, K + 1) and tokens.tolist() == expected
 
 
 def test_sampled_mixed_rows_give_each_draft_its_own_draft_probability():
@@ -356,9 +378,8 @@ def test_sampled_mixed_rows_give_each_draft_its_own_draft_probability():
     skip_q = torch.softmax(torch.randn(3, 3, V, generator=torch.Generator().manual_seed(0)), -1)  # [B, Ks, V]
     skip = (torch.tensor([[4, 5, 6], [0, 0, 0], [0, 0, 0]]), skip_q, [3, 0, 0])
     choices = [Choice("layer-skip", 3, 0.0), Choice("lookup", 2, 0.0), Choice("none", 0, 0.0)]
-    drafts, probs, num_draft = _assemble(3, choices, [[], [7, 8, 9], []], skip, SamplingParams(do_sample=True), V,
-                                         "cpu")
-    assert num_draft == [3, 2, 0] and drafts.tolist() == [[4, 5, 6], [7, 8, 0], [0, 0, 0]]
+    drafts, probs = _assemble(choices, [[], [7, 8, 9], []], skip, SamplingParams(do_sample=True), V, "cpu")
+    assert drafts == [[4, 5, 6], [7, 8], []] and probs.shape == (3, 3, V)
     assert torch.equal(probs[0], skip_q[0])
     lookup_q = torch.zeros(3, V)
     lookup_q[0, 7] = lookup_q[1, 8] = 1.0

@@ -431,5 +431,13 @@ MORE_MUTANTS = [
      "return weight, bias, rest[0] if rest else None",
      "a pruned draft head reads its packed rows where the model reads float32 weights",
      ["tests/test_decoder_forward.py", "tests/test_packed_weights.py"]),
+    # the verify pass's tokens through NumPy on the CPU (swiftkern/verify_step.py)
+    ("M266", "swiftkern/verify_step.py", "np.array([[first[b]] + row", "np.array([[first[-1]] + row",
+     "every row of a CPU verify pass starts from the last row's pending token",
+     ["tests/test_self_spec.py"]),
+    ("M267", "swiftkern/verify_step.py", "host = np.array([[first[b]] + row + [0] * (K - len(row))",
+     "host = np.array([[first[b]] + row + row[-1:] * (K - len(row))",
+     "a CPU verify pass pads a short row with its last draft, not zeros",
+     ["tests/test_self_spec.py"]),
 ]
 
