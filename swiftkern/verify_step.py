@@ -108,12 +108,11 @@ def verify_and_accept(model: SkipModel, cache: KVCache, pending: torch.Tensor, d
     if host_verify is not None:  # the CPU: acceptance, next pending tokens and host rows in one C++ call
         out, next_pending, rows, num_accepted, lps = read_host(host_verify, draft_tokens, logits, num_draft, logprobs)
         return Verified(rows, num_accepted, next_pending, out, logits, lps)
-    max_draft = max(num_draft, default=0)
     if not params.do_sample:
-        out, acc = ops.greedy_accept(draft_tokens, logits, nd, max_draft=max_draft)  # [B, K+1], [B]
+        out, acc = ops.greedy_accept(draft_tokens, logits, nd, max_draft=K)  # [B, K+1], [B]
     else:
         target = probs_from_logits(logits.reshape(B * (K + 1), -1), params).view(B, K + 1, -1)
-        out, acc = ops.rejection_sample(draft_tokens, draft_probs, target, nd, u_accept, u_sample, max_draft=max_draft)
+        out, acc = ops.rejection_sample(draft_tokens, draft_probs, target, nd, u_accept, u_sample, max_draft=K)
     lps = None
     if queued:  # Verified.logprobs
         flat = out.clamp(min=0).view(-1)  # [B*(K+1)]
