@@ -91,12 +91,22 @@ def greedy_vocab_split(on: bool):
     return mock.patch.dict(os.environ, {"SWIFTKERN_CUDA_GREEDY_SPLIT": "1" if on else "0"})
 
 
+def drafts_on(dev, draft: torch.Tensor, in_tokens: bool) -> torch.Tensor:
+    """draft int64 [B, K] on ``dev``: contiguous, or as a verify step passes it (columns 1.. of
+    its [B, K+1] tokens, ``verify_step.verify_tokens``: row stride K+1)."""
+    if not in_tokens:
+        return draft.to(dev)
+    tokens = torch.cat([torch.zeros(draft.shape[0], 1, dtype=draft.dtype), draft], 1).to(dev)  # [B, K+1]
+    return tokens[:, 1:]
+
+
 @DRAWN
 @given(B=st.integers(0, 6), K=st.integers(0, 9), V=st.sampled_from([1, 3, 8, 33, 1001, 49152]),
        dtype=st.sampled_from(DTYPES), offset=st.integers(0, 7), split=st.booleans(), data=st.data())
 def test_greedy_accept_matches_reference(kernels, B, K, V, dtype, offset, split, data):
     """Odd V and a storage offset put rows at every 16-byte misalignment (head, vectors, tail);
-    ties, NaN, a row of -inf and signed zeros (-0.0 == 0.0: the lower index) follow torch.argmax."""
+    ties, NaN, a row of -inf and signed zeros (-0.0 == 0.0: the lower index) follow torch.argmax;
+    the drafts contiguous or strided as a verify step passes them."""
     dev = kernels.device
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 999)))
     flat = torch.randn(offset + B * (K + 1) * V, generator=g)
@@ -124,7 +134,8 @@ def test_greedy_accept_matches_reference(kernels, B, K, V, dtype, offset, split,
     cuda_logits = torch.empty(offset + logits.numel(), dtype=dtype, device=dev)[offset:].view_as(logits)
     cuda_logits.copy_(logits)  # keep the misalignment on the device
     with greedy_vocab_split(split):
-        out, acc = kernels.ops.greedy_accept(draft.to(dev), cuda_logits, num_draft.to(dev))
+        out, acc = kernels.ops.greedy_accept(drafts_on(dev, draft, data.draw(st.booleans())), cuda_logits,
+                                             num_draft.to(dev))
     want, want_acc = reference.greedy_accept(draft, logits, num_draft)
     assert out.device.type == dev
     assert torch.equal(out.cpu(), want) and torch.equal(acc.cpu(), want_acc)
@@ -190,9 +201,11 @@ def rejection_case(B, K, V, with_q, seed, sharp=3.0):
     return draft, q, p, torch.rand(B, K, generator=g), torch.rand(B, K + 1, generator=g)
 
 
-def same_tokens_as_reference(kernels, draft, q, p, num_draft, ua, us):
+def same_tokens_as_reference(kernels, draft, q, p, num_draft, ua, us, in_tokens: bool = False):
     args = (draft, q, p, num_draft, ua, us)
-    out, acc = kernels.ops.rejection_sample(*(a.to(kernels.device) if a is not None else None for a in args))
+    on = [drafts_on(kernels.device, draft, in_tokens)] + [a.to(kernels.device) if a is not None else None
+                                                          for a in args[1:]]
+    out, acc = kernels.ops.rejection_sample(*on)
     want, want_acc = reference.rejection_sample(*args)
     assert torch.equal(out.cpu(), want) and torch.equal(acc.cpu(), want_acc)
     cpu_out, _ = CPU_KERNELS.rejection_sample(*args)  # the CPU kernel: the same chain of float64 sums
@@ -209,7 +222,7 @@ def test_rejection_sample_matches_reference(kernels, B, K, V, with_q, seed, data
     if with_q and B and K and data.draw(st.booleans()):
         q[0, 0] = p[0, 0]  # an all-zero residual: drawn from p
     num_draft = torch.tensor([data.draw(st.integers(0, K)) for _ in range(B)], dtype=torch.int32)
-    same_tokens_as_reference(kernels, draft, q, p, num_draft, ua, us)
+    same_tokens_as_reference(kernels, draft, q, p, num_draft, ua, us, in_tokens=data.draw(st.booleans()))
 
 
 @pytest.mark.parametrize("with_q", [False, True])

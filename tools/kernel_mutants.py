@@ -343,4 +343,14 @@ KERNEL_MUTANTS = [
      "the CUDA kv_compact's register path leaves a row's last kept entry unwritten", ["tests/test_cuda_ops.py"]),
     ("K26", "csrc/rejection_sample.cuh", "return v < d.lo ? d.lo : v;", "return v;",
      "the CUDA rejection_sample's residual weights are not clamped at 0", ["tests/test_cuda_ops.py"]),
+    # the drafts as a verify step passes them: columns 1.. of its [B, K+1] tokens (row stride K+1)
+    ("K81", "csrc/ops_cuda.cpp",
+     "const cuda::GreedyAcceptArgs a{draft_tokens.data_ptr<int64_t>(), draft_tokens.stride(0),",
+     "const cuda::GreedyAcceptArgs a{draft_tokens.data_ptr<int64_t>(), draft_tokens.size(1),",
+     "the CUDA greedy_accept takes rows of drafts to be K apart, not their stride (K+1 in a verify step)", ["tests/test_cuda_ops.py"]),
+    ("K82", "csrc/ops_cuda.cpp",
+     "const cuda::RejectionSampleArgs a{draft_tokens.data_ptr<int64_t>(), draft_tokens.stride(0),",
+     "const cuda::RejectionSampleArgs a{draft_tokens.data_ptr<int64_t>(), draft_tokens.size(1),",
+     "the CUDA rejection_sample takes rows of drafts to be K apart, not their stride (K+1 in a verify step)", ["tests/test_cuda_ops.py"]),
 ]
+
