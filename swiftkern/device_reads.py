@@ -6,6 +6,8 @@ the decode time is host work the device waited for (launch calls, lookups, bookk
 loops read once a step, so the next step's host work cannot overlap this step's kernels). On
 the CPU the kernels have run by the time a read starts: the reads take ~0 s there.
 ``Generator.generate`` reports both in its stats (``read_wait_s``, ``device_reads``).
+The other way across, ``writes_through_numpy`` says where host values are written into tensors
+through NumPy instead of torch ops.
 """
 
 from __future__ import annotations
@@ -28,6 +30,16 @@ class ReadClock:
 
 
 CLOCK = ReadClock()
+
+
+def writes_through_numpy(device: torch.device) -> bool:
+    """Whether host values bound for tensors on ``device`` are written through NumPy (a view of
+    the tensor's memory, or an array made into a tensor) instead of torch ops: on the CPU, where
+    each small torch op runs cold after a forward has streamed the weights (SmolLM2, a 2-core AMD
+    EPYC: a rollback's ``torch.tensor`` + ``copy_`` ~170 us against ~30 through a view, a verify
+    pass's tokens ~100 us a step against ~54). Tests whose CPU tensors stand for device tensors
+    turn it off, so the torch ops a GPU runs are what they see."""
+    return device.type == "cpu"
 
 
 def read(t: torch.Tensor) -> list:

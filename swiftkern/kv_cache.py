@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from . import device_reads
 from .arg_checks import whole
 from .errors import SwiftkernError
 
@@ -42,7 +43,9 @@ class KVCache:
         self.k = self._k_rows[:, :batch]  # [L, B, H_kv, S_max, D]
         self.v = self._v_rows[:, :batch]
         self.lengths = self._length_rows[:batch]  # [B]
-        self._lengths_view = _cpu_lengths_view(self._length_rows)
+        # set_lengths writes through this view where host values go through NumPy (the CPU)
+        numpy_writes = device_reads.writes_through_numpy(self._length_rows.device)
+        self._lengths_view = self._length_rows.numpy() if numpy_writes else None
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -201,13 +204,6 @@ class KVCache:
         self.host_lengths = [self.host_lengths[r] for r in rows]
         self._use_rows(len(rows))
         self.set_lengths(self.host_lengths)
-
-
-def _cpu_lengths_view(lengths: torch.Tensor):
-    """A NumPy view of ``lengths``' memory where it sits on the CPU (None elsewhere), through which
-    ``set_lengths`` writes: after a forward has streamed the weights, torch.tensor + copy_ took
-    ~170 us there (their code evicted), this ~30 (SmolLM2, AMD EPYC, 2 threads)."""
-    return lengths.numpy() if lengths.device.type == "cpu" else None
 
 
 def _overwrites_a_source(moves: list[tuple[int, int]]) -> bool:

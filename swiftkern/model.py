@@ -437,8 +437,7 @@ class SkipModel:
             cos, sin = self.rotary(hidden, positions)  # [B, T, D] each
         plain = all(s is True or s is False for s in skip_attn + skip_mlp)  # no per-row masks
         if kern.stack is not None and plain:  # _layer_loop in one C++ call
-            skip, packed = self._stack_args(kern, skip_attn, skip_mlp, B * T)
-            packed = packed[:len(self._stack_weights)]
+            skip, packed, _ = self._stack_args(kern, skip_attn, skip_mlp, B * T)
             hidden, pending = kern.stack(hidden, self._stack_weights, skip, cache.k, cache.v, cos, sin, positions,
                                          new_lengths, max_len, self.num_heads, self.num_kv_heads, self.head_dim,
                                          self.eps, self.scale, packed)
@@ -454,12 +453,14 @@ class SkipModel:
         # the sum, not torch's (the Triton interpreter rounds bf16 toward zero, a GPU to nearest)
         return self._add_norm(kern, hidden, pending, self.final_norm, fuse)[0]
 
-    def _stack_args(self, kern: LayerKernels, skip_attn: list, skip_mlp: list, rows: int) -> tuple[list, list]:
+    def _stack_args(self, kern: LayerKernels, skip_attn: list, skip_mlp: list,
+                    rows: int) -> tuple[list, list, torch.Tensor | None]:
         """``kern.stack``'s skip code per layer (1: attention skipped, 2: MLP skipped) for a plan of
-        plain bools, and the packed weight slots for a pass of ``rows`` rows (the LM head's last;
-        [] when none are read)."""
+        plain bools, its packed weight slots for a pass of ``rows`` rows ([] when none are read),
+        and the LM head's packed weight then (None when none are read)."""
         skip = [int(a) | 2 * int(m) for a, m in zip(skip_attn, skip_mlp)]
-        return skip, self._packed_slots(kern, rows)
+        slots = self._packed_slots(kern, rows)  # the stack's, then the LM head's
+        return skip, slots[:len(self._stack_weights)], slots[-1] if slots else None
 
     def _one_call_kernels(self, tokens: torch.Tensor, skip_attn: list, skip_mlp: list,
                           logits_positions: torch.Tensor | None) -> LayerKernels | None:
@@ -486,13 +487,12 @@ class SkipModel:
         else:  # HF's rotary at this chunk's positions, as forward_device computes them (its bits)
             positions = cache.lengths.unsqueeze(1) + torch.arange(T, device=cache.lengths.device)  # [B, T]
             cos, sin = self.rotary(self.embed, positions)  # [B, T, D] each (the first argument gives the dtype)
-        skip, slots = self._stack_args(kern, skip_attn, skip_mlp, B * T)
-        head = self._head_parts(head, slots[-1] if slots else None)
+        skip, packed, packed_head = self._stack_args(kern, skip_attn, skip_mlp, B * T)
+        head = self._head_parts(head, packed_head)
         try:
             return kern.forward(tokens, self.embed, cos, sin, self.invariant, positions, cache.lengths, self.final_norm,
                                 self._stack_weights, skip, cache.k, cache.v, max_len, self.num_heads,
-                                self.num_kv_heads, self.head_dim, self.eps, self.scale,
-                                slots[:len(self._stack_weights)], head)
+                                self.num_kv_heads, self.head_dim, self.eps, self.scale, packed, head)
         except RuntimeError:
             self._check_token_ids(tokens)  # a bad id (checked before anything was written) as a SwiftkernError
             raise

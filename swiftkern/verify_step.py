@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import ops
+from . import device_reads, ops
 from .batch_invariant import bi_token_logprob
 from .device_reads import read, read_host
 from .kv_cache import KVCache
@@ -25,26 +25,20 @@ def _chunk_uniforms(seeds: list[int], start: list[int], count: int, stream: int,
     return keyed_uniforms(flat_seeds, flat_positions, stream, device).view(len(seeds), count)
 
 
-def _tokens_on_host(device: torch.device) -> bool:
-    """Whether ``verify_tokens`` writes the tokens through NumPy: on the CPU (tests whose CPU
-    tensors stand for device tensors take the other way)."""
-    return device.type == "cpu"
-
-
 def verify_tokens(pending: torch.Tensor, rows: list[list[int]]) -> torch.Tensor:
     """A verify pass's tokens, int64 [B, K+1] (K: the longest row; shorter rows zero-padded):
-    row b's pending token (pending: int64 [B]), then its drafts rows[b]. On the CPU one NumPy
-    array made into a tensor (a ``torch.tensor`` of the drafts and a ``torch.cat`` run cold
-    after each forward, whose weights evict their code and data: ~100 us a step against ~54 us
-    in SmolLM2's lookup loop on a 2-core AMD EPYC); elsewhere the drafts copied in once and
-    joined to pending on the device."""
+    row b's pending token (pending: int64 [B]), then its drafts rows[b]. Where host values are
+    written through NumPy (``device_reads.writes_through_numpy``: the CPU) one array made into
+    a tensor (a ``torch.tensor`` of the drafts and a ``torch.cat`` ran cold after each forward:
+    ~100 us a step against ~54 us in SmolLM2's lookup loop on a 2-core AMD EPYC); elsewhere the
+    drafts copied in once and joined to pending on the device."""
     B, K = len(rows), max(map(len, rows), default=0)
-    if _tokens_on_host(pending.device):
+    padded = [row + [0] * (K - len(row)) for row in rows]  # [B][K]
+    if device_reads.writes_through_numpy(pending.device):
         first = pending.numpy().tolist()
-        host = np.array([[first[b]] + row + [0] * (K - len(row)) for b, row in enumerate(rows)], dtype=np.int64)
+        host = np.array([[first[b]] + row for b, row in enumerate(padded)], dtype=np.int64)
         return torch.from_numpy(host.reshape(B, K + 1))
-    drafts = torch.tensor([row + [0] * (K - len(row)) for row in rows], dtype=torch.int64,
-                          device=pending.device).view(B, K)
+    drafts = torch.tensor(padded, dtype=torch.int64, device=pending.device).view(B, K)
     return torch.cat([pending.unsqueeze(1), drafts], dim=1)
 
 

@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten
 
 from conftest import tiny_model
 import swiftkern.deterministic as deterministic
-from swiftkern import kv_cache, top_p, verify_step
+from swiftkern import device_reads, top_p, verify_step
 from swiftkern import SkipModel
 from swiftkern.cuda_graphs import GraphRunner
 from swiftkern.graph_capture import RecordedGraph
@@ -76,8 +76,7 @@ def host_values_written_as_on_a_device(monkeypatch) -> None:
     """CPU tensors stand for device tensors here: a KVCache writes its lengths, and
     ``verify_tokens`` a verify pass's tokens, by torch ops, as off the CPU (on the CPU both
     write through NumPy, no torch op to see)."""
-    monkeypatch.setattr(kv_cache, "_cpu_lengths_view", lambda lengths: None)
-    monkeypatch.setattr(verify_step, "_tokens_on_host", lambda device: False)
+    monkeypatch.setattr(device_reads, "writes_through_numpy", lambda device: False)
 
 
 @pytest.fixture(autouse=True)

@@ -351,7 +351,7 @@ def test_verify_tokens_are_the_pending_token_then_the_padded_drafts(monkeypatch,
     in and joined to pending by torch.cat; both give each row's pending token, then its drafts,
     zero-padded to the longest row (int64 [B, K+1]), written out here from the lists, for a
     pending tensor made in inference mode or not, contiguous or a strided view."""
-    from swiftkern import verify_step
+    from swiftkern import device_reads, verify_step
 
     B, K = len(rows), max(map(len, rows))
     with torch.inference_mode(inference):
@@ -359,7 +359,7 @@ def test_verify_tokens_are_the_pending_token_then_the_padded_drafts(monkeypatch,
         pending = table[:, 1] if strided else table[:, 1].contiguous()  # [B]
     expected = [[7 * (3 * b + 1) + 1] + row + [0] * (K - len(row)) for b, row in enumerate(rows)]
     host = verify_step.verify_tokens(pending, rows)
-    monkeypatch.setattr(verify_step, "_tokens_on_host", lambda device: False)
+    monkeypatch.setattr(device_reads, "writes_through_numpy", lambda device: False)
     joined = verify_step.verify_tokens(pending, rows)
     for tokens in (host, joined):
         assert tokens.dtype == torch.int64 and tokens.shape == (B, K + 1) and tokens.tolist() == expected

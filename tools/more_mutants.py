@@ -435,8 +435,8 @@ MORE_MUTANTS = [
     ("M266", "swiftkern/verify_step.py", "np.array([[first[b]] + row", "np.array([[first[-1]] + row",
      "every row of a CPU verify pass starts from the last row's pending token",
      ["tests/test_self_spec.py"]),
-    ("M267", "swiftkern/verify_step.py", "host = np.array([[first[b]] + row + [0] * (K - len(row))",
-     "host = np.array([[first[b]] + row + row[-1:] * (K - len(row))",
+    ("M267", "swiftkern/verify_step.py", "padded = [row + [0] * (K - len(row)) for row in rows]",
+     "padded = [row + row[-1:] * (K - len(row)) for row in rows]",
      "a CPU verify pass pads a short row with its last draft, not zeros",
      ["tests/test_self_spec.py"]),
 ]
