@@ -42,6 +42,17 @@
 # Stages chain: `bash bench/gpu_session.sh setup tests`. Everything under bench/results and the
 # logs are packed into $OUT/results.tgz after every stage.
 #
+# A lease of 15 minutes (2026-12: all tries, the machine's start of a minute or more included), in
+# order of what is open and never run on a GPU; `bash bench/gpu_prepare.sh` first, C=commit below:
+#   call 1 (carry .whl .gpu/a, timeout_s 480, ~6 min): SWIFTKERN_GPU_NO_EXT=1 SWIFTKERN_BENCH_COMMIT=C
+#     bash bench/gpu_session.sh setup autotests plans      (bi_exp_sum, bi_matmul_swiglu, last_adds
+#     plans, the invariant Triton set natively; kv_compact's staged path, the acceptance kernels)
+#   call 2 at once, warm (carry .whl .gpu/b, timeout_s 330, ~4 min): the same variables,
+#     bash bench/gpu_session.sh setup batch1               (SmolLM2 at batch 1 with CUDA graphs:
+#     self-spec + deterministic against ar; bi_exp_sum's bench); then give_back
+# The CUDA extension's tests (the drafts' row stride, compute-sanitizer) need its build (minutes):
+# a longer lease, `setup tests sanitizer`. `lastadds`' timing needs ~4 min more than the above.
+#
 # SWIFTKERN_GPU_NO_EXT=1 skips the CUDA extension's build (the Triton kernels alone: enough for
 # the stages bimatmul and detplan; give it to every call of a lease, or a later setup builds).
 #
