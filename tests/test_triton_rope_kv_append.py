@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 
 from swiftkern import ops
 from swiftkern.errors import SwiftkernError
-from triton_cases import DEVICE, FEW, assert_close, backend, opcheck, poisoned, rope_reference_rounded, triton_op
+from triton_cases import (DEVICE, FAR, FEW, GUARD, assert_close, backend, opcheck, poisoned, rope_reference_rounded,
+                         triton_op, views_far_apart)
 
 
 def rotary(B, T, D, positions, dtype):
@@ -121,3 +122,19 @@ def test_keys_and_values_are_written_with_no_query_heads():
         got = ops.rope_kv_append(q, k, v, cos, sin, cache[0], cache[1], positions)
     assert got.shape == q.shape
     assert torch.equal(cache[1, :, :, 1:3], v) and not cache[0, :, :, 1:3].isnan().any()
+
+
+def test_head_offsets_past_int32():
+    """Head index x head stride past 2**31 elements (a cache of Hkv 32, D 128 holding ~541k
+    tokens): computed in int32, head 2's offset wrapped and its keys and values landed 32
+    elements before the cache, its slots left unwritten."""
+    B, Hq, Hkv, T, D, S = 1, 3, 3, 2, 8, 4
+    q, k, v, cos, sin, cache, positions = case(B, Hq, Hkv, T, D, S, [1], torch.bfloat16, 8)
+    want_q, want_cache = rope_reference_rounded(q, k, v, cos, sin, cache, positions)
+    buffer, (k_cache, v_cache) = views_far_apart((B, Hkv, S, D), (Hkv * FAR, FAR, D, 1), torch.bfloat16,
+                                                 [GUARD, GUARD + S * D])
+    got_q = triton_op("rope_kv_append")(q, k, v, cos, sin, k_cache, v_cache, positions)
+    assert_close("rope_kv_append", got_q, want_q)
+    assert_close("rope_kv_append", k_cache, want_cache[0], equal_nan=True)
+    assert_close("rope_kv_append", v_cache, want_cache[1], equal_nan=True)
+    assert buffer[:GUARD].isnan().all()

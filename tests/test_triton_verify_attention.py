@@ -17,7 +17,7 @@ from swiftkern.errors import SwiftkernError
 from swiftkern.triton_kernels.verify_attention import verify_attention as launch
 from swiftkern.triton_kernels.verify_attention import verify_attention_invariant as launch_invariant
 from attention_invariance import chunk_vs_one_by_one, rows_alone_vs_together
-from triton_cases import DEVICE, FEW, assert_close, backend, opcheck, poisoned, triton_op
+from triton_cases import DEVICE, FAR, FEW, GUARD, assert_close, backend, opcheck, poisoned, triton_op, views_far_apart
 
 
 def case(lens, Hq, Hkv, T, D, S, dtype, seed):
@@ -127,6 +127,22 @@ def test_lengths_given_as_a_strided_or_expanded_view(invariant):
     with poisoned():
         got = run(q, k2, v2, same, 0.125)
     assert_close("verify_attention", got, want(q, k2, v2, same.contiguous(), stale2, 0.125))
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_key_offsets_past_int32(invariant):
+    """Key position x key stride past 2**31 elements (a long cache, or a [B, S, Hkv, D] one
+    viewed as [B, Hkv, S, D]): computed in int32, key 2's offset wrapped to 32 elements before
+    the cache and the kernel read NaN there."""
+    D, S = 8, 3
+    q, k, v, cache_lens, stale = case([S], 1, 1, 1, D, S, torch.bfloat16, 9)
+    buffer, (k_far, v_far) = views_far_apart((1, 1, S, D), (S * FAR, S * FAR, FAR, 1), torch.bfloat16,
+                                             [GUARD, GUARD + D])
+    k_far.copy_(k)
+    v_far.copy_(v)
+    got = launch(q, k_far, v_far, cache_lens, D ** -0.5, invariant=invariant)
+    assert_close("verify_attention", got, want(q, k, v, cache_lens, stale, D ** -0.5))
+    assert buffer[:GUARD].isnan().all()
 
 
 def test_opcheck():

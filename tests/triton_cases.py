@@ -116,3 +116,21 @@ def check_move_ending_at_the_last_position(device) -> None:
     assert torch.equal(v[:, 0, :, 3:], before_v[:, 0, :, [5, 0, 3]])
     assert torch.equal(k[:, 0, :, :3], before_k[:, 0, :, :3]) and torch.equal(k[:, 1], before_k[:, 1])
     assert torch.equal(v[:, 1], before_v[:, 1])
+
+
+FAR = 2 ** 31 - 16  # a stride that fits int32 while twice it wraps to -32 in int32 arithmetic
+GUARD = 64  # NaN elements before the first view: where an offset wrapped to -32 lands
+
+
+def views_far_apart(shape, stride, dtype, offsets):
+    """NaN-filled views of ``shape`` and ``stride`` (element strides, ~FAR apart) at ``offsets``
+    of one buffer of ~2**32 elements -> (buffer, views). Its pages are backed when first
+    touched, so only the views and the GUARD elements before them cost memory on the CPU. An
+    index computed in int32 lands in the guard or in another view, where a test sees it."""
+    extent = sum((n - 1) * s for n, s in zip(shape, stride)) + 1
+    buffer = torch.empty(max(offsets) + extent, dtype=dtype, device=DEVICE)
+    buffer[:min(offsets)].fill_(float("nan"))
+    views = [buffer.as_strided(shape, stride, offset) for offset in offsets]
+    for view in views:
+        view.fill_(float("nan"))
+    return buffer, views

@@ -52,7 +52,7 @@ def _rope_kv_append_kernel(
     s1 = tl.load(sn + d * ss_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
     s2 = tl.load(sn + (d + HALF) * ss_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
 
-    hq = tl.arange(0, BLOCK_HQ)[:, None]
+    hq = tl.arange(0, BLOCK_HQ).to(tl.int64)[:, None]  # head x head stride can pass 2**31 (long caches)
     q_ok = (hq < HQ) & d_ok[None, :]
     qp = q_ptr + b * sq_b + t * sq_t + hq * sq_h
     q1 = tl.load(qp + d[None, :] * sq_d, mask=q_ok, other=0.0).to(tl.float32)
@@ -63,7 +63,7 @@ def _rope_kv_append_kernel(
     tl.store(op + (d[None, :] + HALF) * sqo_d, o2, mask=q_ok)
 
     pos = tl.load(pos_ptr + b * sp_b + t * sp_t)
-    hk = tl.arange(0, BLOCK_HKV)[:, None]
+    hk = tl.arange(0, BLOCK_HKV).to(tl.int64)[:, None]
     kv_ok = (hk < HKV) & d_ok[None, :]
     pos_row = tl.full([BLOCK_HKV, 1], 0, tl.int64) + pos
     dst_ok = kv_ok & (pos_row >= 0) & (pos_row < S)  # the ops wrapper refuses other positions

@@ -62,7 +62,8 @@ def _verify_attention_kernel(
     v_base = v_ptr + b * sv_b + kvh * sv_h
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
-        k = tl.load(k_base + n[None, :] * sk_s + d[:, None] * sk_d, mask=(n[None, :] < hi) & d_ok[:, None],
+        n_at = n.to(tl.int64)  # position x key stride passes 2**31 in long or [B, S, Hkv, D] caches
+        k = tl.load(k_base + n_at[None, :] * sk_s + d[:, None] * sk_d, mask=(n[None, :] < hi) & d_ok[:, None],
                     other=0.0)  # [BLOCK_D, BLOCK_N]
         if INTERPRET:  # numpy's BLAS behind tl.dot: a row's bits would follow its place in the tile
             s = interpreter_dot(q, k)
@@ -77,7 +78,7 @@ def _verify_attention_kernel(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + n[:, None] * sv_s + d[None, :] * sv_d, mask=(n[:, None] < hi) & d_ok[None, :],
+        v = tl.load(v_base + n_at[:, None] * sv_s + d[None, :] * sv_d, mask=(n[:, None] < hi) & d_ok[None, :],
                     other=0.0)  # [BLOCK_N, BLOCK_D]
         if INTERPRET:
             pv = interpreter_dot(p, v)
