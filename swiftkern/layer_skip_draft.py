@@ -59,12 +59,16 @@ def draft_tokens(model: SkipModel, cache: KVCache, pending: torch.Tensor, layer_
     num_draft = [0] * B
     active = [budget[b] > 0 for b in range(B)]
     token, forwards = pending, 0
+    # draws keyed on the step too: a position drafted again after a rejection draws afresh
+    # (reusing the uniform that steered this step's stop and the drafter policy biased the draft)
+    step_starts = list(cache.host_lengths)  # the pending tokens' positions
     head_weights = head.head if head is not None else None
     while any(active):
         forwards += 1
         positions = [n + 1 for n in cache.host_lengths]  # position of the token being drafted
         # copied in before the forward: a copy after its launch would wait for it (a GPU sync)
-        u = keyed_uniforms(seeds, positions, STREAM_DRAFT, pending.device) if params.do_sample else None  # [B]
+        u = (keyed_uniforms(seeds, positions, STREAM_DRAFT, pending.device, step_starts)
+             if params.do_sample else None)  # [B]
         logits = model.forward(token.unsqueeze(1), cache, layer_set=layer_set, head=head_weights)[:, -1]  # [B, V']
         q = probs_from_logits(logits, params) if params.do_sample else logits.float().softmax(-1)
         if params.do_sample:

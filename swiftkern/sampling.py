@@ -32,16 +32,20 @@ def _splitmix64(x: int) -> int:
 STREAM_TARGET, STREAM_DRAFT, STREAM_ACCEPT, STREAM_RESIDUAL = 0, 1, 2, 3
 
 
-def keyed_uniform(seed: int, position: int, stream: int = STREAM_TARGET) -> float:
-    """A uniform in [0, 1) that is a pure function of (seed, position, stream)."""
-    h = _splitmix64(_splitmix64(_splitmix64(seed & _MASK64) ^ position) ^ stream)
+def keyed_uniform(seed: int, position: int, stream: int = STREAM_TARGET, step: int = 0) -> float:
+    """A uniform in [0, 1) that is a pure function of (seed, position, stream, step). step: the
+    position the draw's decoding step started from, for a stream whose position a later step
+    may draw again (the layer-skipped draft's, after a rejection); 0 for the others."""
+    h = _splitmix64(_splitmix64(_splitmix64(_splitmix64(seed & _MASK64) ^ position) ^ stream) ^ step)
     return (h >> 40) / float(1 << 24)  # 24 bits: exactly representable in float32
 
 
 def keyed_uniforms(seeds: list[int], positions: list[int], stream: int = STREAM_TARGET,
-                   device: torch.device | str = "cpu") -> torch.Tensor:
-    """float32 [B] uniforms for row b at absolute position positions[b]."""
-    vals = [keyed_uniform(s, p, stream) for s, p in zip(seeds, positions)]
+                   device: torch.device | str = "cpu", steps: list[int] | None = None) -> torch.Tensor:
+    """float32 [B] uniforms for row b at absolute position positions[b] (in the step that
+    started at steps[b]: see ``keyed_uniform``)."""
+    steps = steps if steps is not None else [0] * len(seeds)
+    vals = [keyed_uniform(s, p, stream, t) for s, p, t in zip(seeds, positions, steps)]
     return torch.tensor(vals, dtype=torch.float32, device=device)
 
 

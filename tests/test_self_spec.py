@@ -170,6 +170,31 @@ def test_sampled_self_spec_is_seeded():
     assert gen.generate([PROMPTS[1]], seed=2, **kw).tokens[0] == a[1]
 
 
+def test_a_position_drafted_again_draws_a_fresh_uniform(monkeypatch):
+    """After a rejection the next step drafts again positions the last step drafted past it.
+    Keyed on (seed, position) alone, the redraft reused the uniform whose draw had already
+    steered where the last step stopped drafting (and the drafter policy's next choice): the
+    draft was then no independent draw from its distribution, which rejection sampling needs."""
+    import swiftkern.layer_skip_draft as layer_skip_draft
+
+    keyed_uniforms = layer_skip_draft.keyed_uniforms
+    draws = {}  # position -> the draft uniforms drawn there, in order
+
+    def recorded(seeds, positions, *args, **kw):
+        u = keyed_uniforms(seeds, positions, *args, **kw)
+        for position, value in zip(positions, u.tolist()):
+            draws.setdefault(position, []).append(value)
+        return u
+
+    monkeypatch.setattr(layer_skip_draft, "keyed_uniforms", recorded)
+    hf, _ = model("llama")
+    gen = Generator(hf, mode="self-spec", drafter="layer-skip", layer_set="attn:1-4|mlp:1-4", k_max=4, eps=0.0)
+    gen.generate([PROMPTS[0]], max_new_tokens=24, do_sample=True, temperature=1.2, seed=5, eos_token_id=[])
+    again = {position: us for position, us in draws.items() if len(us) > 1}
+    assert len(again) >= 3, draws  # rejections left drafted positions behind
+    assert all(len(set(us)) == len(us) for us in again.values()), again
+
+
 @pytest.mark.parametrize("config", [dict(drafter="lookup"), dict(layer_set="attn:2|mlp:3"), dict(layer_set="auto")],
                          ids=["lookup", "auto-drafter", "auto-layer-set"])
 def test_a_sampled_row_keeps_its_tokens_in_any_batch(config):
