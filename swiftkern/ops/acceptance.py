@@ -139,8 +139,8 @@ def rejection_sample(
         num_draft: int32 [B] (int64 is accepted and converted), each in [0, K].
         u_accept: float32 [B, K]; u_sample: float32 [B, K+1]. Uniforms in [0, 1), the only
             randomness, so every backend gives the same tokens for the same inputs.
-        max_draft: max(num_draft) known on the host, as for ``greedy_accept`` (trusted): num_draft
-            and the draft tokens are then not read back from the device to be checked.
+        max_draft: max(num_draft) known on the host, as for ``greedy_accept`` (trusted): num_draft,
+            the draft tokens and the uniforms are then not read back from the device to be checked.
 
     Returns:
         out_tokens: int64 [B, K+1]. Row b: its accepted drafts, then one drawn token, then -1.
@@ -154,7 +154,7 @@ def rejection_sample(
     smallest i with cumsum(w)[i] > u * sum(w) (float64 left-to-right sums; V-1 if none).
     bfloat16/float16 probabilities are converted to float32 first. Inputs share one device,
     except an empty u_accept (K = 0), which may be anywhere. Raises SwiftkernError on a bad
-    shape, dtype, device, num_draft or draft token value (value checks are skipped while
+    shape, dtype, device, num_draft, draft token or uniform value (value checks are skipped while
     torch.compile traces). Runs the backend of ``backend_for("rejection_sample", device)``.
     """
     def bad(msg):
@@ -208,6 +208,11 @@ def rejection_sample(
                     b, j = (int(i) for i in out_of_vocab.nonzero()[0])
                     raise bad(f"draft_tokens[{b}, {j}] = {int(draft_tokens[b, j])} is outside the vocabulary "
                               f"[0, V = {V})")
+        for arg, u in (("u_accept", u_accept), ("u_sample", u_sample)):  # u = 1 drew token V-1 at any probability
+            outside = ~((u >= 0) & (u < 1))  # NaN too
+            if bool(outside.any()):
+                b, j = (int(i) for i in outside.nonzero()[0])
+                raise bad(f"{arg}[{b}, {j}] = {float(u[b, j])} is not a uniform in [0, 1)")
     num_draft = num_draft.to(torch.int32)
     target_probs = target_probs.to(torch.float32)
     if target_probs.stride(-1) != 1:
