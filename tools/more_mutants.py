@@ -439,5 +439,19 @@ MORE_MUTANTS = [
      "padded = [row + row[-1:] * (K - len(row)) for row in rows]",
      "a CPU verify pass pads a short row with its last draft, not zeros",
      ["tests/test_self_spec.py"]),
+    # int64 offsets in the Triton kernels, keyed draft draws, the uniforms' range (stop 85)
+    ("M268", "triton_kernels/rope_kv_append.py", "hk = tl.arange(0, BLOCK_HKV).to(tl.int64)[:, None]",
+     "hk = tl.arange(0, BLOCK_HKV)[:, None]",
+     "Triton rope_kv_append's head index x head stride in int32 (wraps past 2**31 elements)",
+     ["tests/test_triton_rope_kv_append.py"]),
+    ("M269", "triton_kernels/verify_attention.py", "n_at = n.to(tl.int64)", "n_at = n",
+     "Triton verify_attention's key position x key stride in int32 (wraps past 2**31 elements)",
+     ["tests/test_triton_verify_attention.py"]),
+    ("M270", "swiftkern/layer_skip_draft.py", "STREAM_DRAFT, pending.device, step_starts)", "STREAM_DRAFT, pending.device)",
+     "the layer-skipped draft keys its draws on (seed, position) alone: a redrafted position reuses its uniform",
+     ["tests/test_self_spec.py"]),
+    ("M271", "swiftkern/ops/acceptance.py", "outside = ~((u >= 0) & (u < 1))", "outside = (u < 0) | (u >= 1)",
+     "rejection_sample's uniform check lets NaN through",
+     ["tests/test_rejection_sample.py"]),
 ]
 
