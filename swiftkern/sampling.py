@@ -2,7 +2,9 @@
 
 A draw at position p of a request with seed s uses a uniform that depends on (s, p, stream)
 alone, never on the batch or on how many draws came before. So a replay of the same position
-(after a rollback, in a verify pass, in another batch) draws the same token.
+(after a rollback, in a verify pass, in another batch) draws the same token. The layer-skipped
+draft's draws depend on the position their step started from too: a position drafted again in a
+later step (after a rejection) draws afresh, independent of what the earlier draft steered.
 """
 
 from __future__ import annotations
