@@ -273,11 +273,11 @@ class Generator:
             fast_steps = stats["draft_steps"] + stats["verify_steps"]
         else:
             fast_steps = decode_ar(self.model, cache, first_logits, params, seeds, requests, logprobs, ids)
-        new = [len(t) for t in requests.out]
-        stats.update(replay="elided: batch-invariant kernels", fast_steps=fast_steps, fast_tokens=sum(new),
+        decoded = [len(t) - 1 for t in requests.out]  # as the replay counts: every token but the prefill's
+        stats.update(replay="elided: batch-invariant kernels", fast_steps=fast_steps, fast_tokens=sum(decoded),
                      prefill_passes=0, verify_passes=0, dummy_rows=0, rolled_back=0, corrected=0,
                      rollback_fraction=0.0, logprobs=[torch.cat(lp) for lp in logprobs],
-                     per_row=[{"verifies": 0, "fast_tokens": n, "rolled_back": 0} for n in new])
+                     per_row=[{"verifies": 0, "fast_tokens": n, "rolled_back": 0} for n in decoded])
         return stats
 
     # --- inputs ------------------------------------------------------------------------

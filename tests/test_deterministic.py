@@ -524,6 +524,10 @@ def test_generator_stats_and_errors(tiny):
     assert s["new_tokens"] == 18 and s["prefill_passes"] == 1 and s["verify_passes"] >= 2
     assert s["fast_tokens"] == 16 + s["rolled_back"]  # every token but the prefill's came from the fast path
     assert all(r["verifies"] >= 2 for r in out.request_stats)
+    elided = Generator(tiny, mode="deterministic").generate([[5, 6], [7]], max_new_tokens=9, eos_token_id=[])
+    assert elided.stats["replay"].startswith("elided") and elided.tokens == out.tokens
+    # counted alike with the replay elided (each new token was counted, the prefill's too)
+    assert elided.stats["fast_tokens"] == 16 and [r["fast_tokens"] for r in elided.request_stats] == [8, 8]
     one = Generator(tiny, mode="deterministic", replay="always").generate([[5, 6]], max_new_tokens=1,
                                                                           eos_token_id=[])
     assert len(one.tokens[0]) == 1 and one.stats["verify_passes"] == 0
