@@ -10,7 +10,9 @@ no replay is needed (``Generator.replay_elided``), each token as it is decoded. 
 with ``deterministic=False`` streams its fast-path tokens at once: they are its output.
 
 ``TextStream`` turns that into text pieces, holding back a piece that ends inside a character
-(a byte-level BPE token may carry half of one) until the next token completes it.
+(a byte-level BPE token may carry half of one) until the next token completes it, and, with a
+tokenizer that cleans up spaces, the text from the last whitespace on (a later "," or "'s"
+takes back the space before it).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Callable
 from .errors import SwiftkernError
 
 _INCOMPLETE = "\ufffd"  # what a tokenizer decodes a cut UTF-8 sequence to
+_WHITESPACE = " \t\n\r"
 
 
 class TextStream:
@@ -29,8 +32,11 @@ class TextStream:
     tokenizer: decodes token ids (``decode(ids, skip_special_tokens=True)``).
     write(request, text): gets every new piece of request ``request``'s text; by default the
     pieces go to stdout (meant for one request). ``finish()`` writes what was held back (a
-    request that ended inside a character) and returns the text of every request streamed, the
-    same as ``GenerationOutput.texts``.
+    request that ended inside a character, or its last word) and returns the text of every
+    request streamed, the same as ``GenerationOutput.texts``. The pieces of a request join to
+    that text: where the tokenizer cleans up spaces (``clean_up_tokenization_spaces``: " ," ->
+    ",", " n't" -> "n't", ...) a token can remove the space before the word it ends, so the
+    text from the last whitespace on waits for the next whitespace or ``finish()``.
     """
 
     def __init__(self, tokenizer, write: Callable[[int, str], None] | None = None):
@@ -42,13 +48,18 @@ class TextStream:
         self.write = write or _to_stdout
         self.tokens: dict[int, list[int]] = {}
         self.sent: dict[int, int] = {}  # characters of each request's text written so far
+        self.hold_last_word = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
 
     def __call__(self, request: int, tokens: list[int]) -> None:
         ids = self.tokens.setdefault(request, [])
         ids.extend(tokens)
         text = self._text(request)
-        if not text.endswith(_INCOMPLETE):
-            self._write_from(request, text)
+        if text.endswith(_INCOMPLETE):
+            return
+        if self.hold_last_word:  # HF's clean-up only drops a space before the text's last word
+            last_space = max(text.rfind(c) for c in _WHITESPACE)
+            text = text[:last_space] if last_space >= 0 else text
+        self._write_from(request, text)
 
     def finish(self) -> dict[int, str]:
         """Write what is held back; -> {request: its whole text}."""

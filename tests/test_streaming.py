@@ -156,6 +156,39 @@ def test_text_stream_writes_whole_characters_and_the_whole_text(cuts, requests):
     assert texts[0] == TEXT
 
 
+class CleanUpTokenizer:
+    """Token i is WORDS[i], the text cleaned up by HF's own rule (" ," -> ",", " n't" -> "n't",
+    " ' " -> "'", ...), as a tokenizer with clean_up_tokenization_spaces=True decodes."""
+
+    WORDS = ["Hello", " ", ",", " n", "'t", " '", "s", " 's", " .", "do", " x", "!", " !", " ?", "\n", " 're", "'"]
+    clean_up_tokenization_spaces = True
+
+    def decode(self, ids, skip_special_tokens=True):
+        from transformers import PreTrainedTokenizerBase
+
+        return PreTrainedTokenizerBase.clean_up_tokenization(None, "".join(self.WORDS[i] for i in ids))
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(ids=st.lists(st.integers(0, len(CleanUpTokenizer.WORDS) - 1), max_size=24),
+       cuts=st.lists(st.integers(1, 3), min_size=1, max_size=8))
+def test_text_stream_pieces_join_to_the_text_when_the_tokenizer_cleans_up_spaces(ids, cuts):
+    """Decoding such a tokenizer's tokens is not prefix-stable ("Hello " then "Hello,"): the
+    stream wrote a space the whole text no longer has."""
+    pieces = []
+    stream = TextStream(CleanUpTokenizer(), write=lambda r, text: pieces.append(text))
+    at = 0
+    for n in cuts * 24:
+        if at >= len(ids):
+            break
+        stream(0, ids[at:at + n])
+        at += n
+    if not ids:
+        stream(0, [])
+    texts = stream.finish()
+    assert "".join(pieces) == texts[0] == CleanUpTokenizer().decode(ids)
+
+
 def test_bad_streamer_is_refused(tiny):
     with pytest.raises(SwiftkernError, match="streamer must be a callable"):
         Generator(tiny, mode="ar").generate([PROMPTS[0]], max_new_tokens=2, streamer="stdout")
