@@ -192,7 +192,7 @@ MORE_MUTANTS = [
      "the skip count rounded down instead of to the nearest",
      ["tests/test_search.py"]),
     # streaming text, the measured step costs, the cache's rows, the search's restarts, lookup's vote, devices
-    ("M75", "swiftkern/streaming.py", "        if not text.endswith(_INCOMPLETE):\n", "        if True:\n",
+    ("M75", "swiftkern/streaming.py", "        if text.endswith(_INCOMPLETE):\n", "        if False:\n",
      "TextStream writes a piece that ends inside a character (the replacement character, then the "
      "character again once complete)",
      ["tests/test_streaming.py"]),
