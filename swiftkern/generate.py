@@ -395,6 +395,8 @@ class Generator:
         # one call at a time on this model (its contexts, a runner's cache); a call from inside
         # this one (a streamer's) gets a cache of its own
         with self.model.lock, self._call_cache(len(start), needed, used) as cache:
+            if self.model.packed is not None:  # weights written through .data since the last call
+                self.model.packed.refresh()
             invariant = self.replay_elided()  # every pass invariant, the prefill too
             graphs = self.model.cuda_graphs(self.graph_runner) if self.graph_runner else contextlib.nullcontext()
             graph_stats = self.graph_runner.stats() if self.graph_runner else None

@@ -38,5 +38,6 @@ def weights_key(model) -> tuple:
     """What a wrapper built on ``model`` depends on: each parameter's object, storage, dtype and
     shape. A load with ``assign=True``, ``param.data = ...``, ``model.to(dtype)`` or a resized
     vocabulary changes it; an in-place update (the same storage) does not, and a SkipModel,
-    which shares the parameters, sees that one anyway."""
+    which shares the parameters, sees that one anyway (its packed copies: by their version, or
+    for a write through ``.data`` by ``PackedSet.refresh`` at each ``generate`` call)."""
     return tuple((id(p), p.data_ptr(), p.dtype, tuple(p.shape)) for p in model.parameters())

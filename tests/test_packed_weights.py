@@ -10,8 +10,8 @@ from gguf import GGMLQuantizationType as Q
 from gguf import quants
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from conftest import bitwise_equal, gguf_like, gguf_weight, tiny_model
-from swiftkern import ops, reference
+from conftest import bitwise_equal, gguf_like, gguf_weight, hf_greedy, tiny_model
+from swiftkern import Generator, ops, reference
 from swiftkern.draft_head import DraftHead
 from swiftkern.errors import SwiftkernError
 from swiftkern.layer_kernels import LayerKernels
@@ -174,6 +174,48 @@ def test_packed_set_repacks_a_weight_changed_in_place(python):
     packed = python_watch(PackedSet([param]), python)
     param.data = b.clone()  # new storage, the same _version: the old codes were read on
     assert bitwise_equal(unpack(packed.slots()[0]), b)
+
+
+@pytest.mark.parametrize("edit", ["whole", "row", "column"])
+def test_refresh_finds_a_write_through_data(edit):
+    """A write through ``w.data`` (PEFT's merge of an adapter) moves neither the weight's version
+    nor its address: the stale codes were read on. ``refresh`` samples every row and column."""
+    a, b = gguf_weight(6, 64, Q.Q4_1, 0), gguf_weight(6, 64, Q.Q4_1, 1)
+    param = torch.nn.Parameter(a.clone(), requires_grad=False)
+    packed = PackedSet([param])
+    if edit == "whole":
+        param.data.copy_(b)  # another Q4_1 weight
+    elif edit == "row":
+        param.data[4] = b[4]  # row 4 of another Q4_1 weight: codes again
+    else:
+        param.data[:, 37] = b[:, 37]  # one column: that block is no longer codes times a scale
+    assert bitwise_equal(unpack(packed.slots()[0]), a)  # the version watch does not see it
+    assert packed.refresh() == 1 and packed.refresh() == 0
+    got = packed.slots()[0]
+    if edit == "column":
+        assert got is None  # not read packed: the runner reads the float32 weight
+    else:
+        assert bitwise_equal(unpack(got), param.detach())
+
+
+@needs_cpp
+def test_generate_after_a_write_through_data_matches_hf():
+    """SmolLM2-like packed weights, every down projection negated through ``.data``: the next
+    ``generate`` of the same Generator, and a new one, gave the old model's tokens."""
+    if not ops.packed_linear_fast():
+        pytest.skip("packed weights run on a CPU with AVX2 or AVX-512")
+    hf = gguf_like(tiny_model("llama"))
+    gen = Generator(SkipModel(hf))
+    assert gen.model.packed is not None and gen.model.packed.count == 4 * 7 + 1
+    prompt = [5, 9, 11, 3]
+    before = gen.generate([prompt], max_new_tokens=12, eos_token_id=[]).tokens[0]
+    assert before == hf_greedy(hf, prompt, 12, eos_token_id=[])
+    for layer in hf.model.layers:
+        layer.mlp.down_proj.weight.data.mul_(-1.0)
+    want = hf_greedy(hf, prompt, 12, eos_token_id=[])
+    assert want != before  # the edit changes the model's tokens
+    assert gen.generate([prompt], max_new_tokens=12, eos_token_id=[]).tokens[0] == want
+    assert Generator(SkipModel(hf)).generate([prompt], max_new_tokens=12, eos_token_id=[]).tokens[0] == want
 
 
 @needs_cpp
