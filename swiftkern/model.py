@@ -81,6 +81,35 @@ def _check_supported(hf_model) -> None:
     act = getattr(hf_model.config, "hidden_act", "silu")
     if act != "silu":
         raise SwiftkernError(f"unsupported hidden_act {act!r}: swiftkern's MLP is SwiGLU (silu)")
+    _check_plain_modules(hf_model)
+
+
+_PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                "mlp.up_proj", "mlp.down_proj")
+
+
+def _check_plain_modules(hf_model) -> None:
+    """The runner reads the weights of the model's linear layers and embedding and runs its own
+    arithmetic: a module of another type (an adapter's wrapper such as PEFT's ``lora.Linear``,
+    whose ``.weight`` is the base layer's; a quantized linear) or a forward hook would be
+    bypassed and the tokens would silently be the plain weights' ones. Refused, named."""
+    modules = {"model.embed_tokens": (hf_model.model.embed_tokens, torch.nn.Embedding),
+               "lm_head": (hf_model.lm_head, torch.nn.Linear)}
+    for i, layer in enumerate(hf_model.model.layers):
+        for path in _PROJECTIONS:
+            modules[f"model.layers.{i}.{path}"] = (layer.get_submodule(path), torch.nn.Linear)
+    for name, (module, plain) in modules.items():
+        if type(module) is not plain:
+            kind = f"{type(module).__module__}.{type(module).__qualname__}"
+            raise SwiftkernError(
+                f"{name} is a {kind}, not a plain torch.nn.{plain.__name__}: swiftkern reads the weights and would "
+                f"bypass what it adds (an adapter, a quantized matmul). Merge adapters first (PEFT: "
+                f"model.merge_and_unload()) or load the model unquantized")
+    hooked = [name for name, module in hf_model.named_modules()
+              if module._forward_hooks or module._forward_pre_hooks]
+    if hooked:
+        raise SwiftkernError(f"forward hooks on {', '.join(hooked[:3])}{' ...' if len(hooked) > 3 else ''}: "
+                             "swiftkern runs its own forward and would bypass them; remove the hooks first")
 
 
 class SkipModel:

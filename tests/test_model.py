@@ -100,6 +100,47 @@ def test_refuses_unsupported_models_and_bad_input():
         model.forward(torch.tensor([[1] * 5]), model.new_cache(1, 4))
 
 
+class AdapterLinear(torch.nn.Module):
+    """A LoRA-style wrapper as PEFT's ``lora.Linear``: ``.weight`` is the base layer's and the
+    forward adds B(A(x)), which a runner reading ``.weight`` never sees."""
+
+    def __init__(self, base):
+        super().__init__()
+        self.base_layer = base
+        self.lora_a = torch.nn.Linear(base.in_features, 2, bias=False)
+        self.lora_b = torch.nn.Linear(2, base.out_features, bias=False)
+
+    @property
+    def weight(self):
+        return self.base_layer.weight
+
+    @property
+    def bias(self):
+        return self.base_layer.bias
+
+    def forward(self, x):
+        return self.base_layer(x) + self.lora_b(self.lora_a(x))
+
+
+def test_modules_it_would_bypass_are_refused():
+    """A wrapped or quantized projection, or a forward hook, ran in HF's forward and not in the
+    runner's: its tokens were the plain weights' ones, without an error."""
+    model = tiny_model("llama")
+    model.model.layers[1].self_attn.v_proj = AdapterLinear(model.model.layers[1].self_attn.v_proj)
+    with pytest.raises(SwiftkernError, match=r"model\.layers\.1\.self_attn\.v_proj is a .*AdapterLinear, not a "
+                                             r"plain torch\.nn\.Linear.*merge_and_unload"):
+        SkipModel(model)
+    quantized = torch.ao.quantization.quantize_dynamic(tiny_model("llama"), {torch.nn.Linear}, dtype=torch.qint8)
+    with pytest.raises(SwiftkernError, match=r"lm_head is a torch\.ao\..*Linear, not a plain"):
+        SkipModel(quantized)
+    hooked = tiny_model("llama")
+    handle = hooked.model.layers[0].mlp.register_forward_hook(lambda module, args, out: out * 2)
+    with pytest.raises(SwiftkernError, match=r"forward hooks on model\.layers\.0\.mlp: .*remove the hooks"):
+        SkipModel(hooked)
+    handle.remove()
+    SkipModel(hooked)
+
+
 @pytest.mark.parametrize("args, kwargs, match", [
     ([torch.tensor([[1.0, 2.0]])], {}, r"tokens must be int64 \(or int32\) ids"),
     ([[[1, 2]]], {}, r"tokens must be a tensor \[B, T\]"),
