@@ -35,6 +35,7 @@ import torch
 from . import ops
 from .errors import SwiftkernError
 from .graph_capture import CudaGraph, EmulatedGraph  # noqa: F401 (EmulatedGraph: for GraphRunner's callers)
+from .rope_table import rope_follows_the_batch
 
 MAX_GRAPH_TOKENS = 256  # B x T at most in a graphed forward: decode, drafts and verify passes
 MIN_SPAN = 64
@@ -95,6 +96,9 @@ class GraphRunner:
                 raise SwiftkernError(f"CUDA graphs need the model on a CUDA device (it is on {model.device}): "
                                      "use --device cuda, or leave cuda_graphs off")
             graph_type = CudaGraph
+        if rope_follows_the_batch(model.rotary):  # HF's rotary compares the longest position on the host
+            raise SwiftkernError(f"rope_type {model.rotary.rope_type!r} rescales its frequencies by the longest "
+                                 "position of each forward, read on the host: no CUDA graphs (leave cuda_graphs off)")
         self.model = model
         self.graph_type = graph_type
         self.max_tokens = max_tokens

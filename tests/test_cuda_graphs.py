@@ -266,6 +266,19 @@ def test_cuda_graphs_refused_off_cuda(tiny):
         Generator(SkipModel(tiny_model("llama")), cuda_graphs=GraphRunner(tiny, EmulatedGraph))
 
 
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_cuda_graphs_refused_where_the_rope_reads_positions_on_the_host(rope_type):
+    """HF's dynamic / longrope rotary compares the forward's longest position on the host: the
+    first forward of a shape ran, the capture of the second failed mid-generation."""
+    scaling = {"rope_type": rope_type, "factor": 2.0}
+    if rope_type == "longrope":
+        half = 16 // 2  # tiny_model's head_dim 16
+        scaling.update(short_factor=[1.0] * half, long_factor=[2.0] * half, original_max_position_embeddings=64)
+    model = SkipModel(tiny_model("llama", rope_scaling=scaling))
+    with pytest.raises(SwiftkernError, match=f"rope_type '{rope_type}'.*no CUDA graphs"):
+        GraphRunner(model, EmulatedGraph)
+
+
 # --------------------------------------------------------------------------- on a GPU
 
 @needs_cuda
