@@ -69,11 +69,25 @@ class _NoHostReadCalls(TorchFunctionMode):
 class _NoHostReadOps(TorchDispatchMode):
     READS = frozenset(getattr(torch.ops.aten, name).default for name in
                       ("_local_scalar_dense", "nonzero", "equal", "is_nonzero", "item"))
+    # an output whose size follows the values: on a GPU the size is read back (a sync); the CPU
+    # kernels count on the host without a nested op that the mode would see
+    SIZED_BY_VALUES = frozenset((torch.ops.aten.masked_select.default, torch.ops.aten._unique.default,
+                                 torch.ops.aten._unique2.default, torch.ops.aten.unique_dim.default,
+                                 torch.ops.aten.unique_consecutive.default))
+    MASKS = (torch.bool, torch.uint8)
+    REPEATS_FROM_A_TENSOR = frozenset((torch.ops.aten.repeat_interleave.Tensor,
+                                       torch.ops.aten.repeat_interleave.self_Tensor))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in self.READS:
+        kwargs = kwargs or {}
+        if func in self.READS or func in self.SIZED_BY_VALUES:
             _refuse(func)
-        return func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.index.Tensor and any(  # x[mask]
+                isinstance(i, torch.Tensor) and i.dtype in self.MASKS for i in args[1]):
+            _refuse(func)
+        if func in self.REPEATS_FROM_A_TENSOR and kwargs.get("output_size") is None:
+            _refuse(func)  # (seen decomposed or not, as the modes above it go)
+        return func(*args, **kwargs)
 
 
 def _refuse(func) -> None:
@@ -87,7 +101,9 @@ def no_host_reads():
     ``.tolist()``, ``int(t)``, ``bool(t)``, ``.cpu()``, ``nonzero``, ``torch.equal``, ... (from
     Python, and the aten ops behind them from C++). On a GPU each is a device sync, which a CUDA
     graph capture refuses, and its result would be baked into the graph. The same for a tensor
-    made from host data (``torch.tensor``, ``torch.as_tensor``)."""
+    made from host data (``torch.tensor``, ``torch.as_tensor``), and for an op whose output
+    size follows the values (``x[mask]``, ``masked_select``, ``unique``, ``repeat_interleave``
+    by a tensor without ``output_size``): on a GPU that size is read back."""
     with _NoHostReadCalls(), _NoHostReadOps():
         yield
 

@@ -147,10 +147,17 @@ def test_runner_catches_a_host_read(tiny, monkeypatch):
 
 
 @pytest.mark.parametrize("read", [lambda t: t.max().item(), lambda t: t.tolist(), lambda t: int(t[0]),
-                                  lambda t: t.nonzero(), lambda t: bool((t > 0).any())])
+                                  lambda t: t.nonzero(), lambda t: bool((t > 0).any()),
+                                  # an output sized by the values (on CUDA its size is read back)
+                                  lambda t: t[t > 0], lambda t: t.masked_select(t > 0), lambda t: torch.unique(t),
+                                  lambda t: t.repeat_interleave(t)],
+                         ids=["item", "tolist", "int", "nonzero", "bool", "mask-index", "masked_select", "unique",
+                              "repeat_interleave"])
 def test_emulated_replay_refuses_reading_tensor_values(tiny, monkeypatch, read):
     """A replayed body that reads a tensor's value on the host (a device sync, which a CUDA
-    capture refuses) fails under the emulated graph; the first, eager sight of a key does not."""
+    capture refuses) fails under the emulated graph; the first, eager sight of a key does not.
+    The CPU kernels of ops whose output size follows the values count on the host with no op
+    the emulation saw: they passed here and would fail to capture on a GPU."""
     original = SkipModel.forward_device
 
     def syncs(self, tokens, cache, *args):
@@ -162,6 +169,18 @@ def test_emulated_replay_refuses_reading_tensor_values(tiny, monkeypatch, read):
     with pytest.raises(SwiftkernError, match="read a tensor's value on the host"):
         _steps(tiny, runner, [1, 1, 1])
     assert runner.eager >= 1 and runner.replays == 0
+
+
+def test_ops_sized_by_their_arguments_pass_the_emulation():
+    """The negative control: indexing by positions, repeats by an int or with output_size given
+    have sizes known without reading values, and capture on a GPU."""
+    from swiftkern.graph_capture import no_host_reads
+
+    x, repeats, at = torch.arange(6.0), torch.tensor([1, 2, 0, 1, 1, 1]), torch.tensor([4, 0])
+    with no_host_reads():
+        assert x[at].shape == (2,)
+        assert x.repeat_interleave(2).shape == (12,)
+        assert x.repeat_interleave(repeats, output_size=6).shape == (6,)
 
 
 def test_per_row_layer_sets_and_long_passes_run_eagerly(tiny):
