@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import cuda_device
 from .arg_checks import flag, real, whole
 from .call_inputs import arrival_steps, check_positions, per_prompt, stop_string_check, stop_token_set
 from .errors import SwiftkernError
@@ -394,7 +395,7 @@ class Generator:
         needed, used = longest + max_new_tokens + slack, longest + max_new_tokens
         # one call at a time on this model (its contexts, a runner's cache); a call from inside
         # this one (a streamer's) gets a cache of its own
-        with self.model.lock, self._call_cache(len(start), needed, used) as cache:
+        with self.model.lock, cuda_device.current(device), self._call_cache(len(start), needed, used) as cache:
             if self.model.packed is not None:  # weights written through .data since the last call
                 self.model.packed.refresh()
             invariant = self.replay_elided()  # every pass invariant, the prefill too

@@ -9,7 +9,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 
-from . import ops, reference
+from . import cuda_device, ops, reference
 from .layer_kernels import LayerKernels, invariant_backend
 from .arg_checks import flag, whole
 from .errors import SwiftkernError
@@ -389,15 +389,16 @@ class SkipModel:
             cache.advance_host(T)
             return logits
         self._check_token_ids(tokens)
-        if self.graphs is not None:
-            logits = self.graphs.forward(tokens, cache, skip_attn, skip_mlp, logits_positions, head)
-            if logits is not None:
-                return logits
-        uniform_start = starts[0] if min(starts) == max(starts) else None
-        hidden = self.forward_device(tokens, cache, skip_attn, skip_mlp, max(starts) + T, uniform_start,
-                                     logits_positions)
-        cache.advance_host(T)
-        return self.head_logits(hidden, head)
+        with cuda_device.current(self.device):  # Triton launches on torch's current device
+            if self.graphs is not None:
+                logits = self.graphs.forward(tokens, cache, skip_attn, skip_mlp, logits_positions, head)
+                if logits is not None:
+                    return logits
+            uniform_start = starts[0] if min(starts) == max(starts) else None
+            hidden = self.forward_device(tokens, cache, skip_attn, skip_mlp, max(starts) + T, uniform_start,
+                                         logits_positions)
+            cache.advance_host(T)
+            return self.head_logits(hidden, head)
 
     def _check_forward_args(self, tokens, cache, layer_set, logits_positions) -> None:
         """``forward``'s inputs: kinds, shapes, dtypes and devices on the host (no device sync);

@@ -6,8 +6,11 @@ registered is remembered in a module kept in sys.modules, so nothing is register
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
+from swiftkern import cuda_device
 from swiftkern.process_state import process_state
 
 from .launch import interpreting
@@ -31,11 +34,23 @@ def register(name: str, schema: str, fn, fake) -> None:
         torch.library.define(qual, schema)
     for key in dispatch_keys():
         if (name, key) not in _STATE.impls:
-            torch.library.impl(qual, key, fn)
+            torch.library.impl(qual, key, _on_the_arguments_device(fn))
             _STATE.impls.add((name, key))
     if name not in _STATE.fakes:
         torch.library.register_fake(qual, fake)
         _STATE.fakes.add(name)
+
+
+def _on_the_arguments_device(fn):
+    """fn run with its tensors' CUDA device current (``swiftkern.cuda_device``: Triton launches
+    on the current device)."""
+    def run(*args):
+        device = cuda_device.of_arguments(args)
+        with cuda_device.current(device) if device is not None else contextlib.nullcontext():
+            return fn(*args)
+
+    run.__name__ = run.__qualname__ = getattr(fn, "__name__", "run")
+    return run
 
 
 def registered(device_type: str = "cuda") -> set[str]:
