@@ -91,8 +91,10 @@ _PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "sel
 def _check_plain_modules(hf_model) -> None:
     """The runner reads the weights of the model's linear layers and embedding and runs its own
     arithmetic: a module of another type (an adapter's wrapper such as PEFT's ``lora.Linear``,
-    whose ``.weight`` is the base layer's; a quantized linear) or a forward hook would be
-    bypassed and the tokens would silently be the plain weights' ones. Refused, named."""
+    whose ``.weight`` is the base layer's; a quantized linear) would be bypassed and the tokens
+    would silently be the plain weights' ones. Refused, named. (Forward hooks do not run
+    either; they are left alone: most observe, as a forward counter does, and one that changes
+    an output cannot be told from them.)"""
     modules = {"model.embed_tokens": (hf_model.model.embed_tokens, torch.nn.Embedding),
                "lm_head": (hf_model.lm_head, torch.nn.Linear)}
     for i, layer in enumerate(hf_model.model.layers):
@@ -105,11 +107,6 @@ def _check_plain_modules(hf_model) -> None:
                 f"{name} is a {kind}, not a plain torch.nn.{plain.__name__}: swiftkern reads the weights and would "
                 f"bypass what it adds (an adapter, a quantized matmul). Merge adapters first (PEFT: "
                 f"model.merge_and_unload()) or load the model unquantized")
-    hooked = [name for name, module in hf_model.named_modules()
-              if module._forward_hooks or module._forward_pre_hooks]
-    if hooked:
-        raise SwiftkernError(f"forward hooks on {', '.join(hooked[:3])}{' ...' if len(hooked) > 3 else ''}: "
-                             "swiftkern runs its own forward and would bypass them; remove the hooks first")
 
 
 class SkipModel:

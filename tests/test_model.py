@@ -123,8 +123,8 @@ class AdapterLinear(torch.nn.Module):
 
 
 def test_modules_it_would_bypass_are_refused():
-    """A wrapped or quantized projection, or a forward hook, ran in HF's forward and not in the
-    runner's: its tokens were the plain weights' ones, without an error."""
+    """A wrapped or quantized projection ran in HF's forward and not in the runner's: its tokens
+    were the plain weights' ones, without an error."""
     model = tiny_model("llama")
     model.model.layers[1].self_attn.v_proj = AdapterLinear(model.model.layers[1].self_attn.v_proj)
     with pytest.raises(SwiftkernError, match=r"model\.layers\.1\.self_attn\.v_proj is a .*AdapterLinear, not a "
@@ -133,12 +133,7 @@ def test_modules_it_would_bypass_are_refused():
     quantized = torch.ao.quantization.quantize_dynamic(tiny_model("llama"), {torch.nn.Linear}, dtype=torch.qint8)
     with pytest.raises(SwiftkernError, match=r"lm_head is a torch\.ao\..*Linear, not a plain"):
         SkipModel(quantized)
-    hooked = tiny_model("llama")
-    handle = hooked.model.layers[0].mlp.register_forward_hook(lambda module, args, out: out * 2)
-    with pytest.raises(SwiftkernError, match=r"forward hooks on model\.layers\.0\.mlp: .*remove the hooks"):
-        SkipModel(hooked)
-    handle.remove()
-    SkipModel(hooked)
+    SkipModel(tiny_model("llama"))  # plain modules: taken
 
 
 @pytest.mark.parametrize("args, kwargs, match", [
