@@ -53,9 +53,10 @@ class GaussianProcess:
         self.y_mean = float(y.mean())
         self.y_std = float(y.std()) if len(y) > 1 and float(y.std()) > 0 else 1.0
         yn = (y - self.y_mean) / self.y_std
-        grid = [hyper] if hyper is not None else [(ls, sv, nv) for ls in ([self.fixed[0]] if self.fixed[0] else LENGTH_SCALES)
-                for sv in ([self.fixed[1]] if self.fixed[1] else SIGNAL_VARIANCES)
-                for nv in ([self.fixed[2]] if self.fixed[2] else NOISE_VARIANCES)]
+        grid = [hyper] if hyper is not None else [
+            (ls, sv, nv) for ls in ([self.fixed[0]] if self.fixed[0] is not None else LENGTH_SCALES)
+            for sv in ([self.fixed[1]] if self.fixed[1] is not None else SIGNAL_VARIANCES)
+            for nv in ([self.fixed[2]] if self.fixed[2] is not None else NOISE_VARIANCES)]  # 0.0 is a value
         best = None
         for ls, sv, nv in grid:
             L, alpha, lml = self._solve(x, yn, ls, sv, nv)

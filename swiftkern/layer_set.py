@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from dataclasses import dataclass
 
 from .arg_checks import whole
 from .errors import SwiftkernError
+
+_DIGITS = re.compile(r"[0-9]+")  # an index as written in a layer set: ASCII digits alone
 
 
 def _format_indices(indices: tuple[int, ...]) -> str:
@@ -25,13 +28,10 @@ def _format_indices(indices: tuple[int, ...]) -> str:
 def _parse_indices(text: str, num_layers: int, what: str) -> tuple[int, ...]:
     out: set[int] = set()
     for part in filter(None, (p.strip() for p in text.split(","))):
-        lo, dash, hi = part.partition("-")
-        try:
-            start, stop = int(lo), int(hi if dash else lo)
-        except ValueError:
-            raise SwiftkernError(
-                f"layer set: {what} entry {part!r} is not an index or a range like 3-7"
-            ) from None
+        lo, dash, hi = (p.strip() for p in part.partition("-"))
+        if not all(_DIGITS.fullmatch(p) for p in ((lo, hi) if dash else (lo,))):  # int() took "1_0" as 10, "+1"
+            raise SwiftkernError(f"layer set: {what} entry {part!r} is not an index or a range like 3-7")
+        start, stop = int(lo), int(hi if dash else lo)
         if stop < start:
             raise SwiftkernError(f"layer set: {what} range {part!r} runs backwards; write it as {stop}-{start}")
         if start < 0 or stop >= num_layers:  # before expanding it: "1-3000000" built a list of millions
@@ -163,10 +163,11 @@ class LayerSet:
     # --- constructors used by drafting and search ----------------------------------------
     @classmethod
     def random(cls, num_layers: int, ratio: float, seed: int = 0, protect_ends: bool = True) -> "LayerSet":
-        """A random set skipping round(ratio * 2L) sub-layers; first and last layer kept."""
+        """A random set skipping round(ratio * 2L) sub-layers (fewer where the pool is smaller);
+        first and last layer kept (protect_ends: with 2 layers or fewer, nothing is skipped)."""
         if not 0.0 <= ratio < 1.0:
             raise SwiftkernError(f"skip ratio must be in [0, 1), got {ratio}")
-        layers = range(1, num_layers - 1) if protect_ends and num_layers > 2 else range(num_layers)
+        layers = range(1, num_layers - 1) if protect_ends else range(num_layers)
         pool = [(kind, i) for kind in ("attn", "mlp") for i in layers]
         k = min(len(pool), round(ratio * 2 * num_layers))
         chosen = random.Random(seed).sample(pool, k)

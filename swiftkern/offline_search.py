@@ -58,7 +58,8 @@ def search_layer_set(model, tokenizer, prompts: list[str], skip_ratio="auto", bu
         share = budget_s / len(ratios)
         bar = _progress(share, f"search r={ratio}")
         t0 = time.perf_counter()
-        while search.done() is None and time.perf_counter() - t0 < share:
+        # one batch at least, however small the budget (else no set to measure, a confusing error)
+        while search.done() is None and (search.best is None or time.perf_counter() - t0 < share):
             cands = search.propose(candidates_per_forward)
             for cand, score in zip(cands, matchness(model, cache, rows, contexts, cands, max_new_tokens, head)):
                 search.observe(cand, score)

@@ -20,7 +20,7 @@ def encode_prompts(prompts, tokenizer, vocab_size: int, chat: bool = False) -> l
             raise SwiftkernError(f"a prompt tensor must hold integer token ids, [T] or [B, T]; got {prompts.dtype} "
                                  f"of shape {tuple(prompts.shape)}")
         prompts = prompts.tolist() if prompts.dim() == 2 else [prompts.tolist()]
-    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and is_integer(prompts[0])):
+    if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and is_integer(prompts[0])):
         prompts = [prompts]
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise SwiftkernError("prompts must be a non-empty string, list of strings or token id lists")

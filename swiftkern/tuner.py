@@ -29,6 +29,7 @@ The search pays only for what can pay, since on a small model it is pure overhea
 
 from __future__ import annotations
 
+import math
 import time
 
 from .arg_checks import real, whole
@@ -65,8 +66,12 @@ def tuner_options(options) -> dict:
             if not isinstance(value, SearchConfig):
                 raise SwiftkernError(f"search_options['config'] must be a swiftkern.search.SearchConfig, got {value!r}")
         elif key == "optimism":
-            for v in value if isinstance(value, (tuple, list)) else (value,):
-                real("search_options['optimism'] entry", v)
+            entries = value if isinstance(value, (tuple, list)) else (value,)
+            if not entries:  # the first search phase indexed it
+                raise SwiftkernError("search_options['optimism'] must be a number or a non-empty list of numbers")
+            for v in entries:
+                if not math.isfinite(real("search_options['optimism'] entry", v)):
+                    raise SwiftkernError(f"search_options['optimism'] entries must be finite, got {v}")
         else:
             hint = " (give skip_ratio= to the Generator)" if key == "skip_ratio" else ""
             raise SwiftkernError(f"search_options has no option {key!r}{hint}; it takes "

@@ -215,3 +215,12 @@ def test_bo_proposal_maximizes_the_acquisition_over_every_unseen_set(acquisition
         assert acq[np.argmax(w)] < acq.max() - 0.05 * np.ptp(acq)
     proposal = search.propose(1)[0].to_bits()
     assert acq[unseen.index(proposal)] == pytest.approx(acq.max(), rel=1e-9)
+
+
+def test_a_fixed_noise_variance_of_zero_is_kept():
+    """GaussianProcess(noise_var=0.0) took 0.0 for "not given" and searched the grid."""
+    x, y = torch.tensor([[0.0], [0.5], [1.0]], dtype=torch.float64), torch.tensor([0.0, 1.0, 0.5], dtype=torch.float64)
+    gp = GaussianProcess(length_scale=0.7, signal_var=1.3, noise_var=0.0).fit(x, y)
+    assert gp.hyper == (0.7, 1.3, 0.0)
+    mean, _ = gp.predict(x)
+    torch.testing.assert_close(mean, y)  # no noise: the posterior mean interpolates the data

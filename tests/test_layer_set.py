@@ -108,3 +108,21 @@ def test_a_huge_range_is_refused_before_it_is_expanded():
     with pytest.raises(SwiftkernError, match=r"entry '1-3000000' is outside the 4 layers") as refused:
         LayerSet.parse("attn:1-3000000", 4)
     assert time.perf_counter() - t < 0.5 and len(str(refused.value)) < 200
+
+
+@pytest.mark.parametrize("spec", ["attn:1_0", "attn:+1", "mlp:2-+3", "attn:\u0663", "attn:1-3_0"])
+def test_an_index_is_ascii_digits(spec):
+    """int() took "1_0" as layer 10, "+1" as 1 and an Arabic-Indic three as 3: a typo became
+    another layer set."""
+    with pytest.raises(SwiftkernError, match="not an index or a range"):
+        LayerSet.parse(spec, 40)
+    assert LayerSet.parse("attn: 1 - 3 ,5|mlp:0", 8) == LayerSet(8, (1, 2, 3, 5), (0,))  # spaces are fine
+
+
+def test_random_keeps_the_ends_of_a_model_of_two_layers_or_fewer():
+    """With no inner layer there is nothing to skip: random(2, 0.6) skipped the last layer's
+    sub-layers and random(1, 0.75) every sub-layer (refused as such)."""
+    assert LayerSet.random(2, 0.6).num_skipped == 0 and LayerSet.random(1, 0.75).num_skipped == 0
+    three = LayerSet.random(3, 0.9)
+    assert three.skip_attn == (1,) and three.skip_mlp == (1,)  # the one inner layer, whatever the ratio
+    assert LayerSet.random(2, 0.6, protect_ends=False).num_skipped == 2

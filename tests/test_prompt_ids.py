@@ -46,3 +46,10 @@ def test_token_ids_must_lie_in_the_vocabulary(ids, refused):
         return
     with pytest.raises(SwiftkernError, match=r"outside \[0, 301\)"):
         gen.generate([ids], max_new_tokens=1)
+
+
+def test_a_tuple_of_ids_is_one_prompt_as_a_list_is():
+    """A tuple was taken for a list of prompts, each id a prompt ("prompt 0 must be text or a
+    list of token ids, got int")."""
+    assert encode_prompts((5, 6, 7), None, 300) == encode_prompts([5, 6, 7], None, 300) == [[5, 6, 7]]
+    assert encode_prompts(((5, 6), [7]), None, 300) == [[5, 6], [7]]

@@ -206,6 +206,20 @@ def test_offline_search_stores_a_measured_set(tmp_path, monkeypatch):
     assert str(stored["layer_set"]) == record["layer_set"] and stored["speedup"] == record["speedup"]
 
 
+def test_offline_search_on_a_tiny_budget_scores_one_batch(tmp_path, monkeypatch):
+    """The loop looked at the clock before scoring anything: with no set scored its best was
+    None, measured as the layer set "None" and refused with a message about layer sets."""
+    from swiftkern.offline_search import search_layer_set
+
+    monkeypatch.setenv("SWIFTKERN_CACHE_DIR", str(tmp_path))
+    sm = SkipModel.from_hf(tiny_model("llama", num_hidden_layers=6))
+    record = search_layer_set(sm, None, PROMPTS[:1], skip_ratio=0.25, budget_s=1e-9, max_new_tokens=4,
+                              log=lambda *a: None)
+    (row,) = record["table"]
+    assert row["scored"] >= 1
+    assert LayerSet.parse(record["layer_set"], 6).num_skipped == 3
+
+
 @pytest.mark.parametrize("context_end", [None, 11])
 def test_matchness_with_a_pruned_head_scores_the_drafts_top1(context_end):
     """The draft's top-1 under a pruned head is a token id (the head's row mapped back), compared
@@ -593,6 +607,8 @@ def test_measure_speedup_sums_the_runs_it_interleaves(monkeypatch):
     (dict(time_fraction=0.0), r"search_options\['time_fraction'\] must be > 0"),
     (dict(restart_ratio="x"), r"search_options\['restart_ratio'\] must be a number"),
     (dict(config="fast"), "must be a swiftkern.search.SearchConfig"),
+    (dict(optimism=[]), r"optimism'\] must be a number or a non-empty list"),  # crashed mid-generation
+    (dict(optimism=[0.5, float("nan")]), r"optimism'\] entries must be finite, got nan"),
 ])
 def test_bad_search_options_are_refused_when_the_generator_is_made(options, msg):
     """Not a TypeError from the tuner's constructor at the first generate (as they were)."""

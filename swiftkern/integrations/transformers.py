@@ -202,8 +202,9 @@ def generate(model, input_ids: torch.Tensor | None = None, logits_processor=None
 
     Returns int64 [B, T + N] (input, then new tokens padded with pad_token_id after EOS), or a
     ``GenerateDecoderOnlyOutput`` with only ``sequences`` set when return_dict_in_generate.
-    Greedy tokens equal plain ``model.generate``; sampled ones follow the same distribution
-    but not HF's random stream.
+    Greedy tokens equal plain ``model.generate`` in float32 (in bfloat16 / float16 up to the
+    rounding of a near tie, as the README says); sampled ones follow the same distribution but
+    not HF's random stream.
     """
     compat.check_version()
     if generation_config is None:  # a direct call: let HF prepare everything, then come back here
