@@ -207,6 +207,20 @@ def test_unsupported_options_are_refused(llama, kwargs, named):
         _hf(llama, torch.tensor(PROMPT), max_new_tokens=4, custom_generate=swift_generate, swift_mode="ar", **kwargs)
 
 
+@pytest.mark.parametrize("kwargs", [dict(min_new_tokens=0), dict(min_length=3)])
+def test_a_minimum_length_the_prompt_already_reaches_is_taken(llama, kwargs):
+    """HF adds a minimum-length processor that changes nothing (min_new_tokens=0; a min_length
+    at most the prompt's width): it was refused like one that bans EOS."""
+    ids = torch.tensor(PROMPT)
+    assert ids.shape[-1] >= 3
+    want = _hf(llama, ids, max_new_tokens=8, do_sample=False, **kwargs)
+    got = _hf(llama, ids, max_new_tokens=8, do_sample=False, custom_generate=swift_generate, swift_mode="ar", **kwargs)
+    assert torch.equal(got, want)
+    with pytest.raises(SwiftkernError, match="MinLengthLogitsProcessor"):  # one that bans EOS for a while
+        _hf(llama, ids, max_new_tokens=8, min_length=ids.shape[-1] + 2, custom_generate=swift_generate,
+            swift_mode="ar")
+
+
 def test_assistant_model_is_refused(llama):
     with pytest.raises(SwiftkernError, match="assistant_model"):
         _hf(llama, torch.tensor(PROMPT), max_new_tokens=4, assistant_model=tiny_model("llama", seed=3),

@@ -43,14 +43,26 @@ _MUST_BE_NEUTRAL = {  # field: (neutral value, what it asks for)
 }
 
 
-def _refusals(generation_config, logits_processor, stopping_criteria, model_kwargs, hf_args) -> list[str]:
+def _neutral(proc, prompt_width: int) -> bool:
+    """A processor that changes no logit here: a minimum length the prompts already reach
+    (HF adds one for min_new_tokens=0, or a min_length at most the input's width)."""
+    name = type(proc).__name__
+    if name == "MinLengthLogitsProcessor":
+        return proc.min_length <= prompt_width
+    if name == "MinNewTokensLengthLogitsProcessor":
+        return proc.min_new_tokens <= 0
+    return False
+
+
+def _refusals(generation_config, logits_processor, stopping_criteria, model_kwargs, hf_args,
+              prompt_width: int) -> list[str]:
     problems = []
     for name, (neutral, what) in _MUST_BE_NEUTRAL.items():
         value = getattr(generation_config, name, None)
         if value is not None and (type(value) is not type(neutral) or value != neutral):
             problems.append(f"{name}={value!r} ({what})")
     for proc in logits_processor or []:
-        if type(proc).__name__ not in _WARPERS:
+        if type(proc).__name__ not in _WARPERS and not _neutral(proc, prompt_width):
             problems.append(f"logits processor {type(proc).__name__} (from a GenerationConfig field such as "
                             "repetition_penalty, min_new_tokens, bad_words_ids, or passed by the caller)")
     for crit in stopping_criteria or []:
@@ -213,7 +225,8 @@ def generate(model, input_ids: torch.Tensor | None = None, logits_processor=None
                               drafter=drafter, k_max=k_max, eps=eps, seed=seed, swift_kwargs=swift_kwargs,
                               **model_kwargs)
     hf_args = compat.generate_call_arguments()
-    problems = _refusals(generation_config, logits_processor, stopping_criteria, model_kwargs, hf_args)
+    problems = _refusals(generation_config, logits_processor, stopping_criteria, model_kwargs, hf_args,
+                         input_ids.shape[-1])
     if problems:
         raise SwiftkernError("the swiftkern transformers backend does not support: " + "; ".join(problems)
                              + ". Drop these options, or call model.generate without custom_generate")
