@@ -263,9 +263,9 @@ def test_model_inputs_the_caller_passed_are_refused(llama):
         _hf(llama, ids, max_new_tokens=3, labels=ids, custom_generate=swift_generate, swift_mode="ar")
     added = {"attention_mask": torch.ones_like(ids), "internal_state": object()}
     config = llama.generation_config
-    assert not _refusals(config, [], [], added, {"kwargs": {}})
-    assert _refusals(config, [], [], added, {"kwargs": {"internal_state": 1}}) == ["model inputs internal_state"]
-    assert _refusals(config, [], [], added, {}) == ["model inputs internal_state"]
+    assert not _refusals(config, [], [], added, {"kwargs": {}}, 4)
+    assert _refusals(config, [], [], added, {"kwargs": {"internal_state": 1}}, 4) == ["model inputs internal_state"]
+    assert _refusals(config, [], [], added, {}, 4) == ["model inputs internal_state"]
 
 
 @pytest.mark.parametrize("kwargs, message", [
