@@ -207,7 +207,7 @@ def test_unsupported_options_are_refused(llama, kwargs, named):
         _hf(llama, torch.tensor(PROMPT), max_new_tokens=4, custom_generate=swift_generate, swift_mode="ar", **kwargs)
 
 
-@pytest.mark.parametrize("kwargs", [dict(min_new_tokens=0), dict(min_length=3)])
+@pytest.mark.parametrize("kwargs", [dict(min_new_tokens=0), dict(min_length=len(PROMPT[0]))])
 def test_a_minimum_length_the_prompt_already_reaches_is_taken(llama, kwargs):
     """HF adds a minimum-length processor that changes nothing (min_new_tokens=0; a min_length
     at most the prompt's width): it was refused like one that bans EOS."""

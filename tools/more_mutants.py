@@ -498,8 +498,8 @@ MORE_MUTANTS = [
     ("M284", "swiftkern/offline_search.py", "(search.best is None or time.perf_counter() - t0 < share)",
      "time.perf_counter() - t0 < share", "the offline search may score nothing and measure the set 'None'",
      ["tests/test_search.py"]),
-    ("M285", "swiftkern/integrations/transformers.py", "        return proc.min_new_tokens <= 0\n",
-     "        return False\n", "the HF backend refuses min_new_tokens=0",
+    ("M285", "swiftkern/integrations/transformers.py", "proc.min_length <= prompt_width",
+     "proc.min_length < prompt_width", "the HF backend refuses a min_length equal to the input's width",
      ["tests/test_hf_integration.py"]),
 ]
 

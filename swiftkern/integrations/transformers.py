@@ -45,13 +45,9 @@ _MUST_BE_NEUTRAL = {  # field: (neutral value, what it asks for)
 
 def _neutral(proc, prompt_width: int) -> bool:
     """A processor that changes no logit here: a minimum length the prompts already reach
-    (HF adds one for min_new_tokens=0, or a min_length at most the input's width)."""
-    name = type(proc).__name__
-    if name == "MinLengthLogitsProcessor":
-        return proc.min_length <= prompt_width
-    if name == "MinNewTokensLengthLogitsProcessor":
-        return proc.min_new_tokens <= 0
-    return False
+    (HF adds one for min_new_tokens=0, or a min_length at most the input's width; it adds a
+    MinNewTokensLengthLogitsProcessor only for min_new_tokens > 0)."""
+    return type(proc).__name__ == "MinLengthLogitsProcessor" and proc.min_length <= prompt_width
 
 
 def _refusals(generation_config, logits_processor, stopping_criteria, model_kwargs, hf_args,
