@@ -71,4 +71,4 @@ def check_positions(model: SkipModel, longest: int, max_new_tokens: int) -> None
     if limit is not None and longest + max_new_tokens > limit:
         raise SwiftkernError(
             f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds the model's "
-            f"{limit} positions; shorten the prompt or lower --max-new-tokens")
+            f"{limit} positions; shorten the prompt or lower max_new_tokens (--max-new-tokens)")
