@@ -44,7 +44,8 @@ inline void rotate(const E* __restrict x, const E* __restrict c, const E* __rest
 // The row's rotation: float32 straight from x into out; bf16 / fp16 widened into f (4D floats:
 // x, cos, sin, out), rotated there and rounded in vectors (exact_load.h / round_store.h: the bits
 // of the element-by-element casts, which made an fp16 rope ~1.6x a float32 one in a decode profile).
-// cos / sin are widened once for the rows of one (row, token) that follow one another.
+// cos / sin are widened once for the rows of one (row, token) that follow one another (both
+// pointers compared: cos expanded with stride 0 beside a dense sin read the first row's sin).
 template <class E>
 class Rotator {
  public:
@@ -55,10 +56,11 @@ class Rotator {
       rotate(x, c, s, out, D_ / 2);
     } else {
       float *xf = f_.data(), *cf = xf + D_, *sf = cf + D_, *of = sf + D_;
-      if (c != widened_) {
+      if (c != widened_cos_ || s != widened_sin_) {  // either may repeat alone (a stride-0 expand)
         widen_rows(isa, c, D_, cf);
         widen_rows(isa, s, D_, sf);
-        widened_ = c;
+        widened_cos_ = c;
+        widened_sin_ = s;
       }
       widen_rows(isa, x, D_, xf);
       rotate(xf, cf, sf, of, D_ / 2);
@@ -69,7 +71,8 @@ class Rotator {
  private:
   int64_t D_;
   std::vector<float> f_;
-  const E* widened_ = nullptr;  // the cos row in cf (sin: the same row's)
+  const E* widened_cos_ = nullptr;  // the cos row in cf
+  const E* widened_sin_ = nullptr;  // the sin row in sf
 };
 
 template <class E>

@@ -146,3 +146,27 @@ def test_an_empty_probability_tensor_needs_no_layout(device):
     tokens, accepted = ops.greedy_accept(torch.zeros(0, 2, dtype=torch.int64, device=device), logits,
                                          torch.zeros(0, dtype=torch.int32, device=device))
     assert tokens.shape == (0, 3) and accepted.shape == (0,)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("broadcast", ["cos", "sin"])
+def test_rope_with_one_table_broadcast_beside_a_dense_other(dtype, broadcast):
+    """cos (or sin) expanded over the batch with stride 0 beside a dense sin (or cos): the C++
+    kernel widens a bf16 / fp16 cos and sin row once for the rows that share it, compared the
+    cos pointer alone, and rotated every row after the first with the first row's sin."""
+    B, Hq, Hkv, T, D, S = 3, 2, 1, 2, 16, 8
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    q, k, v = rand(B, Hq, T, D), rand(B, Hkv, T, D), rand(B, Hkv, T, D)
+    shared, own = rand(1, T, D).expand(B, T, D), rand(B, T, D)
+    cos, sin = (shared, own) if broadcast == "cos" else (own, shared)
+    positions = torch.arange(T).repeat(B, 1)
+    results = []
+    for c, s in ((cos, sin), (cos.contiguous(), sin.contiguous())):
+        k_cache, v_cache = torch.zeros(B, Hkv, S, D, dtype=dtype), torch.zeros(B, Hkv, S, D, dtype=dtype)
+        results.append((ops.rope_kv_append(q, k, v, c, s, k_cache, v_cache, positions), k_cache, v_cache))
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
