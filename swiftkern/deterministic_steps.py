@@ -141,7 +141,7 @@ class DeterministicRun:
             match = self.lookup.match(r, requests.out[r], room,
                                       min_ngram=1 if policy is not None else LOOKUP_MIN_NGRAM_UNJUDGED,
                                       pending=row.unverified)
-            tokens = _through_stop(match.tokens, requests.stop_ids)
+            tokens = _through_stop(match.tokens, requests, r, row.unverified)
             if tokens and (policy is None or policy.take(
                     r, row.kind or kind, len(row.unverified), len(tokens), match.ngram,
                     wait=_steps_to_verify(rows, row, window, policy.verify_batch))):
@@ -165,7 +165,7 @@ class DeterministicRun:
                 continue
             match = self.lookup.match(r, requests.out[r], min(room, RIDE_ALONG_MAX),
                                       min_ngram=LOOKUP_MIN_NGRAM_UNJUDGED, pending=row.unverified)
-            drafts.append(_through_stop(match.tokens, requests.stop_ids))
+            drafts.append(_through_stop(match.tokens, requests, r, row.unverified))
         return drafts
 
     def fast_step(self, rows: list[Row]) -> None:
@@ -305,11 +305,15 @@ class DeterministicRun:
         self.cache.set_lengths(lengths)
 
 
-def _through_stop(tokens: list[int], stop_ids) -> list[int]:
-    """tokens up to and including the first stop id: a match runs on past it, and what follows
-    a stop is never committed (the fast path's own tokens stop there too)."""
+def _through_stop(tokens: list[int], requests, r: int, pending: list[int]) -> list[int]:
+    """tokens up to and including the first that stops request r after its output and its
+    ``pending`` unverified tokens: a stop id, or a stop string its text then holds
+    (``requests.stop_check``). A match runs on past a stop, and what follows one is never
+    committed (the fast path's own tokens stop there too); uncut, it was verified, dropped by
+    the commit and counted nowhere."""
+    check = requests.stop_check
     for i, t in enumerate(tokens):
-        if t in stop_ids:
+        if t in requests.stop_ids or (check is not None and check(r, requests.out[r] + pending + tokens[:i + 1])):
             return tokens[:i + 1]
     return tokens
 

@@ -660,10 +660,12 @@ def test_the_replays_prefill_is_timed_as_prefill(monkeypatch):
     assert out.stats["prefill_s"] >= 0.3
 
 
-def test_a_lookup_draft_stops_at_a_stop_token():
+@pytest.mark.parametrize("how", ["stop id", "stop string"])
+def test_a_lookup_draft_stops_at_a_stop_token(how):
     """A prompt-lookup match ran on past a stop token: the tokens after it were verified, then
     dropped by the commit without being counted as rolled back (rollback_fraction said 0 while
-    most fast tokens were thrown away). A repeated prompt makes lookup predict through the stop."""
+    most fast tokens were thrown away). A repeated prompt makes lookup predict through the stop.
+    The same for a stop string (``Requests.stop_check``), which the cut did not look at."""
     import random
 
     from swiftkern.deterministic import decode_deterministic
@@ -681,7 +683,8 @@ def test_a_lookup_draft_stops_at_a_stop_token():
     want = ar.generate([prompt], max_new_tokens=24, eos_token_id=[stop]).tokens[0]
     for window in (8, 16):
         fast = FastPath(LayerSet.parse("attn:1|mlp:2", model.num_layers), eps=0.5, lookup=True, adaptive=False)
-        requests = Requests(1, 24, frozenset([stop]))
+        requests = (Requests(1, 24, frozenset([stop])) if how == "stop id" else
+                    Requests(1, 24, frozenset(), stop_check=lambda r, tokens: tokens[-1] == stop))
         stats = decode_deterministic(model, model.new_cache(1, len(prompt) + 24 + window + 26), [prompt],
                                      SamplingParams(), [0], requests, window, 1, fast)
         assert requests.out[0] == want and stats["lookup_tokens"] > 0
