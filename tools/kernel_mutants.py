@@ -352,5 +352,8 @@ KERNEL_MUTANTS = [
      "const cuda::RejectionSampleArgs a{draft_tokens.data_ptr<int64_t>(), draft_tokens.stride(0),",
      "const cuda::RejectionSampleArgs a{draft_tokens.data_ptr<int64_t>(), draft_tokens.size(1),",
      "the CUDA rejection_sample takes rows of drafts to be K apart, not their stride (K+1 in a verify step)", ["tests/test_cuda_ops.py"]),
+    ("K83", "csrc/rope_kv_append_cpu.cpp", "if (c != widened_cos_ || s != widened_sin_) {", "if (c != widened_cos_) {",
+     "the C++ rope widens a bf16 / fp16 sin row again only when the cos row moves (stride-0 cos, dense sin)",
+     ["tests/test_op_views.py"]),
 ]
 
