@@ -200,7 +200,8 @@ KERNEL_MUTANTS = [
      "the norm's scalar loop sums a row's tail (and the portable set's whole row) into one lane",
      ["tests/test_cpp_ops.py"]),
     # ------------------------------------------------------------------ rope's bf16 / fp16 rows in vectors
-    ("K79", "csrc/rope_kv_append_cpu.cpp", "      if (c != widened_) {", "      if (widened_ == nullptr) {",
+    ("K79", "csrc/rope_kv_append_cpu.cpp", "      if (c != widened_cos_ || s != widened_sin_) {",
+     "      if (widened_cos_ == nullptr) {",
      "rope's bf16 / fp16 rows keep the cos / sin of a task's first token for every token after it",
      ["tests/test_cpp_ops.py"]),
     ("K80", "csrc/rope_kv_append_cpu.cpp", "      widen_rows(isa, x, D_, xf);", "      widen_rows(isa, x, D_ / 2, xf);",
