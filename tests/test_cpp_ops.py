@@ -327,6 +327,21 @@ def test_rope_kv_append_through_the_wrapper_with_cpp_forced():
     assert torch.equal(got_q, want_q) and torch.equal(cache.nan_to_num(7.0), want_cache.nan_to_num(7.0))
 
 
+@needs_cpp
+def test_rope_kv_append_with_caches_of_another_dtype_is_refused_by_the_wrapper():
+    """The reference writes a bf16 cache from float32 q, k, v; the C++ kernel needs one dtype and
+    its own check raised a RuntimeError through the public op, not a SwiftkernError."""
+    positions = torch.tensor([[3, 4], [0, 1]])
+    q, k, v, cos, sin, cache = rope_case(2, 9, 3, 2, 64, 6, positions, torch.float32, 5)
+    ops.set_backend("cpp")
+    try:
+        with pytest.raises(SwiftkernError, match=r"the cpp kernel writes the cache in q's dtype \(torch.float32\), "
+                                                 r"got caches of torch.bfloat16"):
+            ops.rope_kv_append(q, k, v, cos, sin, cache[0].bfloat16(), cache[1].bfloat16(), positions)
+    finally:
+        ops.set_backend("auto")
+
+
 # ---------------------------------------------------------------- kv_compact
 
 def kv_cache(L, B, H, S, D, dtype, seed):

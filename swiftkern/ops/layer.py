@@ -131,6 +131,10 @@ def rope_kv_append(
     backend = resolve(op, device.type)
     if backend == "reference":
         return reference.rope_kv_append(q, k, v, cos, sin, k_cache, v_cache, positions, uniform_start)
+    if backend in ("cpp", "cuda") and k_cache.dtype != q.dtype:  # the kernel's own check raised a RuntimeError
+        raise SwiftkernError(f"{op}: the {backend} kernel writes the cache in q's dtype ({q.dtype}), got caches of "
+                             f"{k_cache.dtype}: convert one side, or run the reference or Triton backend "
+                             "(SWIFTKERN_BACKEND)")
     ns = torch.ops.swiftkern_triton if backend == "triton" else torch.ops.swiftkern
     return ns.rope_kv_append(q, k, v, cos, sin, k_cache, v_cache, positions)
 
