@@ -150,11 +150,13 @@ def test_an_empty_probability_tensor_needs_no_layout(device):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("broadcast", ["cos", "sin"])
-def test_rope_with_one_table_broadcast_beside_a_dense_other(dtype, broadcast):
+@pytest.mark.parametrize("T", [1, 2])
+def test_rope_with_one_table_broadcast_beside_a_dense_other(dtype, broadcast, T):
     """cos (or sin) expanded over the batch with stride 0 beside a dense sin (or cos): the C++
     kernel widens a bf16 / fp16 cos and sin row once for the rows that share it, compared the
-    cos pointer alone, and rotated every row after the first with the first row's sin."""
-    B, Hq, Hkv, T, D, S = 3, 2, 1, 2, 16, 8
+    cos pointer alone, and rotated every row after the first with the first row's sin (T = 1:
+    the rows of one token of each batch row follow one another, their cos at one address)."""
+    B, Hq, Hkv, D, S = 3, 2, 1, 16, 8
     g = torch.Generator().manual_seed(0)
 
     def rand(*shape):
