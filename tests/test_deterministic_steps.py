@@ -47,11 +47,19 @@ def test_steps_to_verify_matches_the_loops_rule(window, verify_batch, others, mi
 
 
 def test_through_stop_keeps_the_first_stop_and_drops_what_follows():
-    stops = frozenset({2, 9})
-    assert _through_stop([5, 6, 2, 7, 9], stops) == [5, 6, 2]
-    assert _through_stop([9, 1], stops) == [9]
-    assert _through_stop([5, 6], stops) == [5, 6]
-    assert _through_stop([], stops) == []
+    from swiftkern.requests import Requests
+
+    stops = Requests(1, 20, frozenset({2, 9}))
+    assert _through_stop([5, 6, 2, 7, 9], stops, 0, []) == [5, 6, 2]
+    assert _through_stop([9, 1], stops, 0, []) == [9]
+    assert _through_stop([5, 6], stops, 0, []) == [5, 6]
+    assert _through_stop([], stops, 0, []) == []
+    # a stop string: the request's text (its output, the pending tokens, the match so far)
+    text = Requests(1, 20, frozenset(), stop_check=lambda r, tokens: tokens[-3:] == [4, 5, 6])
+    text.out[0].extend([1, 4])
+    assert _through_stop([6, 7, 8], text, 0, [5]) == [6]  # 4 (output), 5 (pending), 6: the stop
+    assert _through_stop([5, 6, 7], text, 0, []) == [5, 6]
+    assert _through_stop([5, 7], text, 0, []) == [5, 7]
 
 
 def test_a_verify_pass_commits_by_the_replay_rule():
