@@ -234,9 +234,8 @@ class DeterministicRun:
                 stats["fast_tokens"] += 1
                 per_row[r]["fast_tokens"] += 1
                 seen = requests.out[r] + row.unverified
-                if (token in requests.stop_ids or len(seen) >= requests.max_new_tokens
-                        or (fast_path.layer_set is not None and len(row.unverified) >= most)
-                        or (requests.stop_check is not None and requests.stop_check(r, seen))):
+                if (requests.stops(r, seen) or len(seen) >= requests.max_new_tokens
+                        or (fast_path.layer_set is not None and len(row.unverified) >= most)):
                     row.stopped = True
                     break
         # each row keeps KV for its pending token and every unverified token but the newest (a row
@@ -307,13 +306,14 @@ class DeterministicRun:
 
 def _through_stop(tokens: list[int], requests, r: int, pending: list[int]) -> list[int]:
     """tokens up to and including the first that stops request r after its output and its
-    ``pending`` unverified tokens: a stop id, or a stop string its text then holds
-    (``requests.stop_check``). A match runs on past a stop, and what follows one is never
-    committed (the fast path's own tokens stop there too); uncut, it was verified, dropped by
-    the commit and counted nowhere."""
-    check = requests.stop_check
+    ``pending`` unverified tokens (``Requests.stops``: a stop id, or a stop string its text then
+    holds). A match runs on past a stop, and what follows one is never committed (the fast
+    path's own tokens stop there too); uncut, it was verified, dropped by the commit and
+    counted nowhere."""
+    seen = requests.out[r] + pending
     for i, t in enumerate(tokens):
-        if t in requests.stop_ids or (check is not None and check(r, requests.out[r] + pending + tokens[:i + 1])):
+        seen.append(t)
+        if requests.stops(r, seen):
             return tokens[:i + 1]
     return tokens
 

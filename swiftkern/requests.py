@@ -44,12 +44,16 @@ class Requests:
         before = len(out)
         for t in tokens:
             out.append(t)
-            if t in self.stop_ids or len(out) >= self.max_new_tokens or (
-                    self.stop_check is not None and self.stop_check(r, out)):
+            if self.stops(r, out) or len(out) >= self.max_new_tokens:
                 self.done[r] = True
                 break
         if self.on_commit is not None and len(out) > before:
             self.on_commit(r, out[before:])
+
+    def stops(self, r: int, tokens: list[int]) -> bool:
+        """Whether request r stops after ``tokens`` (its output, then what would follow it): the
+        last is a stop id, or the text holds a stop string (``stop_check``). max_new_tokens aside."""
+        return tokens[-1] in self.stop_ids or (self.stop_check is not None and self.stop_check(r, tokens))
 
     def admit(self, cache: KVCache) -> tuple[list[int], list[int]]:
         """The waiting requests due by ``step`` join the batch, in arrival order: rows appended

@@ -501,8 +501,8 @@ MORE_MUTANTS = [
     ("M285", "swiftkern/integrations/transformers.py", "proc.min_length <= prompt_width",
      "proc.min_length < prompt_width", "the HF backend refuses a min_length equal to the input's width",
      ["tests/test_hf_integration.py"]),
-    ("M286", "swiftkern/deterministic_steps.py", "(check is not None and check(r, requests.out[r] + pending + tokens[:i + 1]))",
-     "False", "deterministic mode's lookup matches are cut at stop ids only, not at a stop string",
+    ("M286", "swiftkern/deterministic_steps.py", "        if requests.stops(r, seen):\n",
+     "        if t in requests.stop_ids:\n", "deterministic mode's lookup matches are cut at stop ids only, not at a stop string",
      ["tests/test_deterministic.py"]),
 ]
 

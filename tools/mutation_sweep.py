@@ -101,7 +101,7 @@ MUTANTS = [
     ("M30", "swiftkern/drafters.py", "    top = max(votes.values())\n    chosen = next(end for end in ends if votes[con",
      "    top = min(votes.values())\n    chosen = next(end for end in ends if votes[con",
      "the vote picks the least common continuation"),
-    ("M31", "swiftkern/requests.py", "self.stop_check(r, out)):", "self.stop_check(r, out[:-1])):",
+    ("M31", "swiftkern/requests.py", "self.stop_check(r, tokens)", "self.stop_check(r, tokens[:-1])",
      "a stop string seen one token late"),
     ("M32", "swiftkern/generator_options.py", 'return replay == "never" or invariant_kernels_available',
      "return invariant_kernels_available", "replay='never' ignored on CUDA with the self-spec drafter"),
