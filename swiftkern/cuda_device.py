@@ -15,10 +15,11 @@ import contextlib
 import torch
 
 
-def current(device: torch.device | str):
-    """A context in which ``device`` is torch's current CUDA device; nothing for other devices."""
-    device = torch.device(device)
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+def current(device: torch.device | str | None):
+    """A context in which ``device`` is torch's current CUDA device; nothing for other devices
+    (or None: no tensor to follow)."""
+    device = torch.device(device) if device is not None else None
+    return torch.cuda.device(device) if device is not None and device.type == "cuda" else contextlib.nullcontext()
 
 
 def of_arguments(args) -> torch.device | None:

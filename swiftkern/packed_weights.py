@@ -213,7 +213,7 @@ class PackedSet:
     def refresh(self) -> int:
         """Pack again each weight whose sampled values changed while its version and address
         did not (a write through ``.data``); -> how many. Reads N + K elements of each weight
-        [N, K] (SmolLM2: ~5 ms a call on a 2-core AMD EPYC, most of it cache misses)."""
+        [N, K] (SmolLM2: ~6 ms a call on a 2-core AMD EPYC, most of it cache misses)."""
         stale = [(i, j) for j, i in enumerate(self._watched)
                  if not torch.equal(_sample(self.weights[i], self._indices[j]), self._samples[j])]
         for i, j in stale:

@@ -16,6 +16,7 @@ from swiftkern import Generator, SkipModel, cuda_device, ops
 
 def test_current_is_a_device_guard_on_cuda_and_nothing_elsewhere():
     assert isinstance(cuda_device.current("cpu"), contextlib.nullcontext)
+    assert isinstance(cuda_device.current(None), contextlib.nullcontext)  # no tensor among the arguments
     guard = cuda_device.current(torch.device("cuda", 1))  # made, not entered: no GPU needed
     assert isinstance(guard, torch.cuda.device) and guard.idx == 1
 

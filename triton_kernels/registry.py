@@ -6,8 +6,6 @@ registered is remembered in a module kept in sys.modules, so nothing is register
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from swiftkern import cuda_device
@@ -45,8 +43,7 @@ def _on_the_arguments_device(fn):
     """fn run with its tensors' CUDA device current (``swiftkern.cuda_device``: Triton launches
     on the current device)."""
     def run(*args):
-        device = cuda_device.of_arguments(args)
-        with cuda_device.current(device) if device is not None else contextlib.nullcontext():
+        with cuda_device.current(cuda_device.of_arguments(args)):
             return fn(*args)
 
     run.__name__ = run.__qualname__ = getattr(fn, "__name__", "run")
