@@ -2,6 +2,8 @@
 # One lease on a GPU machine (the device tool), in stages; run from the repository root:
 #   bash bench/gpu_session.sh setup        gguf wheel, the CUDA build (or a carried .so), SmolLM2 if carried
 #   bash bench/gpu_session.sh tests        GPU test files (not slow), log in $OUT
+#   bash bench/gpu_session.sh native       every GPU test file (not slow), the files changed since the last lease
+#                                          (2026-11-27) first, 12 workers, one line a test (a cut run keeps them)
 #   bash bench/gpu_session.sh slow         SmolLM2 GPU tests (needs both halves of the model file)
 #   bash bench/gpu_session.sh sanitizer    tests/test_cuda_ops.py under compute-sanitizer memcheck
 #   bash bench/gpu_session.sh kernels      per-op kernel benchmarks (reference / triton / cuda)
@@ -120,6 +122,21 @@ stage_tests() {
     tests/test_rejection_sample.py tests/test_deterministic_gpu.py tests/test_cuda_graphs.py tests/test_verifier_model_shapes.py \
     tests/test_feature_mix.py::test_one_cuda_graph_runner_shared_by_every_config_on_the_gpu \
     tests/test_op_views.py
+}
+
+stage_native() {
+  # -v: each finished test's line is in the log as it ends, so a run cut at its limit still says
+  # which passed and which failed (the tracebacks come at the end only)
+  pytest_gpu native "${NATIVE_LIMIT:-330}" -n 12 -v -m "not slow" -k "not (test_cuda_ops and emulated)" \
+    --deselect tests/test_cuda_ops.py::test_compute_sanitizer_memcheck \
+    tests/test_triton_rope_kv_append.py tests/test_triton_verify_attention.py tests/test_cuda_device.py \
+    tests/test_triton_kv_compact.py tests/test_triton_acceptance.py tests/test_triton_bi_exp_sum.py \
+    tests/test_bi_matmul_swiglu.py tests/test_invariant_triton.py tests/test_deterministic_gpu.py \
+    tests/test_bi_matmul.py tests/test_cuda_graphs.py tests/test_triton_*.py tests/test_greedy_accept.py \
+    tests/test_rejection_sample.py tests/test_verifier_model_shapes.py tests/test_op_views.py \
+    tests/test_cuda_ops.py tests/test_feature_mix.py::test_one_cuda_graph_runner_shared_by_every_config_on_the_gpu
+  grep -cE " PASSED " "$OUT/native.log" | sed 's/^/tests passed (lines): /'
+  grep -E " (FAILED|ERROR) " "$OUT/native.log" | sort -u | head -30
 }
 
 stage_slow() {
