@@ -152,3 +152,35 @@ def test_a_forward_on_the_invariant_set_launches_it_once_a_layer(monkeypatch):
     assert len(calls) == 3 * model.num_layers  # none more without it
     assert fused.tokens == plain.tokens
     assert all(torch.equal(a, b) for a, b in zip(fused.logprobs, plain.logprobs))
+
+
+FUSION_PROBE = """
+import re, torch
+from swiftkern.triton_kernels.compile_check import recording, TARGETS
+from swiftkern.triton_kernels.bi_matmul import bi_matmul, bi_matmul_swiglu
+got = []
+with recording(TARGETS[90], lambda fn, grid, compiled, kwargs: got.append(compiled)):
+    a, b = torch.empty(8, 1536, device="meta"), torch.empty(1536, 576, device="meta")
+    bi_matmul_swiglu(a, a, b)
+    bi_matmul(a, b)
+for compiled in got:
+    ptx = compiled.asm["ptx"]
+    if ".entry _bi_matmul_kernel" in ptx:
+        print(len(re.findall(r"fma[.a-z]*f32", ptx)), len(re.findall(r"sub[.a-z]*f32", ptx)))
+"""
+
+
+def test_the_gpu_binary_rounds_the_product_before_the_tf32_split():
+    """Compiled for sm_90a (no GPU needed), float32 in PLANS' plan. On an H200 (2026-12-04) the
+    fused kernel's bits differed from silu_mul then bi_matmul in float32: multiply-add fusion
+    turned tf32x3's split of the A tile (a - tf32(a)) into fma(act, up, -tf32(a)), a split of
+    the unrounded product (16 fma, 16 of the 32 subtractions gone). The interpreter never fuses,
+    so only the binary shows it: no fma, and as many subtractions as the plain kernel's."""
+    from test_triton_compile import run_outside_interpreter
+
+    run = run_outside_interpreter("-c", FUSION_PROBE)
+    assert run.returncode == 0, run.stderr[-3000:]
+    (fma_swiglu, subs_swiglu), (fma_plain, subs_plain) = [tuple(map(int, line.split()))
+                                                          for line in run.stdout.split("\n")[-3:-1]]
+    assert fma_swiglu == 0 and fma_plain == 0
+    assert subs_swiglu == subs_plain > 0

@@ -347,6 +347,9 @@ def launch(a: torch.Tensor, b: torch.Tensor | list[torch.Tensor], plan: Plan | N
         grid = (cdiv(M, plan.block_m), sum(cdiv(n, plan.block_n) for n in widths), chunks)
         last_adds = plan.last_adds and chunks > 1
         counters = tile_counters(a.device, grid[0] * grid[1]) if last_adds else c
+        # No multiply-add fusion: with it, the SwiGLU product act * up was fused into tf32x3's
+        # split (a - tf32(a)) on a GPU, so a split the product before rounding it and the bits
+        # differed from silu_mul then bi_matmul (the interpreter never fuses)
         _bi_matmul_kernel[grid](a, up if up is not None else a, *ptrs, out, c, counters, M, *widths, K, plan.k_chunk,
                                 stride,
                                 a.stride(0), a.stride(1), *(x.stride(0) for x in ptrs),
@@ -355,7 +358,7 @@ def launch(a: torch.Tensor, b: torch.Tensor | list[torch.Tensor], plan: Plan | N
                                 UPCAST=a.dtype == torch.float32, PRECISION=plan.precision,
                                 INTERPRET=interpreting(), SPLIT=chunks > 1, SWIGLU=up is not None,
                                 LAST_ADDS=last_adds, num_warps=plan.warps, num_stages=plan.stages,
-                                enable_fp_fusion=FP_FUSION)
+                                enable_fp_fusion=False)
         if chunks > 1 and not last_adds:
             _sum_chunks_kernel[(stride // SUM_BLOCK,)](out, c, M * N, stride, CHUNKS=chunks, BLOCK=SUM_BLOCK,
                                                       enable_fp_fusion=FP_FUSION)
