@@ -56,11 +56,11 @@ def test_generate_and_forward_run_on_the_models_device(entered):
 
 
 def test_a_registered_triton_op_runs_on_its_arguments_device(entered):
-    from triton_cases import triton_op
+    from triton_cases import DEVICE, triton_op  # CPU tensors under the interpreter, else the GPU's
 
-    x, residual, weight = torch.randn(2, 8), torch.randn(2, 8), torch.randn(8)
+    x, residual, weight = (torch.randn(shape, device=DEVICE) for shape in ((2, 8), (2, 8), (8,)))
     triton_op("fused_add_rms_norm")(x, residual, weight, 1e-6)
-    assert entered == [torch.device("cpu")]
+    assert entered == [x.device]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
