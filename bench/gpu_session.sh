@@ -67,6 +67,8 @@
 # swiftkern/_C*.so: skips the build), .gpu/a and .gpu/b (the two halves of the 98 MB SmolLM2
 # GGUF; a warm machine keeps half a in /tmp between two calls).
 set -u
+# no extension on purpose: the tests that insist on it skip (SWIFTKERN_BUILD_EXT=0, as setup.py reads it)
+[ "${SWIFTKERN_GPU_NO_EXT:-0}" = 1 ] && export SWIFTKERN_BUILD_EXT=0
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/site
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -108,10 +110,13 @@ bench_cut() {  # limit, bench args...: interrupted (SIGINT) at the limit, the fi
 }
 
 pytest_gpu() {  # name, timeout, pytest args...
+  # each failure's traceback lands in $OUT/<name>.failures.log as it happens (tests/conftest.py),
+  # so a run cut at its limit still says why; two torch threads a worker (12 workers on 16 cores)
   local name=$1 limit=$2; shift 2
-  timeout "$limit" python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short --timeout 240 "$@" \
+  SWIFTKERN_FAILURE_LOG="$OUT/$name.failures.log" OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} timeout "$limit" python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short --timeout 240 "$@" \
     > "$OUT/$name.log" 2>&1
   echo "$name: exit $?"; grep -E "passed|failed|error" "$OUT/$name.log" | tail -3
+  [ -s "$OUT/$name.failures.log" ] && grep -E "^=== " "$OUT/$name.failures.log" | sort -u | head -40
 }
 
 stage_tests() {
@@ -127,7 +132,7 @@ stage_tests() {
 stage_native() {
   # -v: each finished test's line is in the log as it ends, so a run cut at its limit still says
   # which passed and which failed (the tracebacks come at the end only)
-  pytest_gpu native "${NATIVE_LIMIT:-330}" -n 12 -v -m "not slow" -k "not (test_cuda_ops and emulated)" \
+  pytest_gpu native "${NATIVE_LIMIT:-330}" -n 12 -vv -m "not slow" -k "not (test_cuda_ops and emulated)" \
     --deselect tests/test_cuda_ops.py::test_compute_sanitizer_memcheck \
     tests/test_triton_rope_kv_append.py tests/test_triton_verify_attention.py tests/test_cuda_device.py \
     tests/test_triton_kv_compact.py tests/test_triton_acceptance.py tests/test_triton_bi_exp_sum.py \
@@ -136,7 +141,6 @@ stage_native() {
     tests/test_rejection_sample.py tests/test_verifier_model_shapes.py tests/test_op_views.py \
     tests/test_cuda_ops.py tests/test_feature_mix.py::test_one_cuda_graph_runner_shared_by_every_config_on_the_gpu
   grep -cE " PASSED " "$OUT/native.log" | sed 's/^/tests passed (lines): /'
-  grep -E " (FAILED|ERROR) " "$OUT/native.log" | sort -u | head -30
 }
 
 stage_slow() {

@@ -35,6 +35,17 @@ def pytest_configure(config):
             pytest.exit(problem, returncode=4)
 
 
+def pytest_runtest_logreport(report):
+    """With SWIFTKERN_FAILURE_LOG set, each failure's id and traceback is appended to that file as
+    it happens (by the process that prints the run: xdist's workers pass their reports to it), so
+    a run cut at its time limit on a lent GPU machine still says why its failures failed (pytest
+    prints tracebacks only at the end)."""
+    path = os.environ.get("SWIFTKERN_FAILURE_LOG")
+    if path and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
+        with open(path, "a") as log:
+            log.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext[-4000:]}\n")
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``first`` run before the rest, in their order. Under ``make test``'s two
     xdist workers the first worker starts them at once and the other worker takes the rest

@@ -126,3 +126,22 @@ def test_every_plan_the_stages_set_parses():
     for value in values:
         picked = plan_from_env(PLANS, CANDIDATES, value)
         assert picked != PLANS, value
+
+
+def test_a_failure_is_logged_as_it_happens(tmp_path):
+    """pytest_gpu sets SWIFTKERN_FAILURE_LOG: tests/conftest.py appends each failure's id and
+    traceback at once (xdist's controller, as its workers report), which a run cut at its limit
+    keeps. A planted failure beside a passing test, in two workers: the log names it once, with
+    its message."""
+    assert "SWIFTKERN_FAILURE_LOG=" in script()
+    (tmp_path / "conftest.py").write_text(open(os.path.join(ROOT, "tests", "conftest.py")).read())
+    (tmp_path / "test_planted.py").write_text("def test_fails():\n    assert 1 == 2, 'planted'\n\n"
+                                              "def test_passes():\n    pass\n")
+    log = tmp_path / "failures.log"
+    env = dict(os.environ, SWIFTKERN_FAILURE_LOG=str(log), PYTHONPATH=os.path.join(ROOT, "tests"))
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "no:cacheprovider",
+                          "-p", "no:randomly", str(tmp_path)], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 1, run.stdout[-2000:]
+    text = log.read_text()
+    assert text.count("=== ") == 1 and "test_planted.py::test_fails (call)" in text and "planted" in text
