@@ -44,14 +44,15 @@
 # Stages chain: `bash bench/gpu_session.sh setup tests`. Everything under bench/results and the
 # logs are packed into $OUT/results.tgz after every stage.
 #
-# A lease of 15 minutes (2026-12: all tries, the machine's start of a minute or more included), in
-# order of what is open and never run on a GPU; `bash bench/gpu_prepare.sh` first, C=commit below:
-#   call 1 (carry .whl .gpu/a, timeout_s 480, ~6 min): SWIFTKERN_GPU_NO_EXT=1 SWIFTKERN_BENCH_COMMIT=C
-#     bash bench/gpu_session.sh setup autotests plans      (bi_exp_sum, bi_matmul_swiglu, last_adds
-#     plans, the invariant Triton set natively; kv_compact's staged path, the acceptance kernels)
-#   call 2 at once, warm (carry .whl .gpu/b, timeout_s 330, ~4 min): the same variables,
-#     bash bench/gpu_session.sh setup batch1               (SmolLM2 at batch 1 with CUDA graphs:
-#     self-spec + deterministic against ar; bi_exp_sum's bench); then give_back
+# A lease of 15 minutes (2026-12: all tries, the machine's start included: ~30 s on 2026-12-04),
+# in order of what is open; `bash bench/gpu_prepare.sh` first, C=commit below. On 2026-12-04 (an
+# H200) `native` reached 93-97 % of its tests in 330 s / 270 s and lost every traceback; failures
+# are now logged as they happen ($OUT/native.failures.log):
+#   call 1 (carry .whl .gpu/a, timeout_s 460): SWIFTKERN_GPU_NO_EXT=1 SWIFTKERN_BENCH_COMMIT=C
+#     NATIVE_LIMIT=400 bash bench/gpu_session.sh setup native     (every GPU test file, not slow)
+#   call 2 at once, warm (idle 30 s: carry .whl .gpu/b, timeout_s 200): the same variables,
+#     bash bench/gpu_session.sh setup slow batch1   (SmolLM2 against HF on the GPU; batch 1 with
+#     CUDA graphs: 123 s together on 2026-12-04); then give_back, or `kernels` if time is left
 # The CUDA extension's tests (the drafts' row stride, compute-sanitizer) need its build (minutes):
 # a longer lease, `setup tests sanitizer`. `lastadds`' timing needs ~4 min more than the above.
 #
