@@ -138,7 +138,8 @@ def test_a_failure_is_logged_as_it_happens(tmp_path):
     (tmp_path / "test_planted.py").write_text("def test_fails():\n    assert 1 == 2, 'planted'\n\n"
                                               "def test_passes():\n    pass\n")
     log = tmp_path / "failures.log"
-    env = dict(os.environ, SWIFTKERN_FAILURE_LOG=str(log), PYTHONPATH=os.path.join(ROOT, "tests"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}  # not this run's xdist worker
+    env.update(SWIFTKERN_FAILURE_LOG=str(log), PYTHONPATH=os.path.join(ROOT, "tests"))
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "no:cacheprovider",
                           "-p", "no:randomly", str(tmp_path)], cwd=tmp_path, env=env, capture_output=True,
                          text=True, timeout=600)
