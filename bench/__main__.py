@@ -57,6 +57,9 @@ def parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
                     "default 1, each prompt on its own)")
     ap.add_argument("--interleave-verify", action="store_true",
                     help="draft_step: also time every provider with a verify pass run between its calls")
+    ap.add_argument("--host-profile", default=None, metavar="FILE",
+                    help="determinism: after timing, run each provider's timed calls once more under cProfile "
+                         "and write the top functions by own time to FILE (where a token's host time goes)")
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="on a GPU: determinism runs every Generator with cuda_graphs=True; generate adds "
                          "<provider>+graphs next to each swiftkern provider; verify_cost adds T<t>+graphs; "

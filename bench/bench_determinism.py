@@ -217,6 +217,8 @@ def run(args) -> list[dict]:
                 if graphs:  # every graph of the timed calls seen once (eager) and captured: the reps replay
                     _until_no_capture(gens[name].graph_runner, timed(name))
             times = common.time_fn({name: timed(name) for name in gens}, args.device, warmup=0, reps=reps)
+            if getattr(args, "host_profile", None):
+                _host_profile(args.host_profile, f"{group} B={batch}", {name: timed(name) for name in gens})
             new_tokens = batch * n * len(calls)
             ar_tok_s = new_tokens / (times["ar"]["median_ms"] * 1e-3) if "ar" in times else None
             group_rows = []  # added whole: an interrupt leaves no group half in rows
@@ -241,6 +243,23 @@ def run(args) -> list[dict]:
             rows.extend(group_rows)
     _summary(rows)
     return rows
+
+
+def _host_profile(path: str, title: str, fns: dict, top: int = 25) -> None:
+    """Each of ``fns`` (a provider's timed calls) run once more under cProfile, its functions by
+    own time (tottime) appended to ``path``: on a GPU, where the speculative loops' host work goes
+    (a device wait inside a function other than ``device_reads.read`` shows up as its own time)."""
+    import cProfile
+    import io
+    import pstats
+
+    with open(path, "a") as out:
+        for name, fn in fns.items():
+            profile = cProfile.Profile()
+            profile.runcall(fn)
+            text = io.StringIO()
+            pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(top)
+            out.write(f"=== {title} {name}\n{text.getvalue()}\n")
 
 
 def _merged_stats(stats: list[dict]) -> dict:

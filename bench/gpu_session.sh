@@ -33,6 +33,10 @@
 #                                          determinism with CUDA graphs (ar, deterministic, self-spec+det-invariant) under
 #                                          PLANS and under the last_adds twins of PLANS' plans (the same bits, 4 launches a
 #                                          layer fewer; 120 + 120 s; the tests skipped after autotests on a warm machine)
+#   bash bench/gpu_session.sh hostprofile  batch 1 with CUDA graphs, ar beside prompt lookup and self-spec, each
+#                                          provider's calls once under cProfile: where the speculative loops'
+#                                          host time goes on a GPU (1.47 / 0.74 ms a token against ar's 0.11
+#                                          on an H200, 2026-12-04; 150 s)
 #   bash bench/gpu_session.sh plans        kv_compact's and the acceptance kernels' native tests: the plans changed on
 #                                          2026-11-30 without a GPU (kv_compact's warps past 8192-element tiles, its
 #                                          staged path past 8192 entries a row; 90 s)
@@ -50,9 +54,9 @@
 # are now logged as they happen ($OUT/native.failures.log):
 #   call 1 (carry .whl .gpu/a, timeout_s 460): SWIFTKERN_GPU_NO_EXT=1 SWIFTKERN_BENCH_COMMIT=C
 #     NATIVE_LIMIT=400 bash bench/gpu_session.sh setup native     (every GPU test file, not slow)
-#   call 2 at once, warm (idle 30 s: carry .whl .gpu/b, timeout_s 200): the same variables,
-#     bash bench/gpu_session.sh setup slow batch1   (SmolLM2 against HF on the GPU; batch 1 with
-#     CUDA graphs: 123 s together on 2026-12-04); then give_back, or `kernels` if time is left
+#   call 2 at once, warm (idle 30 s: carry .whl .gpu/b, timeout_s 330): the same variables,
+#     bash bench/gpu_session.sh setup slow batch1 hostprofile   (SmolLM2 against HF on the GPU;
+#     batch 1 with CUDA graphs, 123 s with slow on 2026-12-04; hostprofile ~150 s); then give_back
 # The CUDA extension's tests (the drafts' row stride, compute-sanitizer) need its build (minutes):
 # a longer lease, `setup tests sanitizer`. `lastadds`' timing needs ~4 min more than the above.
 #
@@ -303,6 +307,13 @@ stage_detbf16() {
   bench_cut 90 --routine determinism --max-new-tokens 64 --reps 2 --cuda-graphs --dtype bfloat16 \
     --providers ar,deterministic,det-replay > "$OUT/determinism-bf16.log" 2>&1
   echo "determinism bf16 graphs: exit $?"; tail -12 "$OUT/determinism-bf16.log"
+}
+
+stage_hostprofile() {
+  bench_cut 150 --routine determinism --max-new-tokens 64 --reps 2 --cuda-graphs --providers ar,lookup,self-spec \
+    --host-profile "$OUT/host-profile.log" > "$OUT/determinism-hostprofile.log" 2>&1
+  echo "determinism host profile: exit $?"; grep -E "^batch1" "$OUT/determinism-hostprofile.log" | cut -c1-110
+  grep -E -A14 "^=== batch1" "$OUT/host-profile.log" | cut -c1-150 | head -60
 }
 
 stage_plans() {

@@ -334,3 +334,16 @@ def test_determinism_sets_the_other_way_beside_each_auto_provider(plain, spec):
         if "self-spec+det" in configs:
             assert ("self-spec+det-invariant" in configs) is (not spec)
             assert ("self-spec+det-portable" in configs) is (not spec)
+
+
+def test_host_profile_lists_each_providers_own_functions(tmp_path):
+    """--host-profile FILE: each provider's timed calls once more under cProfile, a section a
+    provider and group; lookup's lists the verify step, ar's does not (it has none)."""
+    out = tmp_path / "host.txt"
+    run = _bench("--routine", "determinism", "--smoke", "--no-csv", "--providers", "lookup",
+                 "--host-profile", str(out), timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    sections = dict(re.findall(r"^=== (batch1 B=1 \S+)\n(.*?)(?=^=== |\Z)", out.read_text(), re.S | re.M))
+    assert set(sections) == {"batch1 B=1 ar", "batch1 B=1 lookup"}, list(sections)
+    assert "verify_and_accept" in sections["batch1 B=1 lookup"] and "tottime" in sections["batch1 B=1 lookup"]
+    assert "verify_and_accept" not in sections["batch1 B=1 ar"]
