@@ -28,13 +28,20 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-_ACTIVE: list = []  # the LaunchLog recording now, if any
+# The LaunchLog recording now in this thread, if any: per thread, as the dispatch mode it is
+# (another thread's launches are not the body's)
+_ACTIVE = threading.local()
+
+
+def _active():
+    return getattr(_ACTIVE, "log", None)
 
 
 class LaunchLog(TorchDispatchMode):
@@ -64,19 +71,24 @@ class LaunchLog(TorchDispatchMode):
         self._paused = 0
 
     def __enter__(self):
-        if _ACTIVE:
+        if _active() is not None:
             raise RuntimeError("LaunchLog does not nest")
-        _ACTIVE.append(self)
         self._patches = _patch_triton_launches()
         self._patches.__enter__()
-        return super().__enter__()
+        try:
+            entered = super().__enter__()
+        except BaseException:
+            self._patches.__exit__(None, None, None)
+            raise
+        _ACTIVE.log = self  # last: a failed entry leaves no log recording
+        return entered
 
     def __exit__(self, *exc):
         try:
             return super().__exit__(*exc)
         finally:
             self._patches.__exit__(*exc)
-            _ACTIVE.clear()
+            _ACTIVE.log = None
             if self.as_capture:
                 self._undo()
             self._made, self._keep, self._saved = {}, [], {}
@@ -212,9 +224,10 @@ def opaque_call(name: str, fn, *args):
 def _launch(name: str, run, arguments):
     """run(), recorded as one launch of ``arguments`` by the LaunchLog recording now, if any
     (and not inside another recorded launch)."""
-    if not _ACTIVE or _ACTIVE[0]._paused:
+    log = _active()
+    if log is None or log._paused:
         return run()
-    return _ACTIVE[0]._record(name, run, arguments)
+    return log._record(name, run, arguments)
 
 
 @contextlib.contextmanager

@@ -184,6 +184,50 @@ def test_launch_log_does_not_nest():
             LaunchLog().__enter__()
 
 
+def test_a_failed_entry_leaves_no_log_recording(monkeypatch):
+    """A LaunchLog whose entry failed (patching Triton's launches, pushing the dispatch mode)
+    left itself as the one recording: every later LaunchLog in the process then raised "does
+    not nest", and every emulated capture and replay failed with it."""
+    import swiftkern.launch_log as launch_log
+
+    def broken():
+        raise RuntimeError("patching failed")
+
+    monkeypatch.setattr(launch_log, "_patch_triton_launches", broken)
+    with pytest.raises(RuntimeError, match="patching failed"):
+        LaunchLog().__enter__()
+    monkeypatch.undo()
+    with LaunchLog() as log:
+        torch.ones(2) + 1
+    assert [name for name, _ in log.launches][-1] == "aten.add.Tensor"
+
+
+def test_another_threads_launches_are_not_the_bodys():
+    """The dispatch mode records this thread's ops only; a launch logged by name (``opaque_call``,
+    Triton's) from another thread went into the recording thread's log too, so a body's launches
+    depended on what other threads ran meanwhile."""
+    import threading
+
+    from swiftkern.launch_log import opaque_call
+
+    started, release = threading.Event(), threading.Event()
+    x = torch.ones(3)
+
+    def other():
+        release.wait(5)
+        opaque_call("other_thread_kernel", torch.neg, x)
+        started.set()
+
+    worker = threading.Thread(target=other)
+    worker.start()
+    with LaunchLog() as log:
+        opaque_call("body_kernel", torch.abs, x)
+        release.set()
+        assert started.wait(5)
+    worker.join()
+    assert [name for name, _ in log.launches] == ["body_kernel"]
+
+
 def test_recorded_capture_refuses_host_reads():
     """The refusal ends the capture, which still puts back what the body had changed."""
     graph = RecordedGraph()
