@@ -4,6 +4,9 @@
 #   bash bench/gpu_session.sh tests        GPU test files (not slow), log in $OUT
 #   bash bench/gpu_session.sh native       every GPU test file (not slow), the files changed since the last lease
 #                                          (2026-11-27) first, 12 workers, one line a test (a cut run keeps them)
+#   bash bench/gpu_session.sh graphscpu    tests/test_cuda_graphs.py (not slow) in one process: 13 of its CPU-model
+#                                          cases failed among 12 workers on an H200 (2026-12-04), never on the CPU
+#                                          machine; alone, they say whether the worker's earlier tests matter
 #   bash bench/gpu_session.sh slow         SmolLM2 GPU tests (needs both halves of the model file)
 #   bash bench/gpu_session.sh sanitizer    tests/test_cuda_ops.py under compute-sanitizer memcheck
 #   bash bench/gpu_session.sh kernels      per-op kernel benchmarks (reference / triton / cuda)
@@ -52,9 +55,10 @@
 # in order of what is open; `bash bench/gpu_prepare.sh` first, C=commit below. On 2026-12-04 (an
 # H200) `native` reached 93-97 % of its tests in 330 s / 270 s and lost every traceback; failures
 # are now logged as they happen ($OUT/native.failures.log):
-#   call 1 (carry .whl .gpu/a, timeout_s 460): SWIFTKERN_GPU_NO_EXT=1 SWIFTKERN_BENCH_COMMIT=C
-#     NATIVE_LIMIT=400 bash bench/gpu_session.sh setup native     (every GPU test file, not slow)
-#   call 2 at once, warm (idle 30 s: carry .whl .gpu/b, timeout_s 330): the same variables,
+#   call 1 (carry .whl .gpu/a, timeout_s 500): SWIFTKERN_GPU_NO_EXT=1 SWIFTKERN_BENCH_COMMIT=C
+#     NATIVE_LIMIT=300 bash bench/gpu_session.sh setup native graphscpu  (every GPU test file, not
+#     slow; then test_cuda_graphs.py in one process, ~60 s)
+#   call 2 at once, warm (idle 30 s: carry .whl .gpu/b, timeout_s 300): the same variables,
 #     bash bench/gpu_session.sh setup slow batch1 hostprofile   (SmolLM2 against HF on the GPU;
 #     batch 1 with CUDA graphs, 123 s with slow on 2026-12-04; hostprofile ~150 s); then give_back
 # The CUDA extension's tests (the drafts' row stride, compute-sanitizer) need its build (minutes):
@@ -146,6 +150,10 @@ stage_native() {
     tests/test_rejection_sample.py tests/test_verifier_model_shapes.py tests/test_op_views.py \
     tests/test_cuda_ops.py tests/test_feature_mix.py::test_one_cuda_graph_runner_shared_by_every_config_on_the_gpu
   grep -cE " PASSED " "$OUT/native.log" | sed 's/^/tests passed (lines): /'
+}
+
+stage_graphscpu() {
+  pytest_gpu graphscpu 150 -n 0 -m "not slow" tests/test_cuda_graphs.py
 }
 
 stage_slow() {

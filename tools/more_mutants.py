@@ -504,5 +504,16 @@ MORE_MUTANTS = [
     ("M286", "swiftkern/deterministic_steps.py", "        if requests.stops(r, seen):\n",
      "        if t in requests.stop_ids:\n", "deterministic mode's lookup matches are cut at stop ids only, not at a stop string",
      ["tests/test_deterministic.py"]),
+    ("M287", "triton_kernels/bi_matmul.py", "                                enable_fp_fusion=False)",
+     "                                enable_fp_fusion=FP_FUSION)",
+     "bi_matmul's kernel fuses the SwiGLU product into tf32x3's split on a GPU (its bits differ from silu_mul's)",
+     ["tests/test_bi_matmul_swiglu.py"]),
+    ("M288", "swiftkern/launch_log.py", "        self._patches = _patch_triton_launches()\n        self._patches.__enter__()\n",
+     "        _ACTIVE.log = self\n        self._patches = _patch_triton_launches()\n        self._patches.__enter__()\n",
+     "a LaunchLog whose entry fails stays the one recording (every later one 'does not nest')",
+     ["tests/test_graph_emulation.py"]),
+    ("M289", "swiftkern/launch_log.py", "_ACTIVE = threading.local()\n", "_ACTIVE = type('Shared', (), {})()\n",
+     "the recording log is shared by every thread: another thread's named launches go into the body's",
+     ["tests/test_graph_emulation.py"]),
 ]
 
