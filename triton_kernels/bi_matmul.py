@@ -348,7 +348,7 @@ def launch(a: torch.Tensor, b: torch.Tensor | list[torch.Tensor], plan: Plan | N
         last_adds = plan.last_adds and chunks > 1
         counters = tile_counters(a.device, grid[0] * grid[1]) if last_adds else c
         # No multiply-add fusion: with it, the SwiGLU product act * up was fused into tf32x3's
-        # split (a - tf32(a)) on a GPU, so a split the product before rounding it and the bits
+        # split (a - tf32(a)) on a GPU, which then split the product unrounded, and the bits
         # differed from silu_mul then bi_matmul (the interpreter never fuses)
         _bi_matmul_kernel[grid](a, up if up is not None else a, *ptrs, out, c, counters, M, *widths, K, plan.k_chunk,
                                 stride,
