@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One lease on a GPU machine (the device tool), in stages; run from the repository root:
 #   bash bench/gpu_session.sh setup        gguf wheel, the CUDA build (or a carried .so), SmolLM2 if carried
-#   bash bench/gpu_session.sh tests        GPU test files (not slow), log in $OUT
 #   bash bench/gpu_session.sh native       every GPU test file (not slow), the files changed since the last lease
-#                                          (2026-11-27) first, 12 workers, one line a test (a cut run keeps them)
+#                                          (2026-11-27) first, 12 workers, one line a test (a cut run keeps them);
+#                                          log in $OUT (the stage `tests` until 2026-12-04)
 #   bash bench/gpu_session.sh graphscpu    tests/test_cuda_graphs.py (not slow) in one process: 13 of its CPU-model
 #                                          cases failed among 12 workers on an H200 (2026-12-04), never on the CPU
 #                                          machine; alone, they say whether the worker's earlier tests matter
@@ -48,7 +48,7 @@
 #   bash bench/gpu_session.sh det          determinism with CUDA graphs: the replay with the portable verifier set
 #                                          (det-replay-portable) beside the default fused one (det-replay), deterministic
 #                                          (auto: the invariant set on CUDA), one request in eight; verifier_pass (eager)
-# Stages chain: `bash bench/gpu_session.sh setup tests`. Everything under bench/results and the
+# Stages chain: `bash bench/gpu_session.sh setup native`. Everything under bench/results and the
 # logs are packed into $OUT/results.tgz after every stage.
 #
 # A lease of 15 minutes (2026-12: all tries, the machine's start included: ~30 s on 2026-12-04),
@@ -62,7 +62,7 @@
 #     bash bench/gpu_session.sh setup slow batch1 hostprofile   (SmolLM2 against HF on the GPU;
 #     batch 1 with CUDA graphs, 123 s with slow on 2026-12-04; hostprofile ~150 s); then give_back
 # The CUDA extension's tests (the drafts' row stride, compute-sanitizer) need its build (minutes):
-# a longer lease, `setup tests sanitizer`. `lastadds`' timing needs ~4 min more than the above.
+# a longer lease, `setup native sanitizer`. `lastadds`' timing needs ~4 min more than the above.
 #
 # SWIFTKERN_GPU_NO_EXT=1 skips the CUDA extension's build (the Triton kernels alone: enough for
 # the stages bimatmul and detplan; give it to every call of a lease, or a later setup builds).
@@ -128,18 +128,9 @@ pytest_gpu() {  # name, timeout, pytest args...
   [ -s "$OUT/$name.failures.log" ] && grep -E "^=== " "$OUT/$name.failures.log" | sort -u | head -40
 }
 
-stage_tests() {
-  # the CUDA emulation's tests (-k emulated) run on the CPU machine; here only the GPU's
-  pytest_gpu tests 330 -n 6 -m "not slow" -k "not (test_cuda_ops and emulated)" \
-    --deselect tests/test_cuda_ops.py::test_compute_sanitizer_memcheck \
-    tests/test_cuda_ops.py tests/test_triton_*.py tests/test_bi_matmul.py tests/test_greedy_accept.py \
-    tests/test_rejection_sample.py tests/test_deterministic_gpu.py tests/test_cuda_graphs.py tests/test_verifier_model_shapes.py \
-    tests/test_feature_mix.py::test_one_cuda_graph_runner_shared_by_every_config_on_the_gpu \
-    tests/test_op_views.py
-}
-
 stage_native() {
-  # -v: each finished test's line is in the log as it ends, so a run cut at its limit still says
+  # the CUDA emulation's tests (-k emulated) run on the CPU machine; here only the GPU's.
+  # -vv (against pytest_gpu's -q: one line a test): each test's line is in the log as it ends, so a cut run says
   # which passed and which failed (the tracebacks come at the end only)
   pytest_gpu native "${NATIVE_LIMIT:-330}" -n 12 -vv -m "not slow" -k "not (test_cuda_ops and emulated)" \
     --deselect tests/test_cuda_ops.py::test_compute_sanitizer_memcheck \
