@@ -11,6 +11,10 @@ batch 1, timed interleaved within their family (one weight format), one family a
                      where the model has them: a GGUF model on an AVX2 or AVX-512 CPU)
     T<t>-float32     the same reading the float32 weights (only when the model has packed ones)
     T<t>-reference   the same with every op forced to the plain torch reference (MKL matmuls)
+    T<t>-ungrouped   where the regular set groups its projections (CUDA: the Triton skinny
+                     kernel's q/k/v, gate/up and SwiGLU + down launches), each one its own launch
+                     (``layer_kernels.ungrouped_projections``; the same bits); with --cuda-graphs
+                     also T<t>-ungrouped+graphs
     T<t>+graphs      with --cuda-graphs (a GPU): T<t> replayed from a CUDA graph (GraphRunner;
                      the warm-up calls are its first sight and its capture)
     T<t>-invariant   the same inside ``SkipModel.batch_invariant()`` (the batch-invariant set:
@@ -20,7 +24,8 @@ batch 1, timed interleaved within their family (one weight format), one family a
 
 Column ratio_vs_T1: median time / the same provider family's T = 1 median, same run. Each
 invariant provider's time over the regular one's at the same T is printed after the rows (the
-families are timed one after the other in one run, not interleaved).
+families are timed one after the other in one run, not interleaved), and each ungrouped
+provider's over its grouped twin's (timed interleaved with it).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench import common  # noqa: E402
 from bench.bench_generate import skip_model  # noqa: E402
-from swiftkern import ops  # noqa: E402
+from swiftkern import layer_kernels, ops  # noqa: E402
 from swiftkern.layer_kernels import invariant_backend  # noqa: E402
 
 ROUTINE = "verify_cost"
@@ -73,6 +78,14 @@ def _invariant(model, fn):
     return run
 
 
+def _ungrouped(fn):
+    """fn run inside ``layer_kernels.ungrouped_projections()``."""
+    def run():
+        with layer_kernels.ungrouped_projections():
+            fn()
+    return run
+
+
 def _graphed(runner, fn):
     """fn run with the model's forwards going through ``runner`` (CUDA graphs)."""
     def run():
@@ -103,8 +116,14 @@ def _tokens(provider: str) -> int:
 
 
 def _family(provider: str) -> str:
-    """"", "-reference", "-float32" or "+graphs": the provider's name after T<t>."""
+    """"", "-reference", "-float32", "-ungrouped", "+graphs", ...: the provider's name after T<t>."""
     return provider[len(f"T{_tokens(provider)}"):]
+
+
+def _timed_with(provider: str) -> str:
+    """The family a provider is timed with (interleaved): its own, the ungrouped providers their
+    grouped twins' (one weight format; their ratio is the comparison)."""
+    return _family(provider).replace("-ungrouped", "")
 
 
 def run(args) -> list[dict]:
@@ -117,6 +136,9 @@ def run(args) -> list[dict]:
         fns[f"T{T}-reference"] = _forced("reference", step(T))
         if model.packed is not None:
             fns[f"T{T}-float32"] = _unpacked(model, step(T))
+    grouped = layer_kernels.LayerKernels.for_device(model.device.type).linears is not None
+    if grouped:
+        fns.update({f"T{T}-ungrouped": _ungrouped(step(T)) for T in TOKENS})
     invariant = invariant_backend(model.device.type, model.dtype) is not None
     if invariant:
         fns.update({f"T{T}-invariant": _invariant(model, step(T)) for T in TOKENS})
@@ -125,6 +147,9 @@ def run(args) -> list[dict]:
 
         runner = GraphRunner(model)
         fns.update({f"T{T}+graphs": _graphed(runner, step(T)) for T in TOKENS})
+        if grouped:
+            ungrouped_runner = GraphRunner(model)  # its own graphs: a grouped capture is not replayed
+            fns.update({f"T{T}-ungrouped+graphs": _graphed(ungrouped_runner, _ungrouped(step(T))) for T in TOKENS})
         if invariant:
             fns.update({f"T{T}-invariant+graphs": _graphed(runner, _invariant(model, step(T))) for T in TOKENS})
     if args.providers:
@@ -135,8 +160,8 @@ def run(args) -> list[dict]:
     # machine), where a generation reading only packed weights keeps them
     times = {}  # a provider's timing, one row each
     with common.KeepRowsOnInterrupt(times, "weight families"):
-        for family in dict.fromkeys(map(_family, fns)):
-            group = {p: fn for p, fn in fns.items() if _family(p) == family}
+        for family in dict.fromkeys(map(_timed_with, fns)):
+            group = {p: fn for p, fn in fns.items() if _timed_with(p) == family}
             times.update(common.time_fn(group, args.device, warmup=2, reps=args.reps or (3 if args.smoke else 20)))
     rows = []
     for p, t in times.items():
@@ -145,9 +170,10 @@ def run(args) -> list[dict]:
         backend = "reference" if p.endswith("-reference") else ops.backends.current_backend()
         rows.append(common.row(ROUTINE, p, args.device, model.dtype, f"B=1 T={T} ctx={ctx}", t, model=name,
                                backend=backend, ratio_vs_T1=round(t["median_ms"] / one, 3)))
-        regular = times.get(p.replace("-invariant", "")) if "-invariant" in p else None
-        if regular:
-            print(f"  {p} / {p.replace('-invariant', '')}: {t['median_ms'] / regular['median_ms']:.3f}x the time")
+        for variant in ("-invariant", "-ungrouped"):
+            regular = times.get(p.replace(variant, "")) if variant in p else None
+            if regular:
+                print(f"  {p} / {p.replace(variant, '')}: {t['median_ms'] / regular['median_ms']:.3f}x the time")
     return rows
 
 

@@ -36,6 +36,8 @@
 #                                          determinism with CUDA graphs (ar, deterministic, self-spec+det-invariant) under
 #                                          PLANS and under the last_adds twins of PLANS' plans (the same bits, 4 launches a
 #                                          layer fewer; 120 + 120 s; the tests skipped after autotests on a warm machine)
+#   bash bench/gpu_session.sh groups       verify_cost with CUDA graphs: the regular set's grouped projections
+#                                          (2026-12-05, not yet on a GPU) against one launch each (75 s)
 #   bash bench/gpu_session.sh hostprofile  batch 1 with CUDA graphs, ar beside prompt lookup and self-spec, each
 #                                          provider's calls once under cProfile: where the speculative loops'
 #                                          host time goes on a GPU (1.47 / 0.74 ms a token against ar's 0.11
@@ -58,9 +60,10 @@
 #   call 1 (carry .whl .gpu/a, timeout_s 500): SWIFTKERN_GPU_NO_EXT=1 SWIFTKERN_BENCH_COMMIT=C
 #     NATIVE_LIMIT=300 bash bench/gpu_session.sh setup native graphscpu  (every GPU test file, not
 #     slow; then test_cuda_graphs.py in one process, ~60 s)
-#   call 2 at once, warm (idle 30 s: carry .whl .gpu/b, timeout_s 300): the same variables,
-#     bash bench/gpu_session.sh setup slow batch1 hostprofile   (SmolLM2 against HF on the GPU;
-#     batch 1 with CUDA graphs, 123 s with slow on 2026-12-04; hostprofile ~150 s); then give_back
+#   call 2 at once, warm (idle 30 s: carry .whl .gpu/b, timeout_s 420): the same variables,
+#     bash bench/gpu_session.sh setup groups slow batch1 hostprofile   (the grouped projections'
+#     speed, 75 s; SmolLM2 against HF on the GPU; batch 1 with CUDA graphs, 123 s with slow on
+#     2026-12-04; hostprofile ~150 s, cut short if the call runs out); then give_back
 # The CUDA extension's tests (the drafts' row stride, compute-sanitizer) need its build (minutes):
 # a longer lease, `setup native sanitizer`. `lastadds`' timing needs ~4 min more than the above.
 #
@@ -270,6 +273,15 @@ stage_autodet() {
   bench_cut 75 --routine verify_cost --reps 10 --cuda-graphs \
     --providers T1+graphs,T8+graphs,T1-invariant+graphs,T8-invariant+graphs > "$OUT/verify-cost-auto.log" 2>&1
   echo "verify_cost: exit $?"; grep -E "the time|graphs" "$OUT/verify-cost-auto.log" | tail -6
+}
+
+stage_groups() {
+  # the regular set's grouped projections (q/k/v, gate/up and SwiGLU + down in one launch each,
+  # 2026-12-05, the same bits) against one launch each, interleaved: verify passes of 4 and 8
+  # tokens (2-32 rows: the Triton skinny kernel; one row is cuBLAS's and not grouped), graphed
+  bench_cut 75 --routine verify_cost --reps 10 --cuda-graphs \
+    --providers T1+graphs,T4+graphs,T8+graphs,T4-ungrouped+graphs,T8-ungrouped+graphs > "$OUT/verify-cost-groups.log" 2>&1
+  echo "verify_cost groups: exit $?"; grep -E "the time|graphs" "$OUT/verify-cost-groups.log" | tail -8
 }
 
 stage_batch1() {

@@ -49,9 +49,9 @@ class LayerKernels:
 
     and ``backends``: {op: the backend name} as ``ops.backend_for`` reports it. ``linears``:
     (x [..., K], weights (1-3 of [N_i, K]), biases) -> [..., N_i] each, the bits of ``linear`` per
-    weight in one launch (a layer's q, k, v; gate, up), or None (``linear`` per weight). ``silu_linear``:
+    weight in one launch where it can (a layer's q, k, v; gate, up), or None (``linear`` per weight). ``silu_linear``:
     (gate, up [..., I], weight [N, I], bias) -> ``linear(silu_mul(gate, up), weight, bias)``'s bits in
-    one launch (the Triton invariant set), or None (the two ops). ``stack``: where
+    one launch (the Triton invariant set; the regular set's Triton skinny kernel), or None (the two ops). ``stack``: where
     every layer op is a C++ CPU kernel, the whole layer loop in one C++ call (float32, bf16, fp16; see
     ``_stack_for``), else None. ``forward``: with ``stack``, a whole forward in one C++ call
     (embedding, the stack, the final norm, the LM head; ``_forward_for``), else None."""
@@ -70,15 +70,31 @@ class LayerKernels:
 
     @staticmethod
     def for_device(device_type: str, invariant: bool = False) -> "LayerKernels":
-        key = (device_type, ops.backends.current_backend(), invariant, _OP_BY_OP)
+        key = (device_type, ops.backends.current_backend(), invariant, _OP_BY_OP, _UNGROUPED)
         hit = _CACHE.get(key)
         if hit is None:
             hit = _bind_invariant(device_type) if invariant else _bind(device_type)
-            _CACHE[key] = hit = dataclasses.replace(hit, forward=None) if _OP_BY_OP else hit
+            hit = dataclasses.replace(hit, forward=None) if _OP_BY_OP else hit
+            _CACHE[key] = hit = dataclasses.replace(hit, linears=None, silu_linear=None) if (
+                _UNGROUPED and not invariant) else hit
         return hit
 
 
 _OP_BY_OP = False  # inside op_by_op_forward()
+_UNGROUPED = False  # inside ungrouped_projections()
+
+
+@contextlib.contextmanager
+def ungrouped_projections():
+    """Within this context the regular set is bound without ``linears`` and ``silu_linear``: each
+    projection and the SwiGLU its own launch (the grouped launches' twin, the same bits; for
+    tests and ``python -m bench --routine verify_cost``'s ``-ungrouped`` providers)."""
+    global _UNGROUPED
+    before, _UNGROUPED = _UNGROUPED, True
+    try:
+        yield
+    finally:
+        _UNGROUPED = before
 
 
 @contextlib.contextmanager
@@ -240,11 +256,40 @@ def _bind(device_type: str) -> LayerKernels:
         verify_attention = _kernel_attention(run["verify_attention"])
 
     all_cpp = ops.backends.cpu_kernel("skinny_linear", device_type) and all(b == "cpp" for b in backends.values())
-    return LayerKernels(linear=_linear_for(device_type), rms_norm=run["rms_norm"],
+    linear = _linear_for(device_type)
+    linears, silu_linear = _skinny_groups_for(device_type, linear, run["silu_mul"], backends["silu_mul"])
+    return LayerKernels(linear=linear, rms_norm=run["rms_norm"],
                         fused_add_rms_norm=run["fused_add_rms_norm"], silu_mul=run["silu_mul"],
                         rope_kv_append=rope_kv_append, verify_attention=verify_attention, backends=backends,
                         stack=_stack_for(invariant=False) if all_cpp else None,
-                        forward=_forward_for(invariant=False) if all_cpp else None)
+                        forward=_forward_for(invariant=False) if all_cpp else None,
+                        linears=linears, silu_linear=silu_linear)
+
+
+def _skinny_groups_for(device_type: str, linear: Callable, silu_mul: Callable,
+                       silu_backend: str) -> tuple[Callable | None, Callable | None]:
+    """(linears, silu_linear) of the regular set: where ``linear`` takes the Triton skinny kernel
+    (CUDA, float32 at 2-32 rows), a layer's q/k/v or gate/up in one launch
+    (``skinny_linear_group``) and its down projection with the SwiGLU in the A tile's load
+    (``skinny_silu_linear``, when ``silu_mul`` is the Triton kernel whose bits it makes), each
+    output the bits ``linear`` and ``silu_mul`` give it; elsewhere those ops one by one. (None,
+    None) where the Triton skinny kernel never runs."""
+    if not ops.triton_skinny_here(device_type):
+        return None, None
+    from .triton_kernels.skinny_linear import skinny_linear_group, skinny_silu_linear
+
+    fits = ops.triton_skinny_fits
+
+    def linears(x, weights, biases):
+        if all(fits(x, w) for w in weights):
+            return skinny_linear_group(x, list(weights), list(biases)).split([w.shape[0] for w in weights], dim=-1)
+        return [linear(x, w, b) for w, b in zip(weights, biases)]
+
+    def silu_linear(gate, up, weight, bias=None):
+        if silu_backend == "triton" and fits(gate, weight):
+            return skinny_silu_linear(gate, up, weight, bias)
+        return linear(silu_mul(gate, up), weight, bias)
+    return linears, silu_linear
 
 
 def _kernel_rope(rope: Callable) -> Callable:

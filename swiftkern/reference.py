@@ -39,6 +39,22 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return torch.nn.functional.linear(x, weight, bias)
 
 
+def skinny_linear_group(x: torch.Tensor, weights: list[torch.Tensor],
+                        biases: list[torch.Tensor | None]) -> torch.Tensor:
+    """``skinny_linear(x, w, b)`` for each weight and its bias, side by side: x: [..., K];
+    weights: 1 to 3 of [N_i, K]; biases: [N_i] or None each -> [..., sum N_i] (a layer's q, k
+    and v; the twin of the Triton ``skinny_linear_group``, one launch)."""
+    return torch.cat([skinny_linear(x, w, b) for w, b in zip(weights, biases)], dim=-1)
+
+
+def skinny_silu_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor,
+                       bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``skinny_linear(silu_mul(gate, up), weight, bias)``: a layer's down projection of its
+    SwiGLU (the twin of the Triton ``skinny_silu_linear``, one launch). gate, up: [..., I];
+    weight: [N, I]; bias: [N] or None -> [..., N]"""
+    return skinny_linear(silu_mul(gate, up), weight, bias)
+
+
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T + bias with the weight given packed (``packed_weights.pack``): x: float32
     [..., K]; packed: uint8 [N, K/32, 20 | 34]; bias: [N] or None -> [..., N]"""

@@ -38,6 +38,7 @@ def cases():
     runner uses on a GPU (meta tensors hold no memory, so the args are built up front)."""
     from . import KERNELS
     from .bi_matmul import CANDIDATES, bi_matmul, bi_matmul_swiglu, launch
+    from .skinny_linear import skinny_linear_group, skinny_silu_linear
 
     k = {name: fn for name, (fn, _) in KERNELS.items()}
     i64, i32 = torch.int64, torch.int32
@@ -74,6 +75,13 @@ def cases():
                     for n_out, n_in in ((Hq * D, H), (Hkv * D, H), (I, H), (H, I), (V, H)):
                         yield f"skinny_linear {tag} M={rows} N={n_out} K={n_in}", k["skinny_linear"], (
                             _m(rows, n_in, dtype=dt), _m(n_out, n_in, dtype=dt), None)
+                    # the regular set's grouped q/k/v and gate/up, and the down projection with its SwiGLU
+                    for name, widths in (("qkv", (Hq * D, Hkv * D, Hkv * D)), ("gate_up", (I, I))):
+                        yield f"skinny_linear_group:{name} {tag} M={rows}", skinny_linear_group, (
+                            _m(rows, H, dtype=dt), [_m(n, H, dtype=dt) for n in widths], [None] * len(widths))
+                    gate_up = _m(rows, 2 * I, dtype=dt)
+                    yield f"skinny_silu_linear {tag} M={rows} N={H} K={I}", skinny_silu_linear, (
+                        gate_up[:, :I], gate_up[:, I:], _m(H, I, dtype=dt), None)
             for rows in (1, 33 * 8):  # one decode token; a replay of 8 windows of 33
                 for n_out, n_in in ((Hq * D, H), (I, H), (H, I), (V, H)):
                     # the model multiplies by a [N, K] weight's transposed view
