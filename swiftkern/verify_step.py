@@ -92,6 +92,8 @@ def verify_and_accept(model: SkipModel, cache: KVCache, pending: torch.Tensor, d
     start = list(cache.host_lengths)  # position of each row's pending token
     queued = logprobs and queue_logprobs(device, B * (K + 1))  # every position's logprob before the read
     host_verify = None if params.do_sample or queued else ops.greedy_verify_here(device.type)
+    if K == 0 and not params.do_sample and host_verify is None:
+        return _decode_step(model, cache, pending, queued)
     nd = None if host_verify is not None else torch.tensor(num_draft, dtype=torch.int32, device=device)  # [B]
     if params.do_sample:
         u_accept = _chunk_uniforms(seeds, start, K, STREAM_ACCEPT, device)  # [B, K]
@@ -115,3 +117,18 @@ def verify_and_accept(model: SkipModel, cache: KVCache, pending: torch.Tensor, d
     next_pending = out.gather(1, acc.unsqueeze(1)).squeeze(1)  # [B] the corrected or bonus token
     host = read(torch.cat([acc.unsqueeze(1), out], dim=1))  # the step's one read: [B, 1 + K+1]
     return Verified([h[1:] for h in host], [h[0] for h in host], next_pending, out, logits, lps)
+
+
+def _decode_step(model: SkipModel, cache: KVCache, pending: torch.Tensor, queued: bool) -> Verified:
+    """A greedy verify step in which no row drafts, taken as ``decode_ar`` takes a step: the
+    forward of each row's pending token (int64 [B]), ``ops.greedy_tokens`` and one read. The
+    acceptance at K = 0 is its one position's argmax (ties to the lowest index, as
+    ``greedy_tokens``): the same tokens, without the copies of num_draft and the drafts, the
+    acceptance's launches and the gather and join after them (a GPU's eager launches from Python;
+    most steps of prompt lookup at batch 1 draft nothing). queued: the logprobs computed before
+    the read, as ``verify_and_accept`` queues them."""
+    logits = model.forward(pending.unsqueeze(1), cache)  # [B, 1, V]
+    next_pending = ops.greedy_tokens(logits[:, 0])  # [B]
+    lps = bi_token_logprob(logits[:, 0], next_pending).unsqueeze(1) if queued else None  # [B, 1]
+    host = read(next_pending)
+    return Verified([[t] for t in host], [0] * len(host), next_pending, next_pending.unsqueeze(1), logits, lps)

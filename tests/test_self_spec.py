@@ -330,6 +330,46 @@ def test_a_verify_step_reads_the_device_once(monkeypatch):
         assert reads == {"tolist": 0, "aminmax": 0, "item": 0} and len(copies) == 0
 
 
+@pytest.mark.parametrize("logprobs,queued", [(False, False), (True, False), (True, True)])
+def test_a_greedy_step_without_drafts_is_a_decode_step(monkeypatch, logprobs, queued):
+    """Off the CPU's one C++ call, a greedy verify step in which no row drafts takes decode_ar's
+    step (forward, greedy_tokens, one read) and not the acceptance op: the tokens greedy_accept
+    gives at K = 0, on logits with a tie (the lowest index) and a NaN (the maximum), the cache
+    one position on, and the logprobs (queued or per row) of those tokens, bit for bit."""
+    from swiftkern import ops, verify_step
+    from swiftkern.batch_invariant import bi_token_logprob
+    from swiftkern.sampling import SamplingParams
+
+    monkeypatch.setattr(ops, "greedy_verify_here", lambda device_type: None)
+    monkeypatch.setattr(verify_step, "queue_logprobs", lambda device, positions: queued)
+    sm = SkipModel(model("llama")[0])
+    cache = sm.new_cache(3, 32)
+    pending = sm.forward(torch.tensor([[5, 6, 7], [9, 10, 11], [3, 4, 5]]), cache)[:, -1].argmax(-1)  # [3]
+    V = sm.vocab_size
+    crafted = torch.randn(3, 1, V, generator=torch.Generator().manual_seed(1))  # [B, 1, V]
+    crafted[0, 0, [9, 5, 200]] = 50.0  # a tie: index 5
+    crafted[1, 0, 4] = float("nan")  # NaN is the maximum
+    real_forward = sm.forward
+    monkeypatch.setattr(sm, "forward", lambda tokens, c: real_forward(tokens, c) * 0 + crafted[:, :tokens.shape[1]])
+    accepts = []
+    real_accept = ops.greedy_accept
+    monkeypatch.setattr(ops, "greedy_accept", lambda *a, **k: accepts.append(1) or real_accept(*a, **k))
+
+    got = verify_step.verify_and_accept(sm, cache, pending, [[], [], []], None, SamplingParams(), [1, 2, 3],
+                                        logprobs=logprobs)
+    want_out, want_acc = real_accept(torch.zeros(3, 0, dtype=torch.int64), crafted, torch.zeros(3, dtype=torch.int32))
+    assert not accepts and cache.host_lengths == [4, 4, 4]
+    assert want_out[:, 0].tolist()[:2] == [5, 4] and want_acc.tolist() == [0, 0, 0]
+    assert got.rows == want_out.tolist() and got.num_accepted == [0, 0, 0]
+    assert torch.equal(got.out, want_out) and torch.equal(got.pending, want_out[:, 0])
+    want_lps = bi_token_logprob(crafted[:, 0], want_out[:, 0])  # [B]
+    assert (got.queued is not None) == queued
+    for i in range(3):
+        torch.testing.assert_close(got.logprobs(i, 1), want_lps[i:i + 1], rtol=0, atol=0, equal_nan=True)  # row 1: NaN
+    verify_step.verify_and_accept(sm, cache, pending, [[1], [], []], None, SamplingParams(), [1, 2, 3])
+    assert accepts  # a step with a draft takes the acceptance op
+
+
 @pytest.mark.parametrize("queued", [False, True])
 def test_logprobs_queued_for_every_position_have_the_rows_bits(monkeypatch, queued):
     """The GPU's way (every position's logprob before the read) and the CPU's (each row's kept
