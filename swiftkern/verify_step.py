@@ -25,14 +25,14 @@ def _chunk_uniforms(seeds: list[int], start: list[int], count: int, stream: int,
     return keyed_uniforms(flat_seeds, flat_positions, stream, device).view(len(seeds), count)
 
 
-def verify_tokens(pending: torch.Tensor, rows: list[list[int]]) -> torch.Tensor:
-    """A verify pass's tokens, int64 [B, K+1] (K: the longest row; shorter rows zero-padded):
+def verify_tokens(pending: torch.Tensor, rows: list[list[int]], width: int | None = None) -> torch.Tensor:
+    """A verify pass's tokens, int64 [B, K+1] (K: ``width``, or the longest row; shorter rows zero-padded):
     row b's pending token (pending: int64 [B]), then its drafts rows[b]. Where host values are
     written through NumPy (``device_reads.writes_through_numpy``: the CPU) one array made into
     a tensor (a ``torch.tensor`` of the drafts and a ``torch.cat`` ran cold after each forward:
     ~100 us a step against ~54 us in SmolLM2's lookup loop on a 2-core AMD EPYC); elsewhere the
     drafts copied in once and joined to pending on the device."""
-    B, K = len(rows), max(map(len, rows), default=0)
+    B, K = len(rows), max(map(len, rows), default=0) if width is None else width
     padded = [row + [0] * (K - len(row)) for row in rows]  # [B][K]
     if device_reads.writes_through_numpy(pending.device):
         first = pending.numpy().tolist()
@@ -85,11 +85,18 @@ def verify_and_accept(model: SkipModel, cache: KVCache, pending: torch.Tensor, d
     nothing before it waits for the GPU (host values, the drafts among them, are copied in
     before anything is launched; the acceptance op's checks take max(num_draft) from the host),
     so on a GPU the host's next work overlaps the forward. draft_probs: [B, K, V] (sampling with
-    layer-skipped drafts) or None. The cache is advanced by K+1 (the caller rolls it back)."""
+    layer-skipped drafts) or None. Through CUDA graphs (``model.graphs``) the pass is padded to
+    ``GraphRunner.padded_tokens`` positions a row (drafts of token 0 past every row's own, never
+    accepted): a few widths, a few graphs. The cache is advanced by the pass's positions (the
+    caller rolls it back)."""
     device = pending.device
     num_draft = [len(row) for row in drafts]
     B, K = len(drafts), max(num_draft, default=0)
     start = list(cache.host_lengths)  # position of each row's pending token
+    if K and model.graphs is not None:  # a width of few graph keys: padded drafts, never accepted
+        K = model.graphs.padded_tokens(B, K + 1, cache.max_len - max(start)) - 1
+        if draft_probs is not None and draft_probs.shape[1] < K:
+            draft_probs = torch.nn.functional.pad(draft_probs, (0, 0, 0, K - draft_probs.shape[1]))  # [B, K, V]
     queued = logprobs and queue_logprobs(device, B * (K + 1))  # every position's logprob before the read
     host_verify = None if params.do_sample or queued else ops.greedy_verify_here(device.type)
     if K == 0 and not params.do_sample and host_verify is None:
@@ -98,7 +105,7 @@ def verify_and_accept(model: SkipModel, cache: KVCache, pending: torch.Tensor, d
     if params.do_sample:
         u_accept = _chunk_uniforms(seeds, start, K, STREAM_ACCEPT, device)  # [B, K]
         u_sample = _chunk_uniforms(seeds, start, K + 1, STREAM_RESIDUAL, device)  # [B, K+1]
-    tokens = verify_tokens(pending, drafts)  # [B, K+1]
+    tokens = verify_tokens(pending, drafts, K)  # [B, K+1]
     draft_tokens = tokens[:, 1:]  # [B, K]
     logits = model.forward(tokens, cache)  # [B, K+1, V]
     if host_verify is not None:  # the CPU: acceptance, next pending tokens and host rows in one C++ call

@@ -695,3 +695,45 @@ def test_invariant_graphs_never_read_a_rope_table_that_grew():
     for a, b, c in zip(plain, first, again):
         assert torch.equal(a, b) and torch.equal(a, c)
     assert runner.stats()["replays"] >= 12, runner.stats()
+
+
+@pytest.mark.parametrize("batch,tokens,room,want", [
+    (1, 1, 100, 1), (1, 2, 100, 2), (1, 3, 100, 4), (1, 5, 100, 8), (1, 8, 100, 8), (1, 9, 100, 16),
+    (1, 5, 6, 6),  # the cache's room caps the padding
+    (1, 5, 3, 5),  # never fewer than the pass's own positions (forward's room check refuses those)
+    (40, 5, 100, 6),  # 40 x 8 > max_tokens 256: as many as a graph takes
+    (64, 5, 100, 5),  # 64 x 5 is past a graph already: left alone (it runs eagerly)
+])
+def test_padded_tokens_are_the_next_power_of_two_within_the_room_and_a_graph(tiny, batch, tokens, room, want):
+    assert GraphRunner(tiny, EmulatedGraph).padded_tokens(batch, tokens, room) == want
+
+
+@pytest.mark.parametrize("kw", [
+    dict(mode="self-spec", drafter="lookup"),
+    dict(mode="self-spec", drafter="layer-skip", layer_set="attn:1|mlp:2", k_max=6, eps=0.0),
+    dict(mode="self-spec", drafter="layer-skip", layer_set="attn:1|mlp:2", k_max=6, eps=0.0, do_sample=True,
+         temperature=0.8, seed=5),
+], ids=["lookup", "layer-skip", "layer-skip-sampled"])
+def test_verify_passes_through_the_runner_take_a_few_widths(tiny, monkeypatch, kw):
+    """Verify passes through the runner are padded to powers of two (a graph per width; the
+    drafter policy's timed choices kept meeting new ones), and the tokens stay those of the
+    unpadded, ungraphed loop (greedy and sampled). Without the padding the same runs meet widths
+    that are not, so the check can fail."""
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8], [9, 10, 11, 12], list(range(30, 46))]  # powers of two: prefill keys too
+    sample = {k: kw.pop(k) for k in ("do_sample", "temperature", "seed") if k in kw}
+
+    def widths(pad: bool):
+        runner = GraphRunner(tiny, EmulatedGraph)
+        if not pad:
+            monkeypatch.setattr(runner, "padded_tokens", lambda batch, tokens, room: tokens)
+        gen = Generator(tiny, cuda_graphs=runner, **kw)
+        out = [gen.generate([p], max_new_tokens=20, eos_token_id=[], **sample).tokens[0] for p in prompts]
+        return {key[2] for key in runner.entries if key[0] == "forward"}, out
+
+    padded, tokens = widths(True)
+    unpadded, same = widths(False)
+    plain = Generator(tiny, **kw)
+    assert tokens == same == [plain.generate([p], max_new_tokens=20, eos_token_id=[], **sample).tokens[0]
+                              for p in prompts]
+    assert all(t & (t - 1) == 0 for t in padded), padded
+    assert any(t & (t - 1) for t in unpadded), unpadded
