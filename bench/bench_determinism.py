@@ -55,7 +55,9 @@ steps_none).
 <provider>+graphs), ar included, so ratio_vs_ar compares graphed with graphed (and, under
 SWIFTKERN_BI_MATMUL_PLAN, <provider>@<its value>: the invariant set's matmuls in that plan); each provider
 first runs its timed calls twice untimed (a graph is captured at a shape's second sight), so
-the timing is of replays, as in a server that has seen its shapes.
+the timing is of replays, as in a server that has seen its shapes; timed_first_sights /
+timed_captures count the graph keys met first and the graphs captured inside the timed reps
+all the same (a drafter policy's timed choices can pick widths not seen before).
 ``--smoke``: a tiny random Llama, 16-token prompts, batches 2 and 4, 8 new tokens, one repetition.
 """
 
@@ -216,7 +218,12 @@ def run(args) -> list[dict]:
                 gens[name].generate(calls[0], max_new_tokens=2, eos_token_id=[])
                 if graphs:  # every graph of the timed calls seen once (eager) and captured: the reps replay
                     _until_no_capture(gens[name].graph_runner, timed(name))
+            unsteady_before = {name: _unsteady(gen) for name, gen in gens.items()}
             times = common.time_fn({name: timed(name) for name in gens}, args.device, warmup=0, reps=reps)
+            # graph keys met for the first time and graphs captured inside the timed reps (each an
+            # eager forward or a capture: host time no steady run pays); "" without graphs
+            unsteady = {name: [a - b for a, b in zip(_unsteady(gen), unsteady_before[name])] if graphs else ("", "")
+                        for name, gen in gens.items()}
             if getattr(args, "host_profile", None):
                 _host_profile(args.host_profile, f"{group} B={batch}", {name: timed(name) for name in gens})
             new_tokens = batch * n * len(calls)
@@ -239,6 +246,7 @@ def run(args) -> list[dict]:
                     rollback_fraction=round(s["rollback_fraction"], 5) if "rollback_fraction" in s else "",
                     verify_passes=s.get("verify_passes", ""), dummy_rows=s.get("dummy_rows", ""),
                     **_host_and_wait(outs), **_draft_counts(outs),
+                    timed_first_sights=unsteady[name][0], timed_captures=unsteady[name][1],
                     tokens_equal_ar=[o.tokens for o in outs] == [o.tokens for o in last["ar"]] if "ar" in last else ""))
             rows.extend(group_rows)
     _summary(rows)
@@ -260,6 +268,12 @@ def _host_profile(path: str, title: str, fns: dict, top: int = 25) -> None:
             text = io.StringIO()
             pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(top)
             out.write(f"=== {title} {name}\n{text.getvalue()}\n")
+
+
+def _unsteady(gen) -> tuple[int, int]:
+    """(first sights, captures) of a Generator's graph runner so far ((0, 0) without one)."""
+    runner = gen.graph_runner
+    return (runner.first_sights, runner.captures) if runner is not None else (0, 0)
 
 
 def _merged_stats(stats: list[dict]) -> dict:

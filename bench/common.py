@@ -244,7 +244,7 @@ def results_name(name: str, device: str) -> str:
 def append_csv(name: str, rows: list[dict]) -> str:
     """Append rows to bench/results/<name>.csv, or <name>-<gpu>.csv for rows from a GPU
     (header from the first row when the file is new; a file with other columns is kept and the
-    rows go to <stem>-v2.csv) -> the path."""
+    rows go to <stem>-v2.csv, or -v3, ...: the first with these columns or none yet) -> the path."""
     if not rows:
         return ""
     os.makedirs(RESULTS_DIR, exist_ok=True)
@@ -252,12 +252,11 @@ def append_csv(name: str, rows: list[dict]) -> str:
     fields = list(rows[0])
     for r in rows[1:]:
         fields += [k for k in r if k not in fields]
+    version = 1
     path = os.path.join(RESULTS_DIR, f"{name}.csv")
-    if os.path.exists(path):
-        with open(path, newline="") as f:
-            header = next(csv.reader(f), [])
-        if header != fields:
-            path = os.path.join(RESULTS_DIR, f"{name}-v2.csv")
+    while os.path.exists(path) and _csv_header(path) != fields:
+        version += 1
+        path = os.path.join(RESULTS_DIR, f"{name}-v{version}.csv")
     new = not os.path.exists(path)
     with open(path, "a", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields, restval="")
@@ -265,6 +264,11 @@ def append_csv(name: str, rows: list[dict]) -> str:
             w.writeheader()
         w.writerows(rows)
     return path
+
+
+def _csv_header(path: str) -> list[str]:
+    with open(path, newline="") as f:
+        return next(csv.reader(f), [])
 
 
 def print_rows(rows: list[dict], keys=("provider", "dtype", "shape", "median_ms", "gb_s", "tflop_s",

@@ -168,6 +168,24 @@ def test_gpu_rows_go_to_a_file_of_their_own(tmp_path, monkeypatch):
         "greedy_accept-nvidia-h100-80gb-hbm3.csv", "greedy_accept.csv"]
 
 
+def test_rows_of_other_columns_go_to_the_next_file_with_theirs(tmp_path, monkeypatch):
+    """A results file keeps its header: rows with other columns go to -v2, and rows with yet
+    other columns to -v3 (not under -v2's header), each file's rows read back under its header."""
+    import csv
+
+    sys.path.insert(0, ROOT)
+    from bench import common
+
+    monkeypatch.setattr(common, "RESULTS_DIR", str(tmp_path))
+    rows = [dict(device="cpu: A", provider="ar", median_ms=1.0), dict(device="cpu: A", provider="ar", tok_s=5.0),
+            dict(device="cpu: A", provider="ar", tok_s=6.0, captures=2)]
+    paths = [common.append_csv("determinism", [r]) for r in rows + rows]
+    assert [os.path.basename(p) for p in paths] == ["determinism.csv", "determinism-v2.csv", "determinism-v3.csv"] * 2
+    for path, row in zip(paths, rows):
+        with open(path, newline="") as f:
+            assert list(csv.DictReader(f)) == [{k: str(v) for k, v in row.items()}] * 2
+
+
 def test_vocab_split_sweep_providers_force_the_split_they_name(monkeypatch):
     """The GPU sweep providers (triton-pps<n>) run the Triton kernel with the split of an n
     programs-per-SM plan (here under the interpreter, on a stand-in SM count) and give the
