@@ -82,7 +82,8 @@ ARRIVAL_GAP = 4  # the arrivals group: a request joins every 4 decoding steps
 LAYER_SET = "attn:9,13,17,21|mlp:11,15,19"  # the README's example set for SmolLM2 (7 of 60 sub-layers)
 PRINT_KEYS = ("group", "provider", "batch", "window", "tok_s", "ratio_vs_ar", "rollback_fraction", "verify_passes",
               "dummy_rows", "tokens_equal_ar", "median_ms", "host_ms_tok", "wait_ms_tok", "reads_tok", "spec_steps",
-              "draft_forwards", "accepted", "steps_lookup", "steps_layer_skip", "steps_none")
+              "draft_forwards", "accepted", "steps_lookup", "steps_layer_skip", "steps_none", "timed_first_sights",
+              "timed_captures")
 
 
 def _setups(smoke: bool, layer_set: str, verify_batch: int = 4, auto_elides: bool = True,
