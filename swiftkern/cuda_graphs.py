@@ -51,6 +51,17 @@ def unsteady_calls(model) -> int:
     return 0 if runner is None else runner.eager + runner.captures
 
 
+def padded_width(model, cache, batch: int, tokens: int) -> int:
+    """The positions a row's forward of ``tokens`` positions (a verify pass, a check of drafts)
+    runs with: ``tokens``, or through a graph runner (inside ``model.cuda_graphs``) its
+    ``GraphRunner.padded_tokens`` within the cache's room. The caller pads the rows and rolls
+    back what the padding wrote."""
+    runner = model.graphs
+    if runner is None or tokens <= 1:
+        return tokens
+    return runner.padded_tokens(batch, tokens, cache.max_len - max(cache.host_lengths))
+
+
 def attention_span(longest: int, capacity: int, minimum: int = MIN_SPAN) -> int:
     """Keys a graphed forward's attention is planned for: ``longest`` (the longest row + T)
     rounded up to ``minimum`` times a power of two, at most ``capacity`` (the same in units of

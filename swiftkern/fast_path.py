@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from .cuda_graphs import padded_width
 from .device_reads import read
 from .draft_head import DraftHead
 from .kv_cache import KVCache
@@ -73,13 +74,14 @@ class FastPath:
     def check(self, model: SkipModel, cache: KVCache, newest: list[int], drafts: list[list[int]],
               params: SamplingParams, seeds: list[int]) -> list[list[int]]:
         """The full model on each row's newest token followed by its prompt-lookup drafts, in one
-        forward of 1 + the longest draft tokens a row (shorter rows padded with their newest
-        token: the caller rolls back what the padding wrote). newest: the B rows' newest tokens
+        forward of 1 + the longest draft tokens a row (through CUDA graphs padded to
+        ``cuda_graphs.padded_width``; shorter rows padded with their newest token: the caller
+        rolls back what the padding wrote). newest: the B rows' newest tokens
         (host ids: nothing is read back from the device but the choices, once); drafts: per row
         (may be empty). -> per row, the drafts the model's own choice (``select_tokens`` at
         each position, the rule the verifier replays) agrees with, left to right, then that
         choice at the first disagreement or after the last draft."""
-        T = 1 + max(len(d) for d in drafts)
+        T = padded_width(model, cache, len(drafts), 1 + max(len(d) for d in drafts))  # few graph keys
         inputs = torch.tensor([[t] + d + [t] * (T - 1 - len(d)) for t, d in zip(newest, drafts)],
                               dtype=torch.int64, device=model.device)  # [B, T]
         start = [n + 1 for n in cache.host_lengths]  # position of the token chosen after the newest

@@ -11,6 +11,7 @@ import torch
 
 from . import device_reads, ops
 from .batch_invariant import bi_token_logprob
+from .cuda_graphs import padded_width
 from .device_reads import read, read_host
 from .kv_cache import KVCache
 from .model import SkipModel
@@ -93,8 +94,8 @@ def verify_and_accept(model: SkipModel, cache: KVCache, pending: torch.Tensor, d
     num_draft = [len(row) for row in drafts]
     B, K = len(drafts), max(num_draft, default=0)
     start = list(cache.host_lengths)  # position of each row's pending token
-    if K and model.graphs is not None:  # a width of few graph keys: padded drafts, never accepted
-        K = model.graphs.padded_tokens(B, K + 1, cache.max_len - max(start)) - 1
+    if K:  # through CUDA graphs a width of few graph keys: padded drafts, never accepted
+        K = padded_width(model, cache, B, K + 1) - 1
         if draft_probs is not None and draft_probs.shape[1] < K:
             draft_probs = torch.nn.functional.pad(draft_probs, (0, 0, 0, K - draft_probs.shape[1]))  # [B, K, V]
     queued = logprobs and queue_logprobs(device, B * (K + 1))  # every position's logprob before the read
