@@ -137,3 +137,23 @@ def test_the_regular_runner_groups_its_projections_with_the_same_logits(cuda_rul
     for (got, n_grouped), (want, n_separate) in zip(grouped, separate):
         assert torch.equal(got, want)
         assert (n_grouped, n_separate) == (4 * layers + 1, 7 * layers + 1)  # + the LM head
+
+
+def test_the_swiglu_joins_the_down_projection_only_with_the_triton_silu_mul(cuda_rule_on_cpu, monkeypatch):
+    """skinny_silu_linear makes the Triton silu_mul's bits: the regular set takes it where silu_mul
+    is that kernel, and with another silu_mul (here the reference) keeps the two ops, whose bits
+    are that kernel's; q/k/v stay grouped either way."""
+    import swiftkern.triton_kernels.skinny_linear as skinny
+
+    fused = []
+    real = skinny.skinny_silu_linear
+    monkeypatch.setattr(skinny, "skinny_silu_linear", lambda *a: fused.append(1) or real(*a))
+    gate, up, weight, _ = swiglu_operands((3,), 40, 24, False, torch.float32, 7)
+    for name, takes in (("triton", True), ("reference", False)):
+        fused.clear()
+        with backend(name):
+            kern = layer_kernels.LayerKernels.for_device(torch.device(DEVICE).type)
+            got = kern.silu_linear(gate, up, weight, None)
+            want = kern.linear(kern.silu_mul(gate, up), weight, None)
+        assert kern.backends["silu_mul"] == name and bool(fused) is takes and kern.linears is not None
+        assert torch.equal(got, want)

@@ -35,10 +35,13 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     check_device(op, x=x, weight=weight, bias=bias)
     check_float(op, x=x, weight=weight, **({} if bias is None else {"bias": bias}))
     _check_weight(op, x, weight, bias)
-    out = launch(x.reshape(-1, x.shape[-1]), weight.t(), PLAN)  # [M, N]
-    if bias is not None:
-        out = out + bias.to(out.dtype)
+    out = _plus_bias(launch(x.reshape(-1, x.shape[-1]), weight.t(), PLAN), bias)  # [M, N]
     return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _plus_bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """out [M, N] + bias [N] (None: out), in out's dtype, as torch's linear adds it."""
+    return out if bias is None else out + bias.to(out.dtype)
 
 
 def skinny_linear_fake(x, weight, bias):
@@ -93,9 +96,7 @@ def skinny_silu_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tenso
             f"{tuple(up.shape)} {up.dtype}")
     _check_weight(op, gate, weight, bias)
     I = gate.shape[-1]
-    out = launch(gate.reshape(-1, I), weight.t(), PLAN, up=up.reshape(-1, I))  # [M, N]
-    if bias is not None:
-        out = out + bias.to(out.dtype)
+    out = _plus_bias(launch(gate.reshape(-1, I), weight.t(), PLAN, up=up.reshape(-1, I)), bias)  # [M, N]
     return out.reshape(*gate.shape[:-1], weight.shape[0])
 
 
