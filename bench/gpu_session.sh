@@ -2,7 +2,8 @@
 # One lease on a GPU machine (the device tool), in stages; run from the repository root:
 #   bash bench/gpu_session.sh setup        gguf wheel, the CUDA build (or a carried .so), SmolLM2 if carried
 #   bash bench/gpu_session.sh native       every GPU test file (not slow), the files changed since the last lease
-#                                          (2026-11-27) first, 12 workers, one line a test (a cut run keeps them);
+#                                          (2026-12-04; the grouped projections' first) first, 12 workers, one line
+#                                          a test (a cut run keeps them);
 #                                          log in $OUT (the stage `tests` until 2026-12-04)
 #   bash bench/gpu_session.sh graphscpu    tests/test_cuda_graphs.py (not slow) in one process: 13 of its CPU-model
 #                                          cases failed among 12 workers on an H200 (2026-12-04), never on the CPU
@@ -57,13 +58,14 @@
 # in order of what is open; `bash bench/gpu_prepare.sh` first, C=commit below. On 2026-12-04 (an
 # H200) `native` reached 93-97 % of its tests in 330 s / 270 s and lost every traceback; failures
 # are now logged as they happen ($OUT/native.failures.log):
-#   call 1 (carry .whl .gpu/a, timeout_s 500): SWIFTKERN_GPU_NO_EXT=1 SWIFTKERN_BENCH_COMMIT=C
-#     NATIVE_LIMIT=300 bash bench/gpu_session.sh setup native graphscpu  (every GPU test file, not
-#     slow; then test_cuda_graphs.py in one process, ~60 s)
-#   call 2 at once, warm (idle 30 s: carry .whl .gpu/b, timeout_s 420): the same variables,
+#   call 1 (carry .whl .gpu/a, timeout_s 450): SWIFTKERN_GPU_NO_EXT=1 SWIFTKERN_BENCH_COMMIT=C
+#     NATIVE_LIMIT=270 bash bench/gpu_session.sh setup native graphscpu  (every GPU test file, not
+#     slow, the files changed since the last lease first; then test_cuda_graphs.py in one process, ~60 s)
+#   call 2 at once, warm (idle 30 s: carry .whl .gpu/b, timeout_s 400): the same variables,
 #     bash bench/gpu_session.sh setup groups slow batch1 hostprofile   (the grouped projections'
 #     speed, 75 s; SmolLM2 against HF on the GPU; batch 1 with CUDA graphs, 123 s with slow on
-#     2026-12-04; hostprofile ~150 s, cut short if the call runs out); then give_back
+#     2026-12-04, now with the keys met and graphs captured inside its timed reps; hostprofile
+#     ~150 s, cut short if the call runs out); then give_back
 # The CUDA extension's tests (the drafts' row stride, compute-sanitizer) need its build (minutes):
 # a longer lease, `setup native sanitizer`. `lastadds`' timing needs ~4 min more than the above.
 #
@@ -137,7 +139,8 @@ stage_native() {
   # which passed and which failed (the tracebacks come at the end only)
   pytest_gpu native "${NATIVE_LIMIT:-330}" -n 12 -vv -m "not slow" -k "not (test_cuda_ops and emulated)" \
     --deselect tests/test_cuda_ops.py::test_compute_sanitizer_memcheck \
-    tests/test_triton_rope_kv_append.py tests/test_triton_verify_attention.py tests/test_cuda_device.py \
+    tests/test_triton_skinny_groups.py tests/test_triton_rope_kv_append.py tests/test_triton_verify_attention.py \
+    tests/test_cuda_device.py \
     tests/test_triton_kv_compact.py tests/test_triton_acceptance.py tests/test_triton_bi_exp_sum.py \
     tests/test_bi_matmul_swiglu.py tests/test_invariant_triton.py tests/test_deterministic_gpu.py \
     tests/test_bi_matmul.py tests/test_cuda_graphs.py tests/test_triton_*.py tests/test_greedy_accept.py \
