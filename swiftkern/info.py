@@ -50,6 +50,15 @@ def collect_info() -> dict:
         f"{ops.projections.cpu_vendor()} CPU)" if ops.mkl_lags_here() else
         f"C++ kernels up to {ops.SKINNY_MAX_ROWS} rows ({ops.PACKED_MAX_ROWS} from packed weights), "
         "torch's matmul past that")
+    # which kernel takes the float32 projections on CUDA (ops.projections.CUDA_SKINNY_ROWS; the
+    # regular set's grouped launches, layer_kernels._skinny_groups_for)
+    lo, hi = ops.projections.CUDA_SKINNY_ROWS
+    info["cuda_float32_projections"] = (
+        f"the Triton skinny_linear at {lo}-{hi} rows (a layer's q/k/v and gate/up one launch each, the "
+        "SwiGLU in the down projection's with the Triton silu_mul), torch's matmul elsewhere"
+        if ops.triton_skinny_here("cuda") else
+        f"torch's matmul at every size (the Triton kernels are not in use: SWIFTKERN_BACKEND="
+        f"{ops.backends.current_backend()}, or Triton is not importable)")
     # the CUDA greedy_accept's vocabulary split for few rows: on unless turned off (docs/speed.md)
     split = os.environ.get("SWIFTKERN_CUDA_GREEDY_SPLIT") != "0"
     info["cuda_greedy_vocab_split"] = ("on (SWIFTKERN_CUDA_GREEDY_SPLIT=0 turns it off)" if split

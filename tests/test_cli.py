@@ -119,6 +119,17 @@ def test_info_says_the_reference_backend_projects_with_torch(monkeypatch):
     assert "cpu_float32_projections: torch's matmul at every size" in r.stdout, r.stdout + r.stderr
 
 
+@pytest.mark.parametrize("backend,line", [
+    ("auto", "cuda_float32_projections: the Triton skinny_linear at 2-32 rows (a layer's q/k/v and gate/up"),
+    ("reference", "cuda_float32_projections: torch's matmul at every size (the Triton kernels are not in use: "
+                  "SWIFTKERN_BACKEND=reference"),
+])
+def test_info_says_which_kernel_projects_float32_on_cuda(backend, line, monkeypatch):
+    monkeypatch.setenv("SWIFTKERN_BACKEND", backend)
+    r = run("info")
+    assert line in r.stdout, r.stdout + r.stderr
+
+
 def test_info_names_the_bi_matmul_plan(monkeypatch):
     r = run("info")
     assert "cuda_bi_matmul_plans: PLANS (triton_kernels/bi_matmul.py)" in r.stdout, r.stdout + r.stderr
