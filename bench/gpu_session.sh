@@ -39,6 +39,8 @@
 #                                          layer fewer; 120 + 120 s; the tests skipped after autotests on a warm machine)
 #   bash bench/gpu_session.sh groups       verify_cost with CUDA graphs: the regular set's grouped projections
 #                                          (2026-12-05, not yet on a GPU) against one launch each (75 s)
+#   bash bench/gpu_session.sh keys         graph keys met and graphs captured round after round, with each round's
+#                                          time: prompt lookup padded against unpadded (90 s; SmolLM2)
 #   bash bench/gpu_session.sh hostprofile  batch 1 with CUDA graphs, ar beside prompt lookup and self-spec, each
 #                                          provider's calls once under cProfile: where the speculative loops'
 #                                          host time goes on a GPU (1.47 / 0.74 ms a token against ar's 0.11
@@ -62,10 +64,10 @@
 #     NATIVE_LIMIT=270 bash bench/gpu_session.sh setup native graphscpu  (every GPU test file, not
 #     slow, the files changed since the last lease first; then test_cuda_graphs.py in one process, ~60 s)
 #   call 2 at once, warm (idle 30 s: carry .whl .gpu/b, timeout_s 400): the same variables,
-#     bash bench/gpu_session.sh setup groups slow batch1 hostprofile   (the grouped projections'
+#     bash bench/gpu_session.sh setup groups slow batch1 keys hostprofile   (the grouped projections'
 #     speed, 75 s; SmolLM2 against HF on the GPU; batch 1 with CUDA graphs, 123 s with slow on
-#     2026-12-04, now with the keys met and graphs captured inside its timed reps; hostprofile
-#     ~150 s, cut short if the call runs out); then give_back
+#     2026-12-04, now with the keys met and graphs captured inside its timed reps; keys 90 s;
+#     hostprofile ~150 s, cut short if the call runs out); then give_back
 # The CUDA extension's tests (the drafts' row stride, compute-sanitizer) need its build (minutes):
 # a longer lease, `setup native sanitizer`. `lastadds`' timing needs ~4 min more than the above.
 #
@@ -285,6 +287,14 @@ stage_groups() {
   bench_cut 75 --routine verify_cost --reps 10 --cuda-graphs \
     --providers T1+graphs,T4+graphs,T8+graphs,T4-ungrouped+graphs,T8-ungrouped+graphs > "$OUT/verify-cost-groups.log" 2>&1
   echo "verify_cost groups: exit $?"; grep -E "the time|graphs" "$OUT/verify-cost-groups.log" | tail -8
+}
+
+stage_keys() {
+  # graph keys and captures round after round on real graphs, with the round's wall time: prompt
+  # lookup with its verify passes padded to powers of two against unpadded (2026-12-05; SmolLM2)
+  bench_cut 90 --routine graph_keys --providers lookup,lookup-unpadded --reps 4 --max-new-tokens 64 \
+    > "$OUT/graph-keys.log" 2>&1
+  echo "graph_keys: exit $?"; grep -E "^lookup" "$OUT/graph-keys.log" | cut -c1-150
 }
 
 stage_batch1() {
