@@ -41,6 +41,9 @@
 #                                          (2026-12-05, not yet on a GPU) against one launch each (75 s)
 #   bash bench/gpu_session.sh keys         graph keys met and graphs captured round after round, with each round's
 #                                          time: prompt lookup padded against unpadded (90 s; SmolLM2)
+#   bash bench/gpu_session.sh skinnyrows   graphed forwards of 1 / 4 / 8 tokens with the projections of 1-32 rows on
+#                                          the Triton skinny kernel (SWIFTKERN_CUDA_SKINNY_ROWS) and in its last_adds
+#                                          plan (SWIFTKERN_SKINNY_PLAN), against the defaults (4 x 35 s; SmolLM2)
 #   bash bench/gpu_session.sh hostprofile  batch 1 with CUDA graphs, ar beside prompt lookup and self-spec, each
 #                                          provider's calls once under cProfile: where the speculative loops'
 #                                          host time goes on a GPU (1.47 / 0.74 ms a token against ar's 0.11
@@ -295,6 +298,19 @@ stage_keys() {
   bench_cut 90 --routine graph_keys --providers lookup,lookup-unpadded --reps 4 --max-new-tokens 64 \
     > "$OUT/graph-keys.log" 2>&1
   echo "graph_keys: exit $?"; grep -E "^lookup" "$OUT/graph-keys.log" | cut -c1-150
+}
+
+stage_skinnyrows() {
+  # a batch-1 decode step's projections on the Triton skinny kernel, grouped (1-32 rows), and
+  # with its chunks added by the tiles' last programs (one launch a matmul), against cuBLAS's gemv
+  # (the default 2-32): graphed forwards of 1 / 4 / 8 tokens, one process a setting (35 s each)
+  local last=16x64x32-w4-s3-ieee-k128-last
+  for setting in "default" "rows=1-32" "rows=1-32 plan=$last" "rows=2-32 plan=$last"; do
+    local rows=$(echo "$setting" | sed -n 's/.*rows=\([0-9-]*\).*/\1/p') plan=$(echo "$setting" | sed -n 's/.*plan=\(\S*\).*/\1/p')
+    SWIFTKERN_CUDA_SKINNY_ROWS=$rows SWIFTKERN_SKINNY_PLAN=$plan bench_cut 35 --routine verify_cost --reps 10 \
+      --cuda-graphs --providers T1+graphs,T4+graphs,T8+graphs > "$OUT/skinny-rows.log" 2>&1
+    echo "verify_cost [$setting]: exit $?"; grep -E "^T[0-9]+\+graphs" "$OUT/skinny-rows.log" | cut -c1-90
+  done
 }
 
 stage_batch1() {

@@ -7,6 +7,7 @@ import platform
 from importlib import metadata
 
 from .cpu_id import cpuinfo_field
+from .errors import SwiftkernError
 
 
 def cpu_name() -> str:
@@ -52,10 +53,16 @@ def collect_info() -> dict:
         "torch's matmul past that")
     # which kernel takes the float32 projections on CUDA (ops.projections.CUDA_SKINNY_ROWS; the
     # regular set's grouped launches, layer_kernels._skinny_groups_for)
-    lo, hi = ops.projections.CUDA_SKINNY_ROWS
+    try:
+        lo, hi = ops.projections.cuda_skinny_rows()
+        rows = f"{lo}-{hi} rows" + (" (SWIFTKERN_CUDA_SKINNY_ROWS)" if os.environ.get("SWIFTKERN_CUDA_SKINNY_ROWS") else "")
+    except SwiftkernError as e:
+        rows = f"no rows: {e}"
+    plan = os.environ.get("SWIFTKERN_SKINNY_PLAN", "").strip()
     info["cuda_float32_projections"] = (
-        f"the Triton skinny_linear at {lo}-{hi} rows (a layer's q/k/v and gate/up one launch each, the "
+        f"the Triton skinny_linear at {rows} (a layer's q/k/v and gate/up one launch each, the "
         "SwiGLU in the down projection's with the Triton silu_mul), torch's matmul elsewhere"
+        + (f"; plan {plan} (SWIFTKERN_SKINNY_PLAN)" if plan else "")
         if ops.triton_skinny_here("cuda") else
         f"torch's matmul at every size (the Triton kernels are not in use: SWIFTKERN_BACKEND="
         f"{ops.backends.current_backend()}, or Triton is not importable)")

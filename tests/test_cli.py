@@ -130,6 +130,17 @@ def test_info_says_which_kernel_projects_float32_on_cuda(backend, line, monkeypa
     assert line in r.stdout, r.stdout + r.stderr
 
 
+def test_info_names_the_skinny_rows_and_plan_the_environment_sets(monkeypatch):
+    monkeypatch.setenv("SWIFTKERN_CUDA_SKINNY_ROWS", "1-32")
+    monkeypatch.setenv("SWIFTKERN_SKINNY_PLAN", "16x64x32-w4-s3-ieee-k128-last")
+    r = run("info")
+    assert ("at 1-32 rows (SWIFTKERN_CUDA_SKINNY_ROWS)" in r.stdout
+            and "plan 16x64x32-w4-s3-ieee-k128-last (SWIFTKERN_SKINNY_PLAN)" in r.stdout), r.stdout + r.stderr
+    monkeypatch.setenv("SWIFTKERN_CUDA_SKINNY_ROWS", "0-3")
+    r = run("info")  # a bad value is shown, not a crash
+    assert r.returncode == 0 and "no rows: SWIFTKERN_CUDA_SKINNY_ROWS='0-3'" in r.stdout, r.stdout + r.stderr
+
+
 def test_info_names_the_bi_matmul_plan(monkeypatch):
     r = run("info")
     assert "cuda_bi_matmul_plans: PLANS (triton_kernels/bi_matmul.py)" in r.stdout, r.stdout + r.stderr

@@ -3,6 +3,8 @@ reference.skinny_linear (torch's matmul, in float64 for the bar) on odd shapes, 
 CPU and native on a GPU; its rows independent of the others (one fixed plan); and ops.linear's
 and the model runner's dispatch to it, with the CUDA rule turned on for the CPU's tensors here."""
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given
@@ -115,3 +117,56 @@ def test_its_plan_is_a_candidate_the_compile_check_and_the_sweep_cover():
     from swiftkern.triton_kernels.skinny_linear import PLAN
 
     assert PLAN in CANDIDATES and PLAN.precision == "ieee"
+
+
+@pytest.fixture
+def fresh_skinny_settings():
+    """The settings read once (at the first projection) read again, before and after."""
+    from swiftkern.ops import projections
+    from swiftkern.triton_kernels import skinny_linear
+
+    projections.cuda_skinny_rows.cache_clear()
+    skinny_linear.plan_in_use.cache_clear()
+    yield
+    projections.cuda_skinny_rows.cache_clear()
+    skinny_linear.plan_in_use.cache_clear()
+
+
+def test_a_plan_named_by_the_environment_runs_with_the_bits_its_plan_gives(fresh_skinny_settings, monkeypatch):
+    """SWIFTKERN_SKINNY_PLAN: the last_adds twin of PLAN (one launch a matmul) gives PLAN's bits
+    (its tiles' last programs add the chunks in the same order); a name of no candidate is refused."""
+    from swiftkern.triton_kernels import skinny_linear
+
+    x, w, b = operands((9,), 300, 70, torch.float32, 4)
+    op = triton_op("skinny_linear")
+    want = op(x, w, b)
+    twin = dataclasses.replace(skinny_linear.PLAN, last_adds=True)
+    monkeypatch.setenv("SWIFTKERN_SKINNY_PLAN", twin.name)
+    skinny_linear.plan_in_use.cache_clear()
+    assert skinny_linear.plan_in_use() == twin
+    assert torch.equal(op(x, w, b), want)
+    monkeypatch.setenv("SWIFTKERN_SKINNY_PLAN", "16x64")
+    skinny_linear.plan_in_use.cache_clear()
+    with pytest.raises(SwiftkernError, match="SWIFTKERN_SKINNY_PLAN='16x64' names no candidate plan"):
+        op(x, w, b)
+
+
+@pytest.mark.parametrize("value,rows", [("", (2, 32)), ("1-32", (1, 32)), (" 4-4 ", (4, 4))])
+def test_the_rows_range_named_by_the_environment(fresh_skinny_settings, monkeypatch, value, rows):
+    from swiftkern.ops import projections
+
+    monkeypatch.setenv("SWIFTKERN_CUDA_SKINNY_ROWS", value)
+    assert projections.cuda_skinny_rows() == rows
+    lo, hi = rows
+    for m in (1, 2, 4, 32, 33):
+        x, w, _ = operands((m,), 8, 4, torch.float32, m)
+        assert ops.triton_skinny_fits(x, w) is (lo <= m <= hi), m
+
+
+@pytest.mark.parametrize("value", ["0-32", "8-2", "32", "a-b", "-5"])
+def test_a_bad_rows_range_is_refused_with_what_to_give(fresh_skinny_settings, monkeypatch, value):
+    from swiftkern.ops import projections
+
+    monkeypatch.setenv("SWIFTKERN_CUDA_SKINNY_ROWS", value)
+    with pytest.raises(SwiftkernError, match=r"SWIFTKERN_CUDA_SKINNY_ROWS=.*give <lo>-<hi> with 1 <= lo <= hi"):
+        projections.cuda_skinny_rows()

@@ -333,8 +333,8 @@ KERNEL_MUTANTS = [
      "out[:, :w.shape[0]] += b.to(out.dtype)",
      "the Triton skinny_linear_group adds each weight's bias to the first weight's columns",
      ["tests/test_triton_skinny_groups.py"]),
-    ("K21c", "triton_kernels/skinny_linear.py", "launch(gate.reshape(-1, I), weight.t(), PLAN, up=up.reshape(-1, I))",
-     "launch(gate.reshape(-1, I), weight.t(), PLAN, up=gate.reshape(-1, I))",
+    ("K21c", "triton_kernels/skinny_linear.py", "launch(gate.reshape(-1, I), weight.t(), plan_in_use(), up=up.reshape(-1, I))",
+     "launch(gate.reshape(-1, I), weight.t(), plan_in_use(), up=gate.reshape(-1, I))",
      "the Triton skinny_silu_linear multiplies silu(gate) by the gate instead of up",
      ["tests/test_triton_skinny_groups.py"]),
     # ------------------------------------------------------------------ CUDA (csrc/*.cu, *.cuh), in the CPU

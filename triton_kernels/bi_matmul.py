@@ -110,6 +110,9 @@ CANDIDATES = (
     # PLANS' float32 and 16-bit plans with their chunks added by each tile's last program (the
     # same bits, one launch instead of two)
     Plan(16, 64, 32, precision="tf32x3", k_chunk=128, last_adds=True), Plan(64, 64, 32, k_chunk=128, last_adds=True),
+    # the regular path's skinny_linear plan (triton_kernels/skinny_linear.py) with its chunks added
+    # by the tiles' last programs (SWIFTKERN_SKINNY_PLAN)
+    Plan(16, 64, 32, k_chunk=128, last_adds=True),
 )
 
 

@@ -19,13 +19,34 @@ and its SwiGLU were 15 launches, and are 8.
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 
-from .bi_matmul import MAX_GROUP, Plan, launch
+from swiftkern.errors import SwiftkernError
+
+from .bi_matmul import CANDIDATES, MAX_GROUP, Plan, launch
 from .launch import check_device, check_float, require
 from .registry import register
 
 PLAN = Plan(16, 64, 32, k_chunk=128)  # ieee: exact float32 products, as cuBLAS's
+
+
+@functools.lru_cache(maxsize=None)
+def plan_in_use() -> Plan:
+    """PLAN, or the ``bi_matmul`` candidate SWIFTKERN_SKINNY_PLAN names (e.g. its ``last_adds``
+    twin "16x64x32-w4-s3-ieee-k128-last": one launch a matmul), for measuring a plan in whole
+    runs. Read at the first matmul, so a bad name fails that call with its message. The bits
+    follow the plan (the regular path is batch-variant anyway)."""
+    value = os.environ.get("SWIFTKERN_SKINNY_PLAN", "").strip()
+    if not value:
+        return PLAN
+    named = {plan.name: plan for plan in CANDIDATES}
+    if value not in named:
+        raise SwiftkernError(f"SWIFTKERN_SKINNY_PLAN={value!r} names no candidate plan; give one of "
+                             f"{', '.join(named)}, or unset it for {PLAN.name}")
+    return named[value]
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -35,7 +56,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     check_device(op, x=x, weight=weight, bias=bias)
     check_float(op, x=x, weight=weight, **({} if bias is None else {"bias": bias}))
     _check_weight(op, x, weight, bias)
-    out = _plus_bias(launch(x.reshape(-1, x.shape[-1]), weight.t(), PLAN), bias)  # [M, N]
+    out = _plus_bias(launch(x.reshape(-1, x.shape[-1]), weight.t(), plan_in_use()), bias)  # [M, N]
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -73,7 +94,7 @@ def skinny_linear_group(x: torch.Tensor, weights: list[torch.Tensor], biases: li
     check_float(op, x=x, **named)
     for i, (w, b) in enumerate(zip(weights, biases)):
         _check_weight(op, x, w, b, str(i))
-    out = launch(x.reshape(-1, x.shape[-1]), [w.t() for w in weights], PLAN)  # [M, sum N_i]
+    out = launch(x.reshape(-1, x.shape[-1]), [w.t() for w in weights], plan_in_use())  # [M, sum N_i]
     col = 0
     for w, b in zip(weights, biases):
         if b is not None:
@@ -96,7 +117,7 @@ def skinny_silu_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tenso
             f"{tuple(up.shape)} {up.dtype}")
     _check_weight(op, gate, weight, bias)
     I = gate.shape[-1]
-    out = _plus_bias(launch(gate.reshape(-1, I), weight.t(), PLAN, up=up.reshape(-1, I)), bias)  # [M, N]
+    out = _plus_bias(launch(gate.reshape(-1, I), weight.t(), plan_in_use(), up=up.reshape(-1, I)), bias)  # [M, N]
     return out.reshape(*gate.shape[:-1], weight.shape[0])
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import os
 
 import torch
 
@@ -110,6 +111,22 @@ def skinny_max_rows(dtype: torch.dtype) -> int:
 CUDA_SKINNY_ROWS = (2, 32)
 
 
+@functools.lru_cache(maxsize=None)
+def cuda_skinny_rows() -> tuple[int, int]:
+    """CUDA_SKINNY_ROWS, or SWIFTKERN_CUDA_SKINNY_ROWS=<lo>-<hi> (1 <= lo <= hi) in its place, for
+    measuring other ranges in whole runs (e.g. 1-32: a batch-1 decode step's projections on the
+    Triton kernel, grouped, instead of cuBLAS's gemv). Read at the first projection, so a bad
+    value fails that call with its message."""
+    value = os.environ.get("SWIFTKERN_CUDA_SKINNY_ROWS", "").strip()
+    if not value:
+        return CUDA_SKINNY_ROWS
+    lo, _, hi = value.partition("-")
+    if not (lo.isdigit() and hi.isdigit() and 1 <= int(lo) <= int(hi)):
+        raise SwiftkernError(f"SWIFTKERN_CUDA_SKINNY_ROWS={value!r}: give <lo>-<hi> with 1 <= lo <= hi "
+                             f"(e.g. 1-32), or unset it for {CUDA_SKINNY_ROWS[0]}-{CUDA_SKINNY_ROWS[1]}")
+    return int(lo), int(hi)
+
+
 def triton_skinny_here(device_type: str) -> bool:
     """Whether ops.linear may take the Triton ``skinny_linear`` on ``device_type`` tensors:
     CUDA, SWIFTKERN_BACKEND auto or triton, the kernel registered (Triton importable)."""
@@ -119,8 +136,8 @@ def triton_skinny_here(device_type: str) -> bool:
 
 def triton_skinny_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the Triton skinny kernel takes x @ weight.T: float32 operands, rows in
-    CUDA_SKINNY_ROWS (where it was measured faster than cuBLAS)."""
-    lo, hi = CUDA_SKINNY_ROWS
+    CUDA_SKINNY_ROWS (where it was measured faster than cuBLAS; ``cuda_skinny_rows``)."""
+    lo, hi = cuda_skinny_rows()
     K = x.shape[-1]
     return x.dtype == weight.dtype == torch.float32 and K > 0 and lo * K <= x.numel() <= hi * K
 
