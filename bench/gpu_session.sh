@@ -72,7 +72,8 @@
 #     2026-12-04, now with the keys met and graphs captured inside its timed reps; keys 90 s;
 #     hostprofile ~150 s, cut short if the call runs out); then give_back
 # The CUDA extension's tests (the drafts' row stride, compute-sanitizer) need its build (minutes):
-# a longer lease, `setup native sanitizer`. `lastadds`' timing needs ~4 min more than the above.
+# a longer lease, `setup native sanitizer`. `lastadds`' timing needs ~4 min more than the above;
+# `skinnyrows` (the one-row projections on the grouped Triton kernel) ~2.5 min.
 #
 # SWIFTKERN_GPU_NO_EXT=1 skips the CUDA extension's build (the Triton kernels alone: enough for
 # the stages bimatmul and detplan; give it to every call of a lease, or a later setup builds).
