@@ -51,7 +51,8 @@ def plan_in_use() -> Plan:
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x: [..., K]; weight: [N, K]; bias: [N] or None, one float dtype and device ->
-    [..., N] in x's dtype, accumulated in float32 (``PLAN``)."""
+    [..., N] in x's dtype, accumulated in float32 (``plan_in_use()``: PLAN unless
+    SWIFTKERN_SKINNY_PLAN names another)."""
     op = "skinny_linear"
     check_device(op, x=x, weight=weight, bias=bias)
     check_float(op, x=x, weight=weight, **({} if bias is None else {"bias": bias}))
