@@ -271,6 +271,10 @@ def _exit_code(argv) -> int:
     (["search", "--prompt", "hi", "--skip-ratio", "1"], "skip ratio must be in (0, 1), got 1.0"),
     (["search", "--prompt", "hi", "--budget", "0"], "must be in (0.0, 1000000.0], got 0.0"),
     (["generate", "--prompt-file", "TWO", "--stream"], "--stream prints one prompt's text"),
+    (["generate", "--prompt", "hi", "--max-new-tokens", "ten"], "expected a whole number, got 'ten'"),
+    (["generate", "--prompt", "hi", "--temperature", "warm"], "expected a number, got 'warm'"),
+    (["generate", "--prompt", "hi", "--mode", "self-spec", "--skip-ratio", "half"],
+     "expected 'auto' or a fraction in (0, 1), got 'half'"),
 ])
 def test_values_at_the_edges_are_refused_before_loading(args, msg, tmp_path, monkeypatch, capsys):
     """The bounds themselves: where an interval is open, its end is refused (in process: no model loads)."""
@@ -375,3 +379,41 @@ def test_json_lines_carry_each_prompts_own_stats(tmp_path, monkeypatch, capsys):
     assert [r["prompt"] for r in rows] == ["hello there", "abc"]
     assert [r["stats"]["prompt_tokens"] for r in rows] == [11, 3]  # _CharTokenizer: a token a character
     assert all(r["stats"]["new_tokens"] == len(r["tokens"]) and r["stats"]["batch"] == 2 for r in rows)
+
+
+@pytest.mark.parametrize("drafter", ["auto", "self-spec"])
+def test_deterministic_replay_prints_the_stats_of_its_call(drafter, monkeypatch, capsys):
+    """--mode deterministic --replay always: the [deterministic] lines print the call's own counts
+    (the self-spec fast path's forwards by kind too)."""
+    import re
+
+    import swiftkern.loading
+    from swiftkern.generate import Generator
+
+    model = SkipModel.from_hf(tiny_model("llama"))
+    monkeypatch.setattr(swiftkern.loading, "load_model", lambda *a, **k: (model, _CharTokenizer()))
+    calls = []
+    generate = Generator.generate
+
+    def recorded(self, *args, **kwargs):
+        calls.append(generate(self, *args, **kwargs))
+        return calls[-1]
+
+    monkeypatch.setattr(Generator, "generate", recorded)
+    argv = ["generate", "--prompt", "abc abc abc abc", "--mode", "deterministic", "--replay", "always",
+            "--window", "2", "--max-new-tokens", "7", "--drafter", drafter]
+    if drafter == "self-spec":
+        argv += ["--layer-set", "attn:1|mlp:2"]
+    assert cli.main(argv) == 0
+    stats = calls[0].stats
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[deterministic] ")]
+    said = re.search(r"(\d+) fast steps \+ (\d+) verify passes \| (\d+)/(\d+) fast tokens rolled back", lines[1])
+    assert said is not None, lines
+    assert [int(n) for n in said.groups()] == [stats[k] for k in ("fast_steps", "verify_passes", "rolled_back",
+                                                                  "fast_tokens")]
+    # the first token is the verifier's own (it prefills); a pass of window 2 verifies 2 more at most
+    assert stats["new_tokens"] == 7 and stats["verify_passes"] >= 3
+    assert "window 2 x verify batch 1" in lines[1] and len(lines) == (3 if drafter == "self-spec" else 2), lines
+    if drafter == "self-spec":
+        kinds = stats["fast_kinds"]
+        assert f"fast forwards full {kinds['full']}, draft {kinds['draft']}" in lines[2], lines
