@@ -11,6 +11,7 @@ from .arg_checks import whole
 from .errors import SwiftkernError
 
 _DIGITS = re.compile(r"[0-9]+")  # an index as written in a layer set: ASCII digits alone
+JSON_KEYS = ("num_layers", "skip_attn", "skip_mlp")  # the JSON form's keys (to_json writes them all)
 
 
 def _format_indices(indices: tuple[int, ...]) -> str:
@@ -121,9 +122,7 @@ class LayerSet:
         return f"attn:{_format_indices(self.skip_attn)}|mlp:{_format_indices(self.skip_mlp)}"
 
     def to_json(self) -> str:
-        return json.dumps(
-            {"num_layers": self.num_layers, "skip_attn": list(self.skip_attn), "skip_mlp": list(self.skip_mlp)}
-        )
+        return json.dumps(dict(zip(JSON_KEYS, (self.num_layers, list(self.skip_attn), list(self.skip_mlp)))))
 
     @classmethod
     def parse(cls, spec: str, num_layers: int) -> "LayerSet":
@@ -139,12 +138,13 @@ class LayerSet:
                 obj = json.loads(spec)
             except json.JSONDecodeError as e:
                 raise SwiftkernError(f"layer set: malformed JSON ({e.msg})") from None
-            if obj.get("num_layers", num_layers) != num_layers:
+            unknown = sorted(set(obj) - set(JSON_KEYS))  # a misspelt key must not become an empty list
+            if unknown:
+                raise SwiftkernError(f"layer set: unknown JSON keys {unknown}; it takes {list(JSON_KEYS)}")
+            if whole("layer set: JSON num_layers", obj.get("num_layers", num_layers)) != num_layers:
                 raise SwiftkernError(
                     f"layer set is for a {obj['num_layers']}-layer model, this model has {num_layers}"
                 )
-            if not isinstance(obj, dict):
-                raise SwiftkernError(f"layer set: JSON must be an object with skip_attn and skip_mlp lists, got {spec!r}")
             return cls(num_layers, obj.get("skip_attn", ()), obj.get("skip_mlp", ()))
         fields = {}
         for part in spec.split("|"):

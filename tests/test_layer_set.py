@@ -126,3 +126,17 @@ def test_random_keeps_the_ends_of_a_model_of_two_layers_or_fewer():
     three = LayerSet.random(3, 0.9)
     assert three.skip_attn == (1,) and three.skip_mlp == (1,)  # the one inner layer, whatever the ratio
     assert LayerSet.random(2, 0.6, protect_ends=False).num_skipped == 2
+
+
+@pytest.mark.parametrize("make,msg", [
+    (lambda: LayerSet(0), "num_layers must be >= 1, got 0"),
+    (lambda: LayerSet.from_bits([0, 1, 0]), "a bitmask has 2L entries, got 3"),
+    (lambda: LayerSet.parse('{"skip_atn": [1]}', 8), r"unknown JSON keys \['skip_atn'\]"),  # not an empty set
+    (lambda: LayerSet.parse('{"num_layers": "8"}', 8), "JSON num_layers must be an integer, got '8'"),
+    (lambda: LayerSet.random(8, 1.0), r"skip ratio must be in \[0, 1\), got 1.0"),
+    (lambda: LayerSet.random(8, -0.1), r"skip ratio must be in \[0, 1\), got -0.1"),
+])
+def test_other_bad_layer_sets_are_refused_with_what_is_wrong(make, msg):
+    with pytest.raises(SwiftkernError, match=msg):
+        make()
+    assert LayerSet.random(8, 0.0).is_empty  # the closed end: nothing skipped
