@@ -533,5 +533,13 @@ MORE_MUTANTS = [
      "        if fits(gate, weight):",
      "the regular set fuses the SwiGLU into the down projection whatever kernel silu_mul is (another's bits)",
      ["tests/test_triton_skinny_groups.py"]),
+    ("M295", "swiftkern/layer_set.py", "            unknown = sorted(set(obj) - set(JSON_KEYS))",
+     "            unknown = []",
+     "a layer set's misspelt JSON key (skip_atn) is ignored: the set silently skips nothing there",
+     ["tests/test_layer_set.py"]),
+    ("M296", "swiftkern/layer_set.py", 'if whole("layer set: JSON num_layers", obj.get("num_layers", num_layers)) != num_layers:',
+     'if obj.get("num_layers", num_layers) != num_layers:',
+     "a JSON num_layers of \"8\" is refused as 'for a 8-layer model, this model has 8'",
+     ["tests/test_layer_set.py"]),
 ]
 
