@@ -11,7 +11,7 @@ from .arg_checks import whole
 from .errors import SwiftkernError
 
 _DIGITS = re.compile(r"[0-9]+")  # an index as written in a layer set: ASCII digits alone
-JSON_KEYS = ("num_layers", "skip_attn", "skip_mlp")  # the JSON form's keys (to_json writes them all)
+JSON_KEYS = ("num_layers", "skip_attn", "skip_mlp")  # the JSON form's keys, all of which to_json writes
 
 
 def _format_indices(indices: tuple[int, ...]) -> str:
@@ -122,7 +122,9 @@ class LayerSet:
         return f"attn:{_format_indices(self.skip_attn)}|mlp:{_format_indices(self.skip_mlp)}"
 
     def to_json(self) -> str:
-        return json.dumps(dict(zip(JSON_KEYS, (self.num_layers, list(self.skip_attn), list(self.skip_mlp)))))
+        return json.dumps(
+            {"num_layers": self.num_layers, "skip_attn": list(self.skip_attn), "skip_mlp": list(self.skip_mlp)}
+        )
 
     @classmethod
     def parse(cls, spec: str, num_layers: int) -> "LayerSet":
