@@ -216,6 +216,9 @@ def test_a_minimum_length_the_prompt_already_reaches_is_taken(llama, kwargs):
     want = _hf(llama, ids, max_new_tokens=8, do_sample=False, **kwargs)
     got = _hf(llama, ids, max_new_tokens=8, do_sample=False, custom_generate=swift_generate, swift_mode="ar", **kwargs)
     assert torch.equal(got, want)
+    sampled = dict(max_new_tokens=8, do_sample=True, temperature=0.7, top_k=20)  # beside the warpers
+    got = _hf(llama, ids, custom_generate=swift_generate, swift_mode="ar", seed=3, **sampled, **kwargs)
+    assert got[0, ids.shape[1]:].tolist() == swiftkern.Generator(llama).generate(PROMPT, seed=[3], **sampled).tokens[0]
     with pytest.raises(SwiftkernError, match="MinLengthLogitsProcessor"):  # one that bans EOS for a while
         _hf(llama, ids, max_new_tokens=8, min_length=ids.shape[-1] + 2, custom_generate=swift_generate,
             swift_mode="ar")

@@ -80,10 +80,13 @@ def _refusals(generation_config, logits_processor, stopping_criteria, model_kwar
 
 
 def _warper_values(logits_processor) -> dict:
-    """temperature / top_k / top_p as the prepared warpers apply them (HF's order)."""
+    """temperature / top_k / top_p as the prepared warpers apply them (HF's order). The other
+    processors in the list are the ones ``_refusals`` let through as changing no logit."""
     values, order = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}, []
     for proc in logits_processor or []:
-        field = _WARPERS[type(proc).__name__]
+        field = _WARPERS.get(type(proc).__name__)
+        if field is None:
+            continue
         values[field] = getattr(proc, field)
         order.append(field)
     if order != sorted(order, key=["temperature", "top_k", "top_p"].index):
