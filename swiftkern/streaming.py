@@ -56,8 +56,12 @@ class TextStream:
         text = self._text(request)
         if text.endswith(_INCOMPLETE):
             return
-        if self.hold_last_word:  # HF's clean-up only drops a space before the text's last word
+        if self.hold_last_word:  # HF's clean-up drops spaces before the last word, or after a final quote
             last_space = max(text.rfind(c) for c in _WHITESPACE)
+            if last_space >= 0:  # the whole last run: "  ' s" cleans to "'s" (" ' ", then " 's")
+                last_space = len(text[:last_space].rstrip(_WHITESPACE))
+            elif text.endswith("'"):  # " ' " cleaned to "'": a later " !" (cleaned first) leaves " '!"
+                last_space = len(text) - 1
             text = text[:last_space] if last_space >= 0 else text
         self._write_from(request, text)
 
