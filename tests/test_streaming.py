@@ -191,7 +191,7 @@ def test_text_stream_pieces_join_to_the_text_when_the_tokenizer_cleans_up_spaces
 
 @pytest.mark.parametrize("ids", [[1, 16, 1, 11], [9, 1, 16, 1, 11], [1, 16, 1, 2], [1, 1, 16, 1, 6]])
 def test_a_quote_cleaned_up_at_the_end_waits(ids):
-    """" ' " is cleaned to "'", but " ' !" to " '!" (HF cleans " !" first): the stream wrote "'"
+    """A quote at the end: " ' " is cleaned to "'", but " ' !" to " '!" (HF cleans " !" first): the stream wrote "'"
     and the whole text begins with a space; "  ' s" cleans to "'s" (" ' " then " 's"), and the
     stream had written the first space (found by 60000 draws of the test above)."""
     pieces = []
