@@ -57,12 +57,12 @@ class TextStream:
         if text.endswith(_INCOMPLETE):
             return
         if self.hold_last_word:  # HF's clean-up drops spaces before the last word, or after a final quote
-            last_space = max(text.rfind(c) for c in _WHITESPACE)
-            if last_space >= 0:  # the whole last run: "  ' s" cleans to "'s" (" ' ", then " 's")
-                last_space = len(text[:last_space].rstrip(_WHITESPACE))
+            cut = max(text.rfind(c) for c in _WHITESPACE)  # where the held-back tail starts
+            if cut >= 0:  # the whole last run: "  ' s" cleans to "'s" (" ' ", then " 's")
+                cut = len(text[:cut].rstrip(_WHITESPACE))
             elif text.endswith("'"):  # " ' " cleaned to "'": a later " !" (cleaned first) leaves " '!"
-                last_space = len(text) - 1
-            text = text[:last_space] if last_space >= 0 else text
+                cut = len(text) - 1
+            text = text[:cut] if cut >= 0 else text
         self._write_from(request, text)
 
     def finish(self) -> dict[int, str]:
