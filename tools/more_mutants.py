@@ -457,7 +457,7 @@ MORE_MUTANTS = [
     ("M272", "swiftkern/streaming.py", 'bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))', "False",
      "TextStream writes every piece at once with a tokenizer whose clean-up takes spaces back",
      ["tests/test_streaming.py"]),
-    ("M273", "swiftkern/streaming.py", "text[:last_space] if last_space >= 0", "text[:last_space + 1] if last_space >= 0",
+    ("M273", "swiftkern/streaming.py", "text[:cut] if cut >= 0", "text[:cut + 1] if cut >= 0",
      "TextStream writes the last whitespace, which a later token's clean-up may take back",
      ["tests/test_streaming.py"]),
     ("M274", "swiftkern/generate.py", "decoded = [len(t) - 1 for t in requests.out]",
