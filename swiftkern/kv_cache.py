@@ -23,9 +23,12 @@ class KVCache:
 
     def __init__(self, num_layers: int, batch: int, num_kv_heads: int, max_len: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str):
-        batch, max_len = whole("KV cache batch", batch), whole("KV cache max_len", max_len)
-        if batch < 1 or max_len < 1:
-            raise SwiftkernError(f"KV cache needs batch >= 1 and max_len >= 1, got {batch}, {max_len}")
+        num_layers, batch, num_kv_heads, max_len, head_dim = (
+            whole(f"KV cache {name}", value, 1) for name, value in (
+                ("num_layers", num_layers), ("batch", batch), ("num_kv_heads", num_kv_heads),
+                ("max_len", max_len), ("head_dim", head_dim)))
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise SwiftkernError(f"KV cache dtype must be a floating-point torch.dtype (the model's), got {dtype!r}")
         shape = (num_layers, batch, num_kv_heads, max_len, head_dim)  # capacity = batch at first
         # zeros, not empty: attention reads (masked) positions past a short row's length, and a
         # NaN there would survive the mask (0 * NaN); every later write is a finite model value.
@@ -123,8 +126,7 @@ class KVCache:
         too, not a copy: a CUDA graph of a forward on the view keys on its address, which a copy
         made new in every call (every per-row prefill then ran eagerly as a new graph entry,
         pushing the decode steps' graphs out of the runner)."""
-        if not 0 <= b < self.batch:
-            raise SwiftkernError(f"row_view: row {b} outside [0, {self.batch})")
+        b = whole("row_view: row", b, 0, self.batch - 1)
         view = KVCache.__new__(KVCache)
         view._k_rows, view._v_rows = self.k[:, b:b + 1], self.v[:, b:b + 1]
         view._length_rows = self._length_rows[b:b + 1]
@@ -142,8 +144,10 @@ class KVCache:
         self.set_lengths(self.host_lengths)
 
     def set_row_length(self, b: int, length: int) -> None:
-        if not 0 <= length <= self.max_len:
-            raise SwiftkernError(f"set_row_length: {length} outside [0, {self.max_len}]")
+        """Set row b's length alone, on both sides (a row counted from the end is refused: -1 set
+        the last row's)."""
+        b = whole("set_row_length: row", b, 0, self.batch - 1)
+        length = whole("set_row_length: length", length, 0, self.max_len)
         self.host_lengths[b] = length
         if self._lengths_view is not None:
             self._lengths_view[b] = length
@@ -156,8 +160,7 @@ class KVCache:
         Past ``capacity`` the rows are reallocated once, to room for max(2 x capacity, the rows
         needed) but at most ``reserve`` rows (the most the caller can ever need) when that is
         larger than the rows needed."""
-        if n < 1:
-            raise SwiftkernError(f"add_rows: n must be >= 1, got {n}")
+        n, reserve = whole("add_rows: n", n, 1), whole("add_rows: reserve", reserve, 0)
         first = 0 if replace else self.batch
         needed = first + n
         if needed > self.capacity:

@@ -210,3 +210,31 @@ def test_rollback_writes_the_device_lengths_the_kernels_read():
     assert view.lengths.tolist() == [1]
     c.set_row_length(1, view.host_lengths[0])
     assert c.lengths.tolist() == [4, 1]
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("num_layers", -1, "num_layers must be >= 1"), ("num_kv_heads", 0, "num_kv_heads must be >= 1"),
+    ("head_dim", 0, "head_dim must be >= 1"), ("max_len", 2.0, "max_len must be an integer"),
+    ("batch", True, "batch must be an integer"), ("dtype", torch.int64, "floating-point"),
+    ("dtype", "float32", "floating-point"),
+])
+def test_a_cache_of_a_shape_or_dtype_it_cannot_hold_is_refused_by_name(field, value, message):
+    """Before: -1 layers failed inside torch.zeros, 0 heads made an empty cache, int64 a cache
+    no forward can write."""
+    args = dict(num_layers=2, batch=1, num_kv_heads=2, max_len=8, head_dim=4, dtype=torch.float32, device="cpu")
+    with pytest.raises(SwiftkernError, match=message):
+        KVCache(**{**args, field: value})
+
+
+def test_a_row_counted_from_the_end_or_past_the_batch_is_refused():
+    """set_row_length(-1, n) set the last row's length; row_view(True) took row 1."""
+    c = make(batch=2)
+    c.advance(3)
+    for call in (lambda: c.set_row_length(-1, 1), lambda: c.set_row_length(2, 1),
+                 lambda: c.set_row_length(0, 11), lambda: c.row_view(-1), lambda: c.row_view(True),
+                 lambda: c.add_rows(1.5), lambda: c.add_rows(0), lambda: c.add_rows(1, reserve=-2)):
+        with pytest.raises(SwiftkernError, match="must be"):
+            call()
+    assert c.host_lengths == [3, 3] and c.lengths.tolist() == [3, 3] and c.batch == 2
+    c.set_row_length(1, 1)
+    assert c.host_lengths == [3, 1] and c.lengths.tolist() == [3, 1]
