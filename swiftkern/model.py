@@ -406,6 +406,13 @@ class SkipModel:
         if not isinstance(cache, KVCache):
             raise SwiftkernError(f"forward: cache must be a KVCache (model.new_cache(batch, max_len)), "
                                  f"got {type(cache).__name__}")
+        L, _, H_kv, _, D = cache.k.shape
+        if (L, H_kv, D) != (self.num_layers, self.num_kv_heads, self.head_dim) or cache.k.dtype != self.dtype \
+                or cache.k.device != self.device:
+            raise SwiftkernError(f"forward: the cache holds [L={L}, B, H_kv={H_kv}, S, D={D}] {cache.k.dtype} on "
+                                 f"{cache.k.device}, this model needs [L={self.num_layers}, B, H_kv={self.num_kv_heads}, "
+                                 f"S, D={self.head_dim}] {self.dtype} on {self.device}: make it with "
+                                 f"model.new_cache(batch, max_len)")
         if not torch.is_tensor(tokens) or tokens.dim() != 2 or tokens.shape[0] != cache.batch:
             raise SwiftkernError(f"forward: tokens must be a tensor [B, T] with B = cache batch {cache.batch}, got "
                                  f"{tuple(tokens.shape) if torch.is_tensor(tokens) else type(tokens).__name__}")

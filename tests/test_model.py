@@ -169,6 +169,27 @@ def test_forward_and_cache_arguments_of_the_wrong_kind_are_refused():
         cache.rollback([0.5])
 
 
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+@pytest.mark.parametrize("change", [dict(num_layers=5), dict(num_layers=3), dict(num_kv_heads=3),
+                                    dict(head_dim=32), dict(dtype=torch.float64)],
+                         ids=["more-layers", "fewer-layers", "heads", "head-dim", "dtype"])
+def test_a_cache_made_for_another_model_is_refused(backend, change):
+    """Before: the reference backend ran on a cache with a layer too many, and the others failed
+    inside a kernel (an IndexError, or torch's "expanded size" / "same dtype" message)."""
+    from triton_cases import backend as use_backend
+    from swiftkern import KVCache
+
+    model = SkipModel.from_hf(tiny_model("llama"))
+    dims = dict(num_layers=model.num_layers, batch=1, num_kv_heads=model.num_kv_heads, max_len=8,
+                head_dim=model.head_dim, dtype=model.dtype, device=model.device)
+    cache = KVCache(**{**dims, **change})
+    with use_backend(backend):
+        with pytest.raises(SwiftkernError, match=r"the cache holds .* make it with model.new_cache"):
+            model.forward(torch.tensor([[1, 2]]), cache)
+        assert cache.host_lengths == [0]
+        model.forward(torch.tensor([[1, 2]]), KVCache(**dims))  # the model's own shape runs
+
+
 def test_load_model_refuses_a_dtype_it_would_not_use():
     import swiftkern
 
