@@ -22,10 +22,11 @@ REQUEST_OPTIONS = ("seed", "max_new_tokens", "max_tokens", "temperature", "top_k
 
 def _lines(f, path: str):
     """(line number, line) of a file opened in binary, each line decoded as UTF-8 (a line that
-    is not: refused with its number)."""
+    is not: refused with its number); a byte-order mark opening the file (Windows editors write
+    one) is not part of its first line."""
     for n, raw in enumerate(f, 1):
         try:
-            yield n, raw.decode("utf-8")
+            yield n, raw.decode("utf-8-sig" if n == 1 else "utf-8")
         except UnicodeDecodeError:
             raise SwiftkernError(f"{path}:{n}: not UTF-8 text; save the prompt file as UTF-8") from None
 
@@ -47,6 +48,8 @@ def read_prompt_records(path: str) -> tuple[list[str], list[int] | None]:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise SwiftkernError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+            if isinstance(obj, dict) and "prompt" in obj and "text" in obj:
+                raise SwiftkernError(f'{path}:{n}: has both "prompt" and "text"; give the prompt under one of them')
             text = obj.get("prompt", obj.get("text")) if isinstance(obj, dict) else None
             if not isinstance(text, str):
                 raise SwiftkernError(f'{path}:{n}: expected an object like {{"prompt": "..."}} (or "text")')

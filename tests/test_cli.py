@@ -58,6 +58,17 @@ def test_a_generation_option_in_a_prompt_file_is_refused_not_ignored(tmp_path):
     assert prompt_file.read_prompt_records(str(f)) == (["ok", "b"], None)
 
 
+def test_a_prompt_file_with_a_byte_order_mark_reads_and_one_prompt_under_two_keys_is_refused(tmp_path):
+    """A file saved with a UTF-8 byte-order mark (Windows editors) was refused as "not valid JSON"
+    at line 1; a line with both "prompt" and "text" generated the "prompt" and dropped the other."""
+    f = tmp_path / "p.jsonl"
+    f.write_bytes('{"prompt": "caf\u00e9"}\n{"text": "\ufeffb"}\n'.encode("utf-8-sig"))
+    assert prompt_file.read_prompt_records(str(f)) == (["caf\u00e9", "\ufeffb"], None)  # only the file's mark goes
+    f.write_text('{"prompt": "ok"}\n{"prompt": "a", "text": "b"}\n')
+    with pytest.raises(cli.SwiftkernError, match=r'p.jsonl:2: has both "prompt" and "text"'):
+        prompt_file.read_prompt_records(str(f))
+
+
 def test_help_explains_itself():
     r = run("generate", "--help")
     assert r.returncode == 0
