@@ -73,7 +73,8 @@ def search_layer_set(model, tokenizer, prompts: list[str], skip_ratio="auto", bu
         row.update(measure_speedup(model, tokenizer, ids, search.best, max_new_tokens, measure_repeats))
         log(f"r={ratio}: {row['layer_set']} matchness {row['matchness']:.3f} ({row['scored']} scored, "
             f"{row['stop']}) | {acceptance_text(row)}, accepted/verify "
-            f"{row['mean_accepted']:.2f} | x{row['speedup']:.2f} vs ar")
+            f"{row['mean_accepted']:.2f} | x{row['speedup']:.2f} vs ar"
+            + (f" | {row['differing']} outputs differ from ar's to rounding" if row.get("differing") else ""))
         table.append(row)
     best = max(table, key=lambda r: r["speedup"])
     record = {k: best[k] for k in ("layer_set", "skip_ratio", "matchness", "acceptance_rate", "drafted",
@@ -88,16 +89,21 @@ def search_layer_set(model, tokenizer, prompts: list[str], skip_ratio="auto", bu
 
 def measure_speedup(model, tokenizer, ids, layer_set, max_new_tokens, repeats=1) -> dict:
     """Greedy self-spec (layer-skip drafter with this set) vs ar on the same prompts, one at a
-    time, interleaved; -> speedup (ar's total decode time over self-spec's), acceptance_rate, mean_accepted."""
+    time, interleaved; -> speedup (ar's total decode time over self-spec's), acceptance_rate,
+    mean_accepted, differing (runs whose self-spec output was not ar's: possible only where
+    decoding is not batch-invariant, e.g. bf16 on a GPU, where a verify pass and a decode step
+    may round a near tie apart; where it is invariant, a difference is a bug and raised)."""
     ar = Generator(model, tokenizer)
     spec = Generator(model, tokenizer, mode="self-spec", drafter="layer-skip", layer_set=layer_set)
-    t_ar, t_spec, accepted, drafted, verifies = 0.0, 0.0, 0, 0, 0
+    bitwise = spec.invariant_decode()
+    t_ar, t_spec, accepted, drafted, verifies, differing = 0.0, 0.0, 0, 0, 0, 0
     for _ in range(repeats):
         for p in ids:
             a = ar.generate([p], max_new_tokens=max_new_tokens, eos_token_id=[])
             s = spec.generate([p], max_new_tokens=max_new_tokens, eos_token_id=[])
-            if s.tokens != a.tokens:
+            if s.tokens != a.tokens and bitwise:
                 raise AssertionError("self-spec output differs from ar: a bug, please report it")
+            differing += s.tokens != a.tokens
             t_ar += a.stats["decode_s"]
             t_spec += s.stats["decode_s"]
             accepted += s.stats["accepted"]
@@ -105,7 +111,7 @@ def measure_speedup(model, tokenizer, ids, layer_set, max_new_tokens, repeats=1)
             verifies += s.stats["row_verifies"]
     return {"speedup": round(t_ar / t_spec, 4) if t_spec else 0.0,
             "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0, "drafted": drafted,
-            "mean_accepted": round(accepted / verifies, 4) if verifies else 0.0}
+            "mean_accepted": round(accepted / verifies, 4) if verifies else 0.0, "differing": differing}
 
 
 def acceptance_text(row: dict) -> str:
