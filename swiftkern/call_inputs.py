@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .arg_checks import token_ids
+from .arg_checks import is_integer, token_ids
 from .errors import SwiftkernError
 from .model import SkipModel
 
@@ -22,17 +22,17 @@ def per_prompt(name: str, value, n: int, check: Callable) -> list:
 
 
 def arrival_steps(arrive_at, n: int) -> list[int] | None:
-    """arrive_at: None (every request from the start) or one step >= 0 per prompt, at least one
-    0 (the first batch) -> the list, or None."""
+    """arrive_at: None (every request from the start) or one step >= 0 per prompt (any kind of
+    int, as the other integer arguments), at least one 0 (the first batch) -> a list of ints, or None."""
     if arrive_at is None:
         return None
     if not isinstance(arrive_at, (list, tuple)):
         raise SwiftkernError(f"arrive_at: a list of one step per prompt ({n}), got {arrive_at!r}")
     arrive_at = list(arrive_at)
-    steps_ok = all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in arrive_at)
+    steps_ok = all(is_integer(s) and s >= 0 for s in arrive_at)
     if len(arrive_at) != n or not steps_ok or 0 not in arrive_at:
         raise SwiftkernError(f"arrive_at: one step >= 0 per prompt ({n}), at least one 0; got {arrive_at}")
-    return arrive_at
+    return [int(s) for s in arrive_at]
 
 
 def stop_token_set(model: SkipModel, tokenizer, eos_token_id, stop_token_ids) -> frozenset[int]:

@@ -144,6 +144,17 @@ def test_bad_arrivals_are_refused(tiny):
             gen.generate(PROMPTS[:2], max_new_tokens=2, arrive_at=bad)
 
 
+def test_arrivals_of_numpy_ints_are_the_ints(tiny):
+    """Steps that are NumPy integers (an arange, a JSON of them) were refused as "one step >= 0"
+    although every other integer argument takes them."""
+    import numpy
+
+    gen = Generator(tiny, mode="ar")
+    want = gen.generate(PROMPTS[:3], max_new_tokens=6, arrive_at=[0, 3, 1]).tokens
+    got = gen.generate(PROMPTS[:3], max_new_tokens=6, arrive_at=list(numpy.array([0, 3, 1]))).tokens
+    assert got == want
+
+
 def test_layer_set_search_with_arrivals_is_greedy_identical_to_ar(monkeypatch, fixed_costs):
     """The on-the-fly search reads the batch's first row; rows that come and go (an empty batch
     waiting for the last arrival included) leave its tokens those of ar. Fixed drafter costs: the
