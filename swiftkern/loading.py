@@ -48,7 +48,8 @@ def _from_pretrained(path: str, dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs = {"local_files_only": True}
-    if path.endswith(".gguf"):
+    path = os.path.expanduser(path)  # "~/models/x.gguf" from Python, where no shell expands it
+    if path.lower().endswith(".gguf"):
         if not os.path.isfile(path):
             raise SwiftkernError(f"model file {path!r} does not exist")
         directory, kwargs["gguf_file"] = os.path.split(os.path.abspath(path))

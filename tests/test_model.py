@@ -202,6 +202,19 @@ def test_load_model_refuses_a_dtype_it_would_not_use():
     assert tokenizer is None and model.dtype == torch.float32
 
 
+def test_a_model_path_from_home_or_an_upper_case_gguf_is_found(tmp_path, monkeypatch):
+    """From Python no shell expands "~": load_model("~/tiny") was "unknown model", and so was a
+    file named "X.GGUF"."""
+    import swiftkern
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    tiny_model("llama").save_pretrained(tmp_path / "tiny")
+    with pytest.raises(SwiftkernError, match=r"could not load the tokenizer of '.*tiny'"):
+        swiftkern.load_model("~/tiny")  # the folder is found and its model loads; it has no tokenizer
+    with pytest.raises(SwiftkernError, match=rf"model file '{tmp_path}/X.GGUF' does not exist"):
+        swiftkern.load_model("~/X.GGUF")
+
+
 def test_a_damaged_model_folder_is_refused_in_one_line(tmp_path):
     """A truncated safetensors file and weights of other shapes than the config's came out of
     load_model as transformers' own tracebacks (the CLI exited 1, not 2); a pathlib.Path folder
