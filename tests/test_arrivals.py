@@ -69,7 +69,7 @@ class Order:
 SKIP = "attn:1|mlp:2"
 
 
-@pytest.mark.parametrize("mode", [
+MODES = pytest.mark.parametrize("mode", [
     dict(mode="ar"),
     dict(mode="self-spec", drafter="lookup", k_max=4),
     dict(mode="self-spec", drafter="layer-skip", layer_set=SKIP, eps=0.0, k_max=4),
@@ -81,6 +81,9 @@ SKIP = "attn:1|mlp:2"
                       k_max=4), marks=needs_invariant),
 ], ids=["ar", "self-spec-lookup", "self-spec-layer-skip", "deterministic-replay", "deterministic-replay-self-spec",
         "deterministic-no-replay", "deterministic-no-replay-self-spec"])
+
+
+@MODES
 def test_each_request_gets_its_tokens_alone(tiny, mode):
     gen = Generator(tiny, **mode)
     order = Order()
@@ -92,6 +95,21 @@ def test_each_request_gets_its_tokens_alone(tiny, mode):
     # which at most 1 + 4 drafts a step cannot be, and request 4 after everyone else was
     assert order.calls.index(3) < len(order.calls) - 1 - order.calls[::-1].index(1)
     assert order.calls.index(4) > max(i for i, r in enumerate(order.calls) if r != 4)
+
+
+@MODES
+@pytest.mark.parametrize("stop", ["length", "eos"])
+def test_arrivals_that_finish_at_their_first_token_leave_the_batch_empty_again(tiny, mode, stop):
+    """Each request's first token (from its own prefill) ends it: the batch is empty after every
+    arrival, and the loop waits for the next one. Self-spec's loop took that path in no test."""
+    gen = Generator(tiny, **mode)
+    firsts = [gen.generate([p], max_new_tokens=1, eos_token_id=[]).tokens[0] for p in PROMPTS]
+    if stop == "length":
+        kw = dict(max_new_tokens=1, eos_token_id=[])
+    else:  # every first token is a stop token, with room for more
+        kw = dict(max_new_tokens=8, eos_token_id=sorted({t[0] for t in firsts}))
+    out = gen.generate(PROMPTS, arrive_at=[0, 2, 2, 5, 9], **kw)
+    assert out.tokens == firsts
 
 
 NEEDLE = [17, 250, 9, 3, 44, 61]
