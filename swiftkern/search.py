@@ -14,8 +14,8 @@ candidates without improvement, or after ``max_steps`` (SWIFT's rules and defaul
 
 from __future__ import annotations
 
+import itertools
 import math
-
 import random
 from dataclasses import dataclass, field
 
@@ -26,6 +26,9 @@ from .gp import GaussianProcess, expected_improvement, upper_confidence_bound
 from .kv_cache import KVCache
 from .layer_set import LayerSet
 from .model import SkipModel
+
+
+SMALL_SPACE = 20000  # a search space of at most this many sets is listed when random draws miss its last ones
 
 
 def window_start(context: list[int], window: int) -> int:
@@ -124,7 +127,8 @@ class SearchConfig:
 class LayerSetSearch:
     """Proposes layer sets and keeps the best scored one (see module doc).
 
-    ``propose(n)`` -> n new candidates; ``observe(candidate, score)``; ``best`` / ``best_score``;
+    ``propose(n)`` -> n new candidates (fewer, at least one, once a small space has fewer
+    sets left unscored); ``observe(candidate, score)``; ``best`` / ``best_score``;
     ``done()`` -> the stop rule that fired, or None. ``rescore(score)`` replaces the best's
     score with one measured on new context (scores of old windows are not trusted)."""
 
@@ -213,12 +217,32 @@ class LayerSetSearch:
             position = self.steps + len(out) + 1
             use_bo = position % self.config.bo_every == 0 and len(self.y) >= 2
             bits = self._bo_bits() if use_bo else self._random_bits()
+            taken = self.seen | {tuple(o.to_bits()) for o in out}
             for _ in range(20):  # a fresh random set where we can
-                if tuple(bits) not in self.seen and all(tuple(bits) != tuple(o.to_bits()) for o in out):
+                if tuple(bits) not in taken:
                     break
                 bits = self._random_bits()
+            else:  # a small space nearly all scored: draw among the sets left
+                left = self._sets_left(taken)
+                if left:
+                    bits = list(self.rng.choice(left))
+                elif out and math.comb(len(self.coords), self.k) <= SMALL_SPACE:
+                    break  # none left: fewer than n
             out.append(LayerSet.from_bits(bits))
         return out
+
+    def _sets_left(self, taken: set) -> list[tuple[int, ...]]:
+        """The k-subsets not in ``taken``, where the space is small enough to list (else [])."""
+        if math.comb(len(self.coords), self.k) > SMALL_SPACE:
+            return []
+        left = []
+        for chosen in itertools.combinations(self.coords, self.k):
+            bits = [0] * (2 * self.num_layers)
+            for c in chosen:
+                bits[c] = 1
+            if tuple(bits) not in taken:
+                left.append(tuple(bits))
+        return left
 
     # --- results ---------------------------------------------------------------------
     def observe(self, candidate: LayerSet, score: float) -> None:
