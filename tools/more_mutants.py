@@ -565,5 +565,15 @@ MORE_MUTANTS = [
      "            if s.tokens != a.tokens:",
      "swiftkern search raises after the whole search where bf16 on a GPU rounds a near tie apart",
      ["tests/test_search.py"]),
+    ("M303", "swiftkern/speculative.py", "            continue  # an empty batch: the next arrivals join at once",
+     "            return run.stats",
+     "self-spec stops when arrivals that finished at their first token empty the batch, with more still to come",
+     ["tests/test_arrivals.py"]),
+    ("M304", "swiftkern/search.py", "                    bits = list(self.rng.choice(left))", "                    pass",
+     "a small space's last sets are never drawn: a set scored before is scored again",
+     ["tests/test_search.py"]),
+    ("M305", "swiftkern/search.py", "                    break  # none left: fewer than n", "                    pass",
+     "propose(n) with fewer than n sets left repeats a scored set",
+     ["tests/test_search.py"]),
 ]
 
