@@ -428,3 +428,27 @@ def test_deterministic_replay_prints_the_stats_of_its_call(drafter, monkeypatch,
     if drafter == "self-spec":
         kinds = stats["fast_kinds"]
         assert f"fast forwards full {kinds['full']}, draft {kinds['draft']}" in lines[2], lines
+
+
+@pytest.mark.skipif(not __import__("swiftkern.layer_kernels").layer_kernels.invariant_kernels_available("cpu", torch.float32),
+                    reason="swiftkern._C is not built with the CPU kernels of the invariant set")
+@pytest.mark.parametrize("drafter", ["auto", "self-spec"])
+def test_deterministic_without_replay_prints_why_and_its_forwards(drafter, monkeypatch, capsys):
+    """--mode deterministic where the invariant set runs (no replay): the [deterministic] line
+    says so and counts the call's forwards (this line was printed by no test)."""
+    import swiftkern.loading
+    from swiftkern.generate import Generator
+
+    model = SkipModel.from_hf(tiny_model("llama"))
+    monkeypatch.setattr(swiftkern.loading, "load_model", lambda *a, **k: (model, _CharTokenizer()))
+    calls = []
+    generate = Generator.generate
+    monkeypatch.setattr(Generator, "generate", lambda self, *a, **k: calls.append(generate(self, *a, **k)) or calls[-1])
+    argv = ["generate", "--prompt", "abc abc abc abc", "--mode", "deterministic", "--max-new-tokens", "7",
+            "--drafter", drafter] + (["--layer-set", "attn:1|mlp:2"] if drafter == "self-spec" else [])
+    assert cli.main(argv) == 0
+    stats = calls[0].stats
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[deterministic] ")]
+    assert lines[1:] == [f"[deterministic] no replay ({stats['replay']}) | fast path {stats['fast_path']} | "
+                         f"{stats['fast_steps']} forwards"], lines
+    assert stats["fast_steps"] >= 1 and stats["fast_path"].startswith("self-spec") == (drafter == "self-spec")
