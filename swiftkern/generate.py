@@ -283,8 +283,9 @@ class Generator:
 
     # --- inputs ------------------------------------------------------------------------
     def encode(self, prompts, chat: bool = False) -> list[list[int]]:
-        """str | list[str] | list[int] | list[list[int]] | integer tensor [T] or [B, T] -> token
-        id lists (``prompt_ids.encode_prompts``: text through the tokenizer, ids checked)."""
+        """str | list[str] | list[int] | list[list[int]] | integer tensor or NumPy array [T] or
+        [B, T] | a list of 1-D ones -> token id lists (``prompt_ids.encode_prompts``: text through
+        the tokenizer, ids checked)."""
         return encode_prompts(prompts, self.tokenizer, self.model.vocab_size, flag("chat", chat))
 
     def _decode(self, cache: KVCache, first_logits, params: SamplingParams, seeds: list[int], requests: Requests,

@@ -3,6 +3,7 @@ ids checked to be integers inside the vocabulary."""
 
 from __future__ import annotations
 
+import numpy
 import torch
 
 from .arg_checks import is_integer
@@ -10,16 +11,14 @@ from .errors import SwiftkernError
 
 
 def encode_prompts(prompts, tokenizer, vocab_size: int, chat: bool = False) -> list[list[int]]:
-    """str | list[str] | list[int] | list[list[int]] | integer tensor [T] or [B, T] -> one token
-    id list per prompt. Text needs ``tokenizer`` (``chat``: through its chat template with the
-    generation prompt). Refuses (SwiftkernError, naming the prompt) an empty prompt, a token id
-    that is not an integer (a float id is not rounded) or lies outside [0, vocab_size)."""
-    if torch.is_tensor(prompts):
-        integer = not (prompts.is_floating_point() or prompts.is_complex() or prompts.dtype == torch.bool)
-        if not integer or prompts.dim() not in (1, 2):
-            raise SwiftkernError(f"a prompt tensor must hold integer token ids, [T] or [B, T]; got {prompts.dtype} "
-                                 f"of shape {tuple(prompts.shape)}")
-        prompts = prompts.tolist() if prompts.dim() == 2 else [prompts.tolist()]
+    """str | list[str] | list[int] | list[list[int]] | integer tensor (or NumPy array) [T] or
+    [B, T] | a list of 1-D ones (prompts of different lengths) -> one token id list per prompt.
+    Text needs ``tokenizer`` (``chat``: through its chat template with the generation prompt).
+    Refuses (SwiftkernError, naming the prompt) an empty prompt, a token id that is not an
+    integer (a float id is not rounded) or lies outside [0, vocab_size)."""
+    if _is_array(prompts):
+        prompts = _array_ids(prompts, "a prompt tensor", (1, 2))
+        prompts = prompts if prompts and isinstance(prompts[0], list) else [prompts]
     if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and is_integer(prompts[0])):
         prompts = [prompts]
     if not isinstance(prompts, (list, tuple)) or not prompts:
@@ -27,7 +26,26 @@ def encode_prompts(prompts, tokenizer, vocab_size: int, chat: bool = False) -> l
     return [_prompt_ids(p, i, tokenizer, vocab_size, chat) for i, p in enumerate(prompts)]
 
 
+def _is_array(value) -> bool:
+    return torch.is_tensor(value) or isinstance(value, numpy.ndarray)
+
+
+def _array_ids(array, what: str, dims: tuple[int, ...]) -> list:
+    """A tensor or NumPy array of integer ids -> its nested list; refuses floats, bools and other ranks."""
+    if isinstance(array, numpy.ndarray):
+        integer = array.dtype.kind in "iu"  # not bool, float, str or object
+    else:
+        integer = not (array.is_floating_point() or array.is_complex() or array.dtype == torch.bool)
+    if not integer or array.ndim not in dims:
+        shape = " or ".join({1: "[T]", 2: "[B, T]"}[d] for d in dims)
+        raise SwiftkernError(f"{what} must hold integer token ids, {shape}; got {array.dtype} of shape "
+                             f"{tuple(array.shape)}")
+    return array.tolist()
+
+
 def _prompt_ids(p, i: int, tokenizer, vocab_size: int, chat: bool) -> list[int]:
+    if _is_array(p):
+        p = _array_ids(p, f"prompt {i}", (1,))
     if isinstance(p, str):
         if tokenizer is None:
             raise SwiftkernError("text prompts need a tokenizer: Generator(model, tokenizer)")

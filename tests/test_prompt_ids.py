@@ -53,3 +53,29 @@ def test_a_tuple_of_ids_is_one_prompt_as_a_list_is():
     list of token ids, got int")."""
     assert encode_prompts((5, 6, 7), None, 300) == encode_prompts([5, 6, 7], None, 300) == [[5, 6, 7]]
     assert encode_prompts(((5, 6), [7]), None, 300) == [[5, 6], [7]]
+
+
+def test_prompts_as_arrays_are_their_ids_and_other_arrays_are_refused():
+    """A NumPy batch ([B, T], as a tokenizer's return_tensors="np") and a list of 1-D tensors or
+    arrays (prompts of different lengths) were refused ("prompt 0 must be text or a list of
+    token ids, got Tensor"); they are the ids they hold, as a [B, T] tensor was."""
+    import numpy
+    import torch
+
+    want = [[5, 6, 7], [8, 9, 10]]
+    for batch in (torch.tensor(want), numpy.array(want), numpy.array(want, dtype=numpy.uint16), list(torch.tensor(want)),
+                  [numpy.array(want[0]), want[1]]):
+        got = encode_prompts(batch, None, 300)
+        assert got == want and all(type(t) is int for p in got for t in p)
+    assert encode_prompts([torch.tensor([5, 6, 7]), numpy.array([8])], None, 300) == [[5, 6, 7], [8]]
+    gen = Generator(tiny_model("llama"))
+    ragged = [torch.tensor([5, 6, 7]), numpy.array([8])]
+    assert gen.generate(ragged, max_new_tokens=3).tokens == gen.generate([[5, 6, 7], [8]], max_new_tokens=3).tokens
+    for bad, said in ((numpy.array([[1.0, 2.0]]), "a prompt tensor must hold integer token ids"),
+                      (numpy.array(["a"]), "a prompt tensor must hold integer token ids"),
+                      ([torch.tensor([[1, 2]])], r"prompt 0 must hold integer token ids, \[T\]"),
+                      ([numpy.array([True])], "prompt 0 must hold integer token ids"),
+                      ([torch.tensor([4]), torch.tensor([1.5])], "prompt 1 must hold integer token ids"),
+                      (numpy.array([[1, 400]]), r"prompt 0 has token ids \[400\] outside \[0, 300\)")):
+        with pytest.raises(SwiftkernError, match=said):
+            encode_prompts(bad, None, 300)
