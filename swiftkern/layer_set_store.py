@@ -53,11 +53,19 @@ def save(model, layer_set: LayerSet, **results) -> str:
     record = {"format": FORMAT, "fingerprint": fingerprint(model), "num_layers": model.num_layers,
               "layer_set": str(layer_set), **results}
     path = path_for(model)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")  # a writer of its own: no collision
-    with os.fdopen(fd, "w") as f:
-        json.dump(record, f, indent=1)
-    os.replace(tmp, path)
+    tmp = None
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")  # a writer of its own: no collision
+        with os.fdopen(fd, "w") as f:
+            json.dump(record, f, indent=1)
+        os.replace(tmp, path)
+    except OSError as e:  # a cache dir that cannot be written: say where, and keep the set itself
+        if tmp is not None and os.path.exists(tmp):
+            os.remove(tmp)
+        raise SwiftkernError(f"cannot store layer set {layer_set} in {path} ({e.strerror or e}); set "
+                             "SWIFTKERN_CACHE_DIR to a writable folder, or pass the set as --layer-set / "
+                             "layer_set= yourself") from None
     return path
 
 

@@ -1,6 +1,7 @@
 """Layer-set search on models: matchness against a slow per-position reference, batched
 candidate forwards, on-the-fly search staying token-identical to ar, the stored-set round trip."""
 
+import os
 import random
 
 import pytest
@@ -120,6 +121,22 @@ def test_stored_layer_set_round_trips_and_is_refused_for_another_model(tmp_path,
                     search_options=SMALL_SEARCH)
     tuner = gen._tuner(None)
     assert any(s.propose(1)[0] == ls for s in tuner.searches.values())
+
+
+def test_a_cache_dir_that_cannot_be_written_is_said_with_the_set(tmp_path, monkeypatch):
+    """A NotADirectoryError (or PermissionError) came out of swiftkern search as a traceback
+    after the whole search, the set it found lost; a failed write left its .tmp file behind."""
+    model = SkipModel.from_hf(tiny_model("llama"))
+    ls = LayerSet.parse("attn:1", 4)
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("SWIFTKERN_CACHE_DIR", str(tmp_path / "a-file"))
+    with pytest.raises(SwiftkernError, match=r"cannot store layer set attn:1\|mlp: in .*a-file.*SWIFTKERN_CACHE_DIR"):
+        layer_set_store.save(model, ls)
+    monkeypatch.setenv("SWIFTKERN_CACHE_DIR", str(tmp_path / "cache"))
+    os.makedirs(layer_set_store.path_for(model))  # the file's own name taken by a folder: the replace fails
+    with pytest.raises(SwiftkernError, match="cannot store layer set attn:1"):
+        layer_set_store.save(model, ls)
+    assert os.listdir(layer_set_store.cache_dir()) == [os.path.basename(layer_set_store.path_for(model))]
 
 
 @pytest.mark.parametrize("content,message", [
