@@ -14,6 +14,8 @@ from .layer_kernels import invariant_backend, invariant_kernels_available
 from .layer_set import LayerSet
 from .model import SkipModel
 from .rope_table import rope_follows_the_batch
+from .search import check_searchable
+from .tuner import AUTO_RATIOS
 from .verifier_kernels import CHOICES as VERIFIER_KERNELS, verifier_kernels as verifier_kernels_for
 
 REPLAY = ("auto", "always", "never")
@@ -42,6 +44,8 @@ def check_options(model: SkipModel, mode: str, drafter: str, layer_set, replay: 
     if mode == "ar" and drafter not in ("auto", "none"):
         raise SwiftkernError(f"drafter {drafter} needs mode self-spec: mode ar drafts nothing")
     _check_layer_set(mode, drafter, layer_set, skip_ratio, search_options)
+    if is_auto(layer_set):  # when the Generator is made, not at its first generate call
+        check_searchable(model.num_layers, min(AUTO_RATIOS) if skip_ratio == "auto" else skip_ratio)
     _check_replay(model, mode, drafter, replay, verifier_kernels)
     if adaptive_eps and not (mode == "self-spec" and drafter in ("auto", "layer-skip")):
         raise SwiftkernError(f"adaptive_eps moves the layer-skipped draft's eps in mode self-spec (drafter auto or "

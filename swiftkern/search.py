@@ -93,6 +93,17 @@ def skip_count(num_layers: int, ratio: float) -> int:
     return min(max(0, 2 * (num_layers - 2)), round(ratio * 2 * num_layers))
 
 
+def check_searchable(num_layers: int, skip_ratio: float) -> None:
+    """Refuse a search with nothing to search: fewer than 3 layers, or a ratio that skips no sub-layer."""
+    if num_layers < 3:
+        raise SwiftkernError(f"layer-set search needs >= 3 layers (first and last are kept), the model has "
+                             f"{num_layers}: give a layer set yourself (layer_set / --layer-set, e.g. 'none'), or "
+                             "draft by prompt lookup (drafter lookup)")
+    if skip_count(num_layers, skip_ratio) < 1:
+        raise SwiftkernError(f"skip ratio {skip_ratio} skips no sub-layer of a {num_layers}-layer model: "
+                             f"raise it above {1 / (4 * num_layers):.3g}, or leave it 'auto'")
+
+
 @dataclass
 class SearchConfig:
     """Knobs of the search, SWIFT's values as defaults where they fit.
@@ -138,12 +149,9 @@ class LayerSetSearch:
 
     def __post_init__(self):
         L = self.num_layers
-        if L < 3:
-            raise SwiftkernError(f"layer-set search needs >= 3 layers (first and last are kept), model has {L}")
+        check_searchable(L, self.config.skip_ratio)
         self.coords = [i for i in range(1, L - 1)] + [L + i for i in range(1, L - 1)]  # bit positions
         self.k = skip_count(L, self.config.skip_ratio)
-        if self.k < 1:
-            raise SwiftkernError(f"skip ratio {self.config.skip_ratio} skips no sub-layer of a {L}-layer model")
         self.rng = random.Random(self.config.seed)
         self.x: list[list[int]] = []
         self.y: list[float] = []

@@ -123,6 +123,27 @@ def test_stored_layer_set_round_trips_and_is_refused_for_another_model(tmp_path,
     assert any(s.propose(1)[0] == ls for s in tuner.searches.values())
 
 
+@pytest.mark.parametrize("layers, ratio, said", [
+    (2, "auto", r"needs >= 3 layers .* the model has 2: give a layer set yourself"),
+    (1, 0.3, r"needs >= 3 layers .* the model has 1"),
+    (3, 0.05, r"skip ratio 0.05 skips no sub-layer of a 3-layer model: raise it above 0.0833"),
+])
+def test_a_search_with_nothing_to_search_is_refused_when_the_generator_is_made(layers, ratio, said):
+    """It was refused at the first generate call, and said nothing of what to do. The bound it
+    names is the one: just above it a set of one sub-layer is searched."""
+    from swiftkern.search import skip_count
+
+    hf = tiny_model("llama", num_hidden_layers=layers)
+    with pytest.raises(SwiftkernError, match=said):
+        Generator(hf, mode="self-spec", layer_set="auto", skip_ratio=ratio)
+    if layers >= 3:
+        assert skip_count(layers, 1 / (4 * layers)) == 0 and skip_count(layers, 1.001 / (4 * layers)) == 1
+        gen = Generator(hf, mode="self-spec", layer_set="auto", skip_ratio=1.001 / (4 * layers),
+                        search_options=SMALL_SEARCH)
+        out = gen.generate([[5, 6, 7]], max_new_tokens=6, eos_token_id=[]).tokens
+        assert out == Generator(hf).generate([[5, 6, 7]], max_new_tokens=6, eos_token_id=[]).tokens
+
+
 def test_a_cache_dir_that_cannot_be_written_is_said_with_the_set(tmp_path, monkeypatch):
     """A NotADirectoryError (or PermissionError) came out of swiftkern search as a traceback
     after the whole search, the set it found lost; a failed write left its .tmp file behind."""
