@@ -246,6 +246,21 @@ def test_right_padding_and_batched_streamer_are_refused(llama):
             custom_generate=swift_generate, swift_mode="ar")
 
 
+def test_position_ids_are_taken_when_they_count_the_real_tokens_and_refused_otherwise(llama):
+    """Positions 0.. over each row's real tokens (what HF makes of the mask itself) give HF's
+    tokens; shifted ones (a continuation's) would place the prompt elsewhere and are refused."""
+    ids = torch.tensor([[0, 5, 6, 7], [8, 9, 10, 11]])
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    positions = (mask.cumsum(1) - 1).clamp_min(0)
+    want = _hf(llama, ids, attention_mask=mask, position_ids=positions, max_new_tokens=5, do_sample=False)
+    got = _hf(llama, ids, attention_mask=mask, position_ids=positions, max_new_tokens=5, do_sample=False,
+              custom_generate=swift_generate, swift_mode="self-spec", drafter="lookup")
+    assert torch.equal(got, want)
+    with pytest.raises(SwiftkernError, match=r"position_ids row 0 is not 0..2 over its real tokens"):
+        _hf(llama, ids, attention_mask=mask, position_ids=positions + 3, max_new_tokens=5, do_sample=False,
+            custom_generate=swift_generate, swift_mode="ar")
+
+
 def test_continuing_from_a_filled_cache_is_refused(llama):
     """The KV cache generate prepares (model kwarg past_key_values, named cache from transformers
     5.24) passes when empty, as in every test above; one an earlier call filled is refused."""
