@@ -16,7 +16,8 @@ def hf_logits(hf, ids):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_prefill_matches_hf(arch):
-    hf = tiny_model(arch, attention_bias=True) if arch == "llama" else tiny_model(arch)  # random biases: conftest
+    # random biases (conftest), the MLP's too where the family has them
+    hf = tiny_model(arch, attention_bias=True, mlp_bias=True) if arch == "llama" else tiny_model(arch)
     model = SkipModel.from_hf(hf)
     ids = [5, 17, 99, 3, 250, 7, 8]
     cache = model.new_cache(1, 16)

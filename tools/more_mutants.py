@@ -590,5 +590,9 @@ MORE_MUTANTS = [
     ("M309", "swiftkern/loading.py", "    path = os.path.expanduser(path)", "    path = path",
      "load_model('~/x') is an unknown model",
      ["tests/test_model.py"]),
+    ("M310", "swiftkern/model.py", "gate_bias=mlp.gate_proj.bias, up_bias=mlp.up_proj.bias,",
+     "gate_bias=None, up_bias=mlp.up_proj.bias,",
+     "a Llama MLP's gate bias (mlp_bias=True) is dropped",
+     ["tests/test_model.py", "tests/test_model_configs.py"]),
 ]
 

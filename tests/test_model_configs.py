@@ -1,0 +1,48 @@
+"""Drawn model shapes against HF: head dims that are not hidden / heads, GQA groups of 1-3,
+one to five layers, tied embeddings, biases in attention and MLP, other RoPE bases and norm
+eps, vocabularies of odd sizes. The prefill's logits match HF's forward, and greedy tokens of
+ar and self-spec (layer-skip and lookup drafts) equal HF generate's."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from conftest import hf_greedy, tiny_model
+from swiftkern import Generator, SkipModel
+
+
+@st.composite
+def configs(draw):
+    arch = draw(st.sampled_from(["llama", "qwen2", "qwen3", "mistral"]))
+    kv, group = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    head_dim = draw(st.sampled_from([8, 12, 20, 24, 32]))
+    cfg = dict(num_hidden_layers=draw(st.integers(1, 5)), num_attention_heads=kv * group, num_key_value_heads=kv,
+               hidden_size=kv * group * head_dim, intermediate_size=draw(st.sampled_from([40, 96, 130])),
+               vocab_size=draw(st.sampled_from([101, 301, 1000])), rope_theta=draw(st.sampled_from([1e4, 5e5])),
+               rms_norm_eps=draw(st.sampled_from([1e-5, 1e-6])), tie_word_embeddings=draw(st.booleans()))
+    if arch == "qwen3":  # its head_dim is its own: hidden_size need not be heads x head_dim
+        cfg.update(head_dim=head_dim, hidden_size=draw(st.sampled_from([48, 64])))
+    if arch == "llama":
+        cfg.update(attention_bias=draw(st.booleans()), mlp_bias=draw(st.booleans()))
+    return arch, cfg, draw(st.integers(0, 2**16))
+
+
+@settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(configs(), st.data())
+def test_a_drawn_shape_decodes_as_hf(drawn, data):
+    arch, cfg, seed = drawn
+    hf = tiny_model(arch, seed=seed, **cfg)
+    V = cfg["vocab_size"]
+    prompt = data.draw(st.lists(st.integers(3, V - 1), min_size=1, max_size=20), label="prompt")
+    model = SkipModel.from_hf(hf)
+    with torch.no_grad():
+        want_logits = hf(torch.tensor([prompt])).logits[0]
+    got_logits = model.forward(torch.tensor([prompt]), model.new_cache(1, len(prompt)))[0]
+    torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-4)
+    n = data.draw(st.integers(1, 10), label="new tokens")
+    want = hf_greedy(hf, prompt, n, eos_token_id=[])
+    assert len(want) == n
+    for options in (dict(mode="ar"), dict(mode="self-spec", drafter="lookup", k_max=4),
+                    dict(mode="self-spec", drafter="layer-skip", layer_set="none", eps=0.0, k_max=3)):
+        got = Generator(model, **options).generate([prompt], max_new_tokens=n, eos_token_id=[]).tokens[0]
+        assert got == want, (options, cfg)
