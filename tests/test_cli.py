@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import tiny_model
 from swiftkern import SkipModel, cli, prompt_file
+from swiftkern.layer_kernels import invariant_kernels_available
 
 
 def run(*args):
@@ -87,7 +88,7 @@ def test_info_names_backends():
     r = run("info")
     assert r.returncode == 0, r.stderr
     assert "torch:" in r.stdout and "greedy_accept" in r.stdout
-    from swiftkern.layer_kernels import invariant_backend, invariant_kernels_available
+    from swiftkern.layer_kernels import invariant_backend
     from swiftkern.ops import backends
 
     on_cpu = invariant_kernels_available("cpu", torch.float32)
@@ -430,7 +431,7 @@ def test_deterministic_replay_prints_the_stats_of_its_call(drafter, monkeypatch,
         assert f"fast forwards full {kinds['full']}, draft {kinds['draft']}" in lines[2], lines
 
 
-@pytest.mark.skipif(not __import__("swiftkern.layer_kernels").layer_kernels.invariant_kernels_available("cpu", torch.float32),
+@pytest.mark.skipif(not invariant_kernels_available("cpu", torch.float32),
                     reason="swiftkern._C is not built with the CPU kernels of the invariant set")
 @pytest.mark.parametrize("drafter", ["auto", "self-spec"])
 def test_deterministic_without_replay_prints_why_and_its_forwards(drafter, monkeypatch, capsys):
