@@ -152,6 +152,7 @@ class LayerSetSearch:
         check_searchable(L, self.config.skip_ratio)
         self.coords = [i for i in range(1, L - 1)] + [L + i for i in range(1, L - 1)]  # bit positions
         self.k = skip_count(L, self.config.skip_ratio)
+        self.space = math.comb(len(self.coords), self.k)  # the sets of k sub-layers there are
         self.rng = random.Random(self.config.seed)
         self.x: list[list[int]] = []
         self.y: list[float] = []
@@ -165,26 +166,24 @@ class LayerSetSearch:
         if self.initial is None:  # SWIFT starts from the odd layers, cut (or filled up) to k sub-layers
             odd = [c for c in self.coords if (c % L) % 2 == 1]
             even = [c for c in self.coords if (c % L) % 2 == 0]
-            bits = [0] * (2 * L)
-            for c in (odd + even)[: self.k]:
-                bits[c] = 1
-            self.initial = LayerSet.from_bits(bits)
+            self.initial = LayerSet.from_bits(self._bits((odd + even)[: self.k]))
         self._queued.append(self.initial)
 
     # --- proposals -------------------------------------------------------------------
-    def _random_bits(self) -> list[int]:
+    def _bits(self, chosen) -> list[int]:
+        """The bitmask of a layer set skipping the sub-layers at bit positions ``chosen``."""
         bits = [0] * (2 * self.num_layers)
-        for c in self.rng.sample(self.coords, self.k):
+        for c in chosen:
             bits[c] = 1
         return bits
+
+    def _random_bits(self) -> list[int]:
+        return self._bits(self.rng.sample(self.coords, self.k))
 
     def _top_k_bits(self, scores: list[float]) -> list[int]:
         """Layer set of the k highest coordinates of a continuous point over the search space."""
         order = sorted(range(len(self.coords)), key=lambda i: -scores[i])[: self.k]
-        bits = [0] * (2 * self.num_layers)
-        for i in order:
-            bits[self.coords[i]] = 1
-        return bits
+        return self._bits(self.coords[i] for i in order)
 
     def _bo_bits(self) -> list[int]:
         """Maximize the acquisition over a pool: top-k maps of random continuous points, and
@@ -231,26 +230,20 @@ class LayerSetSearch:
                     break
                 bits = self._random_bits()
             else:  # a small space nearly all scored: draw among the sets left
-                left = self._sets_left(taken)
+                left = self._sets_left(taken)  # None: too many sets to list
                 if left:
                     bits = list(self.rng.choice(left))
-                elif out and math.comb(len(self.coords), self.k) <= SMALL_SPACE:
+                elif left is not None and out:
                     break  # none left: fewer than n
             out.append(LayerSet.from_bits(bits))
         return out
 
-    def _sets_left(self, taken: set) -> list[tuple[int, ...]]:
-        """The k-subsets not in ``taken``, where the space is small enough to list (else [])."""
-        if math.comb(len(self.coords), self.k) > SMALL_SPACE:
-            return []
-        left = []
-        for chosen in itertools.combinations(self.coords, self.k):
-            bits = [0] * (2 * self.num_layers)
-            for c in chosen:
-                bits[c] = 1
-            if tuple(bits) not in taken:
-                left.append(tuple(bits))
-        return left
+    def _sets_left(self, taken: set) -> list[tuple[int, ...]] | None:
+        """The k-subsets not in ``taken``, or None where the space is too large to list."""
+        if self.space > SMALL_SPACE:
+            return None
+        every = (tuple(self._bits(chosen)) for chosen in itertools.combinations(self.coords, self.k))
+        return [bits for bits in every if bits not in taken]
 
     # --- results ---------------------------------------------------------------------
     def observe(self, candidate: LayerSet, score: float) -> None:
@@ -275,7 +268,7 @@ class LayerSetSearch:
     def done(self) -> str | None:
         if self.best_score >= self.config.target:
             return "target"
-        if len(self.seen) >= math.comb(len(self.coords), self.k):  # every set of k sub-layers scored
+        if len(self.seen) >= self.space:  # every set of k sub-layers scored
             return "exhausted"
         if self.since_improvement >= self.config.patience:
             return "patience"
