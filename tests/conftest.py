@@ -188,6 +188,15 @@ def hf_greedy(hf_model, prompt_ids, max_new_tokens, eos_token_id=None):
     return until_stop(out, {eos} if isinstance(eos, int) else set(eos or []))  # HF pads finished rows
 
 
+def top_logit_gaps(hf_model, prompt_ids, new_ids) -> torch.Tensor:
+    """float32 [len(new_ids)]: how far below the top of HF's own logits each new token was, in one
+    full forward over prompt + new tokens (0 where the token is the argmax). Where greedy is
+    defined only to rounding (bf16 / fp16), a token a little below the top is still greedy's."""
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([prompt_ids + new_ids[:-1]])).logits[0, len(prompt_ids) - 1:].float()
+    return logits.max(-1).values - logits.gather(1, torch.tensor(new_ids)[:, None])[:, 0]
+
+
 def until_stop(tokens, stop_ids):
     """``tokens`` up to and including the first one in ``stop_ids`` (all of them if none is)."""
     for i, t in enumerate(tokens):
