@@ -201,7 +201,8 @@ def cmd_generate(args) -> int:
         args.layer_set = "auto"
     if args.drafter == "self-spec" and (args.mode != "deterministic" or args.layer_set is None):
         raise SwiftkernError("--drafter self-spec goes with --mode deterministic and needs --layer-set "
-                             "(e.g. 'attn:10-14|mlp:12')")
+                             "(e.g. 'attn:10-14|mlp:12', from `swiftkern search`), or --layer-set none to "
+                             "draft with prompt lookup alone")
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype,
                                   pack_weights=False if args.no_packed_weights else None)
     gen = Generator(model, tokenizer, mode=args.mode, layer_set=args.layer_set, k_max=args.k_max,

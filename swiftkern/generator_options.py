@@ -65,7 +65,9 @@ def _check_layer_set(mode: str, drafter: str, layer_set, skip_ratio, search_opti
                              "a layer-skipped draft (mode self-spec with drafter auto or layer-skip, or mode "
                              "deterministic with drafter self-spec); leave it out here")
     if drafter == "self-spec" and layer_set is None:
-        raise SwiftkernError("drafter self-spec needs a layer set (e.g. 'attn:3,5|mlp:4')")
+        raise SwiftkernError("drafter self-spec needs a layer set: the sub-layers its draft skips (e.g. "
+                             "'attn:3,5|mlp:4'; `swiftkern search` finds one for a model), or 'none' to draft "
+                             "with prompt lookup alone")
     if auto and (mode != "self-spec" or drafter not in ("auto", "layer-skip")):
         raise SwiftkernError("layer_set 'auto' (search while generating) needs mode self-spec with "
                              "drafter auto or layer-skip")

@@ -453,3 +453,11 @@ def test_deterministic_without_replay_prints_why_and_its_forwards(drafter, monke
     assert lines[1:] == [f"[deterministic] no replay ({stats['replay']}) | fast path {stats['fast_path']} | "
                          f"{stats['fast_steps']} forwards"], lines
     assert stats["fast_steps"] >= 1 and stats["fast_path"].startswith("self-spec") == (drafter == "self-spec")
+
+
+def test_drafter_self_spec_without_a_layer_set_is_refused_saying_what_to_give(capsys):
+    """Refused before the model is loaded, naming a layer set's form, where one comes from, and
+    'none' (prompt lookup alone), which Generator takes (tests/test_deterministic.py)."""
+    assert cli.main(["generate", "--prompt", "hi", "--mode", "deterministic", "--drafter", "self-spec"]) == 2
+    err = capsys.readouterr().err
+    assert "needs --layer-set" in err and "swiftkern search" in err and "--layer-set none" in err

@@ -539,8 +539,14 @@ def test_generator_stats_and_errors(tiny):
         Generator(tiny, mode="deterministic", drafter="lookup")
     with pytest.raises(SwiftkernError, match="does not go with mode"):
         Generator(tiny, mode="ar", drafter="self-spec", layer_set="attn:1")
-    with pytest.raises(SwiftkernError, match="needs a layer set"):
+    with pytest.raises(SwiftkernError, match="needs a layer set.*'none' to draft with prompt lookup alone"):
         Generator(tiny, mode="deterministic", drafter="self-spec")
+    # what that message offers is taken: layer_set 'none' drafts with prompt lookup alone
+    looped = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3]
+    out = Generator(tiny, mode="deterministic", drafter="self-spec", layer_set="none").generate(
+        [looped], max_new_tokens=12, eos_token_id=[])
+    assert out.tokens == Generator(tiny).generate([looped], max_new_tokens=12, eos_token_id=[]).tokens
+    assert out.stats["draft_steps"] == 0
 
 
 # --------------------------------------------------------------------------- SmolLM2
