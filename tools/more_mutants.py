@@ -594,5 +594,15 @@ MORE_MUTANTS = [
      "gate_bias=None, up_bias=mlp.up_proj.bias,",
      "a Llama MLP's gate bias (mlp_bias=True) is dropped",
      ["tests/test_model.py", "tests/test_model_configs.py"]),
+    ("M311", "swiftkern/generator_options.py",
+     "\"'attn:3,5|mlp:4'; `swiftkern search` finds one for a model), or 'none' to draft \"",
+     "\"'attn:3,5|mlp:4') \"",
+     "drafter self-spec without a layer set is refused without saying what to give",
+     ["tests/test_deterministic.py"]),
+    ("M312", "swiftkern/cli.py",
+     "\"(e.g. 'attn:10-14|mlp:12', from `swiftkern search`), or --layer-set none to \"",
+     "\"(e.g. 'attn:10-14|mlp:12') \"",
+     "the CLI's refusal of --drafter self-spec without --layer-set does not name 'none'",
+     ["tests/test_cli.py"]),
 ]
 
