@@ -68,7 +68,10 @@ def main(argv=None) -> int:
                     help="folder of bi_matmul-<device>.csv files")
     ap.add_argument("--out", default=None, help="write the pick here ([<dtype>:]<plan>)")
     args = ap.parse_args(argv)
-    rows = [r for f in sorted(glob.glob(os.path.join(args.results, "bi_matmul-*.csv"))) for r in csv.DictReader(open(f))]
+    rows = []
+    for path in sorted(glob.glob(os.path.join(args.results, "bi_matmul-*.csv"))):
+        with open(path, newline="") as f:
+            rows += csv.DictReader(f)
     totals = pass_times(rows, args.dtype)
     for provider, t in sorted(totals.items()):
         print(f"  {provider:42s} " + "  ".join(f"M={M} {v:8.3f} ms" for M, v in zip(SIZES, t)))

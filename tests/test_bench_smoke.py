@@ -18,6 +18,11 @@ def _bench(*args, timeout=900):
                           text=True, timeout=timeout)
 
 
+def read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
 def test_every_routine_prints_rows_in_smoke_mode():
     listed = _bench("--list")
     assert listed.returncode == 0, listed.stderr
@@ -32,11 +37,11 @@ def test_every_routine_prints_rows_in_smoke_mode():
 
 def test_smoke_rows_are_not_appended_to_the_results():
     results = os.path.join(ROOT, "bench", "results", "kv_compact.csv")
-    before = open(results).read()
+    before = read(results)
     run = _bench("--routine", "kv_compact", "--smoke", timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert re.search(r"^== kv_compact: [1-9]\d* rows$", run.stdout, flags=re.M), run.stdout[-2000:]
-    assert open(results).read() == before
+    assert read(results) == before
 
 
 def test_unknown_routine_exits_2():
@@ -47,11 +52,11 @@ def test_unknown_routine_exits_2():
 def test_counts_below_one_exit_2_and_write_nothing():
     """--reps 0 timed nothing and still appended rows to bench/results; it is refused now."""
     results = os.path.join(ROOT, "bench", "results", "silu_mul.csv")
-    before = open(results).read()
+    before = read(results)
     for flag in ("--reps", "--max-new-tokens", "--batch"):
         run = _bench("--routine", "silu_mul", flag, "0", timeout=120)
         assert run.returncode == 2 and f"argument {flag}: must be >= 1" in run.stderr, run.stderr[-500:]
-    assert open(results).read() == before
+    assert read(results) == before
 
 
 def _write_csv(path, rows):
@@ -266,10 +271,10 @@ def test_plot_without_matplotlib_is_refused_before_the_run():
     if importlib.util.find_spec("matplotlib") is not None:
         pytest.skip("matplotlib is installed here: --plot runs (swiftkern's own setup does not install it)")
     results = os.path.join(ROOT, "bench", "results", "silu_mul.csv")
-    before = open(results).read()
+    before = read(results)
     run = _bench("--routine", "silu_mul", "--plot", timeout=120)
     assert run.returncode == 2 and "--plot needs matplotlib" in run.stderr, run.stderr[-500:]
-    assert "== silu_mul" not in run.stdout and open(results).read() == before
+    assert "== silu_mul" not in run.stdout and read(results) == before
 
 
 def test_graph_warm_up_runs_until_a_call_captures_nothing():

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 
@@ -134,7 +135,7 @@ def test_a_failure_is_logged_as_it_happens(tmp_path):
     keeps. A planted failure beside a passing test, in two workers: the log names it once, with
     its message."""
     assert "SWIFTKERN_FAILURE_LOG=" in script()
-    (tmp_path / "conftest.py").write_text(open(os.path.join(ROOT, "tests", "conftest.py")).read())
+    shutil.copy(os.path.join(ROOT, "tests", "conftest.py"), tmp_path / "conftest.py")
     (tmp_path / "test_planted.py").write_text("def test_fails():\n    assert 1 == 2, 'planted'\n\n"
                                               "def test_passes():\n    pass\n")
     log = tmp_path / "failures.log"
