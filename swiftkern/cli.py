@@ -280,6 +280,10 @@ def cmd_search(args) -> int:
         print(f"best: {record['layer_set']} (skip ratio {record['skip_ratio']}) matchness {record['matchness']:.3f}, "
               f"{acceptance_text(record)}, x{record['speedup']:.2f} vs ar"
               + (f"\nstored in {record['path']}" if "path" in record else ""))
+        if record["speedup"] < 1:
+            print(f"no layer set decoded faster than ar on these prompts here (the fastest: x{record['speedup']:.2f}); "
+                  "--layer-set auto starts from it and drafts with it only where its measured costs pay, "
+                  "and --drafter lookup or --mode ar may be faster on this machine")
     return 0
 
 

@@ -322,6 +322,22 @@ def test_search_options_reach_the_search(monkeypatch, capsys):
                      dict(prompts=["a"], skip_ratio="auto", budget_s=120.0, max_new_tokens=64)]
 
 
+@pytest.mark.parametrize("speedup, said", [(0.67, True), (1.0, False), (1.3, False)])
+def test_search_says_when_no_set_beats_ar(speedup, said, monkeypatch, capsys):
+    """A search whose fastest set decodes slower than ar (SmolLM2 on the CPU) said only "x0.67 vs
+    ar" beside "stored in": that the stored set does not pay here, and what may, is said now."""
+    import swiftkern.loading
+    import swiftkern.offline_search
+
+    record = dict(layer_set="mlp:1", skip_ratio=0.3, matchness=0.5, acceptance_rate=0.5, drafted=4, speedup=speedup)
+    monkeypatch.setattr(swiftkern.loading, "load_model", lambda *a, **k: ("m", "t"))
+    monkeypatch.setattr(swiftkern.offline_search, "search_layer_set", lambda *a, **k: record)
+    assert cli.main(["search", "--prompt", "a", "--no-save"]) == 0
+    out = capsys.readouterr().out
+    assert f"x{speedup:.2f} vs ar" in out
+    assert ("no layer set decoded faster than ar" in out and "--drafter lookup or --mode ar" in out) == said
+
+
 class _CharTokenizer:
     """Characters as token ids of tiny_model's vocabulary, with a chat template."""
 
