@@ -312,9 +312,12 @@ def test_compat_helpers(monkeypatch):
     assert compat.config_value(GenerationConfig(), "do_sample") is False
     assert compat.config_value(GenerationConfig(top_k=7), "top_k") == 7
     assert compat.generate_call_arguments() == {}  # not called from HF generate
-    monkeypatch.setattr(compat, "transformers_version", lambda: (4, 55))
-    with pytest.raises(SwiftkernError, match="4.56"):
-        compat.check_version()
+    for older in ((4, 55), (4, 56)):  # 4.56.2: its generate refuses swift_mode as an unused model kwarg
+        monkeypatch.setattr(compat, "transformers_version", lambda: older)
+        with pytest.raises(SwiftkernError, match="4.57 on; 4.56 refuses them"):
+            compat.check_version()
+    monkeypatch.setattr(compat, "transformers_version", lambda: (4, 57))
+    compat.check_version()
 
 
 @pytest.mark.slow

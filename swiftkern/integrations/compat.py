@@ -1,19 +1,21 @@
 """What differs between transformers versions, in one place, for the HF ``generate`` backend.
 
-Supported: transformers 4.56+ and 5.x. Both call a *callable* ``custom_generate`` the same
+Supported: transformers 4.57+ and 5.x (run: 4.57.6, 5.17, 5.25). Both call a *callable* ``custom_generate`` the same
 way: ``GenerationMixin.generate`` prepares the inputs, the ``GenerationConfig`` (max_length
 set from max_new_tokens, special-token tensors), the logits processors and stopping criteria,
 then calls ``custom_generate(model, input_ids, logits_processor=..., stopping_criteria=...,
 generation_config=..., **custom_kwargs, **model_kwargs)``. What changed between versions and
 is handled here:
 
-- before 4.56 a callable ``custom_generate`` did not exist (only Hub repo names);
+- before 4.56 a callable ``custom_generate`` did not exist (only Hub repo names), and 4.56's
+  ``generate`` refuses its own keyword arguments (``swift_mode``, ...) as model kwargs the
+  model does not use (4.56.2: 49 failures in the backend's tests), so 4.57 is the floor;
 - 4.x fills unset ``GenerationConfig`` fields with values (top_k=50, temperature=1.0, ...),
   5.x leaves them None in a bare config and fills them while preparing; ``config_value``
   reads either as the neutral value;
 - ``_eos_token_tensor`` / ``_pad_token_tensor`` (prepared special tokens) exist from 4.41 on,
   earlier only the raw ids; ``special_tokens`` reads whichever is there;
-- in both 4.56+ and 5.x the ``streamer`` and ``assistant_model`` arguments of ``generate``
+- in both 4.57+ and 5.x the ``streamer`` and ``assistant_model`` arguments of ``generate``
   are not passed on to a callable ``custom_generate`` (it receives only its own extra keyword
   arguments); ``generate_call_arguments`` reads them from the calling ``generate`` frame;
 - 5.24 renamed the KV cache that ``generate`` prepares (an empty ``DynamicCache``, passed on
@@ -29,7 +31,7 @@ import torch
 
 from ..errors import SwiftkernError
 
-MIN_VERSION = (4, 56)
+MIN_VERSION = (4, 57)
 CACHE_KWARGS = ("past_key_values", "cache")  # the prepared KV cache's model-kwarg name: before / from 5.24
 
 
@@ -47,7 +49,8 @@ def check_version() -> None:
         import transformers
 
         raise SwiftkernError(
-            f"transformers {transformers.__version__} has no callable custom_generate (added in 4.56); "
+            f"transformers {transformers.__version__} cannot call a callable custom_generate with its own keyword "
+            "arguments (4.57 on; 4.56 refuses them as unused model kwargs); "
             "upgrade transformers, or call swiftkern.Generator(model).generate(...) directly")
 
 

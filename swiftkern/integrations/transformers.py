@@ -6,7 +6,7 @@
 
 HF prepares the inputs and the ``GenerationConfig`` as usual, then hands the decoding to
 ``generate`` below, which runs ``swiftkern.Generator`` and returns what HF returns. Version
-differences between transformers 4.56+ and 5.x live in ``compat.py``.
+differences between transformers 4.57+ and 5.x live in ``compat.py``.
 """
 
 from __future__ import annotations
