@@ -37,13 +37,13 @@ import statistics
 import sys
 
 import torch
-import transformers
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import swiftkern  # noqa: E402
 from bench import common  # noqa: E402
 from swiftkern.errors import SwiftkernError  # noqa: E402
+from swiftkern.integrations import compat  # noqa: E402
 from swiftkern.integrations.transformers import generate as swift_generate  # noqa: E402
 
 ROUTINE = "generate"
@@ -139,7 +139,9 @@ def providers(hf, tok, smoke: bool, cuda_graphs: bool = False) -> tuple[dict, di
         "hf-custom-ar": hf_provider(hf, counter, custom_generate=swift_generate, swift_mode="ar"),
     }
     skipped = {}
-    if int(transformers.__version__.split(".")[0]) < 5:  # 4.57: a TypeError without an EOS id, 42 tokens for 40
+    if compat.transformers_version() < (5, 0):  # 4.57: a TypeError without an EOS id, 42 tokens for 40
+        import transformers
+
         skipped["hf-prompt-lookup"] = (f"transformers {transformers.__version__}'s prompt lookup fails without an "
                                        "EOS id and returns more than max_new_tokens: fixed-length runs need 5.x")
         del runs["hf-prompt-lookup"]
