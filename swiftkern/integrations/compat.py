@@ -3,9 +3,9 @@
 Supported: transformers 4.57+ and 5.x (run: 4.57.6, 5.17, 5.25). Both call a *callable*
 ``custom_generate`` the same way: ``GenerationMixin.generate`` prepares the inputs, the
 ``GenerationConfig`` (max_length set from max_new_tokens, special-token tensors), the logits
-processors and stopping criteria, then calls ``custom_generate(model, input_ids, logits_processor=..., stopping_criteria=...,
-generation_config=..., **custom_kwargs, **model_kwargs)``. What changed between versions and
-is handled here:
+processors and stopping criteria, then calls ``custom_generate(model, input_ids,
+logits_processor=..., stopping_criteria=..., generation_config=..., **custom_kwargs,
+**model_kwargs)``. What changed between versions and is handled here:
 
 - before 4.56 a callable ``custom_generate`` did not exist (only Hub repo names), and 4.56's
   ``generate`` refuses its own keyword arguments (``swift_mode``, ...) as model kwargs the
