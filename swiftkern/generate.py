@@ -16,6 +16,7 @@ from . import cuda_device
 from .arg_checks import flag, real, whole
 from .call_inputs import arrival_steps, check_positions, per_prompt, stop_string_check, stop_token_set
 from .errors import SwiftkernError
+from .fork_guard import warn_if_forked_with_threads
 from .kv_cache import KVCache
 from .layer_kernels import invariant_backend, invariant_kernels_available
 from .rope_table import rope_follows_the_batch
@@ -387,6 +388,7 @@ class Generator:
         check_positions(self.model, longest, max_new_tokens)
         stop_ids = stop_token_set(self.model, self.tokenizer, eos_token_id, stop_token_ids)
         device = self.model.device
+        warn_if_forked_with_threads(device)
         # a verify pass may overshoot by K+1, K at most k_max and a row's remaining tokens
         spec_slack = min(self.k_max, max_new_tokens) + 1
         slack = spec_slack if self.mode == "self-spec" else 0
