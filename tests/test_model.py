@@ -1,5 +1,7 @@
 """SkipModel against HF transformers' own forward on tiny random models."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -123,6 +125,17 @@ class AdapterLinear(torch.nn.Module):
         return self.base_layer(x) + self.lora_b(self.lora_a(x))
 
 
+class ScaledLinear(torch.nn.Linear):
+    """A Linear subclass whose forward is not its weight's matmul (as a quantized subclass's)."""
+
+    def __init__(self, plain: torch.nn.Linear):
+        super().__init__(plain.in_features, plain.out_features, bias=plain.bias is not None)
+        self.load_state_dict(plain.state_dict())
+
+    def forward(self, x):
+        return 2.0 * super().forward(x)
+
+
 def test_modules_it_would_bypass_are_refused():
     """A wrapped or quantized projection ran in HF's forward and not in the runner's: its tokens
     were the plain weights' ones, without an error."""
@@ -131,9 +144,18 @@ def test_modules_it_would_bypass_are_refused():
     with pytest.raises(SwiftkernError, match=r"model\.layers\.1\.self_attn\.v_proj is a .*AdapterLinear, not a "
                                              r"plain torch\.nn\.Linear.*merge_and_unload"):
         SkipModel(model)
-    quantized = torch.ao.quantization.quantize_dynamic(tiny_model("llama"), {torch.nn.Linear}, dtype=torch.qint8)
+    with warnings.catch_warnings():  # torch 2.13 deprecates its quantized tensors; the module is still a real case
+        warnings.simplefilter("ignore")
+        quantized = torch.ao.quantization.quantize_dynamic(tiny_model("llama"), {torch.nn.Linear}, dtype=torch.qint8)
     with pytest.raises(SwiftkernError, match=r"lm_head is a torch\.ao\..*Linear, not a plain"):
         SkipModel(quantized)
+    # a subclass of Linear with its own forward (bitsandbytes' Linear8bitLt / Linear4bit are): isinstance would take it
+    model = tiny_model("llama")
+    mlp = model.model.layers[2].mlp
+    mlp.down_proj = ScaledLinear(mlp.down_proj)
+    with pytest.raises(SwiftkernError, match=r"model\.layers\.2\.mlp\.down_proj is a .*ScaledLinear, not a plain "
+                                             r"torch\.nn\.Linear"):
+        SkipModel(model)
     SkipModel(tiny_model("llama"))  # plain modules: taken
 
 
