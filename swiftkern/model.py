@@ -18,6 +18,7 @@ from .layer_set import LayerSet
 from .packed_weights import PackedSet
 from .rope_table import RopeTable, rope_follows_the_batch
 from .transient import transient
+from .weight_checks import check_weights_placed
 
 SUPPORTED_MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
@@ -82,6 +83,7 @@ def _check_supported(hf_model) -> None:
     if act != "silu":
         raise SwiftkernError(f"unsupported hidden_act {act!r}: swiftkern's MLP is SwiGLU (silu)")
     _check_plain_modules(hf_model)
+    check_weights_placed(hf_model)
 
 
 _PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",

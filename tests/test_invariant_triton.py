@@ -121,10 +121,6 @@ def test_self_spec_fast_path_gives_the_same_bits(tiny, triton_backend):
 
 
 def test_never_is_refused_where_no_invariant_set_runs(tiny):
-    with backend("triton"):  # the Triton kernels take float32, bfloat16 and float16
-        wide = SkipModel(tiny_model("llama", seed=3).to(DEVICE, torch.float64))
-        with pytest.raises(SwiftkernError, match="replay='auto' or 'always'"):
-            Generator(wide, mode="deterministic", replay="never")
     with backend("reference"):
         with pytest.raises(SwiftkernError, match="replay='auto' or 'always'"):
             Generator(tiny, mode="deterministic", replay="never")
