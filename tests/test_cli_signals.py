@@ -1,0 +1,55 @@
+"""`swiftkern generate` when its reader leaves (`| head`) or the user presses Ctrl-C: it stops
+without a traceback (exit 1 and 130). Before, both printed a traceback through the streamer,
+and the pipe's came after every token had been generated."""
+
+import os
+import signal
+import subprocess
+import sys
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+# the CLI in a process of its own, on tiny_model with test_cli's character tokenizer
+CLI_ON_A_TINY_MODEL = f"""
+import sys
+sys.path.insert(0, {TESTS!r})
+from conftest import tiny_model
+from test_cli import _CharTokenizer
+import swiftkern.loading
+from swiftkern import SkipModel, cli
+model = SkipModel.from_hf(tiny_model("llama", max_position_embeddings=8192))
+swiftkern.loading.load_model = lambda *a, **k: (model, _CharTokenizer())
+print("loaded", file=sys.stderr, flush=True)
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+ARGS = ["generate", "--prompt", "abc abc", "--stream", "--max-new-tokens", "6000"]
+
+
+def cli_process(stdout):
+    return subprocess.Popen([sys.executable, "-c", CLI_ON_A_TINY_MODEL, *ARGS], stdout=stdout,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_a_reader_that_left_ends_it_quietly():
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first line: every write fails
+    proc = cli_process(write_end)
+    os.close(write_end)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+    assert err.strip().splitlines() == ["loaded"], err
+
+
+def test_ctrl_c_ends_it_with_130_and_one_line():
+    proc = cli_process(subprocess.PIPE)
+    try:
+        assert proc.stdout.read(40)  # the prompt's line, then streamed text: generating now
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == "swiftkern: interrupted", err
