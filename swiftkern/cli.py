@@ -322,7 +322,9 @@ def main(argv=None) -> int:
         if argv[:1] == ["bench"]:  # its own flags (python -m bench's), passed on as they are
             return cmd_bench(argv[1:])
         args = build_parser().parse_args(argv)
-        return {"generate": cmd_generate, "info": cmd_info, "search": cmd_search}[args.command](args)
+        code = {"generate": cmd_generate, "info": cmd_info, "search": cmd_search}[args.command](args)
+        sys.stdout.flush()  # a reader gone is found here, not in Python's flush at exit
+        return code
     except SwiftkernError as e:
         print(f"swiftkern: error: {e}", file=sys.stderr)
         return 2
