@@ -332,19 +332,7 @@ def main(argv=None) -> int:
         print("\nswiftkern: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # stdout's reader left (`| head`): stop generating, quietly
-        _silence_stdout()
         return 1
-
-
-def _silence_stdout() -> None:
-    """Point stdout at /dev/null: Python's flush at exit would raise BrokenPipeError again."""
-    try:
-        fd = sys.stdout.fileno()
-    except (AttributeError, OSError, ValueError):  # not a file (a test's capture)
-        return
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, fd)
-    os.close(devnull)
 
 
 if __name__ == "__main__":
