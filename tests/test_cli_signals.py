@@ -28,20 +28,28 @@ sys.exit(cli.main(sys.argv[1:]))
 ARGS = ["generate", "--prompt", "abc abc", "--stream", "--max-new-tokens", "6000"]
 
 
-def cli_process(stdout, args=ARGS):
+def cli_process(stdout, args=ARGS, unbuffered=False):
+    """The CLI with stdout block-buffered as a user's shell gives it (PYTHONUNBUFFERED unset),
+    or unbuffered."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    if unbuffered:
+        env["PYTHONUNBUFFERED"] = "1"
     return subprocess.Popen([sys.executable, "-c", CLI_ON_A_TINY_MODEL, *args], stdout=stdout,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, env=env)
 
 
-@pytest.mark.parametrize("args", [ARGS, ["generate", "--prompt", "abc abc", "--max-new-tokens", "8"]],
-                         ids=["streamed", "printed-at-the-end"])
-def test_a_reader_that_left_ends_it_quietly(args):
+PRINTED = ["generate", "--prompt", "abc abc", "--max-new-tokens", "8"]
+
+
+@pytest.mark.parametrize("args, unbuffered", [(ARGS, False), (PRINTED, False), (PRINTED, True)],
+                         ids=["streamed", "printed-at-the-end", "printed-unbuffered"])
+def test_a_reader_that_left_ends_it_quietly(args, unbuffered):
     """Streamed, the first flush fails inside the call; printed at the end, the few lines sit in
     stdout's buffer until the exit's flush (which printed "Exception ignored ... BrokenPipeError"
     and exit 120)."""
     read_end, write_end = os.pipe()
     os.close(read_end)  # the reader is gone before the first line: every write fails
-    proc = cli_process(write_end, args)
+    proc = cli_process(write_end, args, unbuffered)
     os.close(write_end)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 1, err
