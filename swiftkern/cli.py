@@ -332,7 +332,20 @@ def main(argv=None) -> int:
         print("\nswiftkern: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # stdout's reader left (`| head`): stop generating, quietly
+        _silence_stdout()
         return 1
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null: a block-buffered stdout keeps what it could not write, and
+    Python's flush at exit would fail again ("Exception ignored ... BrokenPipeError", exit 120)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a file (a test's capture)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 if __name__ == "__main__":
