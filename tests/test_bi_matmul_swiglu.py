@@ -166,7 +166,12 @@ with recording(TARGETS[90], lambda fn, grid, compiled, kwargs: got.append(compil
 for compiled in got:
     ptx = compiled.asm["ptx"]
     if ".entry _bi_matmul_kernel" in ptx:
-        print(len(re.findall(r"fma[.a-z]*f32", ptx)), len(re.findall(r"sub[.a-z]*f32", ptx)))
+        split, source = 0, None  # subtractions in bi_matmul.py's own lines (tf32x3's split)
+        for line in ptx.splitlines():
+            loc = re.search(r"[.]loc[^/]*//[ ]*([^: ]+)", line)
+            source = loc.group(1) if loc else source
+            split += bool(re.match(r"[ \t]*sub[.a-z]*f32", line)) and source == "bi_matmul.py"
+        print(len(re.findall(r"fma[.a-z]*f32", ptx)), split)
 """
 
 
@@ -175,7 +180,9 @@ def test_the_gpu_binary_rounds_the_product_before_the_tf32_split():
     fused kernel's bits differed from silu_mul then bi_matmul in float32: multiply-add fusion
     turned tf32x3's split of the A tile (a - tf32(a)) into fma(act, up, -tf32(a)), a split of
     the unrounded product (16 fma, 16 of the 32 subtractions gone). The interpreter never fuses,
-    so only the binary shows it: no fma, and as many subtractions as the plain kernel's."""
+    so only the binary shows it: no fma, and as many subtractions in bi_matmul.py's lines as the
+    plain kernel's. (Counted by the PTX's line info: Triton 3.7 writes SiLU's negation as a
+    subtraction from 0, 16 more in silu_mul.py's lines, where 3.6 and 3.9 write none.)"""
     from test_triton_compile import run_outside_interpreter
 
     run = run_outside_interpreter("-c", FUSION_PROBE)
