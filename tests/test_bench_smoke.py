@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -368,5 +369,24 @@ def test_host_profile_lists_each_providers_own_functions(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     sections = dict(re.findall(r"^=== (batch1 B=1 \S+)\n(.*?)(?=^=== |\Z)", out.read_text(), re.S | re.M))
     assert set(sections) == {"batch1 B=1 ar", "batch1 B=1 lookup"}, list(sections)
-    assert "verify_and_accept" in sections["batch1 B=1 lookup"] and "tottime" in sections["batch1 B=1 lookup"]
-    assert "verify_and_accept" not in sections["batch1 B=1 ar"]
+    if cprofile_loses_inference_mode_frames():  # CPython 3.13.0: said, not hidden
+        assert all(text.startswith("NOTE: Generator.generate is missing") for text in sections.values())
+        return
+    lookup, ar = sections["batch1 B=1 lookup"], sections["batch1 B=1 ar"]
+    assert "Ordered by: internal time" in lookup and "Ordered by: cumulative time" in lookup
+    assert "verify_and_accept" in lookup and "verify_and_accept" not in ar
+    assert "NOTE" not in lookup + ar
+
+
+def cprofile_loses_inference_mode_frames() -> bool:
+    """Whether this Python's cProfile drops a function that enters torch's inference mode."""
+    import cProfile
+    import pstats
+
+    def enters():
+        with torch.inference_mode():
+            pass
+
+    profile = cProfile.Profile()
+    profile.runcall(enters)
+    return not any(name == "enters" for _, _, name in pstats.Stats(profile).stats)
