@@ -101,6 +101,11 @@ class GraphRunner:
     ``with model.cuda_graphs(runner): ...``; ``stats()`` counts captures, replays and eager calls.
     """
 
+    def __getstate__(self):
+        raise SwiftkernError("a GraphRunner's captured graphs live on its GPU and cannot be copied or pickled: "
+                             "make the Generator with cuda_graphs=False to copy it, or make one with "
+                             "cuda_graphs=True in each process")
+
     def __init__(self, model, graph_type=None, max_tokens: int = MAX_GRAPH_TOKENS, max_graphs: int = MAX_GRAPHS):
         if graph_type is None:
             if model.device.type != "cuda":

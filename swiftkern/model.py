@@ -150,6 +150,26 @@ class SkipModel:
         # are this model's, so calls from several threads run one at a time
         self.lock = threading.RLock()
 
+    def __getstate__(self) -> dict:
+        """A copy (``copy.deepcopy``, ``pickle``: a ``spawn`` / ``forkserver`` worker's argument)
+        carries the HF model and the options, not what is made from them: a lock of its own, the
+        packed weights made again from the copy's own weights (a tensor's version does not travel,
+        so a carried copy could not tell a stale one), the RoPE table and skip plans on first use."""
+        if self.graphs is not None:
+            raise SwiftkernError("a SkipModel cannot be copied inside its cuda_graphs() context (a call is running)")
+        state = dict(self.__dict__)
+        for name in ("lock", "_rope_table", "_plans", "packed"):
+            del state[name]
+        state["_was_packed"] = self.packed is not None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        was_packed = state.pop("_was_packed")
+        self.__dict__.update(state)
+        self.lock = threading.RLock()
+        self._rope_table, self._plans = None, {}
+        self.packed = self._pack(None if was_packed else False)
+
     @classmethod
     def from_hf(cls, hf_model, pack_weights: bool | None = None) -> "SkipModel":
         """Wrap an HF LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM.
