@@ -103,7 +103,7 @@ class DeterministicRun:
         index = torch.tensor(replayed, dtype=torch.int64, device=model.device) if replayed else None  # [len(replayed)]
         u = token_uniforms(self.params, [self.seeds[r] for r in reqs], [len(prompts[r]) for r in reqs],
                            model.device)  # [n] or None
-        logits = torch.empty((n, model.vocab_size), device=model.device)  # [n, V]
+        logits = torch.empty((n, model.vocab_size), dtype=torch.float32, device=model.device)  # [n, V]
         if regular and batched:  # then overwritten for the replayed rows
             logits = prefill(model, cache, [prompts[r] for r in reqs]).float()
         elif regular:

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-LENGTH_SCALES = tuple(math.exp(x) for x in torch.linspace(math.log(0.3), math.log(30.0), 13).tolist())
+LENGTH_SCALES = tuple(math.exp(x) for x in torch.linspace(math.log(0.3), math.log(30.0), 13, dtype=torch.float32).tolist())
 SIGNAL_VARIANCES = (0.25, 1.0, 4.0)
 NOISE_VARIANCES = (1e-4, 1e-3, 1e-2, 1e-1, 0.5)
 

@@ -93,5 +93,5 @@ def draft_tokens(model: SkipModel, cache: KVCache, pending: torch.Tensor, layer_
     drafts_t = torch.stack(drafts[:K], dim=1) if K else pending.new_zeros((B, 0))  # [B, K]
     probs_t = torch.stack(probs[:K], dim=1) if (params.do_sample and K) else None  # [B, K, V]
     if params.do_sample and K == 0:
-        probs_t = torch.zeros((B, 0, model.vocab_size), device=pending.device)
+        probs_t = torch.zeros((B, 0, model.vocab_size), dtype=torch.float32, device=pending.device)
     return drafts_t, probs_t, num_draft, forwards

@@ -232,7 +232,7 @@ def _assemble(choices, lookups, skip, params: SamplingParams, vocab: int, device
     # mixed rows: one-hot q for the deterministic drafts, their indices copied in at once
     one_hot = [(i, j, t) for i, c in enumerate(choices) if c.drafter != "layer-skip" for j, t in enumerate(rows[i])]
     at = torch.tensor(one_hot, dtype=torch.int64, device=device).view(-1, 3).T  # [3, M]: rows, positions, tokens
-    probs = torch.zeros((len(rows), max(map(len, rows)), vocab), device=device)  # [B, K, V]
+    probs = torch.zeros((len(rows), max(map(len, rows)), vocab), dtype=torch.float32, device=device)  # [B, K, V]
     for i, c in enumerate(choices):
         if c.drafter == "layer-skip":
             probs[i, :len(rows[i])] = skip[1][i, :len(rows[i])]
