@@ -19,8 +19,13 @@ from conftest import tiny_model
 from test_cli import _CharTokenizer
 import swiftkern.loading
 from swiftkern import SkipModel, cli
+
+class WideTokenizer(_CharTokenizer):  # 100 characters a token: a reader that stops reading blocks the CLI
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(97 + int(t) % 26) * 100 for t in ids)
+
 model = SkipModel.from_hf(tiny_model("llama", max_position_embeddings=8192))
-swiftkern.loading.load_model = lambda *a, **k: (model, _CharTokenizer())
+swiftkern.loading.load_model = lambda *a, **k: (model, WideTokenizer())
 print("loaded", file=sys.stderr, flush=True)
 sys.exit(cli.main(sys.argv[1:]))
 """
@@ -58,6 +63,9 @@ def test_a_reader_that_left_ends_it_quietly(args, unbuffered):
 
 
 def test_ctrl_c_ends_it_with_130_and_one_line():
+    """The text streamed is read only in part: past the pipe's buffer (64 KiB, some 650 tokens)
+    the CLI waits in a write, so it is still inside generate when the signal comes, however
+    fast or slow the machine (a run under load had finished its 6000 tokens first)."""
     proc = cli_process(subprocess.PIPE)
     try:
         assert proc.stdout.read(40)  # the prompt's line, then streamed text: generating now
