@@ -59,7 +59,9 @@ def parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
                     help="draft_step: also time every provider with a verify pass run between its calls")
     ap.add_argument("--host-profile", default=None, metavar="FILE",
                     help="determinism: after timing, run each provider's timed calls once more under cProfile "
-                         "and write the top functions by own time to FILE (where a token's host time goes)")
+                         "and again (1 s at least) under a stack sampler, and write the top functions by own time "
+                         "and by time inside them to FILE (where a token's host time goes; the sampler's view holds "
+                         "on CPython 3.12+, whose cProfile loses frames around pybind11 methods)")
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="on a GPU: determinism runs every Generator with cuda_graphs=True; generate adds "
                          "<provider>+graphs next to each swiftkern provider; verify_cost adds T<t>+graphs; "

@@ -254,22 +254,29 @@ def run(args) -> list[dict]:
     return rows
 
 
-# CPython 3.13.0's cProfile (sys.monitoring) drops a function that calls a pybind11 __enter__
-# (torch._C._InferenceMode's, inside torch.inference_mode) and the functions it was called from
-LOST_FRAMES_NOTE = ("NOTE: Generator.generate is missing from this profile: this Python's cProfile lost frames (seen on "
-                    "CPython 3.13.0 around torch.inference_mode, whose __enter__ is a pybind11 method); the "
-                    "functions below are incomplete: profile on another Python version")
+# CPython 3.12+'s cProfile (sys.monitoring) drops a function that calls a pybind11 method
+# (torch._C._InferenceMode's __enter__, inside torch.inference_mode) and the functions it was
+# called from (pybind/pybind11#5600; seen on 3.12.1 and 3.13.0, not on 3.11)
+LOST_FRAMES_NOTE = ("NOTE: Generator.generate is missing from this profile: this Python's cProfile lost frames (CPython "
+                    "3.12+ around pybind11 methods such as torch.inference_mode's __enter__, pybind/pybind11#5600); "
+                    "the cProfile listings below are incomplete, the stack samples after them are not")
+
+
+SAMPLED_SECONDS = 1.0  # the stack sampler repeats a provider's calls this long at least
 
 
 def _host_profile(path: str, title: str, fns: dict, top: int = 25) -> None:
     """Each of ``fns`` (a provider's timed calls) run once more under cProfile, its ``top``
-    functions by own time (tottime) and by time inside them (cumtime) appended to ``path``: on a
-    GPU, where the speculative loops' host work goes (a device wait inside a function other than
-    ``device_reads.read`` shows up as its own time), and which of the loop's steps holds it."""
+    functions by own time (tottime) and by time inside them (cumtime) appended to ``path``, and
+    once more under a stack sampler (``bench/stack_sampler.py``: the same two views from samples,
+    which CPython 3.12+'s lost call events do not touch): on a GPU, where the speculative loops'
+    host work goes (a device wait inside a function other than ``device_reads.read`` shows up as
+    its own time), and which of the loop's steps holds it."""
     import cProfile
     import io
     import pstats
 
+    from bench.stack_sampler import sample_call
     from swiftkern.generate import Generator
 
     code = Generator.generate.__code__
@@ -283,6 +290,7 @@ def _host_profile(path: str, title: str, fns: dict, top: int = 25) -> None:
                 text.write(LOST_FRAMES_NOTE + "\n")
             for order in ("tottime", "cumulative"):
                 pstats.Stats(profile, stream=text).sort_stats(order).print_stats(top)
+            text.write(sample_call(fn, min_seconds=SAMPLED_SECONDS)[1].report(top) + "\n")
             out.write(f"=== {title} {name}\n{text.getvalue()}\n")
 
 

@@ -45,7 +45,7 @@
 #                                          the Triton skinny kernel (SWIFTKERN_CUDA_SKINNY_ROWS) and in its last_adds
 #                                          plan (SWIFTKERN_SKINNY_PLAN), against the defaults (4 x 35 s; SmolLM2)
 #   bash bench/gpu_session.sh hostprofile  batch 1 with CUDA graphs, ar beside prompt lookup and self-spec, each
-#                                          provider's calls once under cProfile: where the speculative loops'
+#                                          provider's calls under cProfile and a stack sampler: where the speculative loops'
 #                                          host time goes on a GPU (1.47 / 0.74 ms a token against ar's 0.11
 #                                          on an H200, 2026-12-04; 150 s)
 #   bash bench/gpu_session.sh plans        kv_compact's and the acceptance kernels' native tests: the plans changed on
@@ -355,6 +355,8 @@ stage_hostprofile() {
     --host-profile "$OUT/host-profile.log" > "$OUT/determinism-hostprofile.log" 2>&1
   echo "determinism host profile: exit $?"; grep -E "^batch1" "$OUT/determinism-hostprofile.log" | cut -c1-110
   grep -E -A14 "^=== batch1" "$OUT/host-profile.log" | cut -c1-150 | head -60
+  # the stack samples (CPython 3.12's cProfile loses frames around pybind11 methods): time inside each function
+  grep -E -A16 "by inside" "$OUT/host-profile.log" | cut -c1-150 | head -60
 }
 
 stage_plans() {

@@ -369,12 +369,16 @@ def test_host_profile_lists_each_providers_own_functions(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     sections = dict(re.findall(r"^=== (batch1 B=1 \S+)\n(.*?)(?=^=== |\Z)", out.read_text(), re.S | re.M))
     assert set(sections) == {"batch1 B=1 ar", "batch1 B=1 lookup"}, list(sections)
-    if cprofile_loses_inference_mode_frames():  # CPython 3.13.0: said, not hidden
+    lookup, ar = sections["batch1 B=1 lookup"], sections["batch1 B=1 ar"]
+    # the stack samples: what cProfile loses on CPython 3.12+ is there on any Python
+    sampled = {k: v[v.index(" stack samples over "):] for k, v in sections.items()}
+    assert "(decode_self_spec)" in sampled["batch1 B=1 lookup"] and "(decode_self_spec)" not in sampled["batch1 B=1 ar"]
+    assert all("(generate)" in text for text in sampled.values())
+    if cprofile_loses_inference_mode_frames():  # CPython 3.12.1, 3.13.0: said, not hidden
         assert all(text.startswith("NOTE: Generator.generate is missing") for text in sections.values())
         return
-    lookup, ar = sections["batch1 B=1 lookup"], sections["batch1 B=1 ar"]
     assert "Ordered by: internal time" in lookup and "Ordered by: cumulative time" in lookup
-    assert "verify_and_accept" in lookup and "verify_and_accept" not in ar
+    assert "verify_and_accept" in lookup.split(" stack samples over ")[0] and "verify_and_accept" not in ar
     assert "NOTE" not in lookup + ar
 
 
