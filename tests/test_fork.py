@@ -25,7 +25,9 @@ pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork (
 def in_child(body, seconds: int = 120):
     """body() run in a fork() child under an alarm; returns what it returned (or raises)."""
     read_end, write_end = os.pipe()
-    pid = os.fork()
+    with warnings.catch_warnings():  # Python 3.12+: "This process is multi-threaded, use of fork() may
+        warnings.simplefilter("ignore", DeprecationWarning)  # lead to deadlocks": the case under test
+        pid = os.fork()
     if pid == 0:  # the child: never back into pytest
         os.close(read_end)
         signal.alarm(seconds)
