@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", default="smollm2", help=f"model: {MODEL_HELP} (default: smollm2)")
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt text")
-    src.add_argument("--prompt-file", help='a JSONL file, one {"prompt": "..."} per line; all are run as one batch, '
+    src.add_argument("--prompt-file", help='a JSONL file (- for standard input), one {"prompt": "..."} per line; all are run as one batch, '
                                            'a line with "arrive_at": N joining it at decoding step N (requests arriving '
                                            'while others decode); the flags below apply to every line (a line with '
                                            'its own "seed", "temperature", ... is refused)')
@@ -170,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     se.add_argument("--model", default="smollm2", help=f"model: {MODEL_HELP} (default: smollm2)")
     ssrc = se.add_mutually_exclusive_group(required=True)
     ssrc.add_argument("--prompt", action="append", help="a prompt to tune on (repeatable)")
-    ssrc.add_argument("--prompt-file", help='a JSONL file, one {"prompt": "..."} per line')
+    ssrc.add_argument("--prompt-file", help='a JSONL file (- for standard input), one {"prompt": "..."} per line')
     se.add_argument("--skip-ratio", type=_skip_ratio, default="auto",
                     help="fraction of sub-layers to skip, or 'auto' (default: try several, keep the fastest)")
     se.add_argument("--budget", type=_float_in(0.0, 1e6, True), default=120.0,

@@ -3,8 +3,10 @@ line checked, a bad one refused with its path and line number."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 
 from .errors import SwiftkernError
 
@@ -31,16 +33,24 @@ def _lines(f, path: str):
             raise SwiftkernError(f"{path}:{n}: not UTF-8 text; save the prompt file as UTF-8") from None
 
 
+def _open(path: str):
+    """The prompt file opened in binary: "-" is standard input (``cat p.jsonl | swiftkern
+    generate --prompt-file -``); a pipe or FIFO (``<(...)``, /dev/stdin) is read as a file."""
+    if path == "-":
+        return contextlib.nullcontext(sys.stdin.buffer)
+    if not os.path.exists(path):
+        raise SwiftkernError(f"prompt file {path!r} does not exist")
+    if os.path.isdir(path):
+        raise SwiftkernError(f"prompt file {path!r} is a directory; give a JSONL file (or - for standard input)")
+    return open(path, "rb")
+
+
 def read_prompt_records(path: str) -> tuple[list[str], list[int] | None]:
     """(prompts, arrive_at) from a JSONL file of {"prompt": "..."} objects (or "text"), each
     with an optional "arrive_at": the decoding step at which it joins the batch (0 when left
-    out); arrive_at is None when no line has one."""
-    if not os.path.exists(path):
-        raise SwiftkernError(f"prompt file {path!r} does not exist")
-    if not os.path.isfile(path):
-        raise SwiftkernError(f"prompt file {path!r} is not a file (a directory?); give a JSONL file")
+    out); arrive_at is None when no line has one. ``path`` "-": standard input."""
     prompts, arrive_at = [], []
-    with open(path, "rb") as f:
+    with _open(path) as f:
         for n, line in _lines(f, path):
             if not line.strip():
                 continue

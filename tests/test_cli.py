@@ -1,5 +1,6 @@
 """CLI input errors exit 2 with one line on stderr, before any model is loaded."""
 
+import os
 import subprocess
 import sys
 
@@ -43,7 +44,30 @@ def test_malformed_jsonl(tmp_path, capsys):
     assert cli.main(["generate", "--prompt-file", str(f)]) == 2
     assert "p.jsonl:2: not UTF-8" in capsys.readouterr().err
     assert cli.main(["generate", "--prompt-file", str(tmp_path)]) == 2  # was "does not exist"
-    assert "is not a file" in capsys.readouterr().err
+    assert "is a directory" in capsys.readouterr().err
+
+
+def test_a_prompt_file_from_standard_input_or_a_pipe(tmp_path, monkeypatch):
+    """`--prompt-file -` reads standard input; a FIFO (what `<(...)` and /dev/stdin on a pipe
+    are) reads as a file. Both were refused as "not a file (a directory?)"."""
+    import io
+    import threading
+    import types
+
+    lines = b'{"prompt": "from a pipe"}\n{"prompt": "b", "arrive_at": 2}\n'
+    monkeypatch.setattr(sys, "stdin", types.SimpleNamespace(buffer=io.BytesIO(lines)))
+    assert prompt_file.read_prompt_records("-") == (["from a pipe", "b"], [0, 2])
+    fifo = tmp_path / "prompts.fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_bytes(lines))
+    writer.start()
+    try:
+        assert prompt_file.read_prompt_records(str(fifo)) == (["from a pipe", "b"], [0, 2])
+    finally:
+        writer.join(timeout=60)
+    monkeypatch.setattr(sys, "stdin", types.SimpleNamespace(buffer=io.BytesIO(b"")))
+    with pytest.raises(cli.SwiftkernError, match="prompt file '-' has no prompts"):
+        prompt_file.read_prompt_records("-")
 
 
 def test_a_generation_option_in_a_prompt_file_is_refused_not_ignored(tmp_path):
