@@ -13,7 +13,11 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 
 # the CLI in a process of its own, on tiny_model with test_cli's character tokenizer
 CLI_ON_A_TINY_MODEL = f"""
+import signal
 import sys
+# Ctrl-C as a terminal's process gets it: a run started in the background by a non-interactive
+# shell (`make test &`) ignores SIGINT, and its children inherit that (the test then saw exit 0)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path.insert(0, {TESTS!r})
 from conftest import tiny_model
 from test_cli import _CharTokenizer
