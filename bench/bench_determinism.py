@@ -261,7 +261,6 @@ LOST_FRAMES_NOTE = ("NOTE: Generator.generate is missing from this profile: this
                     "3.12+ around pybind11 methods such as torch.inference_mode's __enter__, pybind/pybind11#5600); "
                     "the cProfile listings below are incomplete, the stack samples after them are not")
 
-
 SAMPLED_SECONDS = 1.0  # the stack sampler repeats a provider's calls this long at least
 
 

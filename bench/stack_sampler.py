@@ -53,12 +53,11 @@ def sample_call(fn, interval: float = 2e-4, min_seconds: float = 0.0):
     target, samples, done = threading.get_ident(), StackSamples(), threading.Event()
 
     def call():
-        result = fn()
-        samples.calls += 1
-        while time.perf_counter() - start < min_seconds:
+        while True:
             result = fn()
             samples.calls += 1
-        return result
+            if time.perf_counter() - start >= min_seconds:
+                return result
 
     def sampler():
         while not done.is_set():

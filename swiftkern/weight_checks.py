@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import torch
-
 from .errors import SwiftkernError
-
-RUN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+from .ops.checks import FLOAT_DTYPES
 
 
 def check_weights_placed(hf_model) -> None:
@@ -32,7 +29,7 @@ def check_weights_placed(hf_model) -> None:
                 f"{name} is on {t.device}, the embedding on {embed.device}: swiftkern runs a model on one device "
                 f"(device_map='auto' may split it over several). Load it with device_map={{'': '{embed.device}'}} "
                 f"or move it with model.to('{embed.device}')")
-    if embed.dtype not in RUN_DTYPES:
+    if embed.dtype not in FLOAT_DTYPES:
         raise SwiftkernError(f"the model's weights are {embed.dtype}: swiftkern runs float32, bfloat16 or float16 "
                              f"models. Convert it first, e.g. model.to(torch.float32)")
     for name, p in params:
