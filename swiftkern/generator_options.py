@@ -96,7 +96,8 @@ def _check_replay(model: SkipModel, mode: str, drafter: str, replay: str, verifi
             f"{ops.backends.current_backend()}. Use replay='auto' or 'always'")
     if mode == "deterministic" and rope_follows_the_batch(model.rotary):
         raise SwiftkernError(f"mode deterministic does not support rope_type {model.rotary.rope_type!r}: its "
-                             "frequencies follow the longest position in the batch; use mode ar or self-spec")
+                             "frequencies follow the longest position of a forward, and the batch-invariant "
+                             "kernels read one rotation per position from a table; use mode ar or self-spec")
     if verifier_kernels not in VERIFIER_KERNELS or mode == "deterministic":  # refuse a bad choice now
         verifier_kernels_for(verifier_kernels, model.device.type, model.dtype)
     if verifier_kernels != "auto" and replay_elided(model, mode, replay, drafter):

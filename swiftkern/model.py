@@ -16,6 +16,7 @@ from .errors import SwiftkernError
 from .kv_cache import KVCache
 from .layer_set import LayerSet
 from .packed_weights import PackedSet
+from .longrope import longrope_limit, rotate
 from .rope_table import RopeTable, rope_follows_the_batch
 from .transient import transient
 from .weight_checks import check_weights_placed
@@ -138,6 +139,7 @@ class SkipModel:
         self.lm_head = hf_model.lm_head.weight  # [V, H]
         self.lm_head_bias = getattr(hf_model.lm_head, "bias", None)
         self.rotary = inner.rotary_emb
+        self.longrope_limit = longrope_limit(self.rotary)  # None unless rope_type longrope
         self.layers = [self._layer(layer) for layer in inner.layers]
         # the same weights flat, 18 per layer in _Layer's field order, for LayerKernels.stack
         self._stack_weights = [getattr(w, f.name) for w in self.layers for f in fields(_Layer)]
@@ -268,6 +270,11 @@ class SkipModel:
             yield self
         finally:
             self.invariant = before
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, T, D] at ``positions`` (int64 [B, T]) from the model's rotary module (``x``
+        gives the dtype and device), a longrope model's set chosen per token (``longrope.rotate``)."""
+        return rotate(self.rotary, x, positions, self.longrope_limit)
 
     def rope_table_address(self) -> int | None:
         """Where the invariant set's RoPE table lives now (None: not made yet). A CUDA graph of an
@@ -490,7 +497,7 @@ class SkipModel:
         if self.invariant:  # the table covers the whole cache: it grows with a larger cache only
             cos, sin = self._rope_table.lookup(positions, max(max_len, cache.max_len))  # [B, T, D] each
         else:
-            cos, sin = self.rotary(hidden, positions)  # [B, T, D] each
+            cos, sin = self.rope(hidden, positions)  # [B, T, D] each
         plain = all(s is True or s is False for s in skip_attn + skip_mlp)  # no per-row masks
         if kern.stack is not None and plain:  # _layer_loop in one C++ call
             skip, packed, _ = self._stack_args(kern, skip_attn, skip_mlp, B * T)
@@ -542,7 +549,7 @@ class SkipModel:
             positions = None
         else:  # HF's rotary at this chunk's positions, as forward_device computes them (its bits)
             positions = cache.lengths.unsqueeze(1) + torch.arange(T, device=cache.lengths.device)  # [B, T]
-            cos, sin = self.rotary(self.embed, positions)  # [B, T, D] each (the first argument gives the dtype)
+            cos, sin = self.rope(self.embed, positions)  # [B, T, D] each (the first argument gives the dtype)
         skip, packed, packed_head = self._stack_args(kern, skip_attn, skip_mlp, B * T)
         head = self._head_parts(head, packed_head)
         try:

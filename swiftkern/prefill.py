@@ -18,8 +18,11 @@ def prefill(model: SkipModel, cache: KVCache, prompts: list[list[int]], per_row:
     only): the cache row of each prompt (default: prompt b in row b).
 
     Padding sits after each row's real tokens, so causal attention keeps it out of the real
-    positions; the cache is then rolled back to the real lengths. -> last logits [B, V]
+    positions; the cache is then rolled back to the real lengths. A longrope model prefills per
+    row whatever ``per_row`` says: its prompt's frequencies follow the prompt's own length
+    (``longrope``), and a padded batch's would follow the longest. -> last logits [B, V]
     """
+    per_row = per_row or model.longrope_limit is not None
     with ops.prefill_projections():
         return _prefill(model, cache, prompts, per_row, rows)
 

@@ -64,7 +64,8 @@ class Verifier:
                                  f"{verify_batch} and {prefill_chunk}")
         if rope_follows_the_batch(model.rotary):
             raise SwiftkernError(f"deterministic mode does not support rope_type {model.rotary.rope_type!r}: its "
-                                 "frequencies depend on the longest sequence in the batch")
+                                 "frequencies follow the longest position of a forward, and the batch-invariant "
+                                 "kernels read one rotation per position from a table; use mode ar or self-spec")
         self.model = model
         self.kernels = verifier_kernels(kernels, model.device.type, model.dtype)
         self._packed_index = _packed_index(model)
