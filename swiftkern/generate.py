@@ -384,6 +384,7 @@ class Generator:
         verified = per_prompt("deterministic flags", deterministic, len(ids), lambda d: flag("deterministic", d))
         if not all(verified) and self.mode != "deterministic":
             raise SwiftkernError("deterministic=False for some prompts needs mode='deterministic'")
+        self.model.check_unchanged()  # weights replaced since the wrap would be read stale
         longest = max(len(p) for p in ids)
         check_positions(self.model, longest, max_new_tokens)
         stop_ids = stop_token_set(self.model, self.tokenizer, eos_token_id, stop_token_ids)
