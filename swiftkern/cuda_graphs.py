@@ -125,6 +125,8 @@ class GraphRunner:
         self.captures = self.replays = self.eager = 0
         self.first_sights = 0  # keys met for the first time (run eagerly; the next sight captures)
         self.replays_by_kind: dict = {}  # "forward" | "verify" -> replays
+        self.weights_at: tuple | None = None  # the weights' addresses the graphs were captured on
+        self.weight_moves = 0  # times the graphs were dropped for weights that moved
         cuda = graph_type is CudaGraph
         self.pool = torch.cuda.graph_pool_handle() if cuda else None
         self.stream = torch.cuda.Stream(model.device) if cuda else None
@@ -163,6 +165,18 @@ class GraphRunner:
             yield cache
         finally:
             self.cache_leased = outer
+
+    def follow_weights(self, addresses: tuple) -> None:
+        """Drop every graph when the weights' storage moved since they were captured
+        (``addresses``: ``modules_read.Snapshot.addresses``, at each ``cuda_graphs`` context): a
+        write through ``param.data = ...`` keeps the parameter, which eager forwards follow, and
+        frees the storage a graph reads at its captured address (on a GPU: the old or reused
+        memory, silently; the emulation failed on it). In-place writes keep the addresses."""
+        if addresses != self.weights_at:
+            if self.weights_at is not None and self.entries:
+                self.entries.clear()
+                self.weight_moves += 1
+            self.weights_at = addresses
 
     def stats(self) -> dict:
         return {"graphs": len(self.entries), "captures": self.captures, "replays": self.replays,

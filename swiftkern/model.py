@@ -579,6 +579,8 @@ class SkipModel:
         for this model), which replays captured CUDA graphs for the shapes it has seen before."""
         if runner is not None and runner.model is not self:
             raise SwiftkernError("cuda_graphs: the runner belongs to another model")
+        if runner is not None:
+            runner.follow_weights(self._snapshot.addresses())
         before = self.graphs
         self.graphs = runner
         try:

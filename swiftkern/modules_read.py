@@ -91,6 +91,11 @@ class Snapshot:
         self.entries = [(where, module, _tensors(where, module)) for where, module, _ in _walk(hf_model)]
         self.num_layers = len(hf_model.model.layers)
 
+    def addresses(self) -> tuple[int, ...]:
+        """Where each tensor's data lives now: a write through ``.data`` keeps the tensor and may
+        move its storage, which a captured CUDA graph would still read at the old address."""
+        return tuple(t.data_ptr() for _, _, tensors in self.entries for _, t, _, _, _ in tensors)
+
     def change(self, hf_model) -> str | None:
         """What differs in ``hf_model`` now (the first difference, in words), or None."""
         if len(hf_model.model.layers) != self.num_layers:

@@ -130,3 +130,36 @@ def test_qwen3s_head_norm_replaced_is_refused():
     attn.k_norm = type(attn.k_norm)(attn.k_norm.weight.shape[0])
     with pytest.raises(SwiftkernError, match=r"model\.layers\.2\.self_attn\.k_norm is another module"):
         model.check_unchanged()
+
+
+@pytest.mark.parametrize("mode", ["ar", "self-spec"])
+@pytest.mark.parametrize("write", ["through-data", "in-place"])
+def test_graphs_captured_on_weights_that_moved_are_dropped(mode, write):
+    """A write through ``param.data = ...`` keeps the parameter and moves its storage: a graph
+    captured before reads the old address (the emulation failed: "used memory from outside the
+    graph that has been freed since"; a GPU reads old or reused memory). The runner now drops its
+    graphs when the weights' addresses moved, and the call equals HF greedy on the new weights;
+    in-place writes keep the graphs."""
+    from swiftkern.cuda_graphs import GraphRunner
+    from swiftkern.graph_capture import EmulatedGraph
+
+    hf = tiny_model("llama", seed=1)
+    model = SkipModel.from_hf(hf)
+    runner = GraphRunner(model, EmulatedGraph)
+    gen = Generator(model, mode=mode, cuda_graphs=runner, **OPTIONS[mode])
+    for _ in range(3):
+        gen.generate([PROMPT], max_new_tokens=8, eos_token_id=[])
+    assert runner.stats()["captures"] > 0 and runner.stats()["replays"] > 0
+    graphs = len(runner.entries)
+    if write == "through-data":
+        hf.lm_head.weight.data = -hf.lm_head.weight.detach().clone()
+        hf.model.norm.weight.data = hf.model.norm.weight.detach() * 2
+    else:
+        with torch.no_grad():
+            hf.lm_head.weight.neg_()
+    want = hf_greedy(hf, PROMPT, 8, [])
+    assert gen.generate([PROMPT], max_new_tokens=8, eos_token_id=[]).tokens[0] == want
+    if write == "through-data":
+        assert runner.weight_moves == 1
+    else:
+        assert runner.weight_moves == 0 and len(runner.entries) >= graphs
