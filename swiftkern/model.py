@@ -150,6 +150,10 @@ class SkipModel:
         self._rope_table, self._plans = None, {}
         self.packed = self._pack(None if was_packed else False)
 
+    def change_since_wrap(self) -> str | None:
+        """What changed in the HF model since it was wrapped (``check_unchanged``), in words, or None."""
+        return self._snapshot.change(self.hf_model)
+
     def check_unchanged(self) -> None:
         """Refuse (SwiftkernError, naming the first difference) an HF model whose modules or weight
         tensors the runner reads were replaced, or changed dtype, device or shape, since it was
@@ -157,7 +161,7 @@ class SkipModel:
         an adapter injected. In-place updates are read as they are. ``Generator.generate`` calls
         this at every call (~0.5 ms for SmolLM2's 30 layers on a 2-core AMD EPYC); a caller of
         ``forward`` can too."""
-        change = self._snapshot.change(self.hf_model)
+        change = self.change_since_wrap()
         if change is not None:
             raise SwiftkernError(
                 f"the HF model changed since this SkipModel wrapped it: {change}. swiftkern holds the tensors it "

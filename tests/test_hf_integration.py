@@ -383,3 +383,29 @@ def test_a_changed_model_gets_a_new_generator_and_copies_carry_none(llama):
     hf.train()
     _hf(hf, ids, custom_generate=swift_generate, **kw)
     assert hf.training
+
+
+def test_a_module_replaced_between_calls_gets_a_new_generator():
+    """A projection module replaced by another holding the same weight Parameter keeps
+    ``weights_key``: the kept Generator refused, telling a caller who never wrapped anything to
+    wrap the model again. Now the call makes a new one: a plain Linear decodes as HF, a Linear
+    subclass with its own forward is refused as when a model is first wrapped."""
+
+    class Doubled(torch.nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    ids = torch.tensor(PROMPT)
+    kw = dict(max_new_tokens=8, do_sample=False)
+    for kind in (torch.nn.Linear, Doubled):
+        hf = tiny_model("llama", seed=11)
+        _hf(hf, ids, custom_generate=swift_generate, **kw)
+        old = hf.model.layers[0].mlp.down_proj
+        new = kind(old.in_features, old.out_features, bias=False)
+        new.weight = old.weight
+        hf.model.layers[0].mlp.down_proj = new
+        if kind is torch.nn.Linear:
+            assert torch.equal(_hf(hf, ids, custom_generate=swift_generate, **kw), _hf(hf, ids, **kw))
+        else:
+            with pytest.raises(SwiftkernError, match=r"down_proj is a .*Doubled, not a plain torch\.nn\.Linear"):
+                _hf(hf, ids, custom_generate=swift_generate, **kw)

@@ -765,4 +765,9 @@ MORE_MUTANTS = [
      "            if False:",
      "a graph runner notes moved weights and keeps the graphs captured on the old ones",
      ["tests/test_model_changes.py"]),
+    ("M345", "swiftkern/integrations/transformers.py",
+     "            or (key in kept and kept[key].model.change_since_wrap() is not None)):  # or a module replaced",
+     "            ):",
+     "the HF backend keeps a Generator whose model had a module replaced, and tells its caller to wrap again",
+     ["tests/test_hf_integration.py"]),
 ]

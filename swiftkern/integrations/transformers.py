@@ -162,7 +162,8 @@ def _generator_options(swift_kwargs, **named) -> dict:
 def _generator_for(model, swift_mode: str, options: dict, keep: bool) -> Generator:
     """The Generator for ``model`` with this mode and these options. keep: made on the first
     call and kept on the model (``transient.transient(model)``, for as long as its parameters are
-    the same objects, storage and dtype: ``transient.weights_key``), so that what it learns while
+    the same objects, storage and dtype, ``transient.weights_key``, and the modules it reads the
+    same, ``SkipModel.change_since_wrap``), so that what it learns while
     generating, the layer set it searched and the drafter policy's timed costs, carries over to
     the next greedy ``model.generate`` with the same options, as it does for a Generator a caller
     keeps (a new one per call searched again, and timed again, every time). Sampling takes a new
@@ -172,10 +173,12 @@ def _generator_for(model, swift_mode: str, options: dict, keep: bool) -> Generat
         return Generator(model, mode=swift_mode, **options)
     state = transient(model)
     weights = weights_key(model)
-    if state.get("generators_for") != weights:  # new parameters, storage or dtype: the kept ones read the old
+    key = (swift_mode, repr(sorted(options.items())))
+    kept = state.get("generators", {})
+    if (state.get("generators_for") != weights  # new parameters, storage or dtype: the kept ones read the old
+            or (key in kept and kept[key].model.change_since_wrap() is not None)):  # or a module replaced
         state["generators"], state["generators_for"] = {}, weights
     kept = state["generators"]
-    key = (swift_mode, repr(sorted(options.items())))
     if key not in kept:
         kept[key] = Generator(model, mode=swift_mode, **options)
     return kept[key]
