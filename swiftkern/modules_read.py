@@ -9,7 +9,9 @@ such changes on a tiny Llama), and after ``model.to(torch.bfloat16)``, ``.half()
 ``.double()`` it failed inside a kernel ("q, k, v, cos, sin and the caches must share one
 dtype", "view BFloat16 as Int"). ``Snapshot`` records the modules and their tensors (objects,
 dtype, device, shape) when a model is wrapped; ``Snapshot.change`` names the first difference,
-which ``SkipModel.check_unchanged`` turns into a refusal at every ``generate`` call.
+which ``SkipModel.check_unchanged`` turns into a refusal at every ``generate`` call. A captured
+CUDA graph reads addresses, not objects: ``Snapshot.addresses`` lets the graph runner drop its
+graphs where a write through ``.data`` moved a weight's storage.
 """
 
 from __future__ import annotations
