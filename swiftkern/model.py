@@ -136,6 +136,10 @@ class SkipModel:
         so a carried copy could not tell a stale one), the RoPE table and skip plans on first use."""
         if self.graphs is not None:
             raise SwiftkernError("a SkipModel cannot be copied inside its cuda_graphs() context (a call is running)")
+        change = self.change_since_wrap()  # a copy's snapshot is made from its own HF model: it would hide it
+        if change is not None:
+            raise SwiftkernError(f"a SkipModel cannot be copied after its HF model changed since the wrap: {change}; "
+                                 f"wrap the model again (SkipModel.from_hf(model)) and copy that")
         state = dict(self.__dict__)
         for name in ("lock", "_rope_table", "_plans", "packed", "_snapshot"):
             del state[name]

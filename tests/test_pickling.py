@@ -69,6 +69,19 @@ def test_a_graph_runner_is_refused_naming_the_fix():
             copy.deepcopy(model)
 
 
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_model_changed_since_the_wrap_is_not_copied(how):
+    """A copy makes its snapshot of what was read from its own HF model (modules_read): after
+    ``lm_head.weight = nn.Parameter(...)`` the copy took the new module tree as the wrapped one
+    and decoded with the old head, where the original refuses. Now the copy is refused too."""
+    hf = tiny_model("llama", seed=1)
+    gen = Generator(SkipModel.from_hf(hf), mode="self-spec", layer_set="mlp:1")
+    decode(gen)
+    hf.lm_head.weight = torch.nn.Parameter(-hf.lm_head.weight.detach())
+    with pytest.raises(SwiftkernError, match=r"cannot be copied after its HF model changed .* lm_head\.weight is another"):
+        copy.deepcopy(gen) if how == "deepcopy" else pickle.dumps(gen)
+
+
 def decode_in_worker(gen):
     return decode(gen)
 
