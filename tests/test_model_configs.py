@@ -1,6 +1,7 @@
 """Drawn model shapes against HF: head dims that are not hidden / heads, GQA groups of 1-3,
-one to five layers, tied embeddings, biases in attention and MLP, other RoPE bases and norm
-eps, vocabularies of odd sizes. The prefill's logits match HF's forward, and greedy tokens of
+one to five layers, tied embeddings, biases in attention and MLP, other RoPE bases, RoPE
+scalings (linear, llama3, yarn, longrope with a limit the tokens may cross) and norm eps,
+vocabularies of odd sizes. The prefill's logits match HF's forward, and greedy tokens of
 ar and self-spec (layer-skip and lookup drafts) equal HF generate's; in bf16 / fp16 self-spec
 and deterministic mode equal ar's tokens."""
 
@@ -9,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import hf_greedy, tiny_model, top_logit_gaps
-from swiftkern import Generator, SkipModel
+from swiftkern import Generator, SkipModel, SwiftkernError
 from swiftkern.layer_kernels import invariant_kernels_available
 
 
@@ -26,7 +27,26 @@ def configs(draw):
         cfg.update(head_dim=head_dim, hidden_size=draw(st.sampled_from([48, 64])))
     if arch == "llama":
         cfg.update(attention_bias=draw(st.booleans()), mlp_bias=draw(st.booleans()))
+    rope = draw(st.sampled_from([None, "linear", "llama3", "yarn", "longrope"]))
+    if rope is not None:  # a limit the prompt and its new tokens may cross (longrope: tests/test_longrope.py)
+        cfg.update(rope_scaling_for(rope, head_dim, limit=draw(st.integers(4, 24))))
     return arch, cfg, draw(st.integers(0, 2**16))
+
+
+def rope_scaling_for(rope: str, head_dim: int, limit: int) -> dict:
+    """Config fields of a RoPE scaling of type ``rope`` whose original length is ``limit``."""
+    scaling = dict(rope_type=rope, factor=4.0, original_max_position_embeddings=limit)
+    if rope == "llama3":
+        scaling.update(low_freq_factor=1.0, high_freq_factor=4.0)
+    if rope == "longrope":
+        half = head_dim // 2
+        scaling.update(short_factor=[1.0 + 0.1 * i for i in range(half)], long_factor=[1.5 + 0.2 * i for i in range(half)])
+        return dict(rope_scaling=scaling, original_max_position_embeddings=limit)  # 4.x reads the attribute
+    if rope == "yarn":  # HF warns where the factor is not max_position_embeddings over the limit
+        scaling["factor"] = 512 / limit
+    if rope == "linear":
+        del scaling["original_max_position_embeddings"]
+    return dict(rope_scaling=scaling)
 
 
 @settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
@@ -71,6 +91,10 @@ def test_a_drawn_shape_in_half_precision_speculates_bit_for_bit(drawn, dtype, da
     for options in (dict(mode="self-spec", drafter="lookup", k_max=4),
                     dict(mode="self-spec", drafter="layer-skip", layer_set="attn:1|mlp:1", eps=0.0, k_max=3),
                     dict(mode="deterministic")):
+        if options["mode"] == "deterministic" and model.longrope_limit is not None:  # no table holds its rotations
+            with pytest.raises(SwiftkernError, match="mode deterministic does not support rope_type 'longrope'"):
+                Generator(model, **options)
+            continue
         assert Generator(model, **options).generate(prompts, max_new_tokens=n, eos_token_id=[]).tokens == want, options
     for prompt, out in zip(prompts, want):
         assert top_logit_gaps(hf, prompt, out).max() <= 0.5
