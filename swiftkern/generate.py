@@ -357,8 +357,11 @@ class Generator:
         with uniforms keyed on (seed, absolute position), so a prompt's output depends on its
         seed alone. ``seed`` may be one int or one per prompt, in [-2**63, 2**64) (s < 0 is the
         seed 2**64 + s, as in torch). Generation of a row stops after an EOS token
-        (``eos_token_id``, default the model's), a ``stop_token_ids`` token (each one id or a
-        list), a ``stop`` string in its text, or ``max_new_tokens``. Mode deterministic: ``deterministic``
+        (``eos_token_id``, default the model's generation config's), a ``stop_token_ids`` token
+        (each one id or a list), a ``stop`` string in its text, or ``max_new_tokens``. The
+        generation config gives the EOS only: its sampling fields (``do_sample``, temperature,
+        ``repetition_penalty``, ...) are this call's arguments, as given; HF's ``generate`` with
+        ``custom_generate`` reads them (or refuses those it cannot run). Mode deterministic: ``deterministic``
         (one bool or one per prompt) False lets a request skip verification (regular decoding);
         where no replay runs (``replay_elided()``) every row decodes through the invariant kernels,
         so every request is deterministic and the flags change nothing (on the CPU at no
