@@ -321,6 +321,27 @@ def test_real_graphs_equal_emulated_ones_bit_for_bit(dtype, graph_type):
 
 
 @needs_cuda
+@pytest.mark.parametrize("mode", ["ar", "self-spec"])
+def test_real_graphs_after_a_write_through_data_read_the_new_weights(mode):
+    """A write through ``param.data = ...`` moves the storage a captured graph reads at its
+    address; the runner drops its graphs then (``GraphRunner.follow_weights``; emulated on the
+    CPU in tests/test_model_changes.py), so the next call decodes the new weights as HF does."""
+    hf = tiny_model("llama", seed=1).to("cuda")
+    options = {"layer_set": "mlp:1"} if mode == "self-spec" else {}
+    gen = Generator(SkipModel.from_hf(hf), mode=mode, cuda_graphs=True, **options)
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    for _ in range(3):
+        gen.generate([prompt], max_new_tokens=8, eos_token_id=[])
+    assert gen.graph_runner.stats()["replays"] > 0
+    hf.lm_head.weight.data = -hf.lm_head.weight.detach().clone()
+    hf.model.norm.weight.data = hf.model.norm.weight.detach() * 2
+    torch.cuda.empty_cache()  # the old storage back to the driver: a stale replay reads freed memory
+    want = hf_greedy_on(hf, prompt, 8)
+    assert gen.generate([prompt], max_new_tokens=8, eos_token_id=[]).tokens[0][: len(want)] == want
+    assert gen.graph_runner.weight_moves == 1
+
+
+@needs_cuda
 @pytest.mark.slow
 @pytest.mark.parametrize("kw", [dict(mode="ar"),
                                 dict(mode="self-spec", drafter="layer-skip", layer_set="attn:9,13,17,21|mlp:11,15,19")],
