@@ -72,7 +72,7 @@ class DeterministicRun:
         stats, verifier = self.stats, self.verifier
         stats["verify_passes"] = verifier.passes - stats["prefill_passes"]
         stats["verifier_kernels"] = verifier.kernels.name
-        stats["verify_batch"] = verifier.verify_batch
+        stats["verify_batch"], stats["window"] = verifier.verify_batch, verifier.window
         stats["dummy_rows"] = verifier.dummy_rows
         stats["rollback_fraction"] = stats["rolled_back"] / stats["fast_tokens"] if stats["fast_tokens"] else 0.0
         if self.policy is not None:

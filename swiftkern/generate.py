@@ -138,7 +138,9 @@ class Generator:
     context repeats, else the draft with ``layer_set`` skipped, stopping at confidence < ``eps``),
     and every ``window`` unverified tokens are replayed in a
     fixed-shape ``verify_batch x window`` batch-invariant pass that commits the matching prefix
-    plus its own token at the first mismatch. ``replay="auto"`` (default) skips that replay where
+    plus its own token at the first mismatch (a call's passes are ``min(window, max_new_tokens +
+    1)`` wide: no row can fill more, and the verifier's kernels give a token the same bits at any
+    width; a window of 16384 for 12 new tokens took 5.1 s instead of 0.008 s on a tiny model). ``replay="auto"`` (default) skips that replay where
     it cannot change a bit: on the CPU with the C++ kernels (float32, bfloat16 or float16), every
     decode, verify and prefill runs the batch- and length-invariant kernels (``SkipModel.batch_invariant``), so
     rows decode as in ``ar`` (``drafter="self-spec"``: as in self-spec, the drafter policy over
@@ -290,8 +292,9 @@ class Generator:
         return encode_prompts(prompts, self.tokenizer, self.model.vocab_size, flag("chat", chat))
 
     def _decode(self, cache: KVCache, first_logits, params: SamplingParams, seeds: list[int], requests: Requests,
-                ids: list[list[int]], verified: list[bool], invariant: bool) -> tuple[int, dict]:
-        """The decoding loop of this Generator's mode after the prefill -> (steps, the loop's stats)."""
+                ids: list[list[int]], verified: list[bool], invariant: bool, window: int) -> tuple[int, dict]:
+        """The decoding loop of this Generator's mode after the prefill -> (steps, the loop's stats).
+        ``window``: this call's replay width (mode deterministic)."""
         spec_stats = {}
         if self.mode == "ar":
             steps = decode_ar(self.model, cache, first_logits, params, seeds, requests, prompts=ids)
@@ -302,7 +305,7 @@ class Generator:
             fast = FastPath()
             if self.drafter == "self-spec":
                 fast = FastPath(self.layer_set, self.eps, self._draft_head(ids), lookup=True)
-            spec_stats = decode_deterministic(self.model, cache, ids, params, seeds, requests, self.window,
+            spec_stats = decode_deterministic(self.model, cache, ids, params, seeds, requests, window,
                                               self.verify_batch, fast, verified, self.verifier_kernels)
             steps = spec_stats["fast_steps"] + spec_stats["verify_passes"]
         else:
@@ -396,8 +399,9 @@ class Generator:
         # a verify pass may overshoot by K+1, K at most k_max and a row's remaining tokens
         spec_slack = min(self.k_max, max_new_tokens) + 1
         slack = spec_slack if self.mode == "self-spec" else 0
+        window = min(self.window, max_new_tokens + 1)  # this call's replay width: no row fills more
         if self.mode == "deterministic":  # a window-wide replay, or (self-spec) a verify pass
-            slack = max(self.window, spec_slack if self.drafter == "self-spec" else 0)
+            slack = max(window, spec_slack if self.drafter == "self-spec" else 0)
         start = [r for r in range(len(ids)) if arrive_at is None or arrive_at[r] == 0]  # the first batch
         needed, used = longest + max_new_tokens + slack, longest + max_new_tokens
         # one call at a time on this model (its contexts, a runner's cache); a call from inside
@@ -427,7 +431,7 @@ class Generator:
                 waited, reads = READ_CLOCK.snapshot()
                 with self.model.batch_invariant(self.invariant_decode()):
                     steps, spec_stats = self._decode(cache, first_logits, params, seeds, requests, ids, verified,
-                                                     invariant)
+                                                     invariant, window)
             _sync(device)
             t2 = time.perf_counter()
             t1 += spec_stats.pop("prefill_s", 0.0)  # the replay prefills through its verifier inside decoding
@@ -477,8 +481,9 @@ class Generator:
         logprobs = None
         if self.mode == "deterministic":
             per_row, logprobs = spec_stats.pop("per_row"), spec_stats.pop("logprobs")
-            replayed = {} if self.replay_elided() else dict(  # the replay's shape, where it ran
-                window=self.window, verify_batch=spec_stats.get("verify_batch", self.verify_batch))
+            window = spec_stats.pop("window", None)  # the replay's shape, where it ran
+            replayed = {} if self.replay_elided() else dict(
+                window=window, verify_batch=spec_stats.get("verify_batch", self.verify_batch))
             stats.update(spec_stats, **replayed,
                          fast_path="self-spec " + str(self.layer_set) if self.drafter == "self-spec" else "ar")
             for req, row in zip(request_stats, per_row):

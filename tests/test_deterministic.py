@@ -367,6 +367,30 @@ def test_decode_equals_prefill_and_windows_agree(tiny, kernels):
         assert torch.equal(verifier.token_logprobs(p + toks, len(p)), lp)
 
 
+def test_a_window_past_the_call_replays_at_the_width_a_row_can_fill(tiny, monkeypatch):
+    """A window wider than max_new_tokens + 1 was padded to in every replay pass, and its cache
+    room allocated (16384 for 12 new tokens: 5.1 s against 0.008 s). A call's passes are now
+    max_new_tokens + 1 wide at most: the same bits as that window, the passes that narrow."""
+    widths = []  # of the replay passes (the prompts' prefill passes give their own width)
+    forward = Verifier.forward
+
+    def spy(self, cache, slots, width=None, rows=None):
+        if width is None:
+            widths.append(self.window)
+        return forward(self, cache, slots, width, rows)
+
+    monkeypatch.setattr(Verifier, "forward", spy)
+    prompts = [[4, 77, 31], list(range(10, 60))]
+    runs = {w: Generator(tiny, mode="deterministic", window=w, replay="always").generate(
+        prompts, max_new_tokens=12, eos_token_id=[]) for w in (13, 4096)}
+    assert runs[4096].tokens == runs[13].tokens
+    assert all(torch.equal(a, b) for a, b in zip(runs[4096].logprobs, runs[13].logprobs))
+    assert runs[4096].stats["window"] == runs[13].stats["window"] == 13
+    assert widths and max(widths) <= 13
+    assert Generator(tiny, mode="deterministic", window=5, replay="always").generate(
+        prompts, max_new_tokens=12, eos_token_id=[]).stats["window"] == 5
+
+
 @needs_invariant
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_without_replay_decode_equals_prefill(tiny, dtype):

@@ -775,4 +775,9 @@ MORE_MUTANTS = [
      "        if False:\n            raise SwiftkernError(f\"a SkipModel cannot be copied after",
      "a copy of a SkipModel whose HF model changed takes the new tree as wrapped and decodes the old tensors",
      ["tests/test_pickling.py"]),
+    ("M347", "swiftkern/generate.py",
+     "        window = min(self.window, max_new_tokens + 1)  # this call's replay width: no row fills more",
+     "        window = self.window",
+     "a window past max_new_tokens + 1 pads every replay pass (and its cache room) to its width",
+     ["tests/test_deterministic.py"]),
 ]
