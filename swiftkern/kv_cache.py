@@ -9,6 +9,25 @@ from .arg_checks import whole
 from .errors import SwiftkernError
 
 
+def _zeros(shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+    """torch.zeros, with an allocation that fails (CPU or GPU memory) refused as a SwiftkernError
+    that says what the cache holds and what to lower: torch's own message named only a byte
+    count (a batch of 64 x 5e6 new tokens on a tiny model: "DefaultCPUAllocator: can't allocate
+    memory: you tried to allocate 163840098304 bytes")."""
+    try:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    except RuntimeError as e:  # torch.OutOfMemoryError (CUDA) is one; the CPU allocator raises a plain one
+        if not isinstance(e, torch.OutOfMemoryError) and "allocate" not in str(e):
+            raise
+        layers, rows, heads, positions, head_dim = shape
+        gib = 2 * layers * rows * heads * positions * head_dim * torch.finfo(dtype).bits / 8 / 2**30
+        raise SwiftkernError(
+            f"the KV cache does not fit in {torch.device(device).type} memory: {rows} rows x {positions} positions "
+            f"x {layers} layers x {heads} KV heads x {head_dim} ({dtype}), {gib:.1f} GiB of keys and values. "
+            f"swiftkern allocates it for the longest prompt + max_new_tokens (+ a verify pass) up front: "
+            f"lower max_new_tokens or the batch") from None
+
+
 class KVCache:
     """Preallocated keys and values for every layer, row and position.
 
@@ -34,8 +53,8 @@ class KVCache:
         # NaN there would survive the mask (0 * NaN); every later write is a finite model value.
         # Never inference tensors (see _grow), wherever the cache is made
         with torch.inference_mode(False):
-            self._k_rows = torch.zeros(shape, dtype=dtype, device=device)  # [L, capacity, H_kv, S_max, D]
-            self._v_rows = torch.zeros(shape, dtype=dtype, device=device)
+            self._k_rows = _zeros(shape, dtype, device)  # [L, capacity, H_kv, S_max, D]
+            self._v_rows = _zeros(shape, dtype, device)
             self._length_rows = torch.zeros(batch, dtype=torch.int64, device=device)  # [capacity]
         self.max_len = max_len
         self._use_rows(batch)
@@ -179,7 +198,7 @@ class KVCache:
         with torch.inference_mode(False):
             for name in ("_k_rows", "_v_rows"):
                 old = getattr(self, name)
-                new = old.new_zeros((old.shape[0], capacity) + tuple(old.shape[2:]))
+                new = _zeros((old.shape[0], capacity) + tuple(old.shape[2:]), old.dtype, old.device)
                 new[:, :keep] = old[:, :keep]
                 setattr(self, name, new)
             lengths = self._length_rows.new_zeros(capacity)

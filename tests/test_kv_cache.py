@@ -238,3 +238,24 @@ def test_a_row_counted_from_the_end_or_past_the_batch_is_refused():
     assert c.host_lengths == [3, 3] and c.lengths.tolist() == [3, 3] and c.batch == 2
     c.set_row_length(1, 1)
     assert c.host_lengths == [3, 1] and c.lengths.tolist() == [3, 1]
+
+
+def test_a_cache_past_memory_is_refused_saying_what_to_lower():
+    """Before: torch's "DefaultCPUAllocator: can't allocate memory: you tried to allocate ...
+    bytes". 262 TB a tensor: past any x86-64 process's address space, whatever the overcommit."""
+    with pytest.raises(SwiftkernError, match=r"the KV cache does not fit in cpu memory: 2048 rows x 500000000 "
+                                             r"positions x 4 layers x 2 KV heads x 16 .* lower max_new_tokens"):
+        KVCache(4, 2048, 2, 500_000_000, 16, torch.float32, "cpu")
+    cache = KVCache(4, 2, 2, 8, 16, torch.float32, "cpu")
+    with pytest.raises(SwiftkernError, match="does not fit in cpu memory: 256000000000 rows x 8 positions"):
+        cache._grow(256 * 10**9, 2)  # the rows requests joining would add
+    assert cache.k.shape == (4, 2, 2, 8, 16)  # left as it was
+
+
+def test_the_generator_refuses_a_batch_whose_cache_cannot_be_allocated():
+    from conftest import tiny_model
+    from swiftkern import Generator
+
+    gen = Generator(tiny_model("llama", max_position_embeddings=10**9))
+    with pytest.raises(SwiftkernError, match="does not fit in cpu memory: 2048 rows"):
+        gen.generate([[5, 6, 7]] * 2048, max_new_tokens=5 * 10**8, eos_token_id=[])
