@@ -6,8 +6,9 @@ short factors. Batch-1 greedy ``generate`` calls it once for the prompt (its tok
 long set iff the prompt is longer than the limit) and once per new token (the long set iff
 that token's position reaches the limit). A verify pass of k + 1 tokens that straddles the
 limit, a layer-skipped draft, or a batch whose longest row is past it would rotate them all
-with the long set: on a tiny Llama (limit 64) self-spec and prompt lookup then left HF's greedy
-tokens on 2 of 6 prompts that crossed it, and a batch in mode ar did on a tiny Qwen3.
+with the long set: on a tiny Llama (limit 64; 6 prompts of 5-100 tokens, 120 new tokens)
+self-spec and prompt lookup then left HF's greedy tokens on 2 prompts, and a batch in mode ar
+did on a tiny Qwen3.
 ``rotate`` gives each token the set its own batch-1 decoding gives it, so a row's rotation
 depends on its own tokens alone, whatever the batch and the pass: one forward per prompt at
 prefill (``prefill.prefill`` does that for these models), and a forward starting at position 0
