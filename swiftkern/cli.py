@@ -96,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "batch-invariant kernels, or batched decoding replayed every --window tokens by a "
                           "fixed-shape batch-invariant verifier (see --replay)")
     gen.add_argument("--window", type=positive_int, default=32,
-                     help="deterministic with the replay: unverified tokens per row before a verify pass (default 32)")
+                     help="deterministic with the replay: unverified tokens per row before a verify pass (default 32; "
+                          "at most --max-new-tokens + 1 are used)")
     gen.add_argument("--verify-batch", type=positive_int, default=4,
                      help="deterministic with the replay: rows of every (fixed-shape) verify pass (default 4; fewer when "
                           "fewer prompts are verified)")
