@@ -38,9 +38,14 @@ def _walk(hf_model) -> list[tuple[tuple, torch.nn.Module, type | None]]:
     out = [(("model.embed_tokens",), inner.embed_tokens, torch.nn.Embedding), (("model.norm",), inner.norm, None),
            (("lm_head",), hf_model.lm_head, torch.nn.Linear), (("model.rotary_emb",), inner.rotary_emb, None)]
     for i, layer in enumerate(inner.layers):
-        parents = {None: layer, "self_attn": layer._modules["self_attn"], "mlp": layer._modules["mlp"]}
-        for parent, child, plain in _IN_LAYER:
-            out.append(((i, parent, child), parents[parent]._modules[child], plain))
+        try:
+            parents = {None: layer, "self_attn": layer._modules["self_attn"], "mlp": layer._modules["mlp"]}
+            out += [((i, parent, child), parents[parent]._modules[child], plain) for parent, child, plain in _IN_LAYER]
+        except (KeyError, AttributeError):  # a wrapper around the layer (activation checkpointing's), or another layer
+            raise SwiftkernError(
+                f"model.layers.{i} is a {type(layer).__module__}.{type(layer).__qualname__} without the decoder layer's "
+                f"modules (self_attn.q_proj, ..., mlp.down_proj, the two norms) as its children: swiftkern reads "
+                f"them there. Unwrap the layers (e.g. remove activation-checkpointing wrappers) first") from None
         for name in _HEAD_NORMS:
             norm = parents["self_attn"]._modules.get(name)
             if norm is not None:

@@ -159,6 +159,26 @@ def test_modules_it_would_bypass_are_refused():
     SkipModel(tiny_model("llama"))  # plain modules: taken
 
 
+class LayerWrapper(torch.nn.Module):
+    """A wrapper around a whole decoder layer (as activation checkpointing's wraps them)."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.wrapped = layer
+
+    def forward(self, *args, **kwargs):
+        return self.wrapped(*args, **kwargs)
+
+
+def test_a_wrapped_decoder_layer_is_refused_by_name():
+    """Before: a KeyError ('self_attn') from inside the wrap."""
+    model = tiny_model("llama")
+    model.model.layers[1] = LayerWrapper(model.model.layers[1])
+    with pytest.raises(SwiftkernError, match=r"model\.layers\.1 is a .*LayerWrapper without the decoder layer's "
+                                             r"modules .* Unwrap the layers"):
+        SkipModel(model)
+
+
 @pytest.mark.parametrize("args, kwargs, match", [
     ([torch.tensor([[1.0, 2.0]])], {}, r"tokens must be int64 \(or int32\) ids"),
     ([[[1, 2]]], {}, r"tokens must be a tensor \[B, T\]"),
