@@ -402,7 +402,10 @@ class SkipModel:
         (None: all T); head: (weight [V', H], bias [V'] or None[, the weight packed]) replacing
         the LM head, e.g. the rows of a vocabulary subset (``draft_head.DraftHead``). -> logits [B, T or P, V or
         V'] in the model dtype. Advances the cache by T. Inside ``cuda_graphs(runner)`` the
-        runner replays captured CUDA graphs where it can (``cuda_graphs.GraphRunner``).
+        runner replays captured CUDA graphs where it can (``cuda_graphs.GraphRunner``). Reads the
+        tensors the HF model held when it was wrapped (in-place writes show): after replacing its
+        weights or modules, wrap it again (``check_unchanged`` refuses a changed model;
+        ``Generator.generate`` calls it at every call, this per-step call does not).
         """
         self._check_forward_args(tokens, cache, layer_set, logits_positions)
         B, T = tokens.shape
