@@ -86,6 +86,21 @@ def _check_supported(hf_model) -> None:
         raise SwiftkernError(f"unsupported hidden_act {act!r}: swiftkern's MLP is SwiGLU (silu)")
     check_plain_modules(hf_model)
     check_weights_placed(hf_model)
+    _check_counts(hf_model)
+
+
+def _check_counts(hf_model) -> None:
+    """Refuse a config whose layer count is not the model's (HF's forward runs the first
+    ``num_hidden_layers`` layers, the runner would run them all) and an embedding with fewer rows
+    than the LM head (a token the head can choose could not be fed back)."""
+    cfg, inner = hf_model.config, hf_model.model
+    if cfg.num_hidden_layers != len(inner.layers):
+        raise SwiftkernError(f"config.num_hidden_layers is {cfg.num_hidden_layers}, the model has {len(inner.layers)} "
+                             f"layers (HF runs the first {cfg.num_hidden_layers}): make them agree first")
+    head, embed = hf_model.lm_head.weight.shape[0], inner.embed_tokens.weight.shape[0]
+    if embed < head:
+        raise SwiftkernError(f"the LM head has {head} rows, the embedding {embed}: a token the head chooses could not "
+                             f"be fed back; resize them together (model.resize_token_embeddings)")
 
 
 class SkipModel:
@@ -105,7 +120,8 @@ class SkipModel:
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
-        self.vocab_size = cfg.vocab_size
+        # the LM head's rows, as HF's logits (config.vocab_size may say otherwise after surgery on the model)
+        self.vocab_size = hf_model.lm_head.weight.shape[0]
         self.eps = cfg.rms_norm_eps
         self.scale = self.head_dim ** -0.5
         self.sliding_window = self._sliding_window(cfg)

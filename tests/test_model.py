@@ -159,6 +159,33 @@ def test_modules_it_would_bypass_are_refused():
     SkipModel(tiny_model("llama"))  # plain modules: taken
 
 
+@pytest.mark.parametrize("mode, options", [("ar", {}), ("self-spec", {"layer_set": "mlp:1"}),
+                                           ("deterministic", {"replay": "always"})])
+def test_a_config_vocab_size_other_than_the_heads_follows_the_tensors(mode, options):
+    """HF's logits have the LM head's rows whatever config.vocab_size says (after surgery on a
+    model that left the config behind). Before: a prompt id below the head's rows but past the
+    config's was refused, and the replay's logits buffer took the config's width."""
+    from conftest import hf_greedy
+    from swiftkern import Generator
+
+    hf = tiny_model("llama", seed=1)  # 301 rows
+    hf.config.vocab_size = 290
+    prompt = [5, 6, 7, 295]
+    got = Generator(hf, mode=mode, **options).generate([prompt], max_new_tokens=10, eos_token_id=[]).tokens[0]
+    assert got == hf_greedy(hf, prompt, 10, [])
+
+
+def test_counts_the_runner_cannot_follow_are_refused():
+    hf = tiny_model("llama")
+    hf.config.num_hidden_layers = 3  # HF's forward runs the first 3 of its 4 layers
+    with pytest.raises(SwiftkernError, match=r"config\.num_hidden_layers is 3, the model has 4 layers"):
+        SkipModel(hf)
+    hf = tiny_model("llama")
+    hf.model.embed_tokens = torch.nn.Embedding(250, hf.config.hidden_size)
+    with pytest.raises(SwiftkernError, match=r"the LM head has 301 rows, the embedding 250"):
+        SkipModel(hf)
+
+
 class LayerWrapper(torch.nn.Module):
     """A wrapper around a whole decoder layer (as activation checkpointing's wraps them)."""
 
