@@ -13,7 +13,7 @@ from .errors import SwiftkernError
 from .layer_kernels import invariant_backend, invariant_kernels_available
 from .layer_set import LayerSet
 from .model import SkipModel
-from .rope_table import rope_follows_the_batch
+from .rope_table import check_deterministic_rope
 from .search import check_searchable
 from .tuner import AUTO_RATIOS
 from .verifier_kernels import CHOICES as VERIFIER_KERNELS, verifier_kernels as verifier_kernels_for
@@ -94,10 +94,8 @@ def _check_replay(model: SkipModel, mode: str, drafter: str, replay: str, verifi
             f"extension (float32, bfloat16, float16) or on CUDA with the Triton kernels (SWIFTKERN_BACKEND auto "
             f"or triton); here: {model.device.type}, {model.dtype}, SWIFTKERN_BACKEND="
             f"{ops.backends.current_backend()}. Use replay='auto' or 'always'")
-    if mode == "deterministic" and rope_follows_the_batch(model.rotary):
-        raise SwiftkernError(f"mode deterministic does not support rope_type {model.rotary.rope_type!r}: its "
-                             "frequencies follow the longest position of a forward, and the batch-invariant "
-                             "kernels read one rotation per position from a table; use mode ar or self-spec")
+    if mode == "deterministic":
+        check_deterministic_rope(model.rotary)
     if verifier_kernels not in VERIFIER_KERNELS or mode == "deterministic":  # refuse a bad choice now
         verifier_kernels_for(verifier_kernels, model.device.type, model.dtype)
     if verifier_kernels != "auto" and replay_elided(model, mode, replay, drafter):

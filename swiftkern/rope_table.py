@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from .errors import SwiftkernError
+
 BLOCK = 1024  # positions per block
 # HF rope types whose frequencies follow the longest position of the forward (dynamic NTK
 # scaling, longrope's short/long factors): no table of positions can hold them, and a row's
@@ -24,6 +26,15 @@ def rope_follows_the_batch(rotary) -> bool:
     """Whether an HF rotary module's cos/sin for a position depend on the forward's positions."""
     kind = str(getattr(rotary, "rope_type", "default"))
     return any(k in kind for k in BATCH_DEPENDENT_ROPE)
+
+
+def check_deterministic_rope(rotary) -> None:
+    """Refuse, for mode deterministic (its invariant kernels read one rotation per position from
+    a ``RopeTable``), a rotary module whose frequencies follow the forward's positions."""
+    if rope_follows_the_batch(rotary):
+        raise SwiftkernError(f"mode deterministic does not support rope_type {rotary.rope_type!r}: its "
+                             "frequencies follow the longest position of a forward, and the batch-invariant "
+                             "kernels read one rotation per position from a table; use mode ar or self-spec")
 
 
 class RopeTable:

@@ -28,7 +28,7 @@ from .errors import SwiftkernError
 from .kv_cache import KVCache
 from .model import SkipModel, head_norm
 from .verifier_kernels import verifier_kernels
-from .rope_table import rope_follows_the_batch
+from .rope_table import check_deterministic_rope
 
 # RoPE variants whose frequencies depend on the longest sequence in the batch
 PREFILL_CHUNK = 128  # tokens per row of a prefill pass, at most
@@ -62,10 +62,7 @@ class Verifier:
         if window < 1 or verify_batch < 1 or prefill_chunk < 1:
             raise SwiftkernError(f"window, verify_batch and prefill_chunk must be >= 1, got {window}, "
                                  f"{verify_batch} and {prefill_chunk}")
-        if rope_follows_the_batch(model.rotary):
-            raise SwiftkernError(f"deterministic mode does not support rope_type {model.rotary.rope_type!r}: its "
-                                 "frequencies follow the longest position of a forward, and the batch-invariant "
-                                 "kernels read one rotation per position from a table; use mode ar or self-spec")
+        check_deterministic_rope(model.rotary)
         self.model = model
         self.kernels = verifier_kernels(kernels, model.device.type, model.dtype)
         self._packed_index = _packed_index(model)
