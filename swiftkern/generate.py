@@ -140,8 +140,8 @@ class Generator:
     fixed-shape ``verify_batch x window`` batch-invariant pass that commits the matching prefix
     plus its own token at the first mismatch (a call's passes are ``min(window, max_new_tokens +
     1)`` wide: no row can fill more, and the verifier's kernels give a token the same bits at any
-    width; a window of 16384 for 12 new tokens took 5.1 s instead of 0.008 s on a tiny model). ``replay="auto"`` (default) skips that replay where
-    it cannot change a bit: on the CPU with the C++ kernels (float32, bfloat16 or float16), every
+    width; a window of 16384 for 12 new tokens took 5.1 s instead of 0.008 s on a tiny model).
+    ``replay="auto"`` (default) skips that replay where it cannot change a bit: on the CPU with the C++ kernels (float32, bfloat16 or float16), every
     decode, verify and prefill runs the batch- and length-invariant kernels (``SkipModel.batch_invariant``), so
     rows decode as in ``ar`` (``drafter="self-spec"``: as in self-spec, the drafter policy over
     lookup, the layer-skipped draft and no draft, whose verify passes are the invariant model)

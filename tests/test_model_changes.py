@@ -7,28 +7,12 @@ import pytest
 import torch
 
 from conftest import hf_greedy, tiny_model
+from test_model import AdapterLinear
 from swiftkern import Generator, SkipModel, SwiftkernError
 from swiftkern.layer_kernels import invariant_kernels_available
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
 OPTIONS = {"ar": {}, "self-spec": {"layer_set": "mlp:1"}, "deterministic": {}}
-
-
-class Wrapped(torch.nn.Module):
-    """An adapter-like wrapper around a base layer (PEFT's lora.Linear is one): its ``weight`` is
-    the base layer's, what it adds runs in its own forward."""
-
-    def __init__(self, base):
-        super().__init__()
-        self.base_layer = base
-        self.extra = torch.nn.Linear(base.in_features, base.out_features, bias=False)
-
-    @property
-    def weight(self):
-        return self.base_layer.weight
-
-    def forward(self, x):
-        return self.base_layer(x) + self.extra(x)
 
 
 def new_head(hf):
@@ -51,7 +35,7 @@ def fewer_layers(hf):
 
 def adapter(hf):
     layer = hf.model.layers[1].self_attn
-    layer.v_proj = Wrapped(layer.v_proj)
+    layer.v_proj = AdapterLinear(layer.v_proj)
 
 
 CHANGES = {  # name: (change, what the refusal names)
@@ -59,7 +43,7 @@ CHANGES = {  # name: (change, what the refusal names)
     "new-module": (new_module, r"model\.layers\.0\.mlp\.down_proj is another module \(Linear\)"),
     "final-norm-parameter": (new_norm, r"model\.norm\.weight is another tensor"),
     "fewer-layers": (fewer_layers, r"it has 2 layers, it had 4"),
-    "adapter": (adapter, r"model\.layers\.1\.self_attn\.v_proj is another module \(Wrapped\)"),
+    "adapter": (adapter, r"model\.layers\.1\.self_attn\.v_proj is another module \(AdapterLinear\)"),
     "to-bfloat16": (lambda hf: hf.to(torch.bfloat16), r"model\.embed_tokens\.weight is torch\.bfloat16 \(301, 64\)"),
     "half": (lambda hf: hf.half(), r"model\.embed_tokens\.weight is torch\.float16"),
     "resized-vocabulary": (lambda hf: hf.resize_token_embeddings(306, mean_resizing=False),
